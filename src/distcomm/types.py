@@ -1,0 +1,103 @@
+"""ReduceOp and the deprecated reduce_op alias, as torch.distributed spells them."""
+
+from __future__ import annotations
+
+import enum
+import warnings
+
+
+class RedOpType(enum.IntEnum):
+    SUM = 0
+    AVG = 1
+    PRODUCT = 2
+    MIN = 3
+    MAX = 4
+    BAND = 5
+    BOR = 6
+    BXOR = 7
+    PREMUL_SUM = 8
+    UNUSED = 9
+
+    def __call__(self, factor):
+        """``ReduceOp.PREMUL_SUM(factor)``: multiply each input by ``factor``, then sum."""
+        if self is not RedOpType.PREMUL_SUM:
+            raise TypeError(f"ReduceOp.{self.name} takes no argument; only PREMUL_SUM(factor) does")
+        return PremulSum(factor)
+
+
+class PremulSum:
+    """A PREMUL_SUM with its factor (a number, or a one-element tensor/array)."""
+
+    __slots__ = ("factor",)
+    op = RedOpType.PREMUL_SUM
+
+    def __init__(self, factor):
+        self.factor = factor
+
+    def __repr__(self):
+        return f"ReduceOp.PREMUL_SUM({self.factor!r})"
+
+
+class ReduceOp:
+    """An enum-like class of reduction operations: SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR,
+    PREMUL_SUM.
+
+    BAND, BOR and BXOR are defined for bool and integer dtypes only; MIN, MAX and PRODUCT are not
+    defined for complex dtypes. AVG divides the sum by the group's size (integer dtypes truncate, as
+    NCCL does). ``ReduceOp.PREMUL_SUM(factor)`` multiplies every input by ``factor`` before summing.
+    Unlike torch's gloo backend, distcomm supports AVG and PREMUL_SUM on CPU.
+    """
+
+    SUM = RedOpType.SUM
+    AVG = RedOpType.AVG
+    PRODUCT = RedOpType.PRODUCT
+    MIN = RedOpType.MIN
+    MAX = RedOpType.MAX
+    BAND = RedOpType.BAND
+    BOR = RedOpType.BOR
+    BXOR = RedOpType.BXOR
+    PREMUL_SUM = RedOpType.PREMUL_SUM
+    UNUSED = RedOpType.UNUSED
+    RedOpType = RedOpType
+
+    def __new__(cls, op):
+        return normalize_op(op)
+
+
+def normalize_op(op) -> RedOpType | PremulSum:
+    """Accept a RedOpType, a PremulSum, a torch ReduceOp / RedOpType, or a name; return ours."""
+    if isinstance(op, (RedOpType, PremulSum)):
+        return op
+    if isinstance(op, str):
+        try:
+            return RedOpType[op.upper()]
+        except KeyError:
+            raise ValueError(f"unknown reduce op {op!r}") from None
+    # torch's ReduceOp / RedOpType: take it by name, so torch programs can pass their own enum.
+    name = getattr(op, "name", None)
+    if name is None and hasattr(op, "op"):
+        name = getattr(op.op, "name", None)
+    if isinstance(name, str) and name in RedOpType.__members__:
+        return RedOpType[name]
+    if isinstance(op, int):
+        return RedOpType(op)
+    raise ValueError(f"unknown reduce op {op!r}; use distcomm.ReduceOp.SUM, MAX, ...")
+
+
+def _make_nccl_premul_sum(factor) -> PremulSum:
+    return PremulSum(factor)
+
+
+class _DeprecatedReduceOp:
+    """``reduce_op`` is deprecated in torch.distributed; attribute access warns and forwards."""
+
+    def __getattr__(self, name):
+        warnings.warn(
+            "torch.distributed.reduce_op is deprecated, please use torch.distributed.ReduceOp instead",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return getattr(ReduceOp, name)
+
+
+reduce_op = _DeprecatedReduceOp()

@@ -1,0 +1,126 @@
+"""Multi-process test harness: run one function on every rank of a world, with a hard deadline.
+
+``run_world(fn, world_size, args=..., timeout=...)`` starts ``world_size`` processes with the spawn
+start method, calls ``fn(rank, world_size, *args)`` in each with RANK/WORLD_SIZE/MASTER_ADDR/
+MASTER_PORT set (so ``init_process_group()`` with no arguments works), and returns the list of
+results by rank. A rank that raises fails the test with that rank's traceback; a world still
+running at the deadline is killed (every process) and the test fails naming the ranks that had not
+finished. A hang is a failure, never a stuck CI.
+
+``fn`` must be a module-level function of an importable module (spawn pickles it by name).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import time
+import traceback
+from typing import Any, Callable, Sequence
+
+_CTX = mp.get_context("spawn")
+
+
+def free_port() -> int:
+    """A port that was free a moment ago (the kernel picks it; racy only against other binders)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RankFailed(AssertionError):
+    pass
+
+
+def _child(fn, rank, world_size, args, env, conn):
+    os.environ.update(env)
+    os.environ["RANK"] = str(rank)
+    os.environ["LOCAL_RANK"] = str(rank)
+    try:
+        result = fn(rank, world_size, *args)
+        payload = ("ok", result)
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        payload = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    try:
+        conn.send_bytes(pickle.dumps(payload))
+    except Exception as exc:  # unpicklable result
+        conn.send_bytes(pickle.dumps(("error", f"result of rank {rank} not picklable: {exc}")))
+    conn.close()
+
+
+def run_world(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    timeout: float = 60.0,
+    env: dict[str, str] | None = None,
+    expect_failure: Sequence[int] = (),
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; return results.
+
+    Ranks listed in ``expect_failure`` may raise: their entry in the result list is then the
+    exception text (a str starting with the exception class name) instead of a failure of the test.
+    """
+    base_env = {
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "OMP_NUM_THREADS": "1",
+    }
+    base_env.update(env or {})
+    procs, conns = [], []
+    for rank in range(world_size):
+        parent_conn, child_conn = _CTX.Pipe(duplex=False)
+        p = _CTX.Process(
+            target=_child,
+            args=(fn, rank, world_size, tuple(args), base_env, child_conn),
+            daemon=True,
+            name=f"rank{rank}",
+        )
+        p.start()
+        child_conn.close()
+        procs.append(p)
+        conns.append(parent_conn)
+
+    deadline = time.monotonic() + timeout
+    results: list[Any] = [None] * world_size
+    done = [False] * world_size
+    errors: dict[int, str] = {}
+    try:
+        while not all(done):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            ready = mp.connection.wait([c for r, c in enumerate(conns) if not done[r]], timeout=remaining)
+            for c in ready:
+                rank = conns.index(c)
+                try:
+                    status, value = pickle.loads(c.recv_bytes())
+                except EOFError:
+                    procs[rank].join(1)
+                    status, value = "error", f"process exited with code {procs[rank].exitcode} before reporting"
+                done[rank] = True
+                if status == "ok":
+                    results[rank] = value
+                elif rank in expect_failure:
+                    results[rank] = value
+                else:
+                    errors[rank] = value
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(5)
+        for c in conns:
+            c.close()
+    if errors:
+        text = "\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
+        raise RankFailed(f"{len(errors)} of {world_size} ranks failed:\n{text}")
+    if not all(done):
+        missing = [r for r in range(world_size) if not done[r]]
+        raise RankFailed(f"world of {world_size} killed after {timeout}s deadline; ranks {missing} had not finished")
+    return results
