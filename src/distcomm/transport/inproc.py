@@ -21,7 +21,12 @@ contract exactly as the socket transport does, so algorithms tested on it behave
 * Deadlines. ``wait(deadline)`` past the deadline raises ``TransportError(reason="timeout")`` naming
   the peer, and withdraws the request (a late message can no longer land in the buffer).
 * Loss. ``close()`` fails this rank's pending requests and every other rank's requests that need
-  this rank with ``reason="lost"``; later requests involving a closed rank fail at once.
+  this rank with ``reason="lost"``; later requests involving a closed rank fail at once (eager
+  messages it sent before closing are still delivered).
+
+``run_threads(n, fn)`` runs ``fn(rank, transport)`` on n threads over a fresh world, with a deadline,
+and closes a rank's transport when its function raises, so the others fail promptly instead of
+waiting out their timeouts (as a dead process's peers do).
 
 One lock per world guards the queues; the copies themselves run outside it. Waiting blocks on a
 per-request event (no spinning: two cores are shared by all ranks of a test).
@@ -32,6 +37,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from typing import Any, Callable
 
 import numpy as np
 
@@ -188,7 +194,9 @@ class _World:
                 self.posted[dst] = keep_posted
                 keep_msgs = deque()
                 for msg in self.unexpected[dst]:
-                    if dst == rank or msg.src == rank:
+                    # An eager message from the closing rank was sent and stays deliverable (as bytes
+                    # already in a socket would); a rendezvous send from it, or anything to it, is lost.
+                    if dst == rank or (msg.src == rank and msg.send is not None):
                         if msg.send is not None:
                             failed.append((msg.send, self._lost(rank, "send to", dst)))
                     else:
@@ -270,3 +278,50 @@ class InprocTransport(Transport):
 
     def __repr__(self) -> str:
         return f"InprocTransport(rank={self.rank}, size={self.size})"
+
+
+def run_threads(
+    n: int,
+    fn: Callable[[int, InprocTransport], Any],
+    timeout: float = 60.0,
+    eager_limit: int = DEFAULT_EAGER_LIMIT,
+    return_exceptions: bool = False,
+) -> list[Any]:
+    """Run ``fn(rank, transport)`` for every rank of a new n-rank world, each on its own thread.
+
+    Returns the results by rank. A rank whose ``fn`` raises has its transport closed at once (its
+    peers' pending requests fail with reason "lost"); then, unless ``return_exceptions``, the first
+    failing rank's exception is re-raised (others' results are dropped), else exceptions take their
+    rank's place in the list. Ranks still running after ``timeout`` seconds raise TimeoutError:
+    every transport is closed to unblock them, and the error names the ranks.
+    """
+    transports = InprocTransport.create_world(n, eager_limit=eager_limit)
+    results: list[Any] = [None] * n
+    failed: list[bool] = [False] * n
+
+    def body(rank: int) -> None:
+        try:
+            results[rank] = fn(rank, transports[rank])
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            results[rank] = exc
+            failed[rank] = True
+            transports[rank].close()
+
+    threads = [threading.Thread(target=body, args=(r,), name=f"inproc-rank{r}", daemon=True) for r in range(n)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    hung = [r for r, t in enumerate(threads) if t.is_alive()]
+    for tr in transports:
+        tr.close()
+    if hung:
+        for t in threads:
+            t.join(1.0)
+        raise TimeoutError(f"in-process world of {n}: ranks {hung} still running after {timeout}s")
+    if not return_exceptions:
+        for rank in range(n):
+            if failed[rank]:
+                raise results[rank]
+    return results

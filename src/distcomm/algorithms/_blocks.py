@@ -1,0 +1,94 @@
+"""Helpers shared by the algorithms: block partitions and the ring steps used by several of them."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ..transport.base import Channel
+
+Reducer = Callable[[np.ndarray, np.ndarray], None]
+
+
+def even_counts(count: int, parts: int) -> list[int]:
+    """Split ``count`` elements into ``parts`` blocks, the first ``count % parts`` one larger."""
+    base, extra = divmod(count, parts)
+    return [base + 1 if i < extra else base for i in range(parts)]
+
+
+def offsets(counts: Sequence[int]) -> list[int]:
+    """Start of each block, plus the total at the end (len(counts) + 1 entries)."""
+    out = [0]
+    for c in counts:
+        out.append(out[-1] + int(c))
+    return out
+
+
+def pow2_floor(n: int) -> int:
+    """The largest power of two <= n (n >= 1)."""
+    return 1 << (n.bit_length() - 1)
+
+
+def ring_reduce_scatter(
+    ch: Channel, buf: np.ndarray, bounds: Sequence[int], start: int, reduce: Reducer, tmp: np.ndarray
+) -> int:
+    """p-1 ring steps over blocks ``buf[bounds[i]:bounds[i+1]]``; returns the block now complete here.
+
+    At step s this rank sends block (start - s) to the right neighbour and reduces block
+    (start - s - 1), received from the left, into its own copy. Each block is reduced along the ring
+    once, so every element is computed on exactly one rank. ``tmp`` holds the largest block.
+    """
+    p, r = ch.size, ch.rank
+    right, left = (r + 1) % p, (r - 1) % p
+    for s in range(p - 1):
+        out_block = (start - s) % p
+        in_block = (start - s - 1) % p
+        lo, hi = bounds[in_block], bounds[in_block + 1]
+        incoming = tmp[: hi - lo]
+        ch.sendrecv(right, buf[bounds[out_block] : bounds[out_block + 1]], left, incoming)
+        reduce(buf[lo:hi], incoming)
+    return (start - (p - 1)) % p
+
+
+def ring_allgather(ch: Channel, buf: np.ndarray, bounds: Sequence[int], mine: int) -> None:
+    """p-1 ring steps that give every rank every block; this rank starts holding block ``mine``.
+
+    Neighbours are ranks r±1, which must hold blocks mine±1 (true for block = rank, block = rank+1,
+    and block = rank - root). Blocks are received straight into ``buf``: no copies.
+    """
+    p, r = ch.size, ch.rank
+    right, left = (r + 1) % p, (r - 1) % p
+    for s in range(p - 1):
+        out_block = (mine - s) % p
+        in_block = (mine - s - 1) % p
+        ch.sendrecv(
+            right,
+            buf[bounds[out_block] : bounds[out_block + 1]],
+            left,
+            buf[bounds[in_block] : bounds[in_block + 1]],
+        )
+
+
+class Fold:
+    """Fold a non-power-of-two group onto its largest power of two, MPICH-style.
+
+    With p = p2 + extra, the first 2*extra ranks pair up: each even one hands its data to the odd
+    one after it and sits out; the odd one then acts as virtual rank r // 2, and ranks from 2*extra
+    on act as r - extra. Costs two extra rounds of n bytes (in and out) on the paired ranks.
+    """
+
+    def __init__(self, rank: int, size: int):
+        self.p2 = pow2_floor(size)
+        self.extra = size - self.p2
+        if rank < 2 * self.extra:
+            self.vrank = rank // 2 if rank % 2 else None  # None: sits out
+        else:
+            self.vrank = rank - self.extra
+
+    def real(self, vrank: int) -> int:
+        return 2 * vrank + 1 if vrank < self.extra else vrank + self.extra
+
+    def has_spectator(self, rank: int) -> bool:
+        """True for the odd ranks that act for themselves and the even rank before them."""
+        return rank < 2 * self.extra and rank % 2 == 1
