@@ -291,20 +291,20 @@ def run_threads(
 
     Returns the results by rank. A rank whose ``fn`` raises has its transport closed at once (its
     peers' pending requests fail with reason "lost"); then, unless ``return_exceptions``, the first
-    failing rank's exception is re-raised (others' results are dropped), else exceptions take their
+    rank to fail has its exception re-raised (the root cause; others' results are dropped), else exceptions take their
     rank's place in the list. Ranks still running after ``timeout`` seconds raise TimeoutError:
     every transport is closed to unblock them, and the error names the ranks.
     """
     transports = InprocTransport.create_world(n, eager_limit=eager_limit)
     results: list[Any] = [None] * n
-    failed: list[bool] = [False] * n
+    failed: list[int] = []  # ranks, in the order they failed
 
     def body(rank: int) -> None:
         try:
             results[rank] = fn(rank, transports[rank])
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
             results[rank] = exc
-            failed[rank] = True
+            failed.append(rank)
             transports[rank].close()
 
     threads = [threading.Thread(target=body, args=(r,), name=f"inproc-rank{r}", daemon=True) for r in range(n)]
@@ -320,8 +320,6 @@ def run_threads(
         for t in threads:
             t.join(1.0)
         raise TimeoutError(f"in-process world of {n}: ranks {hung} still running after {timeout}s")
-    if not return_exceptions:
-        for rank in range(n):
-            if failed[rank]:
-                raise results[rank]
+    if failed and not return_exceptions:
+        raise results[failed[0]]
     return results
