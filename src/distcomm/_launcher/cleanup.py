@@ -1,0 +1,62 @@
+"""Hook point: clean up what a round's workers left behind, once all of them are gone.
+
+The launcher calls ``run_cleanup_hooks(run_id, attempt)`` after every round's workers have exited
+or been killed: on success, on failure, before a restart, and when the launcher itself is
+signalled (SIGINT/SIGTERM/SIGHUP/SIGQUIT). Workers killed by SIGKILL cannot unlink their own
+shared-memory segments; this is where the launcher does it for them.
+
+Nothing registers a hook yet: the shared-memory transport is a later issue. Its contract:
+
+- name every segment so that the run can be recognised, e.g. ``distcomm-<TORCHELASTIC_RUN_ID>-...``
+  (each worker finds the run id in TORCHELASTIC_RUN_ID and the attempt in
+  TORCHELASTIC_RESTART_COUNT);
+- expose a function ``cleanup(run_id: str, attempt: int) -> None`` that unlinks the segments of
+  that run and attempt, and add ``"module.path:cleanup"`` to ``HOOK_SPECS`` below (or call
+  ``register_cleanup_hook`` from code that the launcher imports).
+
+Hooks must be quick and must not raise; an exception is reported as a one-line warning and the
+other hooks still run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Callable
+
+CleanupHook = Callable[[str, int], None]
+
+# "module:function" entries imported lazily the first time hooks run (missing modules are skipped).
+HOOK_SPECS: tuple[str, ...] = ()
+
+_hooks: list[CleanupHook] = []
+_specs_loaded = False
+
+
+def register_cleanup_hook(hook: CleanupHook) -> CleanupHook:
+    """Run ``hook(run_id, attempt)`` after each round's workers are gone. Usable as a decorator."""
+    if hook not in _hooks:
+        _hooks.append(hook)
+    return hook
+
+
+def _load_specs() -> None:
+    global _specs_loaded
+    if _specs_loaded:
+        return
+    _specs_loaded = True
+    for spec in HOOK_SPECS:
+        module, _, name = spec.partition(":")
+        try:
+            register_cleanup_hook(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            continue
+
+
+def run_cleanup_hooks(run_id: str, attempt: int) -> None:
+    _load_specs()
+    for hook in list(_hooks):
+        try:
+            hook(run_id, attempt)
+        except Exception as exc:  # noqa: BLE001 - a cleanup problem must not hide the job's result
+            print(f"distcomm-run: cleanup hook {hook!r} failed: {exc}", file=sys.stderr)

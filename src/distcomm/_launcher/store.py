@@ -1,0 +1,82 @@
+"""The job store: node rank 0's launcher hosts it, every other launcher and every worker connects.
+
+This is the only module that names a TCPStore class, so the launcher has one dependency on the
+store package and none on torch. The launcher only uses ``add``, ``set`` and ``get`` (every wait is
+a poll of a counter with ``add(key, 0)``), so a signal reaches the launcher promptly and a lost
+store shows up as an exception on the next poll.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+import time
+from datetime import timedelta
+
+from .config import LaunchError
+
+
+def _tcp_store_class():
+    try:
+        from distcomm.store import TCPStore
+    except ImportError:  # TEMPORARY until distcomm.store lands
+        from torch.distributed import TCPStore
+    return TCPStore
+
+
+def _port_in_use(port: int) -> bool:
+    """Whether binding ``port`` on every interface fails with EADDRINUSE right now."""
+    for family, addr in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind((addr, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return True
+    return False
+
+
+def host_store(addr: str, port: int, timeout: float, multi_node: bool):
+    """Start the job's store server in this process, on ``port`` (0: a free one); return it.
+
+    A port already in use becomes a LaunchError naming host:port and what to do instead.
+    """
+    TCPStore = _tcp_store_class()
+    try:
+        return TCPStore(addr, port, None, True, timedelta(seconds=timeout), wait_for_workers=False)
+    except Exception as exc:
+        if port and _port_in_use(port):
+            hint = (
+                "another job (or another launcher started with --node-rank 0) is using it. "
+                if multi_node
+                else "another job is using it. "
+            )
+            raise LaunchError(
+                f"cannot host the job store on {addr}:{port}: the port is already in use; {hint}"
+                "Pick a free port with --master-port 0 (single node) or another --master-port, "
+                "or use --standalone for a single-node job."
+            ) from exc
+        raise LaunchError(f"cannot host the job store on {addr}:{port}: {exc}") from exc
+
+
+def connect_store(addr: str, port: int, timeout: float):
+    """Connect to the store hosted by node rank 0's launcher, retrying until ``timeout`` seconds."""
+    TCPStore = _tcp_store_class()
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return TCPStore(addr, port, None, False, timedelta(seconds=max(1.0, min(timeout, 30.0))))
+        except Exception as exc:
+            if time.monotonic() >= deadline:
+                raise LaunchError(
+                    f"cannot reach the job store at {addr}:{port} (hosted by the --node-rank 0 "
+                    f"launcher) within {timeout:.0f} s: {exc}. Start node rank 0 with the same "
+                    "--master-addr/--master-port, or check that the address is reachable."
+                ) from exc
+            time.sleep(0.2)
+
+
+def counter(store, key: str) -> int:
+    """The value of a counter key (0 if never added to), without blocking."""
+    return int(store.add(key, 0))
