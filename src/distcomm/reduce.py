@@ -40,6 +40,9 @@ tests/test_reduce.py) and against torch's elementwise operators:
   dtype (truncated for integers, rounded for floats) and then multiplied in, as NCCL does.
 * AVG divides the sum by the world size (true division, ``tensor.div_(world_size)`` as gloo does),
   not a multiplication by its reciprocal, so the bits match torch's.
+* Complex tensors behave as torch.distributed makes them behave, by reducing
+  ``torch.view_as_real(t)``: SUM adds, and AVG and a real PREMUL_SUM factor scale, the real and
+  imaginary parts separately (a NaN in one part does not spread to the other).
 """
 
 from __future__ import annotations
@@ -91,6 +94,13 @@ def op_type(op) -> RedOpType:
 def _quiet() -> np.errstate:
     """Float overflow to inf and inf - inf = NaN are results here, not warnings (torch is silent)."""
     return np.errstate(over="ignore", invalid="ignore", under="ignore", divide="ignore")
+
+
+def _real_view(buf: np.ndarray) -> np.ndarray:
+    """Complex arrays as their (re, im) floats: scaling by a real number is done per component, as
+    torch.distributed does by reducing torch.view_as_real(tensor) (numpy's complex / real would
+    multiply by a reciprocal and turn inf components into NaN)."""
+    return buf.view(buf.real.dtype) if buf.dtype.kind == "c" else buf
 
 
 def _is_bfloat16(dtype: DType | None) -> bool:
@@ -245,8 +255,11 @@ def premultiply(op, buf: np.ndarray, dtype: DType | None = None) -> None:
         if _is_bfloat16(dtype):
             scale = from_bfloat16_bits(to_bfloat16_bits([value]))[0]
             _bf16_apply(lambda a, _: np.multiply(a, scale, out=a), buf, None)
-        else:
+        elif isinstance(value, complex):
             np.multiply(buf, np.array(value).astype(buf.dtype)[()], out=buf)
+        else:
+            real = _real_view(buf)
+            np.multiply(real, np.array(value).astype(real.dtype)[()], out=real)
 
 
 def finish(op, buf: np.ndarray, world_size: int, dtype: DType | None = None) -> None:
@@ -264,7 +277,8 @@ def finish(op, buf: np.ndarray, world_size: int, dtype: DType | None = None) -> 
             _bf16_apply(lambda a, _: np.divide(a, np.float32(world_size), out=a), buf, None)
     elif dtype.kind in ("float", "complex"):
         with _quiet():
-            np.divide(buf, world_size, out=buf)
+            real = _real_view(buf)
+            np.divide(real, world_size, out=real)
     elif dtype.kind == "uint":
         np.floor_divide(buf, world_size, out=buf)
     else:
