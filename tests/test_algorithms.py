@@ -490,3 +490,36 @@ def test_select_unknown_names(monkeypatch):
         select.choose("broadcast", 8, 2)
     with pytest.raises(ValueError, match="no algorithms for collective"):
         select.choose("allscatter", 8, 2)
+
+
+@pytest.mark.parametrize("p", [3, 4])
+def test_large_data_movement(p):
+    """1<<20 float32 elements through every non-all_reduce algorithm that is chosen for large sizes."""
+    count = (1 << 20) // p
+    total = count * p
+    sum32 = R.reducer(RedOpType.SUM, from_name("float32"))
+
+    def data(rank):
+        return (np.arange(total, dtype=np.float32) % 1000) + rank
+
+    def body(rank, mk):
+        b = data(rank)
+        select.choose("broadcast", b.nbytes, p, algo="scatter_allgather")(mk(), b, 1)
+        g = np.zeros(total, np.float32)
+        g[rank * count : (rank + 1) * count] = rank
+        select.choose("allgather", g.nbytes, p, algo="ring")(mk(), g, count)
+        rs = np.empty(count, np.float32)
+        select.choose("reduce_scatter", total * 4, p)(mk(), data(rank), rs, [count] * p, sum32)
+        red = data(rank)
+        select.choose("reduce", red.nbytes, p)(mk(), red, 0, sum32)
+        a2a = np.empty(total, np.float32)
+        select.choose("all_to_all", total * 4, p)(mk(), data(rank), [count] * p, a2a, [count] * p)
+        return b, g, rs, red, a2a
+
+    full_sum = sum(data(r) for r in range(p))
+    for rank, (b, g, rs, red, a2a) in enumerate(run(p, body)):
+        assert_same(b, data(1))
+        assert_same(g, np.repeat(np.arange(p, dtype=np.float32), count))
+        assert_same(rs, full_sum[rank * count : (rank + 1) * count])
+        assert_same(red, full_sum if rank == 0 else data(rank))
+        assert_same(a2a, np.concatenate([data(src)[rank * count : (rank + 1) * count] for src in range(p)]))
