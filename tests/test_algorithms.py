@@ -87,6 +87,13 @@ def assert_same(a: np.ndarray, b: np.ndarray) -> None:
     assert a.tobytes() == b.tobytes()
 
 
+def assert_all_pairs_same(results) -> None:
+    """Every rank's list of (algorithm's result, reference's result) pairs agree bit for bit."""
+    for per_rank in results:
+        for got, want in per_rank:
+            assert_same(got, want)
+
+
 def check_allreduce(algo: str, p: int, count: int, dtype_name: str, op, seed: int = 0) -> None:
     fn = select.choose("allreduce", 0, p, algo=algo)
     dtype = from_name(dtype_name)
@@ -334,16 +341,13 @@ def test_reduce_scatter_ring(p):
                 dtype_name, op = cases[i % len(cases)]
                 reduce = R.reducer(op, from_name(dtype_name))
                 x = make_input(dtype_name, sum(counts), rank, seed=i)
-                got = np.zeros(counts[rank], x.dtype)
-                want = np.zeros(counts[rank], x.dtype)
+                got, want = np.zeros(counts[rank], x.dtype), np.zeros(counts[rank], x.dtype)
                 select.choose("reduce_scatter", 0, p)(mk("reduce_scatter"), x.copy(), got, counts, reduce)
                 reference.reduce_scatter(mk("reduce_scatter"), x.copy(), want, counts, reduce)
                 out.append((got, want))
         return out
 
-    for per_rank in run(p, body):
-        for got, want in per_rank:
-            assert_same(got, want)
+    assert_all_pairs_same(run(p, body))
 
 
 @pytest.mark.parametrize("p", WORLDS)
@@ -356,16 +360,13 @@ def test_alltoallv_pairwise(p):
             send_counts = matrix[rank]
             recv_counts = [matrix[j][rank] for j in range(p)]
             send = make_input("int64", sum(send_counts), rank, seed=i)
-            got = np.zeros(sum(recv_counts), np.int64)
-            want = np.zeros(sum(recv_counts), np.int64)
+            got, want = np.zeros(sum(recv_counts), np.int64), np.zeros(sum(recv_counts), np.int64)
             select.choose("all_to_all", 0, p)(mk("all_to_all"), send, send_counts, got, recv_counts)
             reference.alltoallv(mk("all_to_all"), send, send_counts, want, recv_counts)
             out.append((got, want))
         return out
 
-    for per_rank in run(p, body):
-        for got, want in per_rank:
-            assert_same(got, want)
+    assert_all_pairs_same(run(p, body))
 
 
 @pytest.mark.parametrize("p", WORLDS)

@@ -39,14 +39,29 @@ def _reduce_at_zero(ch: Channel, buf: np.ndarray, reduce: Reducer) -> np.ndarray
     return acc
 
 
-def allreduce(ch: Channel, buf: np.ndarray, reduce: Reducer) -> None:
-    acc = _reduce_at_zero(ch, buf, reduce)
+def _from_zero_to_all(ch: Channel, result: np.ndarray | None, out: np.ndarray) -> None:
+    """Rank 0's ``result`` into ``out`` on every rank."""
     if ch.rank == 0:
-        buf[...] = acc
+        out[...] = result
         for r in range(1, ch.size):
-            ch.send(r, acc)
+            ch.send(r, out)
     else:
-        ch.recv(0, buf)
+        ch.recv(0, out)
+
+
+def _from_zero_to_root(ch: Channel, result: np.ndarray | None, out: np.ndarray | None, root: int) -> None:
+    """Rank 0's ``result`` into ``out`` on ``root`` (other ranks' ``out`` untouched)."""
+    if ch.rank == 0:
+        if root == 0:
+            out[...] = result
+        else:
+            ch.send(root, result)
+    elif ch.rank == root:
+        ch.recv(0, out)
+
+
+def allreduce(ch: Channel, buf: np.ndarray, reduce: Reducer) -> None:
+    _from_zero_to_all(ch, _reduce_at_zero(ch, buf, reduce), buf)
 
 
 def broadcast(ch: Channel, buf: np.ndarray, root: int) -> None:
@@ -64,37 +79,18 @@ def broadcast(ch: Channel, buf: np.ndarray, root: int) -> None:
 
 
 def reduce(ch: Channel, buf: np.ndarray, root: int, reduce: Reducer) -> None:
-    acc = _reduce_at_zero(ch, buf, reduce)
-    if ch.rank == 0:
-        if root == 0:
-            buf[...] = acc
-        else:
-            ch.send(root, acc)
-    elif ch.rank == root:
-        ch.recv(0, buf)
+    _from_zero_to_root(ch, _reduce_at_zero(ch, buf, reduce), buf, root)
 
 
 def allgather(ch: Channel, out: np.ndarray, count: int) -> None:
     r = ch.rank
     parts = _collect(ch, out[r * count : (r + 1) * count].copy())
-    if r == 0:
-        out[...] = np.concatenate(parts)
-        for dst in range(1, ch.size):
-            ch.send(dst, out)
-    else:
-        ch.recv(0, out)
+    _from_zero_to_all(ch, None if parts is None else np.concatenate(parts), out)
 
 
 def gather(ch: Channel, send: np.ndarray, out: np.ndarray | None, root: int) -> None:
     parts = _collect(ch, send)
-    if ch.rank == 0:
-        whole = np.concatenate(parts)
-        if root == 0:
-            out[...] = whole
-        else:
-            ch.send(root, whole)
-    elif ch.rank == root:
-        ch.recv(0, out)
+    _from_zero_to_root(ch, None if parts is None else np.concatenate(parts), out, root)
 
 
 def scatter(ch: Channel, chunks: np.ndarray | None, out: np.ndarray, root: int) -> None:
