@@ -6,7 +6,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..transport.base import Channel
+from ..transport.base import Channel, wait_all
 
 Reducer = Callable[[np.ndarray, np.ndarray], None]
 
@@ -37,17 +37,31 @@ def ring_reduce_scatter(
 
     At step s this rank sends block (start - s) to the right neighbour and reduces block
     (start - s - 1), received from the left, into its own copy. Each block is reduced along the ring
-    once, so every element is computed on exactly one rank. ``tmp`` holds the largest block.
+    once, so every element is computed on exactly one rank. ``tmp`` holds two of the largest block:
+    the receive for step s+1 is posted before step s's reduction, so a transport can land the bytes
+    in place (no unexpected-message copy) while this rank reduces.
     """
     p, r = ch.size, ch.rank
     right, left = (r + 1) % p, (r - 1) % p
+    half = tmp.size // 2
+    slots = (tmp[:half], tmp[half:])
+
+    def post(step: int):
+        block = (start - step - 1) % p
+        return ch.irecv(left, slots[step % 2][: bounds[block + 1] - bounds[block]])
+
+    recv = post(0)
     for s in range(p - 1):
         out_block = (start - s) % p
+        send = ch.isend(right, buf[bounds[out_block] : bounds[out_block + 1]])
+        recv.wait()
+        incoming = slots[s % 2]
+        if s + 1 < p - 1:
+            recv = post(s + 1)  # its slot was consumed by step s-1's reduction
         in_block = (start - s - 1) % p
         lo, hi = bounds[in_block], bounds[in_block + 1]
-        incoming = tmp[: hi - lo]
-        ch.sendrecv(right, buf[bounds[out_block] : bounds[out_block + 1]], left, incoming)
-        reduce(buf[lo:hi], incoming)
+        reduce(buf[lo:hi], incoming[: hi - lo])
+        send.wait()  # the next step sends the block just reduced; this one must be out first
     return (start - (p - 1)) % p
 
 
@@ -55,19 +69,23 @@ def ring_allgather(ch: Channel, buf: np.ndarray, bounds: Sequence[int], mine: in
     """p-1 ring steps that give every rank every block; this rank starts holding block ``mine``.
 
     Neighbours are ranks r±1, which must hold blocks mine±1 (true for block = rank, block = rank+1,
-    and block = rank - root). Blocks are received straight into ``buf``: no copies.
+    and block = rank - root). Every receive is posted up front, straight into its place in ``buf``
+    (no copies); step s forwards the block that step s-1 received.
     """
     p, r = ch.size, ch.rank
     right, left = (r + 1) % p, (r - 1) % p
+
+    def block(i: int) -> np.ndarray:
+        i %= p
+        return buf[bounds[i] : bounds[i + 1]]
+
+    recvs = [ch.irecv(left, block(mine - s - 1)) for s in range(p - 1)]
+    sends = []
     for s in range(p - 1):
-        out_block = (mine - s) % p
-        in_block = (mine - s - 1) % p
-        ch.sendrecv(
-            right,
-            buf[bounds[out_block] : bounds[out_block + 1]],
-            left,
-            buf[bounds[in_block] : bounds[in_block + 1]],
-        )
+        if s:
+            recvs[s - 1].wait()
+        sends.append(ch.isend(right, block(mine - s)))
+    wait_all(recvs[-1:] + sends)
 
 
 class Fold:

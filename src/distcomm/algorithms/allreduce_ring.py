@@ -31,6 +31,6 @@ def allreduce_ring(ch: Channel, buf: np.ndarray, reduce: Reducer) -> None:
         return
     counts = even_counts(buf.size, p)
     bounds = offsets(counts)
-    tmp = np.empty(max(counts), dtype=buf.dtype)
+    tmp = np.empty(2 * max(counts), dtype=buf.dtype)
     done = ring_reduce_scatter(ch, buf, bounds, ch.rank, reduce, tmp)
     ring_allgather(ch, buf, bounds, done)

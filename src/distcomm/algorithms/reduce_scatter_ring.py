@@ -29,6 +29,6 @@ def reduce_scatter_ring(
     p, r = ch.size, ch.rank
     bounds = offsets(counts)
     if p > 1:
-        tmp = np.empty(max(counts), dtype=buf.dtype)
+        tmp = np.empty(2 * max(counts), dtype=buf.dtype)
         ring_reduce_scatter(ch, buf, bounds, (r - 1) % p, reduce, tmp)
     out[...] = buf[bounds[r] : bounds[r + 1]]
