@@ -14,6 +14,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from distcomm import reduce as R
 from distcomm.algorithms import reference, select
@@ -524,3 +526,39 @@ def test_large_data_movement(p):
         assert_same(rs, full_sum[rank * count : (rank + 1) * count])
         assert_same(red, full_sum if rank == 0 else data(rank))
         assert_same(a2a, np.concatenate([data(src)[rank * count : (rank + 1) * count] for src in range(p)]))
+
+
+# -- random shapes (hypothesis) ----------------------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    p=st.integers(1, 8),
+    count=st.integers(0, 300),
+    algo=st.sampled_from(ALLREDUCE),
+    case=st.sampled_from([("int32", RedOpType.SUM), ("uint8", RedOpType.PRODUCT), ("bool", RedOpType.BOR),
+                          ("float64", RedOpType.MIN), ("bfloat16", RedOpType.SUM)]),
+    seed=st.integers(0, 2**16),
+)
+def test_allreduce_random_shapes(p, count, algo, case, seed):
+    check_allreduce(algo, p, count, case[0], case[1], seed=seed)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(p=st.integers(1, 8), data=st.data())
+def test_reduce_scatter_and_broadcast_random_shapes(p, data):
+    counts = data.draw(st.lists(st.integers(0, 40), min_size=p, max_size=p))
+    root = data.draw(st.integers(0, p - 1))
+    algo = data.draw(st.sampled_from(BROADCAST))
+    reduce = R.reducer(RedOpType.SUM, from_name("int64"))
+
+    def body(rank, mk):
+        x = make_input("int64", sum(counts), rank)
+        got, want = np.zeros(counts[rank], np.int64), np.zeros(counts[rank], np.int64)
+        select.choose("reduce_scatter", 0, p)(mk(), x.copy(), got, counts, reduce)
+        reference.reduce_scatter(mk(), x.copy(), want, counts, reduce)
+        b = make_input("int64", sum(counts), rank, seed=1)
+        select.choose("broadcast", 0, p, algo=algo)(mk(), b, root)
+        return [(got, want), (b, make_input("int64", sum(counts), root, seed=1))]
+
+    assert_all_pairs_same(run(p, body))
