@@ -214,6 +214,8 @@ def test_invalid_ranks():
         a.isend(1, np.zeros(1), K)
     with pytest.raises(ValueError):
         InprocTransport.create_world(0)
+    with pytest.raises(ValueError, match="contiguous"):
+        a.irecv(0, np.zeros(4)[::2], K)
     # a world of one can still talk to itself at the transport level
     out = np.zeros(1)
     r = a.irecv(0, out, K)

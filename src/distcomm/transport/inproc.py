@@ -48,6 +48,8 @@ DEFAULT_EAGER_LIMIT = 64 * 1024
 
 def _bytes(buf: np.ndarray) -> np.ndarray:
     """A flat uint8 view of a contiguous array (0-d and empty arrays included)."""
+    if not buf.flags.c_contiguous:
+        raise ValueError("point-to-point buffers must be C-contiguous")
     return buf.reshape(-1).view(np.uint8)
 
 
