@@ -2,10 +2,13 @@
 
 Four entry points, used around every reducing collective::
 
-    check_supported(op, dtype)        # before any communication, on every rank
+    check_supported(op, dtype)        # before any communication, on every rank, even at size 1
     premultiply(op, buf, dtype)       # PREMUL_SUM: buf *= factor        (no-op for other ops)
     algorithm(ch, buf, reducer(op, dtype))   # acc ⊕= x, in place, many times
     finish(op, buf, world_size, dtype)       # AVG: buf /= world_size    (no-op for other ops)
+
+``dtype`` is optional for premultiply and finish (taken from ``buf.dtype``) except for bfloat16,
+whose uint16 storage would otherwise be scaled as integers.
 
 Kernels are numpy ufuncs with ``out=acc``: no temporaries on the hot path. bfloat16 (stored as
 uint16) is the exception that cannot avoid them: it is widened to float32 in chunks of
@@ -19,7 +22,8 @@ Semantics, checked against torch 2.13's gloo backend (a real multi-process all_r
 tests/test_reduce.py) and against torch's elementwise operators:
 
 * bool: SUM and MAX are logical or, PRODUCT and MIN logical and, BAND/BOR/BXOR the logical
-  and/or/xor — what gloo gives.
+  and/or/xor — what gloo gives. Results are canonical 0/1 bytes (gloo's SUM stores True + True as
+  the byte 2, which torch prints as True).
 * Integers wrap on overflow (two's complement), as gloo does (int32 max + 1 → min).
 * MIN and MAX propagate NaN (torch.minimum / torch.maximum). gloo's own result depends on which
   rank holds the NaN and on the algorithm's order; distcomm's does not, so every algorithm and
