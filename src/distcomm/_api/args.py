@@ -1,0 +1,109 @@
+"""Argument plumbing shared by every public function: one place for checks and rank translation.
+
+torch repeats these checks in every function of distributed_c10d.py; here each is written once.
+Every check runs before any communication and depends only on the arguments, so a bad call fails
+the same way on every rank instead of leaving the others waiting.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Sequence
+
+from .. import world
+from ..buffers import Buffer, as_buffer, as_buffers
+from ..errors import DistBackendError
+
+NOT_INITIALIZED = "Default process group has not been initialized, please make sure to call init_process_group."
+
+
+def default_group():
+    if world.default_pg is None:
+        raise ValueError(NOT_INITIALIZED)
+    return world.default_pg
+
+
+def resolve_group(group: Any, op: str):
+    """The ProcessGroup to run on, or None when this process is not a member (skip the call)."""
+    pg = default_group()
+    if group is None or group is world.GroupMember.WORLD:
+        return pg
+    if group is world.GroupMember.NON_GROUP_MEMBER:
+        warnings.warn(f"Running {op} on global rank {world.global_rank} which does not belong to the given group.")
+        return None
+    if not hasattr(group, "ranks") or not hasattr(group, "executor"):
+        raise TypeError(f"{op}: group must be a distcomm process group (from new_group), got {type(group).__name__}")
+    return group
+
+
+def group_peer(pg, op: str, global_rank: int | None, group_rank: int | None, role: str) -> int:
+    """Translate a src/dst argument (global rank, or group_src/group_dst) into a group rank."""
+    if global_rank is not None and group_rank is not None:
+        raise ValueError(f"{op}: can't specify both {role} and group_{role}")
+    if group_rank is not None:
+        if not 0 <= group_rank < pg.size():
+            raise ValueError(f"{op}: group_{role} {group_rank} is out of range for a group of size {pg.size()}")
+        return group_rank
+    if global_rank is None:
+        global_rank = 0 if role in ("src", "dst") else None
+        if global_rank is None:
+            raise ValueError(f"{op}: {role} must be given")
+    if not isinstance(global_rank, int) or isinstance(global_rank, bool):
+        raise TypeError(f"{op}: {role} must be an int (a global rank), got {type(global_rank).__name__}")
+    rank = pg.group_rank(global_rank)
+    if rank < 0:
+        if pg is world.default_pg:
+            raise DistBackendError(
+                f"{op}: invalid {role} rank {global_rank}: the world has ranks 0..{pg.size() - 1}"
+            )
+        raise ValueError(f"Global rank {global_rank} is not part of group {pg.group_name} (ranks {pg.ranks})")
+    return rank
+
+
+def tensor(obj: Any, op: str, name: str = "tensor") -> Buffer:
+    try:
+        return as_buffer(obj, name)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{op}: {exc}") from None
+
+
+def tensor_list(objs: Any, op: str, name: str, length: int | None = None, like: Buffer | None = None) -> list[Buffer]:
+    """A list of buffers; with ``length``/``like``, check its length, dtypes and sizes."""
+    try:
+        bufs = as_buffers(objs, name)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{op}: {exc}") from None
+    if length is not None and len(bufs) != length:
+        raise ValueError(f"{op}: {name} must have one tensor per rank: expected length {length}, got {len(bufs)}")
+    same_dtype(bufs + ([like] if like is not None else []), op)
+    if like is not None:
+        for i, b in enumerate(bufs):
+            if b.count != like.count:
+                raise ValueError(
+                    f"{op}: {name}[{i}] has {b.count} elements, expected {like.count} (the size of the input)"
+                )
+    return bufs
+
+
+def same_dtype(bufs: Sequence[Buffer], op: str) -> None:
+    if len({b.dtype.name for b in bufs}) > 1:
+        names = ", ".join(sorted({b.dtype.name for b in bufs}))
+        raise ValueError(f"{op}: Invalid usage of tensors with different dtypes: found {names}")
+
+
+def split_sizes(sizes: Sequence[int] | None, dim0: int, size: int, op: str, name: str) -> list[int]:
+    if sizes is None or len(sizes) == 0:
+        if dim0 % size:
+            raise ValueError(f"{op}: the {name} tensor's first dimension ({dim0}) must divide by the group size ({size})")
+        return [dim0 // size] * size
+    sizes = [int(s) for s in sizes]
+    if len(sizes) != size:
+        raise ValueError(f"{op}: {name}_split_sizes must have one entry per rank ({size}), got {len(sizes)}")
+    if any(s < 0 for s in sizes) or sum(sizes) != dim0:
+        raise ValueError(f"{op}: {name}_split_sizes {sizes} must be non-negative and sum to {dim0} (the first dimension)")
+    return sizes
+
+
+def get_global_rank_of(pg) -> int:
+    """This process's global rank (for comparisons with src/dst arguments)."""
+    return pg.ranks[pg.rank()]

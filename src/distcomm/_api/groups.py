@@ -1,0 +1,350 @@
+"""Initialization and groups: init_process_group, new_group, subgroups, rank queries, destroy."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any, Sequence
+
+from .. import world
+from ..backends import Backend, resolve_engine
+from ..process_group import ProcessGroup
+from .args import NOT_INITIALIZED, default_group, resolve_group
+
+default_pg_timeout = timedelta(minutes=30)
+
+
+def is_available() -> bool:
+    """True: distcomm's engines run on every platform with sockets."""
+    return True
+
+
+def is_initialized() -> bool:
+    """Whether the default process group has been initialized."""
+    return world.default_pg is not None
+
+
+def is_gloo_available() -> bool:
+    """True: "gloo" names distcomm's default CPU engine."""
+    return True
+
+
+def is_mpi_available() -> bool:
+    """False: distcomm has no MPI engine in this build."""
+    return False
+
+
+def is_nccl_available() -> bool:
+    """False: NCCL needs CUDA GPUs; this build runs on CPU."""
+    return False
+
+
+def is_ucc_available() -> bool:
+    return False
+
+
+def is_torchelastic_launched() -> bool:
+    """Whether this process was started by distcomm-run / torchrun (TORCHELASTIC_RUN_ID is set)."""
+    return os.getenv("TORCHELASTIC_RUN_ID") is not None
+
+
+def _timeout_seconds(timeout: Any, name: str = "timeout") -> float:
+    if isinstance(timeout, timedelta):
+        return timeout.total_seconds()
+    raise TypeError(f"Expected timeout argument to be of type datetime.timedelta, got {type(timeout).__name__}")
+
+
+def _engine_name(backend: str | None) -> tuple[str, str]:
+    """(name the user gave, engine to run). None and "cpu:gloo,cuda:nccl" style strings mean gloo."""
+    if backend is None:
+        return "gloo", "gloo"
+    name = str(backend).lower()
+    if ":" in name:  # torch's "cpu:gloo,cuda:nccl" device map: we run the cpu entry
+        mapping = dict(part.split(":", 1) for part in name.split(","))
+        return name, mapping.get("cpu", "gloo")
+    return str(Backend(name)), str(Backend(name))
+
+
+def _connect(engine: str, store, rank: int, size: int, timeout: float, options: Any = None):
+    if size == 1 and engine in ("gloo", "tcp"):
+        from ..transport.inproc import InprocTransport
+
+        return InprocTransport.create_world(1)[0]
+    return resolve_engine(engine)(store, rank, size, timeout, options)
+
+
+def init_process_group(
+    backend: str | None = None,
+    init_method: str | None = None,
+    timeout: timedelta | None = None,
+    world_size: int = -1,
+    rank: int = -1,
+    store: Any = None,
+    group_name: str = "",
+    pg_options: Any = None,
+    device_id: Any = None,
+) -> None:
+    """Initialize the default distributed process group.
+
+    Either give ``init_method`` (a URL: ``env://`` (default), ``tcp://host:port``,
+    ``file:///path``) or an explicit ``store`` with ``rank`` and ``world_size``. ``backend`` is
+    "gloo" (distcomm's default CPU engine, also chosen when None) or "tcp"; ``timeout`` bounds
+    every collective on the group (default 30 minutes).
+    """
+    from ..rendezvous import rendezvous
+    from ..store import PrefixStore
+
+    with world.lock:
+        if world.default_pg is not None:
+            raise ValueError("trying to initialize the default process group twice!")
+        timeout = default_pg_timeout if timeout is None else timeout
+        seconds = _timeout_seconds(timeout)
+        user_name, engine = _engine_name(backend)
+        if store is None:
+            if init_method is None:
+                init_method = "env://"
+            store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+            store.set_timeout(timeout)
+        else:
+            if init_method is not None:
+                raise ValueError("Cannot specify both init_method and store.")
+            if world_size <= 0:
+                raise ValueError("world_size must be positive if using store")
+            if rank < 0:
+                raise ValueError("rank must be non-negative if using store")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"Invalid rank {rank}: must be in 0..{world_size - 1} for world_size {world_size}")
+        # Each init round gets its own namespace, so a re-init after destroy never reads stale keys.
+        generation = store.add("distcomm/init_generation/" + str(rank), 1)
+        prefixed = PrefixStore(f"distcomm/{generation}/", store)
+        transport = _connect(engine, PrefixStore("world/", prefixed), rank, world_size, seconds, pg_options)
+        world.store = prefixed
+        world.global_rank = rank
+        world.world_size = world_size
+        world.backend_name = user_name
+        world.transports[engine] = transport
+        gid = world.allocate_group_id()
+        name = group_name or str(gid)
+        pg = ProcessGroup(gid, name, range(world_size), rank, transport, user_name, timeout, engine, prefixed)
+        world.groups[name] = pg
+        world.set_world(pg)
+
+
+def destroy_process_group(group: Any = None) -> None:
+    """Destroy ``group`` (default: every group and the default group, releasing all resources)."""
+    with world.lock:
+        if group is None or group is world.GroupMember.WORLD:
+            if world.default_pg is None:
+                raise ValueError(NOT_INITIALIZED)
+            for pg in list(world.groups.values()):
+                pg.close()
+            for transport in list(world.transports.values()):
+                transport.close()
+            world.reset()
+            return
+        if group is world.GroupMember.NON_GROUP_MEMBER:
+            return
+        group.close()
+        world.groups.pop(group.group_name, None)
+        engine = group.engine
+        if group.transport is not world.transports.get(engine):
+            group.transport.close()
+
+
+def new_group(
+    ranks: Sequence[int] | None = None,
+    timeout: timedelta | None = None,
+    backend: str | None = None,
+    pg_options: Any = None,
+    use_local_synchronization: bool = False,
+    group_desc: str | None = None,
+    device_id: Any = None,
+):
+    """Create a group of a subset of the world's ranks; every process must call it, in the same
+    order, even those not in ``ranks``. Non-members get ``GroupMember.NON_GROUP_MEMBER``.
+
+    ``ranks`` are global ranks (sorted into group-rank order, as torch does); None means all.
+    ``backend`` defaults to the world's; a different engine connects the members anew.
+    """
+    world_pg = default_group()
+    with world.lock:
+        size = world.world_size
+        if ranks is None:
+            ranks = list(range(size))
+        ranks = sorted(int(r) for r in ranks)
+        for r in ranks:
+            if not 0 <= r < size:
+                raise ValueError(f"Invalid rank {r} in new_group: ranks must be in 0..{size - 1}")
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"new_group: ranks {ranks} contain duplicates")
+        timeout = world_pg.timeout if timeout is None else timeout
+        _timeout_seconds(timeout)
+        user_name, engine = _engine_name(backend) if backend is not None else (world_pg.backend_name, world_pg.engine)
+        gid = world.allocate_group_id()
+        name = group_desc if (group_desc and group_desc not in world.groups) else str(gid)
+        if world.global_rank not in ranks:
+            return world.GroupMember.NON_GROUP_MEMBER
+        transport = world.transports.get(engine)
+        if transport is None or engine != world_pg.engine:
+            # A different engine: connect just the members, through a namespace of this group.
+            from ..store import PrefixStore
+
+            rank = ranks.index(world.global_rank)
+            sub = _connect(engine, PrefixStore(f"group/{gid}/", world.store), rank, len(ranks),
+                           timeout.total_seconds(), pg_options)
+            pg = ProcessGroup(gid, name, ranks, world.global_rank, _RankMapped(sub, ranks), user_name,
+                              timeout, engine, world.store)
+        else:
+            pg = ProcessGroup(gid, name, ranks, world.global_rank, transport, user_name, timeout, engine, world.store)
+        world.groups[name] = pg
+        return pg
+
+
+class _RankMapped:
+    """A transport connected among a group's members only, addressed by global ranks."""
+
+    def __init__(self, transport, ranks: Sequence[int]):
+        self._t = transport
+        self._local = {g: i for i, g in enumerate(ranks)}
+        self._ranks = list(ranks)
+
+    def isend(self, dst, data, key, signature=0):
+        return self._t.isend(self._local[dst], data, key, signature)
+
+    def irecv(self, src, out, key, signature=0):
+        req = self._t.irecv(src if src < 0 else self._local[src], out, key, signature)
+        return _MappedRequest(req, self._ranks)
+
+    def close(self):
+        self._t.close()
+
+
+class _MappedRequest:
+    def __init__(self, req, ranks):
+        self._req, self._ranks = req, ranks
+
+    def wait(self, deadline=None):
+        self._req.wait(deadline)
+
+    def test(self):
+        return self._req.test()
+
+    @property
+    def source(self):
+        return self._ranks[self._req.source] if self._req.source >= 0 else -1
+
+    @property
+    def nbytes(self):
+        return self._req.nbytes
+
+
+def new_subgroups(
+    group_size: int | None = None,
+    group: Any = None,
+    timeout: timedelta | None = None,
+    backend: str | None = None,
+    pg_options: Any = None,
+    group_desc: str | None = None,
+):
+    """Split the world into equal consecutive subgroups of ``group_size`` ranks.
+
+    Returns ``(this rank's subgroup, all subgroups)``. ``group_size`` defaults to
+    LOCAL_WORLD_SIZE (one subgroup per machine) when set, else the whole world.
+    """
+    pg = default_group()
+    size = pg.size()
+    if group_size is None:
+        group_size = int(os.environ.get("LOCAL_WORLD_SIZE", size))
+    if group_size <= 0:
+        raise ValueError(f"The arg 'group_size' ({group_size}) must be positive")
+    if group_size > size:
+        raise ValueError(f"The arg 'group_size' ({group_size}) must not exceed the world size ({size})")
+    if size % group_size != 0:
+        raise ValueError(f"The world size ({size}) must be divisible by 'group_size' ({group_size})")
+    ranks_per = [list(range(i, i + group_size)) for i in range(0, size, group_size)]
+    return new_subgroups_by_enumeration(ranks_per, timeout, backend, pg_options)
+
+
+def new_subgroups_by_enumeration(
+    ranks_per_subgroup_list: Sequence[Sequence[int]],
+    timeout: timedelta | None = None,
+    backend: str | None = None,
+    pg_options: Any = None,
+    group_desc: str | None = None,
+):
+    """Create one subgroup per list of global ranks; a rank may appear in at most one.
+
+    Returns ``(this rank's subgroup or None, all subgroups this process created)``.
+    """
+    if not ranks_per_subgroup_list:
+        raise ValueError("The arg 'ranks_per_subgroup_list' cannot be empty")
+    seen: dict[int, int] = {}
+    for i, ranks in enumerate(ranks_per_subgroup_list):
+        for r in ranks:
+            if r in seen:
+                raise ValueError(f"Rank {r} has appeared in both subgroup {seen[r]} and subgroup {i}")
+            seen[r] = i
+    mine = None
+    subgroups = []
+    for ranks in ranks_per_subgroup_list:
+        g = new_group(ranks, timeout=timeout, backend=backend, pg_options=pg_options)
+        subgroups.append(g)
+        if world.global_rank in ranks:
+            mine = g
+    return mine, subgroups
+
+
+def get_rank(group: Any = None) -> int:
+    """This process's rank in ``group`` (default: the world); -1 if it is not a member."""
+    pg = default_group()
+    if group is None or group is world.GroupMember.WORLD:
+        return pg.rank()
+    if group is world.GroupMember.NON_GROUP_MEMBER:
+        return -1
+    return group.rank()
+
+
+def get_world_size(group: Any = None) -> int:
+    """The number of processes in ``group`` (default: the world); -1 if this is not a member."""
+    pg = default_group()
+    if group is None or group is world.GroupMember.WORLD:
+        return pg.size()
+    if group is world.GroupMember.NON_GROUP_MEMBER:
+        return -1
+    return group.size()
+
+
+def get_backend(group: Any = None) -> str:
+    """The backend name ``group`` was created with, as the user gave it."""
+    pg = resolve_group(group, "get_backend")
+    if pg is None:
+        raise ValueError("Invalid process group specified")
+    return Backend(pg.backend_name) if ":" not in pg.backend_name else pg.backend_name
+
+
+def _member_group(group: Any, op: str):
+    if group is world.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(f"{op}: this process is not a member of the group")
+    return resolve_group(group, op)
+
+
+def get_group_rank(group: Any, global_rank: int) -> int:
+    """The group rank of ``global_rank`` in ``group``; ValueError if it is not a member."""
+    pg = _member_group(group, "get_group_rank")
+    r = pg.group_rank(global_rank)
+    if r < 0:
+        raise ValueError(f"Global rank {global_rank} is not part of group {pg.group_name}")
+    return r
+
+
+def get_global_rank(group: Any, group_rank: int) -> int:
+    """The global rank of ``group_rank`` in ``group``."""
+    pg = _member_group(group, "get_global_rank")
+    if not 0 <= group_rank < pg.size():
+        raise ValueError(f"Group rank {group_rank} is not part of group {pg.group_name}")
+    return pg.ranks[group_rank]
+
+
+def get_process_group_ranks(group: Any) -> list[int]:
+    """The global ranks of ``group``, in group-rank order."""
+    return list(_member_group(group, "get_process_group_ranks").ranks)

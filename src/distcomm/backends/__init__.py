@@ -1,0 +1,109 @@
+"""Backend names and the engine registry.
+
+A backend name (what the user passes to init_process_group / new_group) resolves to an *engine
+factory*: ``factory(store, rank, size, timeout_seconds, options) -> Transport``. Every engine shares
+the same collective algorithms (``collectives.py``) over its Transport, so an engine only moves
+bytes. ``Backend.register_backend(name, func)`` plugs in a third-party engine the same way: ``func``
+receives ``(store, rank, size, timeout)`` and returns a ``distcomm.transport.base.Transport``.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Callable
+
+EngineFactory = Callable[..., Any]
+
+_ENGINES: dict[str, EngineFactory] = {}
+
+
+def _tcp_engine(store, rank: int, size: int, timeout: float, options: Any = None):
+    from ..transport.tcp import TcpTransport
+
+    return TcpTransport.connect(store, rank, size, timeout)
+
+
+def _inproc_only(store, rank: int, size: int, timeout: float, options: Any = None):
+    # A world of one needs no peers; the in-process transport serves it without sockets.
+    from ..transport.inproc import InprocTransport
+
+    return InprocTransport.create_world(1)[0]
+
+
+def _unavailable(name: str, why: str) -> EngineFactory:
+    def factory(*args, **kwargs):
+        raise RuntimeError(f"backend {name!r} is not available here: {why}")
+
+    return factory
+
+
+class Backend(str):
+    """An enum-like class of backend names: ``Backend("GLOO") == "gloo"``.
+
+    distcomm's engines: "tcp" (sockets between any hosts), "gloo" (the default CPU engine; the
+    name torch programs already use). "mpi" and "nccl" are recognised names whose engines are not
+    available in this build. New engines are added with ``Backend.register_backend``.
+    """
+
+    UNDEFINED = "undefined"
+    GLOO = "gloo"
+    NCCL = "nccl"
+    UCC = "ucc"
+    MPI = "mpi"
+    TCP = "tcp"
+    backend_list = [UNDEFINED, GLOO, NCCL, UCC, MPI, TCP]
+    default_device_backend_map = {"cpu": GLOO}
+
+    def __new__(cls, name: str):
+        if not isinstance(name, str):
+            raise ValueError(f"Backend constructor parameter must be string-ish, got {type(name).__name__}")
+        value = getattr(Backend, name.upper(), Backend.UNDEFINED)
+        if value == Backend.UNDEFINED:
+            value = name.lower()
+        if value not in _ENGINES and value not in Backend.backend_list:
+            raise ValueError(
+                f"Invalid backend: '{name}'; available: {', '.join(sorted(set(Backend.backend_list) | set(_ENGINES)))}"
+            )
+        return str.__new__(cls, value)
+
+    @classmethod
+    def register_backend(cls, name: str, func: EngineFactory, extended_api: bool = False, devices=None) -> None:
+        """Register a third-party engine under ``name`` (also reachable as ``Backend.NAME``).
+
+        ``func(store, rank, size, timeout)`` (with ``extended_api=True``:
+        ``func(store, rank, size, timeout, pg_options)``) must return a distcomm Transport.
+        """
+        if hasattr(Backend, name.upper()) and name.lower() in _ENGINES:
+            raise ValueError(f"{name.upper()} c10d backend already exist")
+        if name.upper() in Backend.__dict__ and name.lower() not in ("mpi", "nccl", "ucc"):
+            raise ValueError(f"{name.upper()} c10d backend creator function already exist")
+        setattr(Backend, name.upper(), name.lower())
+        Backend.backend_list.append(name.lower())
+
+        def factory(store, rank, size, timeout, options=None):
+            td = timedelta(seconds=timeout)
+            return func(store, rank, size, td, options) if extended_api else func(store, rank, size, td)
+
+        _ENGINES[name.lower()] = factory
+
+
+def resolve_engine(name: str) -> EngineFactory:
+    try:
+        return _ENGINES[name]
+    except KeyError:
+        raise ValueError(
+            f"Invalid backend: '{name}'; distcomm runs 'gloo' (default), 'tcp'"
+            + (", " + ", ".join(sorted(n for n in _ENGINES if n not in ("gloo", "tcp"))) if len(_ENGINES) > 2 else "")
+        ) from None
+
+
+def register_engine(name: str, factory: EngineFactory) -> None:
+    """Internal: bind a backend name to an engine factory (distcomm's own engines)."""
+    _ENGINES[name] = factory
+
+
+register_engine("tcp", _tcp_engine)
+register_engine("gloo", _tcp_engine)  # the default CPU engine; shared memory joins it later
+register_engine("mpi", _unavailable("mpi", "distcomm has no MPI engine yet (mpi4py integration is planned)"))
+register_engine("nccl", _unavailable("nccl", "NCCL needs CUDA GPUs; this build of distcomm runs on CPU"))
+register_engine("ucc", _unavailable("ucc", "distcomm has no UCC engine"))

@@ -1,0 +1,84 @@
+"""Collectives on flat numpy arrays over a Channel: reduction ops around the chosen algorithm.
+
+This is the layer between the public API (tensors, lists, groups, validation) and the algorithms
+(one per module, point-to-point only). It owns what every engine shares: applying PREMUL_SUM's
+factor before and AVG's division after a reduction, choosing the algorithm by size and world size
+(``algorithms.select``), and keeping non-root inputs untouched where torch does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import reduce as reduction
+from ..algorithms import select
+from ..dtypes import DType
+from ..transport.base import Channel
+
+
+def all_reduce(ch: Channel, flat: np.ndarray, dtype: DType, op) -> None:
+    reduction.premultiply(op, flat, dtype)
+    if ch.size > 1:
+        algorithm = select.choose("allreduce", flat.nbytes, ch.size)
+        algorithm(ch, flat, reduction.reducer(op, dtype))
+    reduction.finish(op, flat, ch.size, dtype)
+
+
+def reduce(ch: Channel, flat: np.ndarray, dtype: DType, op, root: int) -> None:
+    """Result in ``flat`` on ``root``; other ranks' ``flat`` is left as it was."""
+    if ch.rank != root and getattr(op, "factor", None) is not None:
+        flat = flat.copy()  # PREMUL_SUM scales the input; a non-root keeps its own unscaled
+    reduction.premultiply(op, flat, dtype)
+    if ch.size > 1:
+        algorithm = select.choose("reduce", flat.nbytes, ch.size)
+        algorithm(ch, flat, root, reduction.reducer(op, dtype))
+    if ch.rank == root:
+        reduction.finish(op, flat, ch.size, dtype)
+
+
+def broadcast(ch: Channel, flat: np.ndarray, root: int) -> None:
+    if ch.size > 1:
+        select.choose("broadcast", flat.nbytes, ch.size)(ch, flat, root)
+
+
+def all_gather(ch: Channel, out: np.ndarray, count: int) -> None:
+    """``out`` holds size*count elements with this rank's block already in place."""
+    if ch.size > 1:
+        select.choose("allgather", out.nbytes, ch.size)(ch, out, count)
+
+
+def gather(ch: Channel, send: np.ndarray, out: np.ndarray | None, root: int) -> None:
+    if ch.size == 1:
+        out[: send.size] = send
+        return
+    select.choose("gather", send.nbytes * ch.size, ch.size)(ch, send, out, root)
+
+
+def scatter(ch: Channel, chunks: np.ndarray | None, out: np.ndarray, root: int) -> None:
+    if ch.size == 1:
+        out[...] = chunks[: out.size]
+        return
+    select.choose("scatter", out.nbytes * ch.size, ch.size)(ch, chunks, out, root)
+
+
+def reduce_scatter(ch: Channel, scratch: np.ndarray, out: np.ndarray, counts: list[int], dtype: DType, op) -> None:
+    """``scratch`` is the concatenated input (clobbered); ``out`` gets this rank's reduced block."""
+    reduction.premultiply(op, scratch, dtype)
+    if ch.size == 1:
+        out[...] = scratch[: out.size]
+    else:
+        algorithm = select.choose("reduce_scatter", scratch.nbytes, ch.size)
+        algorithm(ch, scratch, out, counts, reduction.reducer(op, dtype))
+    reduction.finish(op, out, ch.size, dtype)
+
+
+def all_to_all(ch: Channel, send: np.ndarray, send_counts, recv: np.ndarray, recv_counts) -> None:
+    if ch.size == 1:
+        recv[...] = send[: recv.size]
+        return
+    select.choose("alltoall", send.nbytes, ch.size)(ch, send, send_counts, recv, recv_counts)
+
+
+def barrier(ch: Channel) -> None:
+    if ch.size > 1:
+        select.choose("barrier", 0, ch.size)(ch)

@@ -1,0 +1,129 @@
+"""Buffers: a torch tensor or numpy array seen as one contiguous 1-D numpy array of its storage.
+
+Every collective works on ``Buffer.flat``: a 1-D C-contiguous array sharing memory with the user's
+tensor whenever the tensor is contiguous (the common case: zero copies). A non-contiguous tensor
+is copied into a contiguous scratch array and ``commit()`` writes the result back, so results land
+exactly where torch writes them. torch is never imported here: a tensor can only exist if the
+user's program imported torch, so ``sys.modules`` is the test.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+
+from . import dtypes
+from .dtypes import DType
+
+
+def _torch():
+    return sys.modules.get("torch")
+
+
+def is_tensor(obj: Any) -> bool:
+    torch = _torch()
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def is_buffer_like(obj: Any) -> bool:
+    return isinstance(obj, np.ndarray) or is_tensor(obj)
+
+
+class Buffer:
+    """One user buffer as ``flat`` (1-D, contiguous, storage dtype) plus how to write it back."""
+
+    __slots__ = ("obj", "flat", "dtype", "shape", "_writeback")
+
+    def __init__(self, obj: Any, flat: np.ndarray, dtype: DType, shape: tuple, writeback):
+        self.obj = obj
+        self.flat = flat
+        self.dtype = dtype
+        self.shape = shape
+        self._writeback = writeback  # None when flat aliases obj's memory
+
+    @property
+    def count(self) -> int:
+        return self.flat.size
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.nbytes
+
+    @property
+    def aliases_user_memory(self) -> bool:
+        return self._writeback is None
+
+    def commit(self) -> None:
+        """Write ``flat`` back into the user's object (no-op when they share memory)."""
+        if self._writeback is not None:
+            self._writeback(self.flat)
+
+
+def _tensor_buffer(t, name: str) -> Buffer:
+    torch = _torch()
+    if t.device.type != "cpu":
+        raise ValueError(
+            f"{name} is on {t.device}; distcomm's engines run on CPU tensors "
+            f"(move it with .cpu(), or use the nccl backend for GPU tensors)"
+        )
+    if t.is_sparse:
+        raise ValueError(f"{name} is a sparse tensor; distcomm supports dense tensors only")
+    base = t.detach()
+    if base.is_conj():
+        base = base.resolve_conj()
+    dtype_name = str(base.dtype).replace("torch.", "")
+    dtype = dtypes.from_name(dtype_name)
+    shape = tuple(base.shape)
+    contiguous = base.is_contiguous()
+    work = base if contiguous else base.contiguous()
+    if dtype.name == "bfloat16":
+        arr = work.view(torch.int16).numpy().view(np.uint16)
+    else:
+        arr = work.numpy()
+    flat = arr.reshape(-1)
+    if contiguous and not t.is_conj():
+        return Buffer(t, flat, dtype, shape, None)
+
+    def writeback(flat_result: np.ndarray, t=t, shape=shape, dtype=dtype) -> None:
+        src = torch.from_numpy(flat_result.reshape(shape))
+        if dtype.name == "bfloat16":
+            src = src.view(torch.int16).view(torch.bfloat16)
+        with torch.no_grad():
+            t.copy_(src)
+
+    return Buffer(t, flat, dtype, shape, writeback)
+
+
+def _array_buffer(a: np.ndarray, name: str) -> Buffer:
+    dtype = dtypes.from_numpy(a.dtype)
+    if a.flags.c_contiguous:
+        return Buffer(a, a.reshape(-1), dtype, a.shape, None)
+    flat = np.ascontiguousarray(a).reshape(-1)
+
+    def writeback(flat_result: np.ndarray, a=a) -> None:
+        a[...] = flat_result.reshape(a.shape)
+
+    return Buffer(a, flat, dtype, a.shape, writeback)
+
+
+def as_buffer(obj: Any, name: str = "tensor") -> Buffer:
+    """The Buffer for a tensor or array; a clear TypeError for anything else."""
+    if isinstance(obj, np.ndarray):
+        return _array_buffer(obj, name)
+    if is_tensor(obj):
+        return _tensor_buffer(obj, name)
+    raise TypeError(
+        f"{name} must be a torch.Tensor or numpy.ndarray, got {type(obj).__name__}"
+    )
+
+
+def as_buffers(objs: Any, name: str = "tensor_list") -> list[Buffer]:
+    if not isinstance(objs, (list, tuple)):
+        raise TypeError(f"{name} must be a list of tensors, got {type(objs).__name__}")
+    return [as_buffer(o, f"{name}[{i}]") for i, o in enumerate(objs)]
+
+
+def empty_like_flat(buf: Buffer, count: int | None = None) -> np.ndarray:
+    return np.empty(buf.count if count is None else count, dtype=buf.flat.dtype)

@@ -1,0 +1,70 @@
+"""The only global state: the default group, the group registry, group ids and engines.
+
+torch requires every process of the world to call new_group() in the same order (members or not),
+so a counter kept here numbers groups alike on every rank without any communication; the number is
+the group id stamped on every message, which is what keeps groups from exchanging messages.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+
+class _NonGroupMember:
+    """What a process that is not in a group holds instead of the group (torch's -100)."""
+
+    def __repr__(self) -> str:
+        return "GroupMember.NON_GROUP_MEMBER"
+
+
+class GroupMember:
+    """``GroupMember.WORLD`` is the default group once initialized; ``NON_GROUP_MEMBER`` marks
+    a process outside a group."""
+
+    WORLD: Any = None
+    NON_GROUP_MEMBER = _NonGroupMember()
+
+
+class group:  # noqa: N801 - torch's name (dist.group.WORLD)
+    WORLD: Any = None
+
+
+lock = threading.RLock()
+default_pg = None  # the world's ProcessGroup
+store = None  # the world's store (prefixed for this init)
+global_rank = -1
+world_size = -1
+groups: dict[str, Any] = {}  # group name -> ProcessGroup (members only)
+transports: dict[str, Any] = {}  # engine name -> the world's Transport on it
+next_group_id = 0
+backend_name = None
+
+
+def set_world(pg) -> None:
+    global default_pg
+    default_pg = pg
+    GroupMember.WORLD = pg
+    group.WORLD = pg
+
+
+def allocate_group_id() -> int:
+    global next_group_id
+    with lock:
+        gid = next_group_id
+        next_group_id += 1
+        return gid
+
+
+def reset() -> None:
+    global default_pg, store, global_rank, world_size, next_group_id, backend_name
+    default_pg = None
+    store = None
+    global_rank = -1
+    world_size = -1
+    next_group_id = 0
+    backend_name = None
+    groups.clear()
+    transports.clear()
+    GroupMember.WORLD = None
+    group.WORLD = None
