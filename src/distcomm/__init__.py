@@ -68,10 +68,7 @@ from .errors import (
     PeerLostError,
 )
 from .process_group import ProcessGroup
-try:  # TEMPORARY while rendezvous.py is being written
-    from .rendezvous import register_rendezvous_handler, rendezvous
-except ImportError:
-    pass
+from .rendezvous import register_rendezvous_handler, rendezvous
 from .store import FileStore, HashStore, PrefixStore, Store, TCPStore
 from .types import ReduceOp, _make_nccl_premul_sum, reduce_op
 from .work import Future, Work
