@@ -1,0 +1,151 @@
+"""Store: the key-value interface every store implements (torch.distributed.Store).
+
+Why a base class with two layers: the public methods (``set``, ``get``, ...) keep torch's names,
+signatures and docstrings and do the argument checks once — keys must be str, values become bytes,
+timeouts are timedeltas turned into seconds — then call one ``_``-prefixed method that a store
+implements on already-checked arguments. A store therefore never repeats validation, and every
+store rejects a bad argument with the same error.
+
+A subclass implements ``_set _get _add _compare_set _wait _check _num_keys _delete_key _append
+_multi_get _multi_set _list_keys``. ``timeout`` is in seconds in those methods.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from . import rules
+
+
+class Store:
+    """Base class for all store implementations, such as TCPStore, FileStore and HashStore."""
+
+    def __init__(self, timeout: timedelta = rules.DEFAULT_TIMEOUT):
+        self._timeout_s = rules.timeout_seconds(timeout)
+
+    # -- timeout --------------------------------------------------------------------------------
+
+    @property
+    def timeout(self) -> timedelta:
+        """The store's default timeout, used by get(), wait() and multi_get()."""
+        return timedelta(seconds=self._timeout_s)
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        """Sets the store's default timeout. This timeout is used during initialization and in wait() and get()."""
+        self._timeout_s = rules.timeout_seconds(timeout)
+
+    # -- the torch.distributed.Store API ----------------------------------------------------------
+
+    def set(self, key: str, value) -> None:
+        """Inserts the key-value pair into the store; an existing key is overwritten."""
+        self._set(rules.as_key(key), rules.as_value(value))
+
+    def get(self, key: str) -> bytes:
+        """Retrieves the value of ``key``, waiting up to the store timeout for it to be set."""
+        return self._get(rules.as_key(key), self._timeout_s)
+
+    def add(self, key: str, amount: int) -> int:
+        """Adds ``amount`` to the counter at ``key`` (created at 0) and returns the new value.
+
+        Calling add() with a key that has been set by set() to something other than a decimal
+        integer raises ValueError.
+        """
+        return self._add(rules.as_key(key), rules.as_amount(amount))
+
+    def compare_set(self, key: str, expected_value, desired_value) -> bytes:
+        """Sets ``key`` to ``desired_value`` if it holds ``expected_value`` (or is missing and
+        ``expected_value`` is empty); returns the value the key holds afterwards (``expected_value``
+        when the key is missing and was not created)."""
+        return self._compare_set(rules.as_key(key), rules.as_value(expected_value), rules.as_value(desired_value))
+
+    def wait(self, keys, timeout: timedelta | None = None) -> None:
+        """Waits for each key in ``keys`` to be set, up to ``timeout`` (default: the store timeout)."""
+        seconds = self._timeout_s if timeout is None else rules.timeout_seconds(timeout)
+        keys = rules.as_keys(keys)
+        if keys:
+            self._wait(keys, seconds)
+
+    def check(self, keys) -> bool:
+        """True if every key in ``keys`` is set (does not wait)."""
+        keys = rules.as_keys(keys)
+        return self._check(keys) if keys else True
+
+    def num_keys(self) -> int:
+        """The number of keys in the store (TCPStore and FileStore count one key of their own, as torch does)."""
+        return self._num_keys()
+
+    def delete_key(self, key: str) -> bool:
+        """Deletes ``key``; True if it existed."""
+        return self._delete_key(rules.as_key(key))
+
+    def append(self, key: str, value) -> None:
+        """Appends ``value`` to the value of ``key`` (creating it if missing)."""
+        self._append(rules.as_key(key), rules.as_value(value))
+
+    def multi_get(self, keys) -> list[bytes]:
+        """The values of all ``keys``, waiting up to the store timeout for all of them."""
+        keys = rules.as_keys(keys)
+        return self._multi_get(keys, self._timeout_s) if keys else []
+
+    def multi_set(self, keys, values) -> None:
+        """Sets every key in ``keys`` to the value at the same position in ``values``, atomically."""
+        keys, values = rules.checked_multi_set(keys, values)
+        if keys:
+            self._multi_set(keys, values)
+
+    def list_keys(self) -> list[str]:
+        """Every key in the store (the store's own coordination key excluded)."""
+        return self._list_keys()
+
+    def has_extended_api(self) -> bool:
+        """True: append, multi_get, multi_set and list_keys are implemented natively."""
+        return True
+
+    # -- lifetime -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release what this store holds (a connection, a file); idempotent."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    # -- what a store implements -----------------------------------------------------------------
+
+    def _set(self, key: str, value: bytes) -> None:
+        raise NotImplementedError
+
+    def _get(self, key: str, timeout: float) -> bytes:
+        raise NotImplementedError
+
+    def _add(self, key: str, amount: int) -> int:
+        raise NotImplementedError
+
+    def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        raise NotImplementedError
+
+    def _wait(self, keys: list[str], timeout: float) -> None:
+        raise NotImplementedError
+
+    def _check(self, keys: list[str]) -> bool:
+        raise NotImplementedError
+
+    def _num_keys(self) -> int:
+        raise NotImplementedError
+
+    def _delete_key(self, key: str) -> bool:
+        raise NotImplementedError
+
+    def _append(self, key: str, value: bytes) -> None:
+        raise NotImplementedError
+
+    def _multi_get(self, keys: list[str], timeout: float) -> list[bytes]:
+        raise NotImplementedError
+
+    def _multi_set(self, keys: list[str], values: list[bytes]) -> None:
+        raise NotImplementedError
+
+    def _list_keys(self) -> list[str]:
+        raise NotImplementedError

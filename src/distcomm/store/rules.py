@@ -1,0 +1,150 @@
+"""The semantics every store shares, in one place: argument types, counters, compare_set, timeouts.
+
+Why: HashStore, FileStore and the TCPStore server each keep their own table, but add() on a key
+written by set(), compare_set() on a missing key, int64 overflow, or what a timeout of zero means
+must not differ between them. Each rule below was checked against torch 2.13's stores:
+
+* keys are ``str``; values are ``bytes`` (a ``str`` value is encoded UTF-8; anything else is a
+  TypeError, as torch's bindings reject it).
+* ``add`` keeps a decimal int64 counter as the key's value. A missing key starts at 0; an empty
+  value counts as 0 (HashStore does this); a value that is not a decimal integer raises ValueError
+  (torch raises ``ValueError: stoll``); the sum wraps around at int64 like torch's C++ ``int64_t``.
+* ``compare_set(key, expected, desired)``: if the key is missing, it is created with ``desired``
+  only when ``expected`` is empty, and the call returns ``desired``; otherwise it returns
+  ``expected`` unchanged. If the key exists and holds ``expected``, it is replaced by ``desired``
+  which is returned; otherwise the current value is returned.
+* timeouts are ``timedelta`` at the API; a timeout of zero means "check once, do not wait" (as
+  TCPStore does; torch's HashStore instead waits forever, which no caller wants by accident), and a
+  negative timeout is a ValueError.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from datetime import timedelta
+from typing import Iterable
+
+from ..errors import DistStoreTimeoutError
+
+INT64_MIN = -(1 << 63)
+INT64_MAX = (1 << 63) - 1
+_DECIMAL = re.compile(rb"\s*[+-]?[0-9]+\s*")
+
+DEFAULT_TIMEOUT = timedelta(seconds=300)
+
+
+def as_key(key) -> str:
+    if not isinstance(key, str):
+        raise TypeError(f"store keys are str, got {type(key).__name__}: {key!r}")
+    return key
+
+
+def as_keys(keys) -> list[str]:
+    if isinstance(keys, (str, bytes)):
+        raise TypeError(f"expected a list of str keys, got a single {type(keys).__name__}: {keys!r}")
+    return [as_key(k) for k in keys]
+
+
+def as_value(value) -> bytes:
+    """Store values are bytes; str is encoded UTF-8 (torch's bindings accept both)."""
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    if isinstance(value, (bytearray, memoryview)):
+        return bytes(value)
+    raise TypeError(f"store values are str or bytes, got {type(value).__name__}: {value!r}")
+
+
+def as_amount(amount) -> int:
+    try:
+        amount = operator.index(amount)
+    except TypeError:
+        raise TypeError(f"add() amount is an int, got {type(amount).__name__}: {amount!r}") from None
+    if not INT64_MIN <= amount <= INT64_MAX:
+        raise OverflowError(f"add() amount {amount} does not fit in a signed 64-bit integer")
+    return amount
+
+
+def wrap_int64(value: int) -> int:
+    return ((value - INT64_MIN) & 0xFFFFFFFFFFFFFFFF) + INT64_MIN
+
+
+def counter_value(key: str, current: bytes | None) -> int:
+    """The integer a counter key holds (0 when missing or empty); ValueError if it is not one."""
+    if not current:
+        return 0
+    if _DECIMAL.fullmatch(current) is None:
+        raise ValueError(
+            f"add(): key {key!r} holds {current[:64]!r}, which is not a decimal integer; add() works on keys "
+            f"created by add() or set() to a decimal integer string"
+        )
+    return wrap_int64(int(current))
+
+
+def added(key: str, current: bytes | None, amount: int) -> tuple[bytes, int]:
+    """The new stored bytes and the returned int of ``add(key, amount)`` on ``current``."""
+    try:  # fast path: a counter written by add() is a plain decimal that int() takes as it is
+        total = int(current) + amount if current and b"_" not in current else counter_value(key, current) + amount
+    except ValueError:
+        total = counter_value(key, current) + amount  # raises the store's ValueError
+    if not INT64_MIN <= total <= INT64_MAX:
+        total = wrap_int64(total)
+    return b"%d" % total, total
+
+
+def compare_set_outcome(current: bytes | None, expected: bytes, desired: bytes) -> tuple[bytes | None, bytes]:
+    """(value to store, or None to leave the key alone; value to return) for compare_set."""
+    if current is None:
+        if expected == b"":
+            return desired, desired
+        return None, expected
+    if current == expected:
+        return desired, desired
+    return None, current
+
+
+def checked_multi_set(keys, values) -> tuple[list[str], list[bytes]]:
+    keys = as_keys(keys)
+    values = [as_value(v) for v in values]
+    if len(keys) != len(values):
+        raise ValueError(f"multi_set(): {len(keys)} keys but {len(values)} values; pass one value per key")
+    return keys, values
+
+
+def timeout_seconds(timeout) -> float:
+    """A public timeout (timedelta, or seconds as a number) as non-negative float seconds."""
+    if isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise TypeError(f"timeout is a datetime.timedelta, got {type(timeout).__name__}: {timeout!r}")
+    if seconds < 0:
+        raise ValueError(f"timeout must not be negative, got {timeout!r}")
+    return seconds
+
+
+def format_seconds(seconds: float) -> str:
+    if seconds >= 1 and seconds == int(seconds):
+        return f"{int(seconds)} s"
+    if seconds >= 1:
+        return f"{seconds:.3g} s"
+    return f"{seconds * 1000:.0f} ms"
+
+
+def timeout_error(
+    operation: str, keys: Iterable[str], seconds: float, missing: Iterable[str] | None = None, where: str = ""
+) -> DistStoreTimeoutError:
+    """The error of a get/wait that did not see its keys in time; names the keys and the timeout."""
+    keys = list(keys)
+    text = f"{operation}: timed out after {format_seconds(seconds)} waiting for keys {keys}"
+    if missing is not None:
+        missing = list(missing)
+        if missing != keys:
+            text += f" (still missing: {missing})"
+    if where:
+        text += f" in {where}"
+    text += "; the process that sets them may have failed or be slow (raise the store timeout if it is only slow)"
+    return DistStoreTimeoutError(text)

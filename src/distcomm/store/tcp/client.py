@@ -1,0 +1,260 @@
+"""TCPStoreClient: one connection to a TCPStore server, used synchronously from the caller's thread.
+
+Why synchronous: a store request is tiny and the caller waits for its answer anyway, so the fastest
+path is the caller's own thread doing one ``send`` and one ``recv`` (TCP_NODELAY, no hand-off to a
+background thread, which would cost tens of microseconds per request). A lock makes one client
+safe to share between threads; a process that wants concurrent requests uses ``TCPStore.clone()``.
+
+Deadlines without per-call overhead: the socket stays in blocking mode and the kernel enforces the
+receive deadline (SO_RCVTIMEO), which is only re-set when it changes; Python's socket timeouts
+would add a poll() before every recv. A blocking request sends its timeout to the server, which
+answers TIMED_OUT itself; the client waits that long plus a grace period, and if even then nothing
+came it gives up on its own — the late answer, carrying an old request id, is dropped when it
+arrives, so the connection stays usable.
+
+Connecting retries with exponential backoff and jitter until the store timeout: the master may not
+be listening yet when workers start, and a thousand workers must not retry in lockstep.
+"""
+
+from __future__ import annotations
+
+import errno
+import random
+import socket
+import struct
+import threading
+import time
+
+from ...errors import DistNetworkError, DistStoreError
+from .. import rules
+from . import protocol as p
+
+_RECV_SIZE = 1 << 16
+_FIRST_RETRY_DELAY = 0.01
+_MAX_RETRY_DELAY = 1.0
+
+
+def reply_grace(timeout: float) -> float:
+    """How long past its timeout a client waits for the server's own TIMED_OUT answer."""
+    return min(max(1.0, 0.1 * timeout), 30.0)
+
+
+def _timeval(seconds: float) -> bytes:
+    seconds = min(max(seconds, 0.001), 1e8)
+    whole = int(seconds)
+    return struct.pack("ll", whole, int((seconds - whole) * 1e6))
+
+
+class _Refused(Exception):
+    """The peer answered, but not as a compatible distcomm TCPStore server; retrying will not help."""
+
+
+def _handshake(sock: socket.socket, proto: p.ClientProtocol, where: str) -> None:
+    sock.sendall(proto.send(p.Hello(p.VERSION)))
+    while True:
+        try:
+            event = proto.next_event()
+        except p.ProtocolError as exc:
+            raise _Refused(f"{where} is not a distcomm TCPStore server ({exc})") from None
+        if event is not p.NEED_DATA:
+            break
+        data = sock.recv(p.HELLO_SIZE)
+        if not data:
+            raise ConnectionResetError(errno.ECONNRESET, "server closed the connection during the handshake")
+        proto.receive_data(data)
+    if event.status != p.HELLO_STATUS_OK:
+        raise _Refused(
+            f"the TCPStore server at {where} speaks protocol version {event.version} and refused this client's "
+            f"version {p.VERSION}; run the same distcomm version on every rank"
+        )
+
+
+def connect(host: str, port: int, timeout: float, max_frame_size: int) -> tuple[socket.socket, p.ClientProtocol]:
+    """A handshaken connection to ``host``:``port``, retrying until ``timeout`` seconds have passed."""
+    where = f"{host}:{port}"
+    deadline = time.monotonic() + timeout
+    delay = _FIRST_RETRY_DELAY
+    attempts = 0
+    while True:
+        attempts += 1
+        remaining = deadline - time.monotonic()
+        sock = None
+        try:
+            sock = socket.create_connection((host, port), timeout=max(remaining, 0.01))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            proto = p.ClientProtocol(max_frame_size)
+            _handshake(sock, proto, where)
+            sock.settimeout(None)
+            return sock, proto
+        except _Refused as exc:
+            sock.close()
+            raise DistNetworkError(str(exc)) from None
+        except OSError as exc:
+            if sock is not None:
+                sock.close()
+            last_error = exc
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            hint = (
+                "connected, but the server did not complete the handshake (is it overloaded, or out of file "
+                "descriptors?)"
+                if isinstance(last_error, (socket.timeout, ConnectionResetError))
+                else "is the master (is_master=True) running, and are host and port right?"
+            )
+            raise DistNetworkError(
+                f"could not connect to the TCPStore server at {where} within {rules.format_seconds(timeout)} "
+                f"({attempts} attempts; last error: {last_error}); {hint}"
+            ) from None
+        time.sleep(min(remaining, random.uniform(delay / 2, delay)))
+        delay = min(delay * 2, _MAX_RETRY_DELAY)
+
+
+class TCPStoreClient:
+    """A connection to a TCPStore server; every method is one request and its response."""
+
+    def __init__(self, host: str, port: int, timeout: float, max_frame_size: int = p.DEFAULT_MAX_FRAME_SIZE):
+        self.host, self.port = host, port
+        self.where = f"{host}:{port}"
+        self._sock, self._proto = connect(host, port, timeout, max_frame_size)
+        self._lock = threading.Lock()
+        self._next_id = 0
+        self._rcvtimeo = -1.0
+        self.reply_timeout = timeout + reply_grace(timeout)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
+
+    @property
+    def closed(self) -> bool:
+        return self._sock is None
+
+    # -- the round trip -----------------------------------------------------------------------------
+
+    def _new_id(self) -> int:
+        self._next_id = request_id = (self._next_id + 1) & 0xFFFFFFFF
+        return request_id
+
+    def _roundtrip(self, operation: str, frame: bytes, request_id: int, wait: float):
+        """Send ``frame``; return the response with ``request_id``, or None if none came within ``wait`` s."""
+        sock = self._sock
+        if sock is None:
+            raise DistNetworkError(f"{operation}: this TCPStore client's connection to {self.where} is closed")
+        if wait != self._rcvtimeo:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(wait))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(wait))
+            self._rcvtimeo = wait
+        proto = self._proto
+        started = time.monotonic()
+        try:
+            sock.sendall(frame)
+            while True:
+                event = proto.next_event()
+                if event is p.NEED_DATA:
+                    try:
+                        data = sock.recv(_RECV_SIZE)
+                    except BlockingIOError:  # SO_RCVTIMEO passed
+                        remaining = started + wait - time.monotonic()
+                        if remaining <= 0:
+                            return None
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(remaining))
+                        self._rcvtimeo = -1.0
+                        continue
+                    if not data:
+                        raise ConnectionResetError(errno.ECONNRESET, "the server closed the connection")
+                    proto.receive_data(data)
+                elif event.request_id == request_id:
+                    return event
+                # else: the late answer to a request this client already gave up on; drop it
+        except p.ProtocolError as exc:
+            self._broken(operation, f"the server sent bytes that are not this protocol ({exc})")
+        except OSError as exc:
+            self._broken(operation, str(exc) or type(exc).__name__)
+
+    def _broken(self, operation: str, reason: str):
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+        raise DistNetworkError(
+            f"{operation}: lost the connection to the TCPStore server at {self.where}: {reason}. The master process "
+            f"(is_master=True) may have exited; this store cannot be used any more."
+        ) from None
+
+    def _call(self, operation: str, frame_of_id, wait: float | None = None):
+        with self._lock:
+            request_id = self._new_id()
+            response = self._roundtrip(operation, frame_of_id(request_id), request_id, wait or self.reply_timeout)
+        if response is None:
+            raise DistNetworkError(
+                f"{operation}: the TCPStore server at {self.where} did not answer within "
+                f"{rules.format_seconds(wait or self.reply_timeout)}; it may be hung or overloaded"
+            )
+        if type(response) is p.Error:
+            message = response.message.decode("utf-8", "replace")
+            if response.code == p.ERROR_NOT_AN_INTEGER:
+                raise ValueError(message)
+            raise DistStoreError(f"{operation}: the TCPStore server at {self.where} refused the request: {message}")
+        return response
+
+    def _blocking_call(self, operation: str, keys: list, timeout: float, frame_of_id):
+        """A GET/WAIT/MULTI_GET: the server answers by ``timeout``; the client waits a grace period more."""
+        with self._lock:
+            request_id = self._new_id()
+            response = self._roundtrip(operation, frame_of_id(request_id), request_id, timeout + reply_grace(timeout))
+        if response is None or type(response) is p.TimedOut:
+            missing = None if response is None else [k.decode("utf-8", "replace") for k in response.missing_keys]
+            raise rules.timeout_error(operation, keys, timeout, missing, where=f"TCPStore {self.where}")
+        return response
+
+    # -- requests -------------------------------------------------------------------------------------
+
+    def set(self, key: bytes, value: bytes) -> None:
+        self._call("set", lambda rid: p.encode_set(rid, key, value))
+
+    def get(self, key: str, timeout: float) -> bytes:
+        key_bytes = key.encode()
+        ms = _milliseconds(timeout)
+        return self._blocking_call("get", [key], timeout, lambda rid: p.encode_get(rid, key_bytes, ms)).value
+
+    def add(self, key: bytes, amount: int) -> int:
+        return self._call("add", lambda rid: p.encode_add(rid, key, amount)).value
+
+    def compare_set(self, key: bytes, expected: bytes, desired: bytes) -> bytes:
+        return self._call("compare_set", lambda rid: p.encode(p.CompareSet(rid, key, expected, desired))).value
+
+    def wait(self, keys: list[str], timeout: float) -> None:
+        encoded = [k.encode() for k in keys]
+        ms = _milliseconds(timeout)
+        self._blocking_call("wait", keys, timeout, lambda rid: p.encode(p.Wait(rid, encoded, ms)))
+
+    def check(self, keys: list[bytes]) -> bool:
+        return self._call("check", lambda rid: p.encode(p.Check(rid, keys))).value
+
+    def num_keys(self) -> int:
+        return self._call("num_keys", lambda rid: p.encode(p.NumKeys(rid))).value
+
+    def delete_key(self, key: bytes) -> bool:
+        return self._call("delete_key", lambda rid: p.encode(p.DeleteKey(rid, key))).value
+
+    def append(self, key: bytes, value: bytes) -> None:
+        self._call("append", lambda rid: p.encode(p.Append(rid, key, value)))
+
+    def multi_get(self, keys: list[str], timeout: float) -> list[bytes]:
+        encoded = [k.encode() for k in keys]
+        ms = _milliseconds(timeout)
+        return self._blocking_call("multi_get", keys, timeout, lambda rid: p.encode(p.MultiGet(rid, encoded, ms))).values
+
+    def multi_set(self, keys: list[bytes], values: list[bytes]) -> None:
+        self._call("multi_set", lambda rid: p.encode(p.MultiSet(rid, keys, values)))
+
+    def list_keys(self) -> list[bytes]:
+        return self._call("list_keys", lambda rid: p.encode(p.ListKeys(rid))).values
+
+    def join(self) -> int:
+        return self._call("join", lambda rid: p.encode(p.Join(rid))).value
+
+
+def _milliseconds(seconds: float) -> int:
+    return min(int(seconds * 1000), 0xFFFFFFFFFFFFFFFF)

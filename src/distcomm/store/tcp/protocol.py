@@ -1,0 +1,597 @@
+"""The TCPStore wire protocol, with no I/O: bytes in, events out; ``send(event) -> bytes``.
+
+Why a module of its own: the server and the client are the only two places that touch sockets, and
+both are hard to test for "what exactly goes over the wire". Here every encoding is a pure function,
+so the tests are tables of exact bytes (the h11 approach), and the bad-input cases (wrong magic,
+wrong version, a 2^40 length prefix, garbage in a frame) are decided here, once, on bytes alone.
+
+Wire format (all integers little-endian)::
+
+    hello        client -> server   b"DCKV" | u16 version | u16 flags (0)
+    hello reply  server -> client   b"DCKV" | u16 version | u16 status (0 ok, 1 unsupported version)
+    frame        both ways          u32 length | u8 opcode | u32 request_id | fields   (length counts
+                                    everything after itself, so it is >= 5)
+    fields       bytes: u32 n | n bytes;  list: u32 count | count x bytes;  i64 / u64 as 8 bytes
+
+Requests carry the ``request_id`` the client chose; the response echoes it. A client that gave up
+on a blocking request (its own deadline passed) therefore recognises the late answer and drops it:
+the stream can never be read out of step. Blocking requests (GET, WAIT, MULTI_GET) also carry the
+client's timeout, so the server answers TIMED_OUT itself instead of holding the request forever.
+
+A frame's length is checked against ``max_frame_size`` as soon as its four bytes arrive, before
+anything is buffered for it; every field length and list count is checked against the bytes left
+in its frame before it is read. Nothing is ever allocated from an unchecked length.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Union
+
+MAGIC = b"DCKV"
+VERSION = 1
+DEFAULT_MAX_FRAME_SIZE = 1 << 30  # 1 GiB: larger than any sane store value, far below 2^40
+
+HELLO_STATUS_OK = 0
+HELLO_STATUS_UNSUPPORTED_VERSION = 1
+
+# Error codes carried by an Error response.
+ERROR_NOT_AN_INTEGER = 1  # add() on a value that is not a decimal integer (torch raises ValueError)
+ERROR_BAD_REQUEST = 2  # a well-formed frame asking for something invalid (e.g. mismatched multi_set)
+
+_HELLO = struct.Struct("<4sHH")
+_FRAME_HEAD = struct.Struct("<IBI")  # length, opcode, request_id
+_U32 = struct.Struct("<I")
+_I64 = struct.Struct("<q")
+_U64 = struct.Struct("<Q")
+_U8 = struct.Struct("<B")
+_HEAD_AFTER_LENGTH = 5  # opcode + request_id
+HELLO_SIZE = _HELLO.size
+
+
+class ProtocolError(Exception):
+    """The peer sent bytes that are not this protocol; the connection must be closed."""
+
+
+class NeedData:
+    """Sentinel type: ``next_event`` needs more bytes before it can return an event."""
+
+    def __repr__(self) -> str:
+        return "NEED_DATA"
+
+
+NEED_DATA = NeedData()
+
+
+# ---------------------------------------------------------------------------------------------
+# Field readers: every length is checked against the bytes left in the frame before it is used.
+# The last field of a frame (key or value) takes the rest of the frame without a length prefix:
+# one length fewer to write and check on the hot path (SET, GET, ADD, VALUE).
+# ---------------------------------------------------------------------------------------------
+
+
+class _Fields:
+    __slots__ = ("data", "pos", "end", "what")
+
+    def __init__(self, data: bytes, pos: int, end: int, what: str):
+        self.data, self.pos, self.end, self.what = data, pos, end, what
+
+    def _need(self, n: int, field: str) -> None:
+        if n > self.end - self.pos:
+            raise ProtocolError(
+                f"{self.what} frame: field {field} needs {n} bytes but only {self.end - self.pos} remain in the frame"
+            )
+
+    def fixed(self, codec: struct.Struct, field: str) -> int:
+        self._need(codec.size, field)
+        (value,) = codec.unpack_from(self.data, self.pos)
+        self.pos += codec.size
+        return value
+
+    def sized(self, field: str) -> bytes:
+        n = self.fixed(_U32, field + " length")
+        self._need(n, field)
+        start = self.pos
+        self.pos = start + n
+        return self.data[start : self.pos]
+
+    def items(self, field: str) -> list:
+        count = self.fixed(_U32, field + " count")
+        if count * 4 > self.end - self.pos:  # each item needs at least its 4-byte length
+            raise ProtocolError(
+                f"{self.what} frame: {field} count {count} cannot fit in the {self.end - self.pos} bytes left"
+            )
+        return [self.sized(field) for _ in range(count)]
+
+    def rest(self) -> bytes:
+        value = self.data[self.pos : self.end]
+        self.pos = self.end
+        return value
+
+    def done(self) -> None:
+        if self.pos != self.end:
+            raise ProtocolError(f"{self.what} frame: {self.end - self.pos} unexpected bytes after the last field")
+
+
+def _sized(data: bytes) -> bytes:
+    return _U32.pack(len(data)) + data
+
+
+def _items(items) -> bytes:
+    return _U32.pack(len(items)) + b"".join([_U32.pack(len(item)) + item for item in items])
+
+
+# ---------------------------------------------------------------------------------------------
+# Events. Keys and values are bytes on the wire and in events; the store layer encodes str.
+# Each frame event knows its OPCODE, its payload bytes, and how to parse its payload.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Hello:
+    version: int = VERSION
+
+
+@dataclass(slots=True)
+class HelloReply:
+    version: int = VERSION
+    status: int = HELLO_STATUS_OK
+
+
+class _Frame:
+    __slots__ = ()
+    OPCODE = -1
+
+    def payload(self) -> bytes:
+        return b""
+
+    @classmethod
+    def parse(cls, data: bytes, start: int, end: int, request_id: int):
+        _Fields(data, start, end, cls.__name__).done()
+        return cls(request_id)
+
+
+@dataclass(slots=True)
+class Set(_Frame):
+    request_id: int
+    key: bytes
+    value: bytes
+    OPCODE = 0x01
+
+    def payload(self) -> bytes:
+        return _sized(self.key) + self.value
+
+    @classmethod
+    def parse(cls, data, start, end, request_id):
+        f = _Fields(data, start, end, cls.__name__)
+        key = f.sized("key")
+        return cls(request_id, key, f.rest())
+
+
+@dataclass(slots=True)
+class Get(_Frame):
+    request_id: int
+    key: bytes
+    timeout_ms: int
+    OPCODE = 0x02
+
+    def payload(self) -> bytes:
+        return _U64.pack(self.timeout_ms) + self.key
+
+    @staticmethod
+    def parse(data, start, end, request_id):
+        if end - start < 8:
+            raise ProtocolError(f"Get frame: {end - start} bytes cannot hold timeout_ms")
+        return Get(request_id, data[start + 8 : end], _U64.unpack_from(data, start)[0])
+
+
+@dataclass(slots=True)
+class Add(_Frame):
+    request_id: int
+    key: bytes
+    amount: int
+    OPCODE = 0x03
+
+    def payload(self) -> bytes:
+        return _I64.pack(self.amount) + self.key
+
+    @staticmethod
+    def parse(data, start, end, request_id):
+        if end - start < 8:
+            raise ProtocolError(f"Add frame: {end - start} bytes cannot hold amount")
+        return Add(request_id, data[start + 8 : end], _I64.unpack_from(data, start)[0])
+
+
+@dataclass(slots=True)
+class CompareSet(_Frame):
+    request_id: int
+    key: bytes
+    expected: bytes
+    desired: bytes
+    OPCODE = 0x04
+
+    def payload(self) -> bytes:
+        return _sized(self.key) + _sized(self.expected) + self.desired
+
+    @staticmethod
+    def parse(data, start, end, request_id):
+        f = _Fields(data, start, end, "CompareSet")
+        key = f.sized("key")
+        expected = f.sized("expected")
+        return CompareSet(request_id, key, expected, f.rest())
+
+
+@dataclass(slots=True)
+class Wait(_Frame):
+    request_id: int
+    keys: list
+    timeout_ms: int
+    OPCODE = 0x05
+
+    def payload(self) -> bytes:
+        return _U64.pack(self.timeout_ms) + _items(self.keys)
+
+    @classmethod
+    def parse(cls, data, start, end, request_id):
+        f = _Fields(data, start, end, cls.__name__)
+        timeout_ms = f.fixed(_U64, "timeout_ms")
+        keys = f.items("keys")
+        f.done()
+        return cls(request_id, keys, timeout_ms)
+
+
+@dataclass(slots=True)
+class Check(_Frame):
+    request_id: int
+    keys: list
+    OPCODE = 0x06
+
+    def payload(self) -> bytes:
+        return _items(self.keys)
+
+    @staticmethod
+    def parse(data, start, end, request_id):
+        f = _Fields(data, start, end, "Check")
+        keys = f.items("keys")
+        f.done()
+        return Check(request_id, keys)
+
+
+@dataclass(slots=True)
+class NumKeys(_Frame):
+    request_id: int
+    OPCODE = 0x07
+
+
+@dataclass(slots=True)
+class DeleteKey(_Frame):
+    request_id: int
+    key: bytes
+    OPCODE = 0x08
+
+    def payload(self) -> bytes:
+        return self.key
+
+    @staticmethod
+    def parse(data, start, end, request_id):
+        return DeleteKey(request_id, data[start:end])
+
+
+@dataclass(slots=True)
+class Append(Set):
+    OPCODE = 0x09
+
+
+@dataclass(slots=True)
+class MultiGet(Wait):
+    OPCODE = 0x0A
+
+
+@dataclass(slots=True)
+class MultiSet(_Frame):
+    request_id: int
+    keys: list
+    values: list
+    OPCODE = 0x0B
+
+    def payload(self) -> bytes:
+        if len(self.keys) != len(self.values):
+            raise ValueError(f"MultiSet has {len(self.keys)} keys but {len(self.values)} values")
+        return _items(self.keys) + _items(self.values)
+
+    @staticmethod
+    def parse(data, start, end, request_id):
+        f = _Fields(data, start, end, "MultiSet")
+        keys = f.items("keys")
+        values = f.items("values")
+        f.done()
+        return MultiSet(request_id, keys, values)
+
+
+@dataclass(slots=True)
+class ListKeys(_Frame):
+    request_id: int
+    OPCODE = 0x0C
+
+
+@dataclass(slots=True)
+class Join(_Frame):
+    """A store counting itself towards the master's ``world_size`` (wait_for_workers)."""
+
+    request_id: int
+    OPCODE = 0x0D
+
+
+@dataclass(slots=True)
+class Ok(_Frame):
+    request_id: int
+    OPCODE = 0x80
+
+
+@dataclass(slots=True)
+class Value(_Frame):
+    request_id: int
+    value: bytes
+    OPCODE = 0x81
+
+    def payload(self) -> bytes:
+        return self.value
+
+    @staticmethod
+    def parse(data, start, end, request_id):
+        return Value(request_id, data[start:end])
+
+
+@dataclass(slots=True)
+class Integer(_Frame):
+    request_id: int
+    value: int
+    OPCODE = 0x82
+
+    def payload(self) -> bytes:
+        return _I64.pack(self.value)
+
+    @staticmethod
+    def parse(data, start, end, request_id):
+        if end - start != 8:
+            raise ProtocolError(f"Integer frame: payload is {end - start} bytes, not 8")
+        return Integer(request_id, _I64.unpack_from(data, start)[0])
+
+
+@dataclass(slots=True)
+class Bool(_Frame):
+    request_id: int
+    value: bool
+    OPCODE = 0x83
+
+    def payload(self) -> bytes:
+        return b"\x01" if self.value else b"\x00"
+
+    @staticmethod
+    def parse(data, start, end, request_id):
+        if end - start != 1 or data[start] > 1:
+            raise ProtocolError(f"Bool frame: payload {data[start:end]!r} is not one byte 0 or 1")
+        return Bool(request_id, data[start] == 1)
+
+
+@dataclass(slots=True)
+class Values(_Frame):
+    request_id: int
+    values: list
+    OPCODE = 0x84
+
+    def payload(self) -> bytes:
+        return _items(self.values)
+
+    @classmethod
+    def parse(cls, data, start, end, request_id):
+        f = _Fields(data, start, end, cls.__name__)
+        values = f.items("values")
+        f.done()
+        return cls(request_id, values)
+
+
+@dataclass(slots=True)
+class TimedOut(_Frame):
+    """A blocking request's timeout passed on the server; ``missing_keys`` were still absent."""
+
+    request_id: int
+    missing_keys: list
+    OPCODE = 0x85
+
+    def payload(self) -> bytes:
+        return _items(self.missing_keys)
+
+    @staticmethod
+    def parse(data, start, end, request_id):
+        f = _Fields(data, start, end, "TimedOut")
+        missing = f.items("missing_keys")
+        f.done()
+        return TimedOut(request_id, missing)
+
+
+@dataclass(slots=True)
+class Error(_Frame):
+    request_id: int
+    code: int
+    message: bytes
+    OPCODE = 0x86
+
+    def payload(self) -> bytes:
+        return _U8.pack(self.code) + self.message
+
+    @staticmethod
+    def parse(data, start, end, request_id):
+        if end - start < 1:
+            raise ProtocolError("Error frame: no error code")
+        return Error(request_id, data[start], data[start + 1 : end])
+
+
+REQUESTS = (Set, Get, Add, CompareSet, Wait, Check, NumKeys, DeleteKey, Append, MultiGet, MultiSet, ListKeys, Join)
+RESPONSES = (Ok, Value, Integer, Bool, Values, TimedOut, Error)
+Request = Union[REQUESTS]
+Response = Union[RESPONSES]
+_REQUEST_PARSERS = {kind.OPCODE: kind.parse for kind in REQUESTS}
+_RESPONSE_PARSERS = {kind.OPCODE: kind.parse for kind in RESPONSES}
+
+
+def encode(event: _Frame) -> bytes:
+    """The exact bytes of one frame (request or response)."""
+    if not isinstance(event, _Frame):
+        raise TypeError(f"not a protocol frame event: {event!r}")
+    payload = event.payload()
+    return _FRAME_HEAD.pack(len(payload) + _HEAD_AFTER_LENGTH, event.OPCODE, event.request_id) + payload
+
+
+# ---------------------------------------------------------------------------------------------
+# Connection state machines
+# ---------------------------------------------------------------------------------------------
+
+
+class _Connection:
+    """Shared receive side: a hello first, then length-prefixed frames.
+
+    Received chunks are kept as they came and joined only once a whole frame (whose length passed
+    the size check) is present, so a large frame arriving in many pieces is copied once, and a peer
+    can make the buffer grow only by actually sending bytes.
+    """
+
+    _parsers: dict = {}
+
+    def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE):
+        self.max_frame_size = max_frame_size
+        self._buffer = b""
+        self._pos = 0
+        self._chunks: list[bytes] = []
+        self._pending = 0  # bytes in _chunks
+        self._hello_done = False
+        self.closed = False
+
+    def receive_data(self, data: bytes) -> None:
+        """Feed bytes read from the socket (b"" means the peer closed)."""
+        if not data:
+            self.closed = True
+        elif self._pos >= len(self._buffer) and not self._pending:
+            self._buffer = bytes(data)
+            self._pos = 0
+        else:
+            self._chunks.append(bytes(data))
+            self._pending += len(data)
+
+    @property
+    def has_partial_data(self) -> bool:
+        """True while bytes are buffered that do not yet form a complete hello or frame."""
+        return self._pos < len(self._buffer) or self._pending > 0 or not self._hello_done
+
+    def _gather(self, needed: int) -> bool:
+        """Make ``needed`` bytes contiguous at ``_pos`` if that many were received."""
+        if len(self._buffer) - self._pos + self._pending < needed:
+            return False
+        self._buffer = self._buffer[self._pos :] + b"".join(self._chunks)
+        self._pos = 0
+        self._chunks.clear()
+        self._pending = 0
+        return True
+
+    def next_event(self):
+        """The next complete event, NEED_DATA, or ProtocolError for bytes that are not this protocol."""
+        if not self._hello_done:
+            return self._next_hello()
+        buffer, pos = self._buffer, self._pos
+        if len(buffer) - pos < 4:
+            if not self._gather(4):
+                return NEED_DATA
+            buffer, pos = self._buffer, 0
+        (length,) = _U32.unpack_from(buffer, pos)
+        if length > self.max_frame_size:
+            raise ProtocolError(f"frame length {length} exceeds the maximum frame size {self.max_frame_size}")
+        if length < _HEAD_AFTER_LENGTH:
+            raise ProtocolError(f"frame length {length} is shorter than a frame head ({_HEAD_AFTER_LENGTH} bytes)")
+        end = pos + 4 + length
+        if end > len(buffer):
+            if not self._gather(4 + length):
+                return NEED_DATA
+            buffer, pos, end = self._buffer, 0, 4 + length
+        _, opcode, request_id = _FRAME_HEAD.unpack_from(buffer, pos)
+        parse = self._parsers.get(opcode)
+        if parse is None:
+            raise ProtocolError(f"unknown opcode 0x{opcode:02x}")
+        self._pos = end
+        return parse(buffer, pos + 4 + _HEAD_AFTER_LENGTH, end, request_id)
+
+    def _next_hello(self):
+        self._gather(0)
+        buffer = self._buffer
+        # A wrong magic is reported as soon as the bytes received so far differ from it.
+        prefix = buffer[: len(MAGIC)]
+        if prefix != MAGIC[: len(prefix)]:
+            raise ProtocolError(f"bad magic {prefix!r}: expected {MAGIC!r} (is this a distcomm TCPStore peer?)")
+        if len(buffer) < HELLO_SIZE:
+            return NEED_DATA
+        _, version, word = _HELLO.unpack_from(buffer, 0)
+        self._pos = HELLO_SIZE
+        self._hello_done = True
+        return self._hello_event(version, word)
+
+
+class ServerProtocol(_Connection):
+    """The server's side of one connection: Hello and requests in, HelloReply and responses out."""
+
+    _parsers = _REQUEST_PARSERS
+
+    @staticmethod
+    def _hello_event(version: int, flags: int) -> Hello:
+        return Hello(version)
+
+    @staticmethod
+    def reply_to(hello: Hello) -> HelloReply:
+        status = HELLO_STATUS_OK if hello.version == VERSION else HELLO_STATUS_UNSUPPORTED_VERSION
+        return HelloReply(VERSION, status)
+
+    @staticmethod
+    def send(event) -> bytes:
+        if type(event) is HelloReply:
+            return _HELLO.pack(MAGIC, event.version, event.status)
+        if not isinstance(event, RESPONSES):
+            raise TypeError(f"a server sends HelloReply or responses, not {type(event).__name__}")
+        return encode(event)
+
+
+class ClientProtocol(_Connection):
+    """The client's side: Hello and requests out, HelloReply and responses in."""
+
+    _parsers = _RESPONSE_PARSERS
+
+    @staticmethod
+    def _hello_event(version: int, status: int) -> HelloReply:
+        return HelloReply(version, status)
+
+    @staticmethod
+    def send(event) -> bytes:
+        if type(event) is Hello:
+            return _HELLO.pack(MAGIC, event.version, 0)
+        if not isinstance(event, REQUESTS):
+            raise TypeError(f"a client sends Hello or requests, not {type(event).__name__}")
+        return encode(event)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fast paths for the client's hottest requests (same bytes as encode(); tested against it).
+# ---------------------------------------------------------------------------------------------
+
+_SET_HEAD = struct.Struct("<IBII")  # length, opcode, request_id, key length
+_GET_HEAD = struct.Struct("<IBIQ")  # length, opcode, request_id, timeout_ms
+_ADD_HEAD = struct.Struct("<IBIq")  # length, opcode, request_id, amount
+
+
+def encode_set(request_id: int, key: bytes, value: bytes) -> bytes:
+    return _SET_HEAD.pack(9 + len(key) + len(value), Set.OPCODE, request_id, len(key)) + key + value
+
+
+def encode_get(request_id: int, key: bytes, timeout_ms: int) -> bytes:
+    return _GET_HEAD.pack(13 + len(key), Get.OPCODE, request_id, timeout_ms) + key
+
+
+def encode_add(request_id: int, key: bytes, amount: int) -> bytes:
+    return _ADD_HEAD.pack(13 + len(key), Add.OPCODE, request_id, amount) + key

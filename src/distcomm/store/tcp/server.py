@@ -1,0 +1,545 @@
+"""TCPStoreServer: the TCPStore master's key table, served by one event loop in one background thread.
+
+Why one loop and no thread per client: a job of N ranks opens N connections (more with process
+groups and clones), most of them idle and many parked in a blocking get()/wait(). One selectors
+loop serves them all with one thread and no locks on the table: every request is handled to
+completion in arrival order, which is also what makes add() and compare_set() atomic.
+
+How blocking requests work: GET/WAIT/MULTI_GET whose keys are missing are *parked* — recorded under
+each missing key and in a deadline heap — and answered by the write that completes them, or with
+TIMED_OUT when the deadline the client sent passes. Nothing polls. Responses carry the request id,
+so a client that gave up early just ignores a late answer.
+
+What protects the server: each connection has its own ServerProtocol (which checks every length
+before buffering for it); a protocol error closes only that connection. A connection that has not
+finished its hello, or has part of a frame buffered, for longer than ``idle_timeout`` seconds is
+closed (slowloris, a peer that connects and never speaks); a connection idle *between* frames is
+legitimate and kept. A client that does not read its responses stops being read from (its output
+buffer must drain first), so it cannot make the server buffer without bound. When accept() fails
+because the process is out of file descriptors, the server says so (a warning naming the limit)
+and retries shortly instead of spinning.
+"""
+
+from __future__ import annotations
+
+import errno
+import heapq
+import logging
+import selectors
+import socket
+import threading
+import time
+import warnings
+
+from ...errors import DistNetworkError
+from ..table import KeyTable
+from . import protocol as p
+
+log = logging.getLogger(__name__)
+
+DEFAULT_IDLE_TIMEOUT = 60.0
+DEFAULT_BACKLOG = 4096  # the kernel caps this at net.core.somaxconn
+_ACCEPT_PAUSE_ON_EMFILE = 0.2
+_RECV_SIZE = 1 << 16
+
+
+def raise_open_file_limit() -> tuple[int, int]:
+    """Raise this process's RLIMIT_NOFILE soft limit to its hard limit; return (soft, hard) after."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return (-1, -1)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return soft, hard
+
+
+def open_listener(host: str, port: int, backlog: int = DEFAULT_BACKLOG) -> socket.socket:
+    """A listening socket on exactly ``host``:``port`` (port 0: a free one). DistNetworkError at once if taken."""
+    where = f"{host}:{port}"
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise DistNetworkError(f"TCPStore server cannot resolve host {host!r} to listen on {where}: {exc}") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # allows TIME_WAIT, not a live listener
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(address)
+        sock.listen(backlog)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise DistNetworkError(
+                f"TCPStore server cannot listen on {where}: the address is already in use (EADDRINUSE). Another "
+                f"process, or another TCPStore master in this process, holds that port: choose another port, pass "
+                f"port=0 to take a free one, or pass multi_tenant=True to share one server within a process."
+            ) from None
+        name = errno.errorcode.get(exc.errno or 0, "error")
+        raise DistNetworkError(f"TCPStore server cannot listen on {where}: {exc.strerror} ({name})") from None
+    sock.setblocking(False)
+    return sock
+
+
+class _Connection:
+    __slots__ = ("sock", "fd", "proto", "out", "partial_deadline", "parked", "closing", "peer", "key")
+
+    def __init__(self, sock: socket.socket, peer, max_frame_size: int):
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.proto = p.ServerProtocol(max_frame_size)
+        self.out = bytearray()
+        self.partial_deadline: float | None = None
+        self.parked: set = set()
+        self.closing = False  # close once the output buffer is flushed (after a refused hello)
+        self.peer = peer
+        self.key = None  # the selectors key
+
+
+class _Parked:
+    """A blocking request waiting for keys."""
+
+    __slots__ = ("conn", "request", "keys", "missing", "deadline", "done")
+
+    def __init__(self, conn, request, keys, missing, deadline):
+        self.conn, self.request, self.keys, self.missing, self.deadline = conn, request, keys, missing, deadline
+        self.done = False
+
+    def __lt__(self, other):  # heap ties
+        return id(self) < id(other)
+
+
+class TCPStoreServer:
+    """The key-value server of a TCPStore master. ``start()`` runs its loop in a daemon thread."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
+        max_frame_size: int = p.DEFAULT_MAX_FRAME_SIZE,
+        backlog: int = DEFAULT_BACKLOG,
+    ):
+        self.open_file_limit = raise_open_file_limit()[0]
+        self._listener = open_listener(host, port, backlog)
+        self.host = host
+        self.port = self._listener.getsockname()[1]
+        self.idle_timeout = idle_timeout
+        self.max_frame_size = max_frame_size
+        self.table = KeyTable()
+        self.joined = 0
+        self.stats = {"accepted": 0, "protocol_errors": 0, "idle_closed": 0, "accept_fd_exhausted": 0}
+        self._joined_changed = threading.Condition()
+        self._waiting: dict[bytes, list[_Parked]] = {}
+        self._deadlines: list = []
+        self._conns: dict[int, _Connection] = {}
+        self._partial: dict[_Connection, float] = {}
+        self._dirty: set[_Connection] = set()
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._stopping = False
+        self._accept_paused_until = 0.0
+        self._next_sweep = 0.0
+        self._thread: threading.Thread | None = None
+        self._handlers = {
+            p.Set: self._on_set,
+            p.Get: self._on_get,
+            p.Add: self._on_add,
+            p.CompareSet: self._on_compare_set,
+            p.Wait: self._on_wait,
+            p.Check: self._on_check,
+            p.NumKeys: self._on_num_keys,
+            p.DeleteKey: self._on_delete_key,
+            p.Append: self._on_append,
+            p.MultiGet: self._on_multi_get,
+            p.MultiSet: self._on_multi_set,
+            p.ListKeys: self._on_list_keys,
+            p.Join: self._on_join,
+        }
+
+    def __repr__(self) -> str:
+        return f"TCPStoreServer({self.host}:{self.port}, {len(self._conns)} clients)"
+
+    # -- lifetime ---------------------------------------------------------------------------------
+
+    def start(self) -> "TCPStoreServer":
+        self._selector.register(self._listener, selectors.EVENT_READ, "listener")
+        self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._thread = threading.Thread(target=self._run, name=f"TCPStoreServer:{self.port}", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the loop and close every connection; idempotent."""
+        if self._stopping:
+            return
+        self._stopping = True
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(10)
+        if self._thread is None:
+            self._close_everything()
+
+    @property
+    def num_clients(self) -> int:
+        return len(self._conns)
+
+    def wait_for_joins(self, count: int, timeout: float) -> int:
+        """Block (in the caller's thread) until ``count`` clients sent Join, or ``timeout``; return the count."""
+        with self._joined_changed:
+            self._joined_changed.wait_for(lambda: self.joined >= count or self._stopping, timeout)
+            return self.joined
+
+    # -- the loop -----------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        selector = self._selector
+        conns = self._conns
+        try:
+            while not self._stopping:
+                events = selector.select(self._select_timeout())
+                for key, mask in events:
+                    conn = key.data
+                    if conn == "listener":
+                        self._accept()
+                    elif conn == "wake":
+                        self._drain_wake()
+                    elif conn.fd in conns:
+                        if mask & selectors.EVENT_READ:
+                            self._read(conn)
+                        if mask & selectors.EVENT_WRITE and conn.fd in conns:
+                            self._dirty.add(conn)
+                if self._dirty:
+                    self._flush_dirty()
+                if self._deadlines or self._partial or self._accept_paused_until:
+                    self._expire(time.monotonic())
+        except Exception:  # pragma: no cover - a bug; make it loud rather than a silent dead server
+            log.exception("TCPStoreServer on port %d crashed", self.port)
+            raise
+        finally:
+            self._close_everything()
+
+    def _select_timeout(self) -> float | None:
+        timeout = None
+        if self._deadlines:
+            timeout = self._deadlines[0][0]
+        if self._partial:
+            timeout = self._next_sweep if timeout is None else min(timeout, self._next_sweep)
+        if self._accept_paused_until:
+            timeout = self._accept_paused_until if timeout is None else min(timeout, self._accept_paused_until)
+        if timeout is None:
+            return None
+        return max(0.0, timeout - time.monotonic())
+
+    def _drain_wake(self) -> None:
+        try:
+            self._wake_r.recv(4096)
+        except OSError:
+            pass
+
+    def _accept(self) -> None:
+        for _ in range(512):
+            try:
+                sock, peer = self._listener.accept()
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    self._pause_accepting(exc)
+                    return
+                if exc.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EPERM):
+                    continue
+                raise
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = _Connection(sock, peer, self.max_frame_size)
+            self._conns[conn.fd] = conn
+            conn.key = self._selector.register(sock, selectors.EVENT_READ, conn)
+            self._mark_partial(conn, time.monotonic())
+            self.stats["accepted"] += 1
+
+    def _pause_accepting(self, exc: OSError) -> None:
+        """Out of file descriptors: stop polling the listener briefly instead of spinning on it."""
+        self.stats["accept_fd_exhausted"] += 1
+        if self.stats["accept_fd_exhausted"] == 1:
+            warnings.warn(
+                f"TCPStore server on port {self.port} cannot accept more clients: {exc.strerror} "
+                f"({errno.errorcode.get(exc.errno, exc.errno)}) with {len(self._conns)} clients connected and an "
+                f"open-file limit (RLIMIT_NOFILE) of {self.open_file_limit}. Raise the limit (ulimit -n) to serve more "
+                f"clients; pending clients wait in the listen backlog until a descriptor frees up.",
+                RuntimeWarning,
+                stacklevel=1,
+            )
+        self._selector.unregister(self._listener)
+        self._accept_paused_until = time.monotonic() + _ACCEPT_PAUSE_ON_EMFILE
+
+    def _read(self, conn: _Connection) -> None:
+        try:
+            data = conn.sock.recv(_RECV_SIZE)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._close(conn)
+            return
+        if not data:
+            self._close(conn)
+            return
+        proto = conn.proto
+        proto.receive_data(data)
+        handlers = self._handlers
+        out = conn.out
+        try:
+            while True:
+                event = proto.next_event()
+                if event is p.NEED_DATA:
+                    break
+                handler = handlers.get(type(event))
+                if handler is not None:
+                    response = handler(conn, event)
+                    if response is not None:
+                        out += p.encode(response)
+                else:  # the Hello
+                    reply = proto.reply_to(event)
+                    out += proto.send(reply)
+                    if reply.status != p.HELLO_STATUS_OK:
+                        conn.closing = True
+                        break
+        except p.ProtocolError as exc:
+            self.stats["protocol_errors"] += 1
+            log.info("TCPStore server: closing %s: %s", conn.peer, exc)
+            self._close(conn)
+            return
+        if proto.has_partial_data:
+            if conn.partial_deadline is None:
+                self._mark_partial(conn, time.monotonic())
+        elif conn.partial_deadline is not None:
+            conn.partial_deadline = None
+            del self._partial[conn]
+        if out:
+            self._dirty.add(conn)
+
+    def _mark_partial(self, conn: _Connection, now: float) -> None:
+        conn.partial_deadline = now + self.idle_timeout
+        if not self._partial:
+            self._next_sweep = now + min(self.idle_timeout / 4, 1.0)
+        self._partial[conn] = conn.partial_deadline
+
+    def _flush_dirty(self) -> None:
+        dirty, self._dirty = self._dirty, set()
+        for conn in dirty:
+            if conn.fd in self._conns:
+                self._flush(conn)
+
+    def _flush(self, conn: _Connection) -> None:
+        out = conn.out
+        if out:
+            try:
+                sent = conn.sock.send(out)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError:
+                self._close(conn)
+                return
+            del out[:sent]
+        if out:  # the client is not reading: wait until it can take more, and stop reading its requests
+            if conn.key.events != selectors.EVENT_WRITE:
+                conn.key = self._selector.modify(conn.sock, selectors.EVENT_WRITE, conn)
+        elif conn.closing:
+            self._close(conn)
+        elif conn.key.events != selectors.EVENT_READ:
+            conn.key = self._selector.modify(conn.sock, selectors.EVENT_READ, conn)
+
+    def _expire(self, now: float) -> None:
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][0] <= now:
+            _, parked = heapq.heappop(deadlines)
+            if not parked.done:
+                self._finish(parked, p.TimedOut(parked.request.request_id, self.table.missing(parked.keys)))
+        if self._partial and now >= self._next_sweep:
+            self._next_sweep = now + min(self.idle_timeout / 4, 1.0)
+            expired = [conn for conn, deadline in self._partial.items() if deadline <= now]
+            for conn in expired:
+                self.stats["idle_closed"] += 1
+                log.info("TCPStore server: closing %s: no complete hello or frame in %.3g s", conn.peer, self.idle_timeout)
+                self._close(conn)
+        if self._accept_paused_until and now >= self._accept_paused_until:
+            self._accept_paused_until = 0.0
+            self._selector.register(self._listener, selectors.EVENT_READ, "listener")
+        if self._dirty:
+            self._flush_dirty()
+
+    def _close(self, conn: _Connection) -> None:
+        if self._conns.pop(conn.fd, None) is None:
+            return
+        self._partial.pop(conn, None)
+        self._dirty.discard(conn)
+        for parked in list(conn.parked):
+            self._unpark(parked)
+        try:
+            self._selector.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        conn.sock.close()
+
+    def _close_everything(self) -> None:
+        for conn in list(self._conns.values()):
+            self._close(conn)
+        for sock in (self._listener, self._wake_r, self._wake_w):
+            try:
+                sock.close()
+            except OSError:
+                pass
+        try:
+            self._selector.close()
+        except (OSError, RuntimeError):
+            pass
+        with self._joined_changed:
+            self._joined_changed.notify_all()
+
+    # -- parking ------------------------------------------------------------------------------------
+
+    def _park(self, conn: _Connection, request, keys: list, missing: list, timeout_ms: int):
+        """Answer later: when every key in ``missing`` is written, or at the deadline."""
+        if timeout_ms == 0:
+            return p.TimedOut(request.request_id, missing)
+        parked = _Parked(conn, request, keys, set(missing), time.monotonic() + timeout_ms / 1000.0)
+        for key in parked.missing:
+            self._waiting.setdefault(key, []).append(parked)
+        heapq.heappush(self._deadlines, (parked.deadline, parked))
+        conn.parked.add(parked)
+        return None
+
+    def _unpark(self, parked: _Parked) -> None:
+        parked.done = True
+        parked.conn.parked.discard(parked)
+        for key in parked.missing:
+            waiters = self._waiting.get(key)
+            if waiters is not None:
+                try:
+                    waiters.remove(parked)
+                except ValueError:
+                    pass
+                if not waiters:
+                    del self._waiting[key]
+
+    def _finish(self, parked: _Parked, response) -> None:
+        self._unpark(parked)
+        conn = parked.conn
+        if conn.fd in self._conns:
+            conn.out += p.encode(response)
+            self._dirty.add(conn)
+
+    def _written(self, key: bytes) -> None:
+        """``key`` now exists: answer the parked requests it completes."""
+        waiters = self._waiting.pop(key, None)
+        if not waiters:
+            return
+        for parked in waiters:
+            parked.missing.discard(key)
+            if parked.missing or parked.done:
+                continue
+            still_missing = self.table.missing(parked.keys)  # a key may have been deleted meanwhile
+            if still_missing:
+                parked.missing.update(still_missing)
+                for k in still_missing:
+                    self._waiting.setdefault(k, []).append(parked)
+                continue
+            self._finish(parked, self._completed(parked.request))
+
+    def _completed(self, request):
+        values = self.table.values
+        kind = type(request)
+        if kind is p.Get:
+            return p.Value(request.request_id, values[request.key])
+        if kind is p.MultiGet:
+            return p.Values(request.request_id, [values[k] for k in request.keys])
+        return p.Ok(request.request_id)
+
+    # -- requests -----------------------------------------------------------------------------------
+
+    def _on_set(self, conn, req):
+        self.table.values[req.key] = req.value
+        if self._waiting:
+            self._written(req.key)
+        return p.Ok(req.request_id)
+
+    def _on_get(self, conn, req):
+        value = self.table.values.get(req.key)
+        if value is not None:
+            return p.Value(req.request_id, value)
+        return self._park(conn, req, [req.key], [req.key], req.timeout_ms)
+
+    def _on_add(self, conn, req):
+        try:
+            total = self.table.add(req.key, req.amount)
+        except ValueError as exc:
+            return p.Error(req.request_id, p.ERROR_NOT_AN_INTEGER, str(exc).encode("utf-8"))
+        if self._waiting:
+            self._written(req.key)
+        return p.Integer(req.request_id, total)
+
+    def _on_compare_set(self, conn, req):
+        returned, changed = self.table.compare_set(req.key, req.expected, req.desired)
+        if changed and self._waiting:
+            self._written(req.key)
+        return p.Value(req.request_id, returned)
+
+    def _on_wait(self, conn, req):
+        missing = self.table.missing(req.keys)
+        if not missing:
+            return p.Ok(req.request_id)
+        return self._park(conn, req, req.keys, missing, req.timeout_ms)
+
+    def _on_check(self, conn, req):
+        return p.Bool(req.request_id, not self.table.missing(req.keys))
+
+    def _on_num_keys(self, conn, req):
+        return p.Integer(req.request_id, len(self.table) + (1 if self.joined else 0))
+
+    def _on_delete_key(self, conn, req):
+        return p.Bool(req.request_id, self.table.delete(req.key))
+
+    def _on_append(self, conn, req):
+        self.table.append(req.key, req.value)
+        if self._waiting:
+            self._written(req.key)
+        return p.Ok(req.request_id)
+
+    def _on_multi_get(self, conn, req):
+        missing = self.table.missing(req.keys)
+        if not missing:
+            values = self.table.values
+            return p.Values(req.request_id, [values[k] for k in req.keys])
+        return self._park(conn, req, req.keys, missing, req.timeout_ms)
+
+    def _on_multi_set(self, conn, req):
+        if len(req.keys) != len(req.values):
+            message = f"multi_set(): {len(req.keys)} keys but {len(req.values)} values"
+            return p.Error(req.request_id, p.ERROR_BAD_REQUEST, message.encode())
+        self.table.multi_set(req.keys, req.values)
+        if self._waiting:
+            for key in req.keys:
+                self._written(key)
+        return p.Ok(req.request_id)
+
+    def _on_list_keys(self, conn, req):
+        return p.Values(req.request_id, list(self.table.values))
+
+    def _on_join(self, conn, req):
+        with self._joined_changed:
+            self.joined += 1
+            self._joined_changed.notify_all()
+        return p.Integer(req.request_id, self.joined)

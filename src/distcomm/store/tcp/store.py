@@ -1,0 +1,211 @@
+"""TCPStore: the torch.distributed.TCPStore API over a TCPStoreServer and a TCPStoreClient.
+
+Why this module is only glue: the server (event loop, table) and the client (connection, round
+trip) are separate so each can be tested alone; this class decides *which* of them a process gets.
+A master owns a server (started here, in a background thread) and, like every other TCPStore, talks
+to it through its own client connection — so the master's requests take exactly the path the
+workers' do, and its client counts towards ``world_size``.
+
+``multi_tenant=True`` masters on the same host:port in one process share one server and therefore
+one key space, as torch's do; the server stops when the last of them closes. ``wait_for_workers``
+with a ``world_size`` makes every store send a JOIN on creation, and the master block until
+``world_size`` stores joined (the master's own included), failing with "k/N clients joined".
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from datetime import timedelta
+
+from ...errors import DistStoreError
+from .. import rules
+from ..base import Store
+from . import protocol as p
+from .client import TCPStoreClient, reply_grace
+from .server import TCPStoreServer
+
+_WILDCARD_HOSTS = {"", "0.0.0.0", "::"}
+
+
+class _SharedServers:
+    """The multi-tenant registry: (host, port) -> [server, users] for this process."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._servers: dict[tuple[str, int], list] = {}
+
+    def acquire(self, host: str, port: int, multi_tenant: bool, **server_options) -> TCPStoreServer:
+        with self._lock:
+            if multi_tenant and port != 0:
+                entry = self._servers.get((host, port))
+                if entry is not None:
+                    entry[1] += 1
+                    return entry[0]
+            server = TCPStoreServer(host, port, **server_options).start()
+            if multi_tenant:
+                self._servers[(host, server.port)] = [server, 1]
+            return server
+
+    def release(self, server: TCPStoreServer) -> None:
+        with self._lock:
+            entry = self._servers.get((server.host, server.port))
+            if entry is not None and entry[0] is server:
+                entry[1] -= 1
+                if entry[1] > 0:
+                    return
+                del self._servers[(server.host, server.port)]
+        server.stop()
+
+
+_shared_servers = _SharedServers()
+
+
+def _release(client: TCPStoreClient, server: TCPStoreServer | None) -> None:
+    client.close()
+    if server is not None:
+        _shared_servers.release(server)
+
+
+class TCPStore(Store):
+    """A TCP-based distributed key-value store (torch.distributed.TCPStore).
+
+    The master (``is_master=True``) runs the server in a background thread of its process; every
+    store, the master's included, is a client of it. ``world_size`` is the number of stores that
+    will connect (clients + 1 for the master); with ``wait_for_workers`` the master's constructor
+    returns once they all have. ``port=0`` on the master picks a free port, readable as ``.port``.
+    """
+
+    def __init__(
+        self,
+        host_name: str,
+        port: int,
+        world_size: int | None = None,
+        is_master: bool = False,
+        timeout: timedelta = rules.DEFAULT_TIMEOUT,
+        wait_for_workers: bool = True,
+        multi_tenant: bool = False,
+        **server_options,
+    ):
+        super().__init__(timeout)
+        if not isinstance(host_name, str):
+            raise TypeError(f"host_name is a str, got {type(host_name).__name__}: {host_name!r}")
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"port must be an int from 0 to 65535, got {port!r}")
+        if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)):
+            raise TypeError(f"world_size is an int or None, got {type(world_size).__name__}: {world_size!r}")
+        if world_size is not None and world_size < 0:
+            world_size = None  # torch: a negative value means a non-fixed number of users
+        if world_size == 0:
+            raise ValueError("world_size must be positive (or None/-1 for a non-fixed number of stores)")
+        if not is_master and port == 0:
+            raise ValueError("a TCPStore client needs the master's port; port=0 only means 'pick one' on the master")
+        self._host = host_name
+        self._world_size = world_size
+        self._server = _shared_servers.acquire(host_name, port, multi_tenant, **server_options) if is_master else None
+        self._port = self._server.port if self._server is not None else port
+        connect_host = "127.0.0.1" if is_master and host_name in _WILDCARD_HOSTS else host_name
+        try:
+            self._client = TCPStoreClient(connect_host, self._port, self._timeout_s, server_options.get(
+                "max_frame_size", p.DEFAULT_MAX_FRAME_SIZE))
+        except BaseException:
+            if self._server is not None:
+                _shared_servers.release(self._server)
+            raise
+        self._finalizer = weakref.finalize(self, _release, self._client, self._server)
+        if world_size is not None and wait_for_workers:
+            try:
+                self._client.join()
+                if self._server is not None:
+                    self._wait_for_workers(world_size)
+            except BaseException:
+                self.close()
+                raise
+
+    def _wait_for_workers(self, world_size: int) -> None:
+        joined = self._server.wait_for_joins(world_size, self._timeout_s)
+        if joined < world_size:
+            raise DistStoreError(
+                f"Timed out after {rules.format_seconds(self._timeout_s)} waiting for clients. "
+                f"{joined}/{world_size} clients joined. The TCPStore master at {self._host}:{self._port} expected "
+                f"world_size={world_size} stores (the master's own included); check that every rank started and "
+                f"reaches this host and port."
+            )
+
+    @classmethod
+    def _client_of(cls, host: str, port: int, timeout_s: float) -> "TCPStore":
+        store = cls.__new__(cls)
+        Store.__init__(store, timedelta(seconds=timeout_s))
+        store._host, store._port, store._world_size, store._server = host, port, None, None
+        store._client = TCPStoreClient(host, port, timeout_s)
+        store._finalizer = weakref.finalize(store, _release, store._client, None)
+        return store
+
+    def clone(self) -> "TCPStore":
+        """A new client connection to the same server (for use from another thread without sharing a lock)."""
+        return TCPStore._client_of(self._client.host, self._port, self._timeout_s)
+
+    def close(self) -> None:
+        """Close this store's connection; a master also releases its server (stopped when its last user closes)."""
+        self._finalizer()
+
+    def __repr__(self) -> str:
+        role = "master" if self._server is not None else "client"
+        return f"TCPStore({self._host}:{self._port}, {role})"
+
+    @property
+    def host(self) -> str:
+        """The host name this store was created with."""
+        return self._host
+
+    @property
+    def port(self) -> int:
+        """The server's port (the one picked when a master was created with port=0)."""
+        return self._port
+
+    @property
+    def libuvBackend(self) -> bool:  # noqa: N802 - torch's name
+        """False: the server is distcomm's Python event loop, not torch's libuv one."""
+        return False
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        super().set_timeout(timeout)
+        self._client.reply_timeout = self._timeout_s + reply_grace(self._timeout_s)
+
+    # -- Store ----------------------------------------------------------------------------------------
+
+    def _set(self, key, value):
+        self._client.set(key.encode(), value)
+
+    def _get(self, key, timeout):
+        return self._client.get(key, timeout)
+
+    def _add(self, key, amount):
+        return self._client.add(key.encode(), amount)
+
+    def _compare_set(self, key, expected, desired):
+        return self._client.compare_set(key.encode(), expected, desired)
+
+    def _wait(self, keys, timeout):
+        self._client.wait(keys, timeout)
+
+    def _check(self, keys):
+        return self._client.check([k.encode() for k in keys])
+
+    def _num_keys(self):
+        return self._client.num_keys()
+
+    def _delete_key(self, key):
+        return self._client.delete_key(key.encode())
+
+    def _append(self, key, value):
+        self._client.append(key.encode(), value)
+
+    def _multi_get(self, keys, timeout):
+        return self._client.multi_get(keys, timeout)
+
+    def _multi_set(self, keys, values):
+        self._client.multi_set([k.encode() for k in keys], values)
+
+    def _list_keys(self):
+        return [k.decode("utf-8", "replace") for k in self._client.list_keys()]
