@@ -1,8 +1,381 @@
-"""FileStore: placeholder until the file-backed store lands (next commit)."""
+"""FileStore: a store shared by processes through one file (torch.distributed.FileStore).
 
+The file is an append-only log of records, written and read under ``fcntl.flock`` (exclusive to
+append, shared to read), so any number of processes — on one host, or on a shared file system that
+supports flock — see the same keys. A process keeps a cache of the keys and the file offset it has
+read up to; an operation first reads the records appended since (a cheap ``fstat`` tells whether
+there are any), then acts. A mutation is decided and appended under the exclusive lock, which is
+what makes add() and compare_set() atomic across processes. Blocking get()/wait() must poll — a
+file has no way to wake another process — with a short, growing interval (1 ms up to 10 ms) and
+only an ``fstat`` per poll while nothing changed.
+
+File layout::
+
+    b"DCFSTOR1"                                   magic, so no other file is mistaken for a store
+    record*  u8 kind | u32 key length | u32 value length | key | value
+             H header  key "distcomm-filestore", value JSON {world_size, created_by}
+             S set     key, value
+             D delete  key
+             J join    key = member id, value JSON {host, boot_id, pid, start_time}
+             L leave   key = member id
+
+Who uses the file, and when it is removed. Each FileStore instance appends a JOIN when it opens the
+file and a LEAVE when it is closed (``close()``, garbage collection, or interpreter exit). As in
+torch, the last user removes the file: with ``world_size`` > 0, the close that brings the number
+of LEAVEs to ``world_size`` (so a rank that finishes before another has even opened the file does
+not delete it from under it); with ``world_size`` = -1, the close that leaves no member open.
+Removal happens under the lock, and a process that opened the path just before it was removed
+notices (its descriptor's file has no links any more) and starts over with a new file.
+
+Stale files. A file left by a crashed run must not be silently reused with its old keys. Opening a
+file that already has records checks its members: a member that joined and never left, recorded on
+this host (same host name and boot id), whose process is gone (no such pid, or the pid now belongs
+to a process with another start time) is proof of a crash, and the open fails with a DistStoreError
+naming the path, the dead pids and the fix (delete the file). So does a file whose ``world_size``
+users have all already finished, a file of a different ``world_size``, and a file with a torn
+record at its end (a writer died mid-append). Members on other hosts cannot be checked and are
+presumed alive. An empty file is a new store (torch's docs ask for "non-existent or empty").
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import struct
+import threading
+import time
+import uuid
+from multiprocessing.util import Finalize
+
+from ..errors import DistStoreError
+from . import rules
 from .base import Store
+
+MAGIC = b"DCFSTOR1"
+_RECORD_HEAD = struct.Struct("<BII")
+_HEADER, _SET, _DELETE, _JOIN, _LEAVE = b"HSDJL"
+_HEADER_KEY = b"distcomm-filestore"
+_POLL_FIRST = 0.001
+_POLL_MAX = 0.01
+
+
+def _record(kind: int, key: bytes, value: bytes = b"") -> bytes:
+    return _RECORD_HEAD.pack(kind, len(key), len(value)) + key + value
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _start_time(pid: int) -> str:
+    """The process's start time in clock ticks since boot (Linux), to tell a reused pid apart."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return stat[stat.rindex(b")") + 2 :].split()[19].decode()
+    except (OSError, ValueError, IndexError):
+        return ""
+
+
+def _identity() -> dict:
+    pid = os.getpid()
+    return {"host": socket.gethostname(), "boot_id": _boot_id(), "pid": pid, "start_time": _start_time(pid)}
+
+
+def _is_dead(member: dict, here: dict) -> bool:
+    """True only when we can prove the member's process is gone (it ran on this host, this boot)."""
+    if member.get("host") != here["host"]:
+        return False
+    if member.get("boot_id") and here["boot_id"] and member["boot_id"] != here["boot_id"]:
+        return True  # the host rebooted since
+    pid = member.get("pid")
+    if not isinstance(pid, int):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass
+    started = member.get("start_time")
+    return bool(started) and _start_time(pid) not in ("", started)
+
+
+class _Log:
+    """The parsed contents of the file: keys, members, and the offset parsed up to."""
+
+    def __init__(self):
+        self.values: dict[str, bytes] = {}
+        self.members: dict[bytes, dict] = {}  # joined and not yet left
+        self.joined = 0
+        self.left = 0
+        self.world_size = -1
+        self.offset = 0
+
+    def apply(self, data: bytes, path: str) -> None:
+        """Parse the records in ``data`` (which starts at ``self.offset``) into the tables."""
+        pos, end = 0, len(data)
+        if not data:
+            return
+        if self.offset == 0:
+            if data[: len(MAGIC)] != MAGIC[: len(data)]:
+                raise DistStoreError(
+                    f"FileStore: {path} is not a distcomm FileStore file (it starts with {data[:8]!r}); "
+                    f"delete it or give FileStore a new path"
+                )
+            if end < len(MAGIC):
+                raise DistStoreError(f"FileStore: {path} is truncated inside its header; delete it")
+            pos = len(MAGIC)
+        while pos < end:
+            if end - pos < _RECORD_HEAD.size:
+                raise self._torn(path, pos)
+            kind, key_len, value_len = _RECORD_HEAD.unpack_from(data, pos)
+            start = pos + _RECORD_HEAD.size
+            stop = start + key_len + value_len
+            if stop > end:
+                raise self._torn(path, pos)
+            key = data[start : start + key_len]
+            value = data[start + key_len : stop]
+            pos = stop
+            if kind == _SET:
+                self.values[key.decode("utf-8")] = value
+            elif kind == _DELETE:
+                self.values.pop(key.decode("utf-8"), None)
+            elif kind == _JOIN:
+                self.members[key] = json.loads(value)
+                self.joined += 1
+            elif kind == _LEAVE:
+                self.members.pop(key, None)
+                self.left += 1
+            elif kind == _HEADER:
+                self.world_size = json.loads(value).get("world_size", -1)
+            else:
+                raise DistStoreError(f"FileStore: {path} has an unknown record kind {kind!r} at offset {self.offset + pos}")
+        self.offset += end
+
+    def _torn(self, path: str, pos: int) -> DistStoreError:
+        return DistStoreError(
+            f"FileStore: {path} ends in a torn record at offset {self.offset + pos} (a writer died mid-append); "
+            f"the store is unusable: delete the file and restart the job"
+        )
 
 
 class FileStore(Store):
+    """A store that keeps its key-value pairs in a file shared by processes (torch.distributed.FileStore)."""
+
     def __init__(self, file_name: str, world_size: int = -1):
-        raise NotImplementedError("FileStore is not implemented yet")
+        super().__init__()
+        if not isinstance(file_name, str) or not file_name:
+            raise ValueError(f"FileStore needs a file path, got {file_name!r}")
+        if isinstance(world_size, bool) or not isinstance(world_size, int):
+            raise TypeError(f"world_size is an int, got {type(world_size).__name__}: {world_size!r}")
+        if world_size == 0:
+            raise ValueError("world_size must be positive, or -1 for a non-fixed number of users")
+        self.path = file_name
+        self._world_size = world_size if world_size > 0 else -1
+        self._member_id = uuid.uuid4().hex.encode()
+        self._lock = threading.Lock()
+        self._fd, self._log = self._open_and_join()
+        # multiprocessing's Finalize also runs in multiprocessing children, which exit without atexit hooks
+        self._finalizer = Finalize(self, _leave, (self._fd, self.path, self._member_id, self._world_size), exitpriority=10)
+
+    def __repr__(self) -> str:
+        return f"FileStore({self.path!r})"
+
+    # -- membership ---------------------------------------------------------------------------------
+
+    def _open_and_join(self) -> tuple[int, _Log]:
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                if not _is_current(fd, self.path):
+                    os.close(fd)  # removed by its last user between our open and our lock
+                    continue
+                log = _Log()
+                log.apply(_read_from(fd, 0), self.path)
+                here = _identity()
+                records = b""
+                if log.offset == 0:
+                    header = {"world_size": self._world_size, "created_by": here}
+                    records = MAGIC + _record(_HEADER, _HEADER_KEY, json.dumps(header).encode())
+                else:
+                    self._check_reusable(log, here)
+                records += _record(_JOIN, self._member_id, json.dumps(here).encode())
+                os.write(fd, records)
+                log.apply(records, self.path)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                return fd, log
+            except BaseException:
+                os.close(fd)
+                raise
+
+    def _check_reusable(self, log: _Log, here: dict) -> None:
+        dead = [m for m in log.members.values() if _is_dead(m, here)]
+        fix = f"delete it (rm {self.path}) or use a new path"
+        if dead:
+            who = ", ".join(f"pid {m.get('pid')} on {m.get('host')}" for m in dead)
+            raise DistStoreError(
+                f"FileStore: {self.path} is stale: it holds {len(log.values)} keys from processes that exited without "
+                f"closing it ({who}), e.g. a crashed earlier run; its keys are not this run's: {fix}"
+            )
+        if self._world_size > 0 and log.world_size > 0 and log.world_size != self._world_size:
+            raise DistStoreError(
+                f"FileStore: {self.path} was created with world_size={log.world_size}, not {self._world_size}; "
+                f"it belongs to another job: {fix}"
+            )
+        if self._world_size > 0 and log.joined >= self._world_size:
+            raise DistStoreError(
+                f"FileStore: {self.path} has already been opened by world_size={self._world_size} users "
+                f"({log.left} of them finished); it is left over from an earlier run: {fix}"
+            )
+
+    def close(self) -> None:
+        """Leave the store; the last user removes the file. Idempotent."""
+        with self._lock:
+            self._finalizer()
+
+    # -- reading and writing --------------------------------------------------------------------------
+
+    def _refresh(self) -> None:
+        """Apply records appended since we last looked (caller holds self._lock)."""
+        if os.fstat(self._fd).st_size == self._log.offset:
+            return
+        fcntl.flock(self._fd, fcntl.LOCK_SH)
+        try:
+            self._log.apply(_read_from(self._fd, self._log.offset), self.path)
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def _mutate(self, decide):
+        """Run ``decide(values) -> (records, result)`` on fresh contents under the exclusive lock; append."""
+        with self._lock:
+            self._check_open()
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                self._log.apply(_read_from(self._fd, self._log.offset), self.path)
+                records, result = decide(self._log.values)
+                if records:
+                    os.write(self._fd, records)
+                    self._log.apply(records, self.path)
+                return result
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def _read(self, read):
+        with self._lock:
+            self._check_open()
+            self._refresh()
+            return read(self._log.values)
+
+    def _check_open(self) -> None:
+        if not self._finalizer.still_active():
+            raise DistStoreError(f"FileStore {self.path} is closed")
+
+    def _await(self, operation: str, keys: list[str], timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        interval = _POLL_FIRST
+        while True:
+            with self._lock:
+                self._check_open()
+                self._refresh()
+                values = self._log.values
+                missing = [k for k in keys if k not in values]
+                if not missing:
+                    return values
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise rules.timeout_error(operation, keys, timeout, missing, where=repr(self))
+            time.sleep(min(interval, remaining))
+            interval = min(interval * 2, _POLL_MAX)
+
+    # -- Store ----------------------------------------------------------------------------------------
+
+    def _set(self, key, value):
+        self._mutate(lambda values: (_record(_SET, key.encode(), value), None))
+
+    def _get(self, key, timeout):
+        return self._await("get", [key], timeout)[key]
+
+    def _add(self, key, amount):
+        def decide(values):
+            stored, total = rules.added(key, values.get(key), amount)
+            return _record(_SET, key.encode(), stored), total
+
+        return self._mutate(decide)
+
+    def _compare_set(self, key, expected, desired):
+        def decide(values):
+            new_value, returned = rules.compare_set_outcome(values.get(key), expected, desired)
+            return (b"" if new_value is None else _record(_SET, key.encode(), new_value)), returned
+
+        return self._mutate(decide)
+
+    def _wait(self, keys, timeout):
+        self._await("wait", keys, timeout)
+
+    def _check(self, keys):
+        return self._read(lambda values: all(k in values for k in keys))
+
+    def _num_keys(self):
+        # torch's FileStore counts its reference-count key; ours is the membership record: + 1
+        return self._read(len) + 1
+
+    def _delete_key(self, key):
+        # torch's FileStore returns True whether or not the key existed; so does this one
+        return self._mutate(lambda values: (_record(_DELETE, key.encode()) if key in values else b"", True))
+
+    def _append(self, key, value):
+        self._mutate(lambda values: (_record(_SET, key.encode(), values.get(key, b"") + value), None))
+
+    def _multi_get(self, keys, timeout):
+        values = self._await("multi_get", keys, timeout)
+        return [values[k] for k in keys]
+
+    def _multi_set(self, keys, values):
+        records = b"".join(_record(_SET, k.encode(), v) for k, v in zip(keys, values))
+        self._mutate(lambda current: (records, None))
+
+    def _list_keys(self):
+        return self._read(list)
+
+
+def _read_from(fd: int, offset: int) -> bytes:
+    size = os.fstat(fd).st_size
+    return os.pread(fd, size - offset, offset) if size > offset else b""
+
+
+def _is_current(fd: int, path: str) -> bool:
+    """True if ``fd`` is still the file at ``path`` (not removed, nor replaced, since we opened it)."""
+    mine = os.fstat(fd)
+    if mine.st_nlink == 0:
+        return False
+    try:
+        theirs = os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (mine.st_dev, mine.st_ino) == (theirs.st_dev, theirs.st_ino)
+
+
+def _leave(fd: int, path: str, member_id: bytes, world_size: int) -> None:
+    """Append our LEAVE; remove the file if we were its last user. Runs once (weakref.finalize)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if _is_current(fd, path):
+            log = _Log()
+            log.apply(_read_from(fd, 0), path)
+            os.write(fd, _record(_LEAVE, member_id))
+            log.members.pop(member_id, None)
+            finished = log.left + 1
+            if (world_size > 0 and finished >= world_size) or (world_size <= 0 and not log.members):
+                os.unlink(path)
+    except (OSError, DistStoreError):
+        pass  # best effort, as torch's destructor: a stale file is caught by the next open
+    finally:
+        os.close(fd)
