@@ -234,13 +234,18 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    """Launch from parsed arguments; the exit code."""
+def run(args: argparse.Namespace, local_rank_arg: str | None = None) -> int:
+    """Launch from parsed arguments; the exit code.
+
+    ``local_rank_arg`` (the legacy launcher's ``"--local_rank"``) is passed to each worker as
+    ``<local_rank_arg>=<LOCAL_RANK>`` before the script's own arguments.
+    """
     try:
         config = config_from_args(args)
     except LaunchError as exc:
         print(f"distcomm-run: error: {exc}", file=sys.stderr)
         return 1
+    config.local_rank_arg = local_rank_arg
     return launch(config)
 
 

@@ -40,6 +40,7 @@ AGENT = "/distcomm-run"
 POLL = 0.05               # seconds between store polls while launchers wait for each other
 EXIT_BARRIER_TIMEOUT = 30.0
 ROOT_WAIT = 5.0           # how long to wait for another node's root-cause record
+STDERR_TAIL_LINES = 5     # shown when a failed worker printed no traceback
 
 
 def worker_store_prefix(attempt: int) -> str:
@@ -198,7 +199,8 @@ class NodeAgent:
                     time.sleep(POLL)
         except BaseException:  # noqa: BLE001 - leaving must not hide the job's result
             pass
-        self.store = None  # the server (if hosted here) stops with the last reference
+        store, self.store = self.store, None
+        store.close()  # on node rank 0 this stops the server
 
     # -- rounds -------------------------------------------------------------------------------
     def _rounds(self) -> int:
@@ -352,7 +354,8 @@ class NodeAgent:
             time.sleep(POLL)
 
     def _failure_of(self, worker: Worker) -> Failure:
-        tb = read_error_file(worker.spec.env.get("TORCHELASTIC_ERROR_FILE"))
+        stderr = worker.err.tail_text()
+        tb = read_error_file(worker.spec.env.get("TORCHELASTIC_ERROR_FILE")) or traceback_tail(stderr)
         return Failure(
             rank=worker.rank,
             local_rank=worker.local_rank,
@@ -361,7 +364,8 @@ class NodeAgent:
             host=self.host,
             returncode=worker.returncode,
             when=worker.exit_time or time.time(),
-            traceback=tb or traceback_tail(worker.err.tail_text()),
+            traceback=tb,
+            stderr_tail=[] if tb else stderr[-STDERR_TAIL_LINES:],
         )
 
     def _publish_failure(self, r: str, failure: Failure) -> Failure:

@@ -43,7 +43,7 @@ def describe_exit(returncode: int) -> str:
 
 
 def traceback_tail(lines: list[str], max_lines: int = MAX_TRACEBACK_LINES) -> list[str]:
-    """The last Python traceback in ``lines`` (with the exceptions it was chained from), or the tail.
+    """The last Python traceback in ``lines`` (with the exceptions it was chained from), or [].
 
     Chained exceptions print several ``Traceback`` blocks joined by a "During handling..." line;
     the whole chain is kept and then cut to its last ``max_lines`` lines (the end says what
@@ -59,7 +59,9 @@ def traceback_tail(lines: list[str], max_lines: int = MAX_TRACEBACK_LINES) -> li
         if j < 0 or lines[j].strip() not in CHAIN_LINES or not earlier:
             break
         start = earlier[-1]
-    chosen = lines[start:] if start is not None else lines[-10:]
+    if start is None:
+        return []
+    chosen = lines[start:]
     if len(chosen) > max_lines:
         chosen = ["  ..."] + chosen[-max_lines:]
     return chosen
@@ -95,6 +97,7 @@ class Failure:
     returncode: int
     when: float = field(default_factory=time.time)
     traceback: list[str] = field(default_factory=list)
+    stderr_tail: list[str] = field(default_factory=list)  # when there is no traceback
 
     @property
     def exit_text(self) -> str:
@@ -135,7 +138,10 @@ def format_summary(
         lines.append("  traceback :")
         lines.extend("    " + line for line in root.traceback)
     else:
-        lines.append("  traceback : (none on stderr: the worker did not raise a Python exception)")
+        lines.append("  traceback : none (the worker did not raise a Python exception)")
+        if root.stderr_tail:
+            lines.append("  stderr    : (last lines)")
+            lines.extend("    " + line for line in root.stderr_tail)
     if also_failed:
         lines.append("Also failed before the launcher stopped them:")
         for f in also_failed:

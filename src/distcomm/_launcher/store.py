@@ -17,10 +17,8 @@ from .config import LaunchError
 
 
 def _tcp_store_class():
-    try:
-        from distcomm.store import TCPStore
-    except ImportError:  # TEMPORARY until distcomm.store lands
-        from torch.distributed import TCPStore
+    from distcomm.store import TCPStore
+
     return TCPStore
 
 
