@@ -1,0 +1,453 @@
+"""The gradient reducer behind DistributedDataParallel: buckets, readiness, overlap, finalize.
+
+How one backward pass is reduced
+--------------------------------
+- Parameters are grouped into *buckets* (flat tensors, one dtype each) in reverse parameter
+  order, because backward produces the last layer's gradients first.
+- Each parameter has a post-accumulate-grad hook. When it fires, the parameter's gradient is
+  copied into its slot of the bucket (multiplied by 1/world_size, as torch does) and the parameter
+  is *ready*. When every parameter of a bucket is ready the bucket is launched: an async all_reduce
+  (or the registered comm hook), which the group's worker thread runs while backward goes on.
+- Buckets are launched strictly in index order, on every rank, whatever order their gradients
+  arrive in: collectives on a group are matched by order, so a rank must never launch bucket 3
+  before bucket 2 while another rank does the opposite.
+- The first hook of a backward queues ``finalize`` on the autograd engine; it runs when backward
+  ends: it waits for every bucket and writes the averaged values back into ``param.grad``.
+
+Unused parameters
+-----------------
+With ``find_unused_parameters=True`` parameters unreachable from the forward outputs are marked
+ready (with zeros) at the end of forward, so their buckets are not held back; any other parameter
+still without a gradient when backward ends is marked then. An all_reduce of the "used locally"
+map, launched after the last bucket, tells every rank which parameters no rank used: their
+``.grad`` is left untouched, as torch does. With ``find_unused_parameters=False`` a parameter without
+a gradient leaves its bucket unlaunched; the next forward raises torch's error naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+import weakref
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from .._api.collectives import all_reduce
+
+DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024  # torch's dist._DEFAULT_FIRST_BUCKET_BYTES
+MB = 1024 * 1024
+
+
+def debug_level() -> str:
+    """OFF, INFO or DETAIL, from DISTCOMM_DEBUG or TORCH_DISTRIBUTED_DEBUG."""
+    level = os.environ.get("DISTCOMM_DEBUG") or os.environ.get("TORCH_DISTRIBUTED_DEBUG") or "OFF"
+    return level.upper()
+
+
+def assign_buckets(params: Sequence[torch.Tensor], limits: Sequence[int]) -> list[list[int]]:
+    """Indices of ``params`` per bucket, bucket 0 first: walk the parameters in reverse order,
+    one open bucket per dtype, closing a bucket once it reaches its byte limit (``limits[0]`` for a
+    dtype's first bucket, ``limits[1]`` (or the last limit) for the next ones)."""
+    open_buckets: dict[torch.dtype, list[int]] = {}
+    open_bytes: dict[torch.dtype, int] = {}
+    closed_count: dict[torch.dtype, int] = {}
+    buckets: list[list[int]] = []
+    for i in reversed(range(len(params))):
+        p = params[i]
+        bucket = open_buckets.setdefault(p.dtype, [])
+        bucket.append(i)
+        open_bytes[p.dtype] = open_bytes.get(p.dtype, 0) + p.numel() * p.element_size()
+        n = closed_count.get(p.dtype, 0)
+        if open_bytes[p.dtype] >= limits[min(n, len(limits) - 1)]:
+            buckets.append(bucket)
+            closed_count[p.dtype] = n + 1
+            del open_buckets[p.dtype]
+            open_bytes[p.dtype] = 0
+    buckets.extend(b for b in open_buckets.values() if b)
+    # Order by when their first gradient is expected: the reverse-order position of their first member.
+    buckets.sort(key=lambda b: -b[0])
+    return buckets
+
+
+class GradBucket:
+    """One bucket as a comm hook sees it (torch.distributed.GradBucket).
+
+    ``buffer()`` is the flat tensor of the bucket's gradients (not yet averaged);
+    ``gradients()`` are views of it shaped like ``parameters()``; ``index()`` is the bucket's
+    number (bucket 0 holds the last parameters); ``is_last()`` is True for the last bucket of the
+    iteration; ``set_buffer(t)`` replaces the buffer a later hook stage sees.
+    """
+
+    def __init__(self, index: int, buffer: torch.Tensor, params: list, offsets: list[int], is_last: bool):
+        self._index = index
+        self._buffer = buffer
+        self._params = params
+        self._offsets = offsets
+        self._is_last = is_last
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        self._buffer = buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        return [
+            self._buffer[off:off + p.numel()].view(p.shape) for p, off in zip(self._params, self._offsets)
+        ]
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self._params)
+
+    def is_last(self) -> bool:
+        return self._is_last
+
+    def __repr__(self) -> str:
+        return f"<GradBucket {self._index} of {len(self._params)} parameters, {self._buffer.numel()} elements>"
+
+
+class _Bucket:
+    __slots__ = ("index", "members", "offsets", "buffer", "views", "pending", "handle", "is_last")
+
+    def __init__(self, index: int, members: list[int], params: Sequence[torch.Tensor], is_last: bool):
+        self.index = index
+        self.members = members
+        self.offsets = []
+        total = 0
+        for i in members:
+            self.offsets.append(total)
+            total += params[i].numel()
+        self.buffer = torch.zeros(total, dtype=params[members[0]].dtype)
+        self.views = [
+            self.buffer[off:off + params[i].numel()].view(params[i].shape) for i, off in zip(members, self.offsets)
+        ]
+        self.pending = len(members)
+        self.handle = None  # Work (all_reduce) or Future (comm hook) once launched
+        self.is_last = is_last
+
+
+class _DDPSink(torch.autograd.Function):
+    """Identity on the forward outputs whose backward queues finalize: backward then always ends
+    with a finalize, even on a rank where no parameter gets a gradient (find_unused_parameters)."""
+
+    @staticmethod
+    def forward(ctx, reducer_ref, *outputs):
+        ctx.set_materialize_grads(False)
+        ctx.reducer_ref = reducer_ref
+        return tuple(t.clone() for t in outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        reducer = ctx.reducer_ref()
+        if reducer is not None:
+            reducer._queue_finalize()
+        return (None, *grads)
+
+
+def find_tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors in a forward output: nested lists, tuples, dicts and dataclass fields."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in find_tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in find_tensors(o)]
+    if hasattr(obj, "__dataclass_fields__"):
+        return [t for name in obj.__dataclass_fields__ for t in find_tensors(getattr(obj, name))]
+    return []
+
+
+def reachable_leaves(outputs: Sequence[torch.Tensor]) -> set[int]:
+    """ids of the leaf tensors the autograd graph of ``outputs`` reaches (its AccumulateGrad nodes)."""
+    found: set[int] = set()
+    seen = set()
+    stack = []
+    for t in outputs:
+        if t.grad_fn is not None:
+            stack.append(t.grad_fn)
+        elif t.requires_grad:
+            found.add(id(t))
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            found.add(id(variable))
+        for nxt, _ in node.next_functions:
+            if nxt is not None and nxt not in seen:
+                stack.append(nxt)
+    return found
+
+
+class Reducer:
+    """Averages the gradients of ``params`` over ``group`` during backward; see the module docstring."""
+
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        names: list[str],
+        bucket_members: list[list[int]],
+        group,
+        find_unused_parameters: bool,
+        gradient_as_bucket_view: bool,
+        static_graph: bool,
+    ):
+        self.params = params
+        self.names = names
+        self.group = group
+        self.world_size = group.size()
+        self.rank = group.rank()
+        self.find_unused = find_unused_parameters
+        self.static_graph = static_graph
+        self.grad_as_view = gradient_as_bucket_view
+        self.buckets = [
+            _Bucket(k, members, params, k == len(bucket_members) - 1) for k, members in enumerate(bucket_members)
+        ]
+        self.location = [(0, 0)] * len(params)  # param index -> (bucket, slot)
+        for b in self.buckets:
+            for slot, i in enumerate(b.members):
+                self.location[i] = (b.index, slot)
+        self.comm_hook: Callable | None = None
+        self.comm_state: Any = None
+        self.divide_by_initial_world_size = True
+        self._join_work = None
+        self._expect_hooks = False
+        self._finalize_queued = False
+        self._ready = [False] * len(params)
+        self._used = np.zeros(len(params), dtype=np.int32)
+        self._used_work = None
+        self._next_bucket = 0
+        self._div_factor: float | None = None
+        self._unfinished: list[int] | None = None  # params without a gradient in the last backward
+        self._warned_all_used = False
+        self._handles = []
+        ref = weakref.ref(self)
+        for i, p in enumerate(params):
+            self._handles.append(p.register_post_accumulate_grad_hook(_make_hook(ref, i)))
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # -- per iteration ------------------------------------------------------------------------
+    def set_join_work(self, work, divide_by_initial_world_size: bool) -> None:
+        self._join_work = work
+        self.divide_by_initial_world_size = divide_by_initial_world_size
+
+    def prepare_for_backward(self, outputs: list[torch.Tensor] | None) -> None:
+        """Arm the hooks for the coming backward. ``outputs`` (find_unused_parameters only): the
+        forward's output tensors, to mark the parameters they cannot reach as unused right away."""
+        self.ensure_prior_reduction_finished()
+        self._expect_hooks = True
+        self._finalize_queued = False
+        self._ready = [False] * len(self.params)
+        self._used[:] = 0
+        self._used_work = None
+        self._next_bucket = 0
+        self._div_factor = None
+        for b in self.buckets:
+            b.pending = len(b.members)
+            b.handle = None
+        if outputs is not None:
+            reached = reachable_leaves(outputs)
+            unused = [i for i, p in enumerate(self.params) if id(p) not in reached]
+            for i in unused:
+                self._mark_ready(i, None)
+            if not unused and not self._warned_all_used:
+                self._warned_all_used = True
+                warnings.warn(
+                    "find_unused_parameters=True was specified in DDP constructor, but did not find any unused "
+                    "parameters in the forward pass. This flag results in an extra traversal of the autograd graph "
+                    "every iteration, which can adversely affect performance. If your model indeed never has any "
+                    "unused parameters in the forward pass, consider turning this flag off. Note that this warning "
+                    "may be a false positive if your model has flow control causing later iterations to have unused "
+                    "parameters.",
+                    stacklevel=4,
+                )
+
+    def ensure_prior_reduction_finished(self) -> None:
+        if self._unfinished is None:
+            return
+        missing, self._unfinished = self._unfinished, None
+        raise RuntimeError(self._unused_error(missing))
+
+    def _unused_error(self, missing: list[int]) -> str:
+        text = (
+            "Expected to have finished reduction in the prior iteration before starting a new one. This error "
+            "indicates that your module has parameters that were not used in producing loss. You can enable unused "
+            "parameter detection by passing the keyword argument `find_unused_parameters=True` to "
+            "`torch.nn.parallel.DistributedDataParallel`, and by \nmaking sure all `forward` function outputs "
+            "participate in calculating loss. \nIf you already have done the above, then the distributed data "
+            "parallel module wasn't able to locate the output tensors in the return value of your module's "
+            "`forward` function. Please include the loss function and the structure of the return value of "
+            "`forward` of your module when reporting this issue (e.g. list, dict, iterable).\n"
+        )
+        if debug_level() in ("INFO", "DETAIL"):
+            text += f"Parameters which did not receive grad for rank {self.rank}: {', '.join(self.names[i] for i in missing)}\n"
+            text += f"Parameter indices which did not receive grad for rank {self.rank}: {' '.join(map(str, missing))}"
+        else:
+            text += f"Parameter indices which did not receive grad for rank {self.rank}: {' '.join(map(str, missing))}\n"
+            text += (
+                " In addition, you can set the environment variable TORCH_DISTRIBUTED_DEBUG (or DISTCOMM_DEBUG) to "
+                "either INFO or DETAIL to print out information about which particular parameters did not receive "
+                "gradient on this rank as part of this error"
+            )
+        return text
+
+    # -- readiness ----------------------------------------------------------------------------
+    def _queue_finalize(self) -> None:
+        if not self._finalize_queued:
+            self._finalize_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+
+    def _on_grad(self, i: int) -> None:
+        if not self._expect_hooks:
+            return  # no_sync(), eval, or a second backward: gradients stay local
+        self._queue_finalize()
+        if self._ready[i]:
+            raise RuntimeError(
+                f"Expected to mark a variable ready only once. This error is caused by parameter "
+                f"{self._describe(i)} being marked ready twice in one iteration: it is used by more than one "
+                "reentrant backward pass, or it was found unused in the forward pass (its output was not "
+                "returned by forward) yet received a gradient. With find_unused_parameters=True, make every "
+                "tensor that depends on parameters part of forward's return value."
+            )
+        param = self.params[i]
+        if param.grad is not None:  # None: an output not used in the loss sent no gradient here
+            self._used[i] = 1
+        self._mark_ready(i, param)
+
+    def _describe(self, i: int) -> str:
+        return self.names[i] if debug_level() in ("INFO", "DETAIL") else f"index {i}"
+
+    def _divide_factor(self) -> float:
+        if self._div_factor is None:
+            self._div_factor = float(self.world_size)
+            if self._join_work is not None and not self.divide_by_initial_world_size:
+                self._div_factor = float(self._join_work.result()[0][0])
+            self._join_work = None
+        return self._div_factor
+
+    def _mark_ready(self, i: int, param: torch.Tensor | None) -> None:
+        """Put parameter i's contribution in its bucket slot (zeros when ``param`` is None)."""
+        self._ready[i] = True
+        b_index, slot = self.location[i]
+        bucket = self.buckets[b_index]
+        view = bucket.views[slot]
+        with torch.no_grad():
+            grad = None if param is None else param.grad
+            if grad is None:
+                view.zero_()
+            elif self.comm_hook is not None:
+                if not self.grad_as_view or grad.data_ptr() != view.data_ptr():
+                    view.copy_(grad)
+                    if self.grad_as_view:
+                        param.grad = view
+            elif self.grad_as_view:
+                if grad.data_ptr() != view.data_ptr():
+                    view.copy_(grad)
+                    param.grad = view
+                view.div_(self._divide_factor())
+            else:
+                torch.mul(grad, 1.0 / self._divide_factor(), out=view)
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self) -> None:
+        while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].pending == 0:
+            bucket = self.buckets[self._next_bucket]
+            bucket.handle = self._reduce(bucket.index, bucket.buffer)
+            self._next_bucket += 1
+        if self._next_bucket == len(self.buckets) and self.find_unused and not self.static_graph:
+            if self._used_work is None:
+                self._used_work = all_reduce(self._used, group=self.group, async_op=True)
+
+    def _reduce(self, index: int, buffer: torch.Tensor):
+        if self.comm_hook is None:
+            return all_reduce(buffer, group=self.group, async_op=True)
+        bucket = self.buckets[index]
+        grad_bucket = GradBucket(index, buffer, [self.params[i] for i in bucket.members], bucket.offsets, bucket.is_last)
+        return self.comm_hook(self.comm_state, grad_bucket)
+
+    # -- end of backward ----------------------------------------------------------------------
+    def _finalize(self) -> None:
+        self._expect_hooks = False
+        self._finalize_queued = False
+        if self.find_unused or self.static_graph:
+            for i, ready in enumerate(self._ready):
+                if not ready:
+                    self._mark_ready(i, None)
+        if self._next_bucket < len(self.buckets):
+            # find_unused_parameters=False and some parameter got no gradient: report it at the next
+            # forward, as torch does. Launched buckets are left running: waiting could hang when
+            # the ranks disagree about which parameters were used.
+            self._unfinished = [i for i, ready in enumerate(self._ready) if not ready]
+            return
+        for bucket in self.buckets:
+            self._wait_bucket(bucket)
+        if self._used_work is not None:
+            self._used_work.wait()
+            globally_used = self._used
+        elif self.static_graph:
+            globally_used = self._used  # the same parameters are used on every rank
+        else:
+            globally_used = None
+        with torch.no_grad():
+            for bucket in self.buckets:
+                for i, view in zip(bucket.members, bucket.views):
+                    if globally_used is not None and not globally_used[i]:
+                        continue
+                    param = self.params[i]
+                    if self.grad_as_view:
+                        if param.grad is None or param.grad.data_ptr() != view.data_ptr():
+                            param.grad = view
+                    elif param.grad is None:
+                        param.grad = view.clone()
+                    else:
+                        param.grad.copy_(view)
+
+    def _wait_bucket(self, bucket: _Bucket) -> None:
+        handle, bucket.handle = bucket.handle, None
+        if self.comm_hook is None:
+            handle.wait()
+            return
+        result = handle.wait()
+        if isinstance(result, (list, tuple)):
+            result = result[0]
+        if not isinstance(result, torch.Tensor):
+            raise RuntimeError(
+                f"the DDP communication hook must return a Future whose value is the bucket's tensor; "
+                f"bucket {bucket.index} got {type(result).__name__}"
+            )
+        if result.data_ptr() != bucket.buffer.data_ptr():
+            with torch.no_grad():
+                bucket.buffer.copy_(result.reshape(-1))
+
+    # -- join: what a joined rank does to answer one backward of the others -------------------
+    def match_backward_with_zeros(self) -> None:
+        handles = []
+        for bucket in self.buckets:
+            zeros = torch.zeros_like(bucket.buffer)
+            handles.append(self._reduce(bucket.index, zeros))
+        for handle in handles:
+            handle.wait()
+        if self.find_unused and not self.static_graph:
+            all_reduce(np.zeros(len(self.params), dtype=np.int32), group=self.group)
+
+
+def _make_hook(ref: "weakref.ref[Reducer]", i: int):
+    def hook(param):
+        reducer = ref()
+        if reducer is not None:
+            reducer._on_grad(i)
+
+    return hook
