@@ -1,0 +1,513 @@
+"""distcomm-bench collectives: an nccl-tests-style benchmark of distcomm's collectives, against torch's gloo.
+
+Usage::
+
+    distcomm-bench                                   # every op, 8 B .. 64 MiB, world 2, backend gloo
+    distcomm-bench --world 4 --compare torch --plot bench.png --json bench.json
+    distcomm-bench --ops all_reduce -b 1M -e 256M --algo ring --backend tcp
+
+The tool starts its own world: it hosts a TCPStore on a free loopback port and spawns ``--world``
+processes, which rendezvous through it. With ``--compare torch`` it then does the same for
+torch.distributed's gloo backend — separate worlds, one after the other, the same plan — and prints
+the two side by side with the speedup (gloo time / distcomm time) on each row.
+
+How each row is measured, on every rank, with the same buffers throughout:
+
+1. check: fill the inputs with a known pattern, run the op once, count the elements that differ
+   from the expected result (the #wrong column, summed over ranks; it must be 0);
+2. warmup iterations, untimed;
+3. a barrier, then ``iters`` iterations, each timed alone with ``time.perf_counter``.
+
+The reported time is the slowest rank's median iteration time (``--stat mean`` for the mean, as
+nccl-tests reports); algbw and busbw follow nccl-tests (see ``report.py``). Without ``--iters`` the
+iteration count adapts to the size (about ``--budget`` seconds per row for a gloo-like speed, at
+least 5, at most 1000) so the default run at world 2 takes a couple of minutes. Sizes are whole
+buffers, as in nccl-tests: the all_gather output, the reduce_scatter and all_to_all input; they are
+rounded down to a multiple of the world size (at least one element per rank) for those ops, and a
+size that rounds to the previous one is skipped.
+
+Ranks run with OMP_NUM_THREADS=1 unless it is set (as torchrun does); distcomm ranks get numpy
+arrays unless ``--tensor torch``; torch ranks always get torch tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import sys
+import time
+from datetime import timedelta
+from typing import Callable
+
+import numpy as np
+
+from . import report
+from .worlds import WorldFailed, connect_store, host_store, run_world
+
+OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "barrier")
+CHUNKED = ("all_gather", "reduce_scatter", "all_to_all")  # buffers of world_size equal chunks
+DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64")
+MAX_BYTES = 256 << 20
+
+# The automatic iteration count: about BUDGET seconds per row for an op costing LATENCY + size/BANDWIDTH
+# (gloo's cost at world 2 here), clamped to [MIN_ITERS, MAX_ITERS]; a tenth as many warmups.
+LATENCY_S, BANDWIDTH_BPS = 250e-6, 0.5e9
+MIN_ITERS, MAX_ITERS = 5, 1000
+
+_PERIOD = 5  # the check pattern repeats every _PERIOD elements: small integers, exact in every dtype
+
+
+# --- the plan (parent) ----------------------------------------------------------------------------------
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "8", "4K", "64M", "1G", "64MiB", "512KB" (K, M, G are powers of 1024, as in nccl-tests)."""
+    match = re.fullmatch(r"\s*(\d+)\s*([kmg]?)(i?b)?\s*", text.lower())
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 8, 4K, 64M, 256MiB)")
+    return int(match.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30}[match.group(2)]
+
+
+def sizes(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
+    out, size = [], max(1, min_bytes)
+    while size <= max_bytes:
+        out.append(size)
+        size *= factor
+    return out
+
+
+def auto_iters(nbytes: int, budget: float) -> tuple[int, int]:
+    """(warmup, iters) for a row of ``nbytes`` when the user gave neither."""
+    iters = round(budget / (LATENCY_S + nbytes / BANDWIDTH_BPS))
+    iters = min(MAX_ITERS, max(MIN_ITERS, iters))
+    return max(1, min(50, iters // 10)), iters
+
+
+def build_plan(ops, byte_sizes, world_size: int, dtype: str, iters: int | None, warmup: int | None,
+               budget: float) -> list[dict]:
+    """One entry per (op, size) row: op, size (bytes, after rounding), count (elements), dtype, warmup, iters."""
+    itemsize = 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
+    plan = []
+    for op in ops:
+        counts = [0] if op == "barrier" else []
+        for nbytes in [] if op == "barrier" else byte_sizes:
+            count = nbytes // itemsize
+            count = max(world_size, count - count % world_size) if op in CHUNKED else max(1, count)
+            if not counts or count != counts[-1]:
+                counts.append(count)
+        for count in counts:
+            auto_warmup, auto_count = auto_iters(count * itemsize, budget)
+            plan.append({
+                "op": op, "size": count * itemsize, "count": count, "dtype": dtype,
+                "warmup": auto_warmup if warmup is None else warmup,
+                "iters": auto_count if iters is None else iters,
+            })
+    return plan
+
+
+# --- one rank ---------------------------------------------------------------------------------------------
+
+
+class _Tensors:
+    """Allocate, fill and check buffers of one kind: numpy arrays or torch tensors of one dtype.
+
+    Patterns are built in a numpy "host" dtype (the dtype itself; float32 for bfloat16) and are
+    small integers, so every dtype holds them exactly and integer wrap-around is the same on both
+    sides of a comparison.
+    """
+
+    def __init__(self, kind: str, dtype: str):
+        self.torch = None
+        if kind == "torch":
+            import torch
+
+            self.torch = torch
+            self.torch_dtype = getattr(torch, dtype)
+        self.host = np.dtype("float32" if dtype == "bfloat16" else dtype)
+
+    def empty(self, count: int):
+        if self.torch is not None:
+            return self.torch.zeros(count, dtype=self.torch_dtype)
+        return np.zeros(count, dtype=self.host)
+
+    def ramp(self, count: int, add: int = 0, scale: int = 1, offset: int = 0) -> np.ndarray:
+        """``add + scale * ((offset + i) % P)`` for i < count, in the host dtype."""
+        base = add + scale * ((offset + np.arange(_PERIOD, dtype=np.int64)) % _PERIOD)
+        return np.resize(base.astype(self.host), count)
+
+    def fill(self, buf, values: np.ndarray) -> None:
+        if self.torch is not None:
+            buf.copy_(self.torch.from_numpy(values))
+        else:
+            buf[...] = values
+
+    def wrong(self, buf, expected: np.ndarray) -> int:
+        """How many elements of ``buf`` differ from ``expected``."""
+        if self.torch is not None:
+            buf = buf.float().numpy() if buf.dtype == self.torch.bfloat16 else buf.numpy()
+        return int(np.count_nonzero(buf != expected))
+
+
+def _pick(lib, *names):
+    """The first of ``names`` the library has (torch 2.13 renamed the tensor forms; older ones lack the new names)."""
+    for name in names:
+        fn = getattr(lib, name, None)
+        if fn is not None:
+            return fn
+    raise AttributeError(f"{lib.__name__} has none of {names}")
+
+
+# Each case returns (run, check): ``run()`` does the op once on the row's buffers; ``check()`` fills
+# them with the pattern, runs once, and returns the number of wrong elements on this rank.
+# Rank r's input is ramp(add=r+1), so a SUM over n ranks is ramp(add=n(n+1)/2, scale=n).
+
+
+def _all_reduce(d, t: _Tensors, count: int, rank: int, n: int):
+    buf = t.empty(count)
+
+    def check():
+        t.fill(buf, t.ramp(count, add=rank + 1))
+        d.all_reduce(buf)
+        return t.wrong(buf, t.ramp(count, add=n * (n + 1) // 2, scale=n))
+
+    return (lambda: d.all_reduce(buf)), check
+
+
+def _broadcast(d, t: _Tensors, count: int, rank: int, n: int):
+    buf = t.empty(count)
+
+    def check():
+        t.fill(buf, t.ramp(count, add=rank + 1))
+        d.broadcast(buf, src=0)
+        return t.wrong(buf, t.ramp(count, add=1))
+
+    return (lambda: d.broadcast(buf, src=0)), check
+
+
+def _reduce(d, t: _Tensors, count: int, rank: int, n: int):
+    buf = t.empty(count)
+
+    def check():
+        t.fill(buf, t.ramp(count, add=rank + 1))
+        d.reduce(buf, dst=0)
+        return t.wrong(buf, t.ramp(count, add=n * (n + 1) // 2, scale=n)) if rank == 0 else 0
+
+    return (lambda: d.reduce(buf, dst=0)), check
+
+
+def _all_gather(d, t: _Tensors, count: int, rank: int, n: int):
+    chunk = count // n
+    inp, out = t.empty(chunk), t.empty(count)
+    gather = _pick(d, "all_gather_single", "all_gather_into_tensor")
+
+    def check():
+        t.fill(inp, t.ramp(chunk, add=rank + 1))
+        t.fill(out, t.ramp(count, add=0, scale=0))
+        gather(out, inp)
+        return t.wrong(out, np.concatenate([t.ramp(chunk, add=src + 1) for src in range(n)]))
+
+    return (lambda: gather(out, inp)), check
+
+
+def _reduce_scatter(d, t: _Tensors, count: int, rank: int, n: int):
+    chunk = count // n
+    inp, out = t.empty(count), t.empty(chunk)
+    scatter = _pick(d, "reduce_scatter_single", "reduce_scatter_tensor")
+
+    def check():
+        t.fill(inp, t.ramp(count, add=rank + 1))
+        t.fill(out, t.ramp(chunk, add=0, scale=0))
+        scatter(out, inp)
+        return t.wrong(out, t.ramp(chunk, add=n * (n + 1) // 2, scale=n, offset=rank * chunk))
+
+    return (lambda: scatter(out, inp)), check
+
+
+def _all_to_all(d, t: _Tensors, count: int, rank: int, n: int):
+    chunk = count // n
+    inp, out = t.empty(count), t.empty(count)
+    # chunk (from r, to q) holds ramp(add=1 + r*n + q): every (sender, receiver) pair is distinguishable.
+
+    def check():
+        t.fill(inp, np.concatenate([t.ramp(chunk, add=1 + rank * n + dst) for dst in range(n)]))
+        t.fill(out, t.ramp(count, add=0, scale=0))
+        d.all_to_all_single(out, inp)
+        return t.wrong(out, np.concatenate([t.ramp(chunk, add=1 + src * n + rank) for src in range(n)]))
+
+    return (lambda: d.all_to_all_single(out, inp)), check
+
+
+def _barrier(d, t: _Tensors, count: int, rank: int, n: int):
+    def check():
+        d.barrier()
+        return 0
+
+    return d.barrier, check
+
+
+CASES: dict[str, Callable] = {
+    "all_reduce": _all_reduce, "broadcast": _broadcast, "reduce": _reduce, "all_gather": _all_gather,
+    "reduce_scatter": _reduce_scatter, "all_to_all": _all_to_all, "barrier": _barrier,
+}
+
+
+def _timed(d, run: Callable[[], None], warmup: int, iters: int) -> np.ndarray:
+    """Seconds per iteration: warmups, a barrier so every rank starts together, then each iteration alone."""
+    for _ in range(warmup):
+        run()
+    d.barrier()
+    times = np.empty(iters)
+    clock = time.perf_counter
+    for k in range(iters):
+        start = clock()
+        run()
+        times[k] = clock() - start
+    return times
+
+
+def rank_main(rank: int, send: Callable, job: dict) -> None:
+    """One rank of a benchmark world: join it, then check and time every plan entry, reporting each."""
+    if job["library"] == "torch":
+        import torch.distributed as d
+    else:
+        import distcomm as d
+    timeout = job["timeout"]
+    store = connect_store(job["library"], job["port"], timeout)
+    n = job["world"]
+    d.init_process_group(job["backend"], store=store, rank=rank, world_size=n, timeout=timedelta(seconds=timeout))
+    tensors = _Tensors(job["tensor"], job["dtype"])
+    for index, entry in enumerate(job["plan"]):
+        send(("start", index))
+        run, check = CASES[entry["op"]](d, tensors, entry["count"], rank, n)
+        wrong = check()
+        times = _timed(d, run, entry["warmup"], entry["iters"])
+        send(("row", index, {"mean": float(times.mean()), "median": float(np.median(times)),
+                             "min": float(times.min()), "max": float(times.max()), "wrong": wrong}))
+        del run, check
+    d.destroy_process_group()
+
+
+# --- one engine's world (parent) --------------------------------------------------------------------------
+
+
+def run_engine(job: dict, stat: str, on_row: Callable[[dict], None]) -> list[dict]:
+    """Run ``job`` on its own world; call ``on_row`` with each row as the last rank reports it; return the rows.
+
+    Raises WorldFailed (after killing the world) if a rank fails; the rows finished so far are in
+    the exception's ``rows`` attribute.
+    """
+    plan, n = job["plan"], job["world"]
+    store = host_store(job["library"], job["timeout"])
+    reports: dict[int, dict[int, dict]] = {}
+    rows: list[dict] = []
+
+    def describe(message) -> str:
+        entry = plan[message[1]]
+        what = "running" if message[0] == "start" else "finished"
+        return f"{what} {entry['op']} of {entry['size']} B"
+
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **job.get("env", {})}
+    try:
+        for rank, message in run_world(rank_main, n, (dict(job, port=store.port),), env,
+                                       idle_timeout=job["timeout"], describe=describe):
+            if message[0] != "row":
+                continue
+            _, index, stats = message
+            reports.setdefault(index, {})[rank] = stats
+            if len(reports[index]) == n:
+                row = report.make_row(plan[index], [reports.pop(index)[r] for r in range(n)], n, stat)
+                rows.append(row)
+                on_row(row)
+    except WorldFailed as exc:
+        exc.rows = rows
+        raise
+    finally:
+        close = getattr(store, "close", None)  # torch's TCPStore has no close(): its server lives with the object
+        if close is not None:
+            close()
+    return rows
+
+
+# --- command line ------------------------------------------------------------------------------------------
+
+
+def _op_list(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if names == ["all"]:
+        return list(OPS)
+    unknown = [name for name in names if name not in OPS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown op(s) {', '.join(unknown) or text!r}; choose from {', '.join(OPS)} or all")
+    return [op for op in OPS if op in names]
+
+
+def _algo_key(op: str) -> str:
+    return op.replace("_", "")  # select.py's table key: all_reduce -> allreduce
+
+
+def algo_env(ops: list[str], requests: list[str]) -> dict[str, str]:
+    """DISTCOMM_ALGO_<OP> variables for ``--algo`` values: ``NAME`` (every chosen op that has it) or ``OP=NAME``."""
+    from ..algorithms.select import ALGORITHMS
+
+    env: dict[str, str] = {}
+    for request in requests:
+        op, _, name = request.rpartition("=")
+        targets = [op] if op else [o for o in ops if name in ALGORITHMS[_algo_key(o)]]
+        if op and op not in OPS:
+            raise SystemExit(f"distcomm-bench: --algo {request}: unknown op {op!r}; choose from {', '.join(OPS)}")
+        if not targets:
+            known = "; ".join(f"{o}: {', '.join(ALGORITHMS[_algo_key(o)])}" for o in ops)
+            raise SystemExit(f"distcomm-bench: --algo {name}: no chosen op has that algorithm ({known})")
+        for target in targets:
+            if name not in ALGORITHMS[_algo_key(target)]:
+                raise SystemExit(f"distcomm-bench: --algo {request}: {target} algorithms are "
+                                 f"{', '.join(ALGORITHMS[_algo_key(target)])}")
+            env[f"DISTCOMM_ALGO_{_algo_key(target).upper()}"] = name
+    return env
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="distcomm-bench",
+        description="nccl-tests-style benchmark of distcomm's collectives (optionally against torch.distributed's gloo). "
+                    "time = the slowest rank's median (--stat) time per iteration; algbw = size/time; "
+                    "busbw = algbw x the nccl-tests factor of the op.",
+        epilog="Other benchmarks: distcomm-bench store --help.",
+    )
+    parser.add_argument("--ops", "-o", type=_op_list, default=list(OPS),
+                        help=f"comma-separated ops or 'all' (default: all = {','.join(OPS)})")
+    parser.add_argument("--min-bytes", "-b", type=parse_size, default=8, help="smallest size (default 8)")
+    parser.add_argument("--max-bytes", "-e", type=parse_size, default=64 << 20, help="largest size (default 64M; at most 256M)")
+    parser.add_argument("--step-factor", "-f", type=int, default=2, help="size multiplier between rows (default 2)")
+    parser.add_argument("--iters", "-n", type=int, default=None, help="timed iterations per row (default: by size)")
+    parser.add_argument("--warmup", "-w", type=int, default=None, help="untimed iterations per row (default: by size)")
+    parser.add_argument("--budget", type=float, default=0.2,
+                        help="seconds per row the automatic iteration count aims at, for a gloo-like speed (default 0.2)")
+    parser.add_argument("--dtype", "-d", choices=DTYPES, default="float32", help="element type (default float32)")
+    parser.add_argument("--world", "-p", type=int, default=2, help="number of processes to start (default 2)")
+    parser.add_argument("--backend", default="gloo",
+                        help="distcomm backend: gloo (distcomm's default CPU engine), tcp, shm when available (default gloo)")
+    parser.add_argument("--algo", action="append", default=[], metavar="[OP=]NAME",
+                        help="force a distcomm algorithm (DISTCOMM_ALGO_<OP>), e.g. ring or all_reduce=halving_doubling; repeatable")
+    parser.add_argument("--tensor", choices=("numpy", "torch"), default="numpy",
+                        help="buffers distcomm ranks use (default numpy; torch ranks always use torch tensors)")
+    parser.add_argument("--compare", choices=("torch",), default=None,
+                        help="also run torch.distributed's gloo backend with the same plan and print both with the speedup")
+    parser.add_argument("--stat", choices=("median", "mean"), default="median",
+                        help="per-rank statistic of the iteration times; the row reports its maximum over ranks (default median)")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw latency and busbw against size (needs matplotlib)")
+    parser.add_argument("--json", metavar="FILE", help="write the raw results, with per-rank statistics")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="seconds a world may go without finishing a row before it is killed (default 300)")
+    return parser
+
+
+def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.world < 1:
+        parser.error("--world must be at least 1")
+    if args.max_bytes > MAX_BYTES:
+        parser.error(f"--max-bytes is at most {MAX_BYTES >> 20}M")
+    if args.min_bytes > args.max_bytes:
+        parser.error("--min-bytes is larger than --max-bytes")
+    if args.step_factor < 2:
+        parser.error("--step-factor must be at least 2")
+    if (args.iters is not None and args.iters < 1) or (args.warmup is not None and args.warmup < 0):
+        parser.error("--iters must be at least 1 and --warmup at least 0")
+    if args.dtype == "bfloat16" and args.tensor == "numpy" and args.compare is None:
+        parser.error("bfloat16 needs torch tensors: add --tensor torch (numpy has no bfloat16)")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("--plot needs matplotlib: pip install 'distcomm[bench]' (or pip install matplotlib)")
+    if args.compare or args.tensor == "torch":
+        try:
+            import torch  # noqa: F401  (also puts its version in the machine description)
+        except ImportError:
+            parser.error("--compare torch and --tensor torch need torch: pip install 'distcomm[torch]'")
+    from .. import Backend
+
+    try:
+        Backend(args.backend)
+    except ValueError as exc:
+        parser.error(f"--backend: {exc}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.dtype == "bfloat16" and args.compare:
+        args.tensor = "torch"
+    _validate(parser, args)
+    env = algo_env(args.ops, args.algo)
+    plan = build_plan(args.ops, sizes(args.min_bytes, args.max_bytes, args.step_factor), args.world,
+                      args.dtype, args.iters, args.warmup, args.budget)
+    engines = [("distcomm", f"distcomm/{args.backend}", args.backend, args.tensor, env)]
+    if args.compare == "torch":
+        engines.append(("torch", "torch/gloo", "gloo", "torch", {}))
+
+    info = report.machine()
+    forced = " ".join(f"{k}={v}" for k, v in sorted(env.items()))
+    print(f"# distcomm-bench: world {args.world}, {args.dtype}, ops {','.join(args.ops)}, "
+          f"{report.format_bytes(args.min_bytes)} .. {report.format_bytes(args.max_bytes)}")
+    print(f"# machine: {report.machine_line(info)}")
+    print(f"# time: the slowest rank's {args.stat} over timed iterations (per-iteration perf_counter, "
+          f"barrier before timing, same buffers); busbw: nccl-tests factors; #wrong: checked every row")
+    for _, label, _, kind, extra in engines:
+        note = f", {' '.join(f'{k}={v}' for k, v in sorted(extra.items()))}" if extra else ""
+        print(f"# {label}: {kind} buffers{note}")
+    sys.stdout.flush()
+
+    live = sys.stderr if len(engines) > 1 else sys.stdout
+    runs: dict[str, list[dict]] = {}
+    failures: list[str] = []
+    for library, label, backend, kind, extra in engines:
+        current = {"op": None}
+
+        def on_row(row: dict, label=label, current=current) -> None:
+            if row["op"] != current["op"]:
+                engine = f"\n# [{label}]" if current["op"] is None else ""
+                current["op"] = row["op"]
+                print(f"{engine}\n{report.table_header(row['op'])}", file=live)
+            print(report.table_row(row), file=live, flush=True)
+
+        job = {"library": library, "backend": backend, "world": args.world, "dtype": args.dtype,
+               "tensor": kind, "plan": plan, "timeout": args.timeout, "env": extra}
+        try:
+            runs[label] = run_engine(job, args.stat, on_row)
+        except WorldFailed as exc:
+            runs[label] = exc.rows
+            failures.append(f"{label}: {exc}")
+            print(f"\n# {label} FAILED: {exc}", file=sys.stderr, flush=True)
+
+    labels = [label for _, label, *_ in engines]
+    if len(engines) > 1:
+        print()
+        print(report.compare_tables(args.ops, runs[labels[0]], runs[labels[1]], labels))
+    print()
+    wrong = 0
+    for label in labels:
+        count = report.wrong_total(runs[label])
+        wrong += count
+        print(f"# {label}: {len(runs[label])}/{len(plan)} rows, wrong elements: {count} {'OK' if count == 0 else 'FAILED'}")
+    for failure in failures:
+        print(f"# FAILED {failure.splitlines()[0]}")
+
+    meta = {"world_size": args.world, "backend": args.backend, "dtype": args.dtype, "stat": args.stat,
+            "tensor": args.tensor, "algo_env": env, "machine": info, "engines": labels,
+            "argv": sys.argv[1:] if argv is None else list(argv)}
+    if args.json:
+        report.write_json(args.json, meta, runs)
+        print(f"# results written to {args.json}")
+    if args.plot:
+        from .plot import plot
+
+        plot(args.plot, args.ops, runs, meta)
+        print(f"# plot written to {args.plot}")
+    return 1 if failures or wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""Rows, tables and JSON for distcomm-bench: what a result is and how it is printed.
+
+A *row* is one (op, size) measured on one engine: a dict with ``op``, ``size`` (bytes), ``count``
+(elements), ``dtype``, ``iters``, ``warmup``, ``time_us``, ``algbw``, ``busbw`` (GB/s = 1e9 B/s),
+``wrong`` (wrong elements summed over ranks) and ``ranks`` (each rank's own statistics). The
+tables follow nccl-tests' layout so the numbers read the same way:
+
+* ``time`` is the time of one operation: each rank times every iteration, takes the median (or
+  the mean, ``--stat``) of its iterations, and the row reports the slowest rank's value — a
+  collective is done when its last rank is done;
+* ``algbw = size / time``;
+* ``busbw = algbw * factor``, the nccl-tests factor that makes bandwidths comparable across ops
+  and world sizes (what each rank's link carries): all_reduce 2(n-1)/n; all_gather,
+  reduce_scatter, all_to_all (n-1)/n; broadcast, reduce 1.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import sys
+from typing import Any, Iterable, Sequence
+
+BUS_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+}
+
+
+def make_row(entry: dict, per_rank: Sequence[dict], world_size: int, stat: str) -> dict:
+    """The row for one plan entry from every rank's report (``mean``/``median``/``min``/``max`` s, ``wrong``)."""
+    seconds = max(r[stat] for r in per_rank)
+    size = entry["size"]
+    algbw = size / seconds / 1e9 if seconds > 0 and entry["op"] in BUS_FACTOR else math.nan
+    busbw = algbw * BUS_FACTOR[entry["op"]](world_size) if entry["op"] in BUS_FACTOR else math.nan
+    return {
+        **entry,
+        "time_us": seconds * 1e6,
+        "algbw": algbw,
+        "busbw": busbw,
+        "wrong": sum(r["wrong"] for r in per_rank),
+        "ranks": [{k: (v * 1e6 if k in ("mean", "median", "min", "max") else v) for k, v in r.items()}
+                  for r in per_rank],
+    }
+
+
+def format_bytes(size: float) -> str:
+    """8 B, 4 KiB, 64 MiB: the size as a person reads it (powers of two)."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size >= scale:
+            value = size / scale
+            return f"{value:g} {unit}" if value == int(value) else f"{value:.1f} {unit}"
+    return f"{int(size)} B"
+
+
+def _num(value: float, width: int, digits: int = 2) -> str:
+    return f"{'-':>{width}}" if value is None or math.isnan(value) else f"{value:{width}.{digits}f}"
+
+
+def _time(value: float, width: int = 10) -> str:
+    return _num(value, width, 1 if value >= 1000 else 2)
+
+
+_KEY = f"{'size':>12} {'count':>12} {'type':>9}"
+_KEY_UNITS = f"{'(B)':>12} {'(elements)':>12} {'':>9}"
+_ONE = f"{'time':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6}"
+_ONE_UNITS = f"{'(us)':>10} {'(GB/s)':>7} {'(GB/s)':>7} {'':>6}"
+
+
+def _measure(row: dict | None) -> str:
+    if row is None:
+        return f"{'n/a':>10} {'':>7} {'':>7} {'':>6}"
+    return f"{_time(row['time_us'])} {_num(row['algbw'], 7)} {_num(row['busbw'], 7)} {row['wrong']:>6d}"
+
+
+def _key(row: dict) -> str:
+    dtype = "-" if row["op"] == "barrier" else row["dtype"]
+    return f"{row['size']:>12d} {row['count']:>12d} {dtype:>9}"
+
+
+def op_title(op: str) -> str:
+    return f"# {op}" + (" (sum)" if op in ("all_reduce", "reduce", "reduce_scatter") else "") + (
+        " (root 0)" if op in ("broadcast", "reduce") else "")
+
+
+def table_header(op: str) -> str:
+    """The lines above one engine's rows for ``op``."""
+    return "\n".join((op_title(op), f"#{_KEY[1:]} {_ONE}", f"#{_KEY_UNITS[1:]} {_ONE_UNITS}"))
+
+
+def table_row(row: dict) -> str:
+    return f"{_key(row)} {_measure(row)}"
+
+
+def compare_header(op: str, labels: Sequence[str]) -> str:
+    """Header of the side-by-side table: the key, then one block per engine, then the speedup."""
+    width = len(_ONE)
+    names = " ".join(f"{label[:width]:^{width}}" for label in labels)
+    return "\n".join((
+        op_title(op),
+        f"#{' ' * (len(_KEY) - 1)} {names} {'speedup':>8}",
+        f"#{_KEY[1:]} {' '.join(_ONE for _ in labels)} {'':>8}",
+        f"#{_KEY_UNITS[1:]} {' '.join(_ONE_UNITS for _ in labels)} {'(x)':>8}",
+    ))
+
+
+def speedup(ours: dict | None, theirs: dict | None) -> float:
+    """theirs' time / ours' time: above 1 means ours is faster."""
+    if ours is None or theirs is None or not ours["time_us"] > 0:
+        return math.nan
+    return theirs["time_us"] / ours["time_us"]
+
+
+def compare_row(ours: dict | None, theirs: dict | None) -> str:
+    key = _key(ours if ours is not None else theirs)
+    return f"{key} {_measure(ours)} {_measure(theirs)} {_num(speedup(ours, theirs), 8)}"
+
+
+def _by_key(rows: Iterable[dict]) -> dict[tuple, dict]:
+    return {(r["op"], r["size"]): r for r in rows}
+
+
+def compare_tables(ops: Sequence[str], ours: Sequence[dict], theirs: Sequence[dict], labels: Sequence[str]) -> str:
+    """The side-by-side table of every op, rows matched by (op, size), and a summary per op."""
+    mine, other = _by_key(ours), _by_key(theirs)
+    out = []
+    for op in ops:
+        keys = sorted({k for k in (*mine, *other) if k[0] == op}, key=lambda k: k[1])
+        if not keys:
+            continue
+        out.append(compare_header(op, labels))
+        out.extend(compare_row(mine.get(k), other.get(k)) for k in keys)
+        out.append(speedup_summary(op, [speedup(mine.get(k), other.get(k)) for k in keys]))
+        out.append("")
+    return "\n".join(out)
+
+
+def speedup_summary(op: str, ratios: Sequence[float]) -> str:
+    ratios = [r for r in ratios if r > 0 and not math.isnan(r)]
+    if not ratios:
+        return f"# {op}: no sizes measured on both"
+    geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+    return f"# {op}: speedup geometric mean {geo:.2f}x, min {min(ratios):.2f}x, max {max(ratios):.2f}x"
+
+
+def wrong_total(rows: Iterable[dict]) -> int:
+    return sum(r["wrong"] for r in rows)
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on: host, CPU model, CPU count, versions."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    import numpy
+
+    info = {
+        "host": platform.node(),
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "system": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "numpy": numpy.__version__,
+    }
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        info["torch"] = torch.__version__
+    return info
+
+
+def machine_line(info: dict[str, Any]) -> str:
+    return f"{info['cpu']}, {info['cpus']} CPUs, {info['system']}, host {info['host']}"
+
+
+def write_json(path: str, meta: dict, runs: dict[str, list[dict]]) -> None:
+    """Raw results: the run's settings and machine, and every engine's rows with per-rank statistics."""
+    def clean(value):  # JSON has no NaN
+        if isinstance(value, float) and math.isnan(value):
+            return None
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [clean(v) for v in value]
+        return value
+
+    with open(path, "w") as f:
+        json.dump(clean({"meta": meta, "runs": runs}), f, indent=1)
+        f.write("\n")

@@ -1,0 +1,129 @@
+"""distcomm-bench: the tool runs end to end as a user runs it (a subprocess), and its plan and launcher behave.
+
+No timing asserts: the machine is shared and the numbers are noise at these sizes. What is
+asserted is what a user relies on: a table per op, every row checked with 0 wrong elements, the
+comparison and speedup columns with --compare torch, the plot and JSON files, and a world that
+fails or hangs being reported and killed instead of hanging the tool.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from distcomm.bench import collectives, report
+from distcomm.bench.worlds import WorldFailed, run_world
+
+TINY = ["--world", "2", "-b", "8", "-e", "4K", "-f", "16", "--iters", "3", "--warmup", "1", "--timeout", "60"]
+
+
+def _bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    return subprocess.run([sys.executable, "-m", "distcomm.bench", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def _rows(stdout: str) -> list[list[str]]:
+    """The table rows of the output: every non-comment line, split into fields."""
+    return [line.split() for line in stdout.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def _wrong_columns(fields: list[str]) -> list[str]:
+    # size count type | time algbw busbw #wrong | [time algbw busbw #wrong speedup]
+    assert len(fields) in (7, 12), fields
+    return [fields[6]] if len(fields) == 7 else [fields[6], fields[10]]
+
+
+def test_world_of_two_prints_a_checked_table_per_op(tmp_path):
+    out = tmp_path / "r.json"
+    result = _bench(*TINY, "--ops", "all", "--json", str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    for op in collectives.OPS:
+        assert f"\n# {op}" in result.stdout
+    rows = _rows(result.stdout)
+    assert len(rows) == 6 * 3 + 1  # 8 B, 128 B, 2 KiB for each sized op, one barrier row
+    assert all(w == "0" for fields in rows for w in _wrong_columns(fields))
+    assert "wrong elements: 0 OK" in result.stdout
+    data = json.loads(out.read_text())
+    assert data["meta"]["world_size"] == 2
+    (rows_json,) = data["runs"].values()
+    assert len(rows_json) == len(rows) and all(r["wrong"] == 0 and len(r["ranks"]) == 2 for r in rows_json)
+
+
+def test_compare_torch_prints_both_with_speedup_and_plots(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "bench.png"
+    result = _bench(*TINY, "--ops", "all_reduce,all_to_all,barrier", "--compare", "torch", "--plot", str(png))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "distcomm/gloo" in result.stdout and "torch/gloo" in result.stdout and "speedup" in result.stdout
+    rows = _rows(result.stdout)
+    assert len(rows) == 2 * 3 + 1 and all(len(fields) == 12 for fields in rows)
+    assert all(w == "0" for fields in rows for w in _wrong_columns(fields))
+    assert all(float(fields[11]) > 0 for fields in rows)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_options_are_refused_before_starting_anything():
+    result = _bench("--ops", "all_reduce", "--algo", "nosuch")
+    assert result.returncode != 0 and "ring" in result.stderr  # lists the valid all_reduce algorithms
+    result = _bench("--ops", "allreduce")
+    assert result.returncode != 0 and "unknown op" in result.stderr
+    result = _bench("-e", "1G")
+    assert result.returncode != 0 and "256M" in result.stderr
+
+
+def test_plan_rounds_sizes_to_the_world_and_bounds_iterations():
+    assert collectives.parse_size("64M") == 64 << 20 and collectives.parse_size("4KiB") == 4096
+    assert collectives.sizes(8, 64, 2) == [8, 16, 32, 64]
+    plan = collectives.build_plan(["all_gather", "all_reduce", "barrier"], [8, 16, 32], 4, "float32", None, None, 0.2)
+    gather = [e for e in plan if e["op"] == "all_gather"]
+    assert [e["count"] for e in gather] == [4, 8]  # 8 B is 2 elements: one per rank at least; 16 B repeats it
+    assert [e["size"] for e in plan if e["op"] == "all_reduce"] == [8, 16, 32]
+    assert [e["count"] for e in plan if e["op"] == "barrier"] == [0]
+    for nbytes in (0, 8, 1 << 20, 256 << 20):
+        warmup, iters = collectives.auto_iters(nbytes, 0.2)
+        assert collectives.MIN_ITERS <= iters <= collectives.MAX_ITERS and warmup >= 1
+
+
+def test_busbw_uses_the_nccl_tests_factors():
+    stats = [{"mean": 1e-3, "median": 1e-3, "min": 1e-3, "max": 1e-3, "wrong": 0}] * 4
+    entry = {"op": "all_reduce", "size": 10**6, "count": 250000, "dtype": "float32", "warmup": 1, "iters": 1}
+    row = report.make_row(entry, stats, 4, "median")
+    assert row["algbw"] == pytest.approx(1.0) and row["busbw"] == pytest.approx(1.5)
+    row = report.make_row(dict(entry, op="all_gather"), stats, 4, "median")
+    assert row["busbw"] == pytest.approx(0.75)
+
+
+# --- the launcher: failures and hangs become one exception, and no process is left behind -----------------
+
+
+def _fail_on_rank_one(rank, send):
+    send(("hello", rank))
+    if rank == 1:
+        raise ValueError("rank one is broken")
+    time.sleep(60)
+
+
+def _hang(rank, send):
+    send(("hello", rank))
+    time.sleep(60)
+
+
+@pytest.mark.parametrize("target, expected", [(_fail_on_rank_one, "rank 1 failed: ValueError: rank one is broken"),
+                                              (_hang, "no rank reported for 5 s")])
+def test_a_failed_or_hung_world_is_reported_and_killed(target, expected):
+    start = time.monotonic()
+    with pytest.raises(WorldFailed, match=expected) as info:
+        for _ in run_world(target, 2, idle_timeout=5, describe=lambda m: f"said {m[0]}"):
+            pass
+    assert time.monotonic() - start < 30
+    assert not multiprocessing.active_children()  # killed and joined
+    if target is _hang:  # each rank named with the last thing it said ("starting" if a loaded machine was slow)
+        assert "rank 0: " in str(info.value) and "rank 1: " in str(info.value)
