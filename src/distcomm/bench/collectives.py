@@ -317,7 +317,8 @@ def run_engine(job: dict, stat: str, on_row: Callable[[dict], None]) -> list[dic
             _, index, stats = message
             reports.setdefault(index, {})[rank] = stats
             if len(reports[index]) == n:
-                row = report.make_row(plan[index], [reports.pop(index)[r] for r in range(n)], n, stat)
+                by_rank = reports.pop(index)
+                row = report.make_row(plan[index], [by_rank[r] for r in range(n)], n, stat)
                 rows.append(row)
                 on_row(row)
     except WorldFailed as exc:
