@@ -31,6 +31,7 @@ from launcher_scripts.support import (
 )
 
 from distcomm._launcher.config import LaunchError
+from distcomm._launcher.failure import describe_exit, traceback_tail
 from distcomm.run import config_from_args, parse_args
 
 
@@ -207,22 +208,33 @@ def test_failure_on_one_node_stops_both(tmp_path):
     assert_no_leftovers(tmp_path, 4)
 
 
-def test_sigterm_to_launcher_is_forwarded(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_launcher_is_forwarded_and_cleanup_hooks_run(tmp_path, sig):
+    pids, hook_log = tmp_path / "pids", tmp_path / "hooks.log"
+    pids.mkdir()
+    env = launcher_env(
+        pids,
+        PYTHONPATH=os.pathsep.join([os.path.dirname(SCRIPTS), os.environ.get("PYTHONPATH", "")]),
+        DISTCOMM_RUN_CLEANUP_HOOKS="launcher_scripts.cleanup_hook:record",
+        TEST_HOOK_LOG=str(hook_log),
+    )
     launcher = start_launcher(
-        ["--standalone", "--nproc-per-node", "2", WORKER, "--no-meet", "--fail-rank", "9", "--others", "hang"],
-        tmp_path,
+        ["--standalone", "--nproc-per-node", "2", "--rdzv-id", "sigjob",
+         WORKER, "--no-meet", "--fail-rank", "9", "--others", "hang"],
+        env=env,
     )
     try:
-        wait_for_pids(tmp_path, 2)
-        launcher.send_signal(signal.SIGTERM)
+        wait_for_pids(pids, 2)
+        launcher.send_signal(sig)
         out, err = launcher.communicate(timeout=TIMEOUT)
     finally:
         if launcher.poll() is None:
             launcher.kill()
-    assert launcher.returncode == 128 + signal.SIGTERM
-    assert "received SIGTERM" in err
-    assert out.count("got signal 15") == 2
-    assert_no_leftovers(tmp_path, 2)
+    assert launcher.returncode == 128 + sig
+    assert f"received {sig.name}" in err
+    assert out.count(f"got signal {int(sig)}") == 2  # the launcher forwarded the same signal
+    assert hook_log.read_text() == "sigjob 0\n"  # the shared-memory cleanup hook point ran
+    assert_no_leftovers(pids, 2)
 
 
 def test_sigkilled_launcher_leaves_no_orphans(tmp_path):
@@ -315,3 +327,21 @@ def test_option_spellings_and_defaults(monkeypatch):
     assert (c.master_addr, c.master_port) == ("127.0.0.1", 0)  # --standalone wins
     c = config_from_args(parse_args(["--rdzv_endpoint", "host1:555", "t.py"]))
     assert (c.master_addr, c.master_port) == ("host1", 555)
+
+
+def test_exit_descriptions():
+    assert describe_exit(1) == "exit code 1"
+    assert describe_exit(-9) == "SIGKILL (-9) — possibly the out-of-memory killer (see dmesg)"
+    assert describe_exit(-11) == "signal SIGSEGV (-11)"
+    assert "128+SIGKILL" in describe_exit(137)
+
+
+def test_traceback_tail_keeps_the_whole_chain():
+    lines = ["noise", "Traceback (most recent call last):", '  File "a.py", line 1', "KeyError: 1", "",
+             "During handling of the above exception, another exception occurred:", "",
+             "Traceback (most recent call last):", '  File "a.py", line 3', "ValueError: 2", ]
+    assert traceback_tail(lines) == lines[1:]
+    assert traceback_tail(["just", "output"]) == []
+    long = ["Traceback (most recent call last):"] + [f"  frame {i}" for i in range(100)] + ["E: x"]
+    tail = traceback_tail(long, max_lines=10)
+    assert tail[0] == "  ..." and tail[-1] == "E: x" and len(tail) == 11

@@ -21,22 +21,39 @@ from .run import get_args_parser, run
 __all__ = ["main", "parse_args"]
 
 
-def _truthy(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(text)
+def _normalize_use_env(argv: Sequence[str]) -> list[str]:
+    """``--use_env=True`` (the seed's spelling) -> ``--use_env``; ``=False`` drops it.
+
+    Only options before the script are looked at: the script's own arguments are left alone.
+    """
+    out, before_script = [], True
+    for arg in argv:
+        name, sep, value = arg.partition("=")
+        if before_script and sep and name in ("--use_env", "--use-env"):
+            if value.lower() in ("1", "true", "yes"):
+                out.append("--use_env")
+            elif value.lower() not in ("0", "false", "no"):
+                raise SystemExit(f"distcomm.launch: error: {arg}: expected True or False")
+            continue
+        if before_script and not arg.startswith("-") and out and not _takes_value(out[-1]):
+            before_script = False
+        out.append(arg)
+    return out
+
+
+def _takes_value(option: str) -> bool:
+    flags = {"--use_env", "--use-env", "--standalone", "-m", "--module", "--no-python", "--no_python"}
+    return option.startswith("-") and "=" not in option and option not in flags
 
 
 def parse_args(argv: Sequence[str] | None = None):
     parser = get_args_parser(prog="python -m distcomm.launch")
     parser.add_argument(
-        "--use-env", "--use_env", nargs="?", const=True, default=False, type=_truthy,
+        "--use-env", "--use_env", action="store_true",
         help="Pass the local rank only in LOCAL_RANK instead of as --local_rank=<N> "
-             "(also accepted as --use_env=True).",
+             "(--use_env=True is accepted too).",
     )
-    return parser.parse_args(argv)
+    return parser.parse_args(_normalize_use_env(sys.argv[1:] if argv is None else argv))
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -58,6 +58,7 @@ def main():
             sys.exit(128 + signum)
 
     signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
 
     if not a.no_meet:
         store = connect()

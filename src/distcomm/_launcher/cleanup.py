@@ -14,6 +14,9 @@ Nothing registers a hook yet: the shared-memory transport is a later issue. Its 
   that run and attempt, and add ``"module.path:cleanup"`` to ``HOOK_SPECS`` below (or call
   ``register_cleanup_hook`` from code that the launcher imports).
 
+Users (and tests) can add hooks without code: ``DISTCOMM_RUN_CLEANUP_HOOKS="pkg.mod:fn,other:fn"``
+in the launcher's environment.
+
 Hooks must be quick and must not raise; an exception is reported as a one-line warning and the
 other hooks still run.
 """
@@ -21,6 +24,7 @@ other hooks still run.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from typing import Callable
 
@@ -45,12 +49,14 @@ def _load_specs() -> None:
     if _specs_loaded:
         return
     _specs_loaded = True
-    for spec in HOOK_SPECS:
+    from_env = [s.strip() for s in os.environ.get("DISTCOMM_RUN_CLEANUP_HOOKS", "").split(",") if s.strip()]
+    for spec in (*HOOK_SPECS, *from_env):
         module, _, name = spec.partition(":")
         try:
             register_cleanup_hook(getattr(importlib.import_module(module), name))
-        except (ImportError, AttributeError):
-            continue
+        except (ImportError, AttributeError) as exc:
+            if spec in from_env:  # a user's typo deserves a word; built-in ones may be absent
+                print(f"distcomm-run: cleanup hook {spec!r} not loaded: {exc}", file=sys.stderr)
 
 
 def run_cleanup_hooks(run_id: str, attempt: int) -> None:
