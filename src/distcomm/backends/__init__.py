@@ -23,6 +23,18 @@ def _tcp_engine(store, rank: int, size: int, timeout: float, options: Any = None
     return TcpTransport.connect(store, rank, size, timeout)
 
 
+def _shm_engine(store, rank: int, size: int, timeout: float, options: Any = None):
+    from ..transport.hybrid import connect_shm
+
+    return connect_shm(store, rank, size, timeout, options)
+
+
+def _default_engine(store, rank: int, size: int, timeout: float, options: Any = None):
+    from ..transport.hybrid import connect_default
+
+    return connect_default(store, rank, size, timeout, options)
+
+
 def _inproc_only(store, rank: int, size: int, timeout: float, options: Any = None):
     # A world of one needs no peers; the in-process transport serves it without sockets.
     from ..transport.inproc import InprocTransport
@@ -103,7 +115,8 @@ def register_engine(name: str, factory: EngineFactory) -> None:
 
 
 register_engine("tcp", _tcp_engine)
-register_engine("gloo", _tcp_engine)  # the default CPU engine; shared memory joins it later
+register_engine("shm", _shm_engine)  # shared memory only: every rank on one host
+register_engine("gloo", _default_engine)  # the default CPU engine: shared memory within a host, TCP between hosts
 register_engine("mpi", _unavailable("mpi", "distcomm has no MPI engine yet (mpi4py integration is planned)"))
 register_engine("nccl", _unavailable("nccl", "NCCL needs CUDA GPUs; this build of distcomm runs on CPU"))
 register_engine("ucc", _unavailable("ucc", "distcomm has no UCC engine"))

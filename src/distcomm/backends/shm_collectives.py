@@ -1,0 +1,395 @@
+"""Collectives through shared memory: reduce and copy straight from peers' memory, in rounds.
+
+The generic collectives (``collectives.py``) are algorithms over point-to-point messages: fine over
+TCP, wasteful within a host, where every message is a copy into a ring and a copy out of it, and
+every rank forwards data it does not need. Here each rank reads what it needs directly from its
+peers' slots of the group's shared memory (``transport/shm_group.py``: rounds of slots with
+``posted``/``consumed`` counters), and the data moves in chunks of one slot (1 MiB by default), so a
+chunk written by one core is read by another from cache and memory use does not grow with the
+message.
+
+Algorithms (bytes are per rank, n the message, p the group size):
+
+* all_reduce, "direct": every rank copies its chunk into its slot, then reduces all p slots into
+  its own buffer. One round per chunk: the latency path (8 bytes: one write, one flag, p reads).
+  Reads p·n, reduces (p-1)·n: used up to ``DISTCOMM_SHM_ALLREDUCE_DIRECT_BYTES`` (64 KiB).
+* all_reduce, "slices": each rank publishes the parts of the chunk others own, reduces the part it
+  owns from all p copies into its slot, then every rank copies all results out. Two rounds per
+  chunk; each rank reduces only n/p: the bandwidth path.
+* reduce: "direct" with only the root reading; broadcast: the root writes, the others copy;
+  all_gather / gather: each writes its block, the others (the root) copy; scatter: the root writes
+  every destination's piece; reduce_scatter: each writes the blocks others own and reduces its own;
+  all_to_all: each writes one piece per destination (with its length, checked by the reader);
+  barrier: one round with no data.
+
+Reductions run in rank order, ((x0 ⊕ x1) ⊕ x2) ..., like the reference, so every rank gets the same
+bits. ``DISTCOMM_SHM_ALGO_ALLREDUCE=direct|slices`` forces an all_reduce algorithm (benchmarks).
+Groups with a member on another host (the default engine across hosts) and groups of one use the
+generic collectives; so does everything when ``DISTCOMM_SHM_COLLECTIVES=0``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from ..reduce import finish, premultiply, reducer
+from ..errors import DistBackendError
+from ..transport.base import Channel, TransportError
+from . import collectives as generic
+
+DIRECT_ALLREDUCE_BYTES = 64 * 1024
+
+
+def _view(raw: np.ndarray, dtype, count: int, start: int = 0) -> np.ndarray:
+    """``count`` elements of ``dtype`` at byte ``start`` of a uint8 slot."""
+    item = np.dtype(dtype).itemsize
+    return raw[start : start + count * item].view(dtype)
+
+
+def _offsets(counts) -> list[int]:
+    out = [0]
+    for c in counts:
+        out.append(out[-1] + c)
+    return out
+
+
+# -- the algorithms (ctx: shm_group.GroupShm, ch: Channel) --------------------------------------
+def reduce_direct(ctx, ch: Channel, flat: np.ndarray, red, root: int | None) -> None:
+    """Every rank posts its chunk; the root (every rank if None) reduces all of them in rank order."""
+    p, r = ctx.size, ctx.rank
+    dt = flat.dtype
+    per = max(1, ctx.slot_bytes // dt.itemsize)
+    count, nbytes = flat.size, flat.nbytes
+    reads = root is None or r == root
+    lo = 0
+    while True:
+        hi = min(lo + per, count)
+        m = hi - lo
+        k = ctx.next_round()
+        mine = flat[lo:hi]
+        _view(ctx.acquire(k, ch), dt, m)[...] = mine
+        ctx.post(k, ch, nbytes)
+        if reads:
+            ctx.wait_posted(k, ch, nbytes)
+            if m:
+                if r != 0:
+                    mine[...] = _view(ctx.data(0, k), dt, m)
+                for q in range(1, p):
+                    red(mine, _view(ctx.data(q, k), dt, m))
+        ctx.consume(k)
+        lo = hi
+        if lo >= count:
+            return
+
+
+def allreduce_slices(ctx, ch: Channel, flat: np.ndarray, red) -> None:
+    """Reduce-scatter by part owners, then all-gather of the parts, chunk by chunk."""
+    p, r = ctx.size, ctx.rank
+    dt = flat.dtype
+    item = dt.itemsize
+    per = max(p, ctx.slot_bytes // item)
+    count, nbytes = flat.size, flat.nbytes
+    for lo in range(0, count, per):
+        chunk = flat[lo : min(lo + per, count)]
+        m = chunk.size
+        b = [m * q // p for q in range(p + 1)]
+        a0, a1 = b[r], b[r + 1]
+        ka = ctx.next_round()
+        out = _view(ctx.acquire(ka, ch), dt, m)
+        out[:a0] = chunk[:a0]
+        out[a1:] = chunk[a1:]
+        ctx.post(ka, ch, nbytes)
+        ctx.wait_posted(ka, ch, nbytes)
+        kb = ctx.next_round()
+        res = _view(ctx.acquire(kb, ch), dt, a1 - a0)
+        res[...] = chunk[a0:a1] if r == 0 else _view(ctx.data(0, ka), dt, a1 - a0, a0 * item)
+        for q in range(1, p):
+            red(res, chunk[a0:a1] if q == r else _view(ctx.data(q, ka), dt, a1 - a0, a0 * item))
+        ctx.consume(ka)
+        ctx.post(kb, ch, nbytes)
+        ctx.wait_posted(kb, ch, nbytes)
+        for q in range(p):
+            chunk[b[q] : b[q + 1]] = _view(ctx.data(q, kb), dt, b[q + 1] - b[q])
+        ctx.consume(kb)
+
+
+def broadcast(ctx, ch: Channel, flat: np.ndarray, root: int) -> None:
+    raw = flat.view(np.uint8)
+    n, step = raw.size, ctx.slot_bytes
+    lo = 0
+    while True:
+        hi = min(lo + step, n)
+        k = ctx.next_round()
+        if ctx.rank == root:
+            ctx.acquire(k, ch)[: hi - lo] = raw[lo:hi]
+            ctx.post(k, ch, n)
+        else:
+            ctx.wait_posted(k, ch, n, [root])
+            raw[lo:hi] = ctx.data(root, k)[: hi - lo]
+        ctx.consume(k)
+        lo = hi
+        if lo >= n:
+            return
+
+
+def gather_blocks(ctx, ch: Channel, send: np.ndarray, out: np.ndarray, root: int | None) -> None:
+    """Rank q's ``send`` into block q of ``out`` on the root (every rank if None: all_gather).
+
+    For all_gather ``send`` is this rank's block of ``out`` itself.
+    """
+    r = ctx.rank
+    src = send.view(np.uint8)
+    raw = None if out is None else out.view(np.uint8)
+    bb, step = src.size, ctx.slot_bytes
+    peers = [q for q in range(ctx.size) if q != r]
+    reads = root is None or r == root
+    lo = 0
+    while True:
+        hi = min(lo + step, bb)
+        k = ctx.next_round()
+        if root is None or r != root:
+            ctx.acquire(k, ch)[: hi - lo] = src[lo:hi]
+            ctx.post(k, ch, bb)
+        if reads:
+            ctx.wait_posted(k, ch, bb, None if root is None else peers)
+            for q in peers:
+                raw[q * bb + lo : q * bb + hi] = ctx.data(q, k)[: hi - lo]
+            if root is not None:
+                raw[r * bb + lo : r * bb + hi] = src[lo:hi]
+        ctx.consume(k)
+        lo = hi
+        if lo >= bb:
+            return
+
+
+def scatter(ctx, ch: Channel, chunks: np.ndarray | None, out: np.ndarray, root: int) -> None:
+    p, r = ctx.size, ctx.rank
+    raw = out.view(np.uint8)
+    src = None if chunks is None else chunks.view(np.uint8)
+    bb = raw.size
+    step = max(64, ctx.slot_bytes // p // 64 * 64)
+    lo = 0
+    while True:
+        hi = min(lo + step, bb)
+        k = ctx.next_round()
+        if r == root:
+            slot = ctx.acquire(k, ch)
+            for q in range(p):
+                if q != r:
+                    slot[q * step : q * step + hi - lo] = src[q * bb + lo : q * bb + hi]
+            ctx.post(k, ch, bb)
+            raw[lo:hi] = src[r * bb + lo : r * bb + hi]
+        else:
+            ctx.wait_posted(k, ch, bb, [root])
+            raw[lo:hi] = ctx.data(root, k)[r * step : r * step + hi - lo]
+        ctx.consume(k)
+        lo = hi
+        if lo >= bb:
+            return
+
+
+def reduce_scatter(ctx, ch: Channel, scratch: np.ndarray, out: np.ndarray, counts, red) -> None:
+    """Each rank posts the pieces of the blocks others own; each reduces its own block."""
+    p, r = ctx.size, ctx.rank
+    dt = scratch.dtype
+    item = dt.itemsize
+    per = max(1, ctx.slot_bytes // p // item)
+    offs = _offsets(counts)
+    longest = max(counts) if counts else 0
+    lo = 0
+    while True:
+        k = ctx.next_round()
+        slot = ctx.acquire(k, ch)
+        for q in range(p):
+            n = min(per, max(0, counts[q] - lo))
+            if q != r and n:
+                _view(slot, dt, n, q * per * item)[...] = scratch[offs[q] + lo : offs[q] + lo + n]
+        ctx.post(k, ch, scratch.nbytes)
+        ctx.wait_posted(k, ch, scratch.nbytes)
+        n = min(per, max(0, counts[r] - lo))
+        if n:
+            mine = scratch[offs[r] + lo : offs[r] + lo + n]
+            acc = out[lo : lo + n]
+            acc[...] = mine if r == 0 else _view(ctx.data(0, k), dt, n, r * per * item)
+            for q in range(1, p):
+                red(acc, mine if q == r else _view(ctx.data(q, k), dt, n, r * per * item))
+        ctx.consume(k)
+        lo += per
+        if lo >= longest:
+            return
+
+
+def all_to_all(ctx, ch: Channel, send: np.ndarray, send_counts, recv: np.ndarray, recv_counts) -> None:
+    """Each round, one piece per destination (its length first, checked by the reader)."""
+    p, r = ctx.size, ctx.rank
+    dt = send.dtype
+    item = dt.itemsize
+    head = (8 * p + 63) // 64 * 64
+    per = max(1, (ctx.slot_bytes - head) // p // item)
+    so, ro = _offsets(send_counts), _offsets(recv_counts)
+    need = max(1, -(-max(list(send_counts) + list(recv_counts) + [0]) // per))
+    if send_counts[r] != recv_counts[r]:
+        raise TransportError(
+            f"all_to_all: this rank sends itself {send_counts[r]} elements but expects {recv_counts[r]}",
+            peer=ch.ranks[r],
+            reason="mismatch",
+        )
+    rounds = None
+    j = 0
+    while True:
+        lo = j * per
+        k = ctx.next_round()
+        slot = ctx.acquire(k, ch)
+        lengths = slot[: 8 * p].view(np.int64)
+        for q in range(p):
+            n = min(per, max(0, send_counts[q] - lo))
+            lengths[q] = n
+            if q != r and n:
+                _view(slot, dt, n, head + q * per * item)[...] = send[so[q] + lo : so[q] + lo + n]
+        ctx.post(k, ch, 0, extra=need)
+        ctx.wait_posted(k, ch, None)
+        if rounds is None:
+            rounds = max([need] + [ctx.extra(q, k) for q in range(p) if q != r])
+        for q in range(p):
+            n = min(per, max(0, recv_counts[q] - lo))
+            if q == r:
+                recv[ro[r] + lo : ro[r] + lo + n] = send[so[r] + lo : so[r] + lo + n]
+                continue
+            sent = int(ctx.data(q, k)[8 * r : 8 * r + 8].view(np.int64)[0])
+            if sent != n:
+                raise TransportError(
+                    f"all_to_all: rank {ch.ranks[q]} sends this rank {sent} elements in round {j}, this rank "
+                    f"expects {n} (its input_split_sizes disagree with this rank's output_split_sizes)",
+                    peer=ch.ranks[q],
+                    reason="mismatch",
+                )
+            if n:
+                recv[ro[q] + lo : ro[q] + lo + n] = _view(ctx.data(q, k), dt, n, head + r * per * item)
+        ctx.consume(k)
+        j += 1
+        if j >= rounds:
+            return
+
+
+def barrier(ctx, ch: Channel) -> None:
+    k = ctx.next_round()
+    ctx.acquire(k, ch)
+    ctx.post(k, ch, 0)
+    ctx.wait_posted(k, ch, 0)
+    ctx.consume(k)
+
+
+# -- the engine's collectives object -----------------------------------------------------------
+class ShmCollectives:
+    """backends/collectives.py's functions, through shared memory when the whole group is local.
+
+    Missing attributes fall back to the generic module, so the process group can call any
+    collective on it.
+    """
+
+    def __init__(self, transport):
+        self.transport = transport
+        self.allreduce_algo = os.environ.get("DISTCOMM_SHM_ALGO_ALLREDUCE", "").lower() or None
+        if self.allreduce_algo not in (None, "direct", "slices"):
+            raise ValueError(f"DISTCOMM_SHM_ALGO_ALLREDUCE={self.allreduce_algo!r}: valid: direct, slices")
+        self.direct_bytes = int(os.environ.get("DISTCOMM_SHM_ALLREDUCE_DIRECT_BYTES", DIRECT_ALLREDUCE_BYTES))
+
+    def __getattr__(self, name):
+        return getattr(generic, name)
+
+    def _context(self, ch: Channel):
+        """The group's shared memory, or None (a group of one, or a member on another host)."""
+        if ch.size == 1:
+            return None
+        try:
+            ctx = self.transport.group_context(ch.key.group, ch.ranks, ch.rank, ch.deadline)
+        except TransportError as exc:
+            raise ch.translate(exc, None) from None
+        if ctx is not None and ctx.broken:
+            raise DistBackendError(
+                f"{ch.op} (sequence number {ch.key.seq}) on rank {ch.rank}: this group's shared memory is "
+                f"unusable after an earlier failure ({ctx.broken}); destroy the process group and create it again"
+            )
+        return ctx
+
+    @staticmethod
+    def _run(ctx, ch: Channel, algorithm, *args) -> None:
+        try:
+            algorithm(ctx, ch, *args)
+        except TransportError as exc:
+            ctx.broken = str(exc)
+            raise ch.translate(exc, None) from None
+        except BaseException as exc:
+            ctx.broken = f"{type(exc).__name__}: {exc}"
+            raise
+
+    # The signatures below are those of backends/collectives.py.
+    def all_reduce(self, ch: Channel, flat: np.ndarray, dtype, op) -> None:
+        ctx = self._context(ch)
+        if ctx is None:
+            return generic.all_reduce(ch, flat, dtype, op)
+        premultiply(op, flat, dtype)
+        red = reducer(op, dtype)
+        algo = self.allreduce_algo or ("direct" if flat.nbytes <= self.direct_bytes else "slices")
+        if algo == "direct":
+            self._run(ctx, ch, reduce_direct, flat, red, None)
+        else:
+            self._run(ctx, ch, allreduce_slices, flat, red)
+        finish(op, flat, ch.size, dtype)
+
+    def reduce(self, ch: Channel, flat: np.ndarray, dtype, op, root: int) -> None:
+        ctx = self._context(ch)
+        if ctx is None:
+            return generic.reduce(ch, flat, dtype, op, root)
+        if ch.rank != root and getattr(op, "factor", None) is not None:
+            flat = flat.copy()  # PREMUL_SUM scales the input; a non-root keeps its own unscaled
+        premultiply(op, flat, dtype)
+        self._run(ctx, ch, reduce_direct, flat, reducer(op, dtype), root)
+        if ch.rank == root:
+            finish(op, flat, ch.size, dtype)
+
+    def broadcast(self, ch: Channel, flat: np.ndarray, root: int) -> None:
+        ctx = self._context(ch)
+        if ctx is None:
+            return generic.broadcast(ch, flat, root)
+        self._run(ctx, ch, broadcast, flat, root)
+
+    def all_gather(self, ch: Channel, out: np.ndarray, count: int) -> None:
+        ctx = self._context(ch)
+        if ctx is None:
+            return generic.all_gather(ch, out, count)
+        self._run(ctx, ch, gather_blocks, out[ch.rank * count : (ch.rank + 1) * count], out, None)
+
+    def gather(self, ch: Channel, send: np.ndarray, out: np.ndarray | None, root: int) -> None:
+        ctx = self._context(ch)
+        if ctx is None:
+            return generic.gather(ch, send, out, root)
+        self._run(ctx, ch, gather_blocks, send, out, root)
+
+    def scatter(self, ch: Channel, chunks: np.ndarray | None, out: np.ndarray, root: int) -> None:
+        ctx = self._context(ch)
+        if ctx is None:
+            return generic.scatter(ch, chunks, out, root)
+        self._run(ctx, ch, scatter, chunks, out, root)
+
+    def reduce_scatter(self, ch: Channel, scratch: np.ndarray, out: np.ndarray, counts, dtype, op) -> None:
+        ctx = self._context(ch)
+        if ctx is None:
+            return generic.reduce_scatter(ch, scratch, out, counts, dtype, op)
+        premultiply(op, scratch, dtype)
+        self._run(ctx, ch, reduce_scatter, scratch, out, list(counts), reducer(op, dtype))
+        finish(op, out, ch.size, dtype)
+
+    def all_to_all(self, ch: Channel, send: np.ndarray, send_counts, recv: np.ndarray, recv_counts) -> None:
+        ctx = self._context(ch)
+        if ctx is None:
+            return generic.all_to_all(ch, send, send_counts, recv, recv_counts)
+        self._run(ctx, ch, all_to_all, send, list(send_counts), recv, list(recv_counts))
+
+    def barrier(self, ch: Channel) -> None:
+        ctx = self._context(ch)
+        if ctx is None:
+            return generic.barrier(ch)
+        self._run(ctx, ch, barrier)

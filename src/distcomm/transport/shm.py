@@ -1,0 +1,672 @@
+"""The shared-memory transport: ranks of one host exchange bytes through /dev/shm, not sockets.
+
+Each rank creates one *world segment* at connect time and maps every local peer's::
+
+    header   magic, pid, closed flag                              (u64 words)
+    bell     the rank's doorbell and its sleeper count           (shm_wait.Bell)
+    rings    one SPSC ring per local destination (shm_ring.Ring)  this rank produces into them
+    directory  (group id, segment name) of each group this rank has opened collectives on
+
+Point-to-point (the Transport contract: MessageKey matching in arrival order, signature and size
+checks, deadlines, loss) runs over the rings. A message is a record header plus its payload
+streamed through the sender's ring to the receiver, or, for large messages where the kernel allows
+it, a header carrying the sender's buffer address that the receiver copies in one step with
+process_vm_readv (shm_direct), then acknowledges. There is no progress thread: every wait(), test(),
+isend() and irecv() moves whatever can move for all pending requests of the process (under one
+lock), so two ranks waiting on each other always both advance.
+
+Collectives do not use the rings: ``collectives`` (backends/shm_collectives.py) reduce and copy
+straight through per-group segments (shm_group.GroupShm), created at a group's first collective.
+
+Setup goes through the store: each rank publishes its segment's name, pid and address, maps its
+peers', tests single-copy reads, and waits until all have mapped its segment; then it unlinks the
+name, so nothing is left in /dev/shm even if the process is killed later (see shm_segment).
+
+A peer is lost when its process has exited (pidfd) or its transport is closed (its closed flag);
+waiters notice within ~0.1 s and fail with reason "lost" naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections import deque
+from datetime import timedelta
+
+import numpy as np
+
+from . import shm_direct
+from .base import ANY_SOURCE, MessageKey, Request, Transport, TransportError
+from .shm_group import MAGIC as GROUP_MAGIC
+from .shm_group import GroupShm, init_segment, layout, slot_config
+from .shm_ring import ACKED, MODE_DIRECT, MODE_INLINE, PVM_OK, RECORD, Ring, decode, encode
+from .shm_segment import Segment
+from .shm_wait import Bell, PeerHealth, WaitPolicy, wait_until
+
+WORLD_MAGIC = 0x64636F6D6D73686D  # "dcommshm"
+_W_MAGIC, _W_PID, _W_CLOSED = 0, 1, 2
+_BELL_U32 = 16  # u32 index of the bell (byte 64); its sleeper count follows
+_RINGS_AT = 128
+_DIR_ENTRY = 128  # u64 (group id + 1), then the segment name (NUL-padded)
+DIR_ENTRIES = 1024
+
+DEFAULT_RING_BYTES = 256 * 1024
+DIRECT_MIN_BYTES = 64 * 1024  # below this a copy through the ring is cheaper than a system call
+
+
+def _ring_bytes() -> int:
+    n = int(os.environ.get("DISTCOMM_SHM_RING_BYTES", DEFAULT_RING_BYTES))
+    if n < 4096 or n % 64:
+        raise ValueError(f"DISTCOMM_SHM_RING_BYTES={n}: need a multiple of 64 of at least 4096")
+    return n
+
+
+def _world_layout(nlocal: int, ring_bytes: int) -> tuple[int, int]:
+    """(offset of the directory, total bytes) of a world segment."""
+    directory = _RINGS_AT + nlocal * Ring.block_bytes(ring_bytes)
+    return directory, directory + DIR_ENTRIES * _DIR_ENTRY
+
+
+def _bytes(buf: np.ndarray) -> np.ndarray:
+    if not buf.flags.c_contiguous:
+        raise ValueError("point-to-point buffers must be C-contiguous")
+    return buf.reshape(-1).view(np.uint8)
+
+
+class _ShmRequest(Request):
+    __slots__ = ("_t", "kind", "peer", "key", "signature", "buf", "done", "error", "source", "nbytes",
+                 "header", "sent", "direct", "direct_no", "attached")
+
+    def __init__(self, transport, kind: str, peer: int, buf: np.ndarray, key: MessageKey, signature: int):
+        self._t = transport
+        self.kind = kind  # "send" | "recv"
+        self.peer = peer
+        self.buf = buf
+        self.key = key
+        self.signature = signature
+        self.done = False
+        self.error: TransportError | None = None
+        self.source = -1
+        self.nbytes = 0
+        self.header = None
+        self.sent = -1  # sends: -1 until the record header is in the ring, then payload bytes pushed
+        self.direct = False
+        self.direct_no = 0
+        self.attached = None  # receives: the unexpected entry or incoming message feeding it
+
+    def wait(self, deadline: float | None = None) -> None:
+        self._t._wait(self, deadline)
+
+    def test(self) -> bool:
+        return self._t._test(self)
+
+
+class _Entry:
+    """A message that arrived before its receive was posted (its payload in a private buffer)."""
+
+    __slots__ = ("src", "key", "signature", "nbytes", "data", "complete", "error", "recv")
+
+    def __init__(self, src: int, key: MessageKey, signature: int, nbytes: int):
+        self.src = src
+        self.key = key
+        self.signature = signature
+        self.nbytes = nbytes
+        self.data = np.empty(nbytes, np.uint8)
+        self.complete = False
+        self.error: TransportError | None = None
+        self.recv: _ShmRequest | None = None  # a receive that matched it before it completed
+
+
+class _Incoming:
+    """The message whose payload is streaming in from one source."""
+
+    __slots__ = ("src", "nbytes", "got", "target", "recv", "entry")
+
+    def __init__(self, src, nbytes, target, recv, entry):
+        self.src = src
+        self.nbytes = nbytes
+        self.got = 0
+        self.target = target  # where the bytes go; None: discard them
+        self.recv = recv
+        self.entry = entry
+
+
+def _mismatch(src: int, dst: int, nbytes: int, signature: int, expect_bytes: int, expect_sig: int) -> TransportError:
+    return TransportError(
+        f"message from rank {src} does not match the receive posted on rank {dst}: {nbytes} bytes with "
+        f"signature {signature:#x} arrived, {expect_bytes} bytes with signature {expect_sig:#x} expected "
+        "(the ranks called different collectives, or the same one with different sizes, dtypes or ops)",
+        peer=src,
+        reason="mismatch",
+    )
+
+
+class ShmTransport(Transport):
+    """Point-to-point between the ranks of one host, plus shared-memory collectives."""
+
+    def __init__(self, rank: int, size: int, local: list[int], segments: dict[int, Segment], pids: dict[int, int],
+                 ring_bytes: int):
+        self.rank = rank
+        self.size = size
+        self.local = list(local)  # global ranks on this host, sorted
+        self._index = {g: i for i, g in enumerate(self.local)}
+        self._segments = segments
+        self._pids = pids
+        self._ctl = {g: memoryview(s.buf[:64]).cast("Q") for g, s in segments.items()}
+        self._bells = {
+            g: Bell(memoryview(s.buf[:_RINGS_AT]).cast("I"), _BELL_U32, s.address + 4 * _BELL_U32)
+            for g, s in segments.items()
+        }
+        block = Ring.block_bytes(ring_bytes)
+        me = self._index[rank]
+
+        def ring_block(seg: Segment, i: int) -> np.ndarray:
+            return seg.buf[_RINGS_AT + i * block : _RINGS_AT + (i + 1) * block]
+
+        self._out = {g: Ring(ring_block(segments[rank], self._index[g])) for g in self.local if g != rank}
+        self._in = {g: Ring(ring_block(segments[g], me)) for g in self.local if g != rank}
+        self._dir_at, _ = _world_layout(len(self.local), ring_bytes)
+        self._dir_count = 0
+        self.policy = WaitPolicy(len(self.local))
+        self.health = PeerHealth({g: p for g, p in pids.items() if g != rank})
+        self.bell = self._bells[rank]
+        # point-to-point state, all under self._lock
+        self._lock = threading.Lock()
+        self._queue = {g: deque() for g in self._out}  # sends not yet fully in the ring
+        self._unacked = {g: deque() for g in self._out}  # direct sends waiting for the reader
+        self._direct_sent = {g: 0 for g in self._out}
+        self._direct_read = {g: 0 for g in self._in}
+        self._incoming: dict[int, _Incoming | None] = {g: None for g in self._in}
+        self._posted: list[_ShmRequest] = []
+        self._unexpected: list[_Entry] = []
+        self._header = np.empty(RECORD, np.uint8)
+        self._closed = False
+        # collectives
+        self._groups: dict[int, GroupShm] = {}
+        self._groups_lock = threading.Lock()
+        self._collectives = None
+
+    # -- setup --------------------------------------------------------------------------------
+    @classmethod
+    def connect(cls, store, rank: int, size: int, timeout: float, local: list[int] | None = None) -> "ShmTransport":
+        """Create this rank's segment, map every local peer's, and unlink ours once all have it.
+
+        ``local`` lists the global ranks on this host (default: all ``size`` ranks).
+        """
+        local = sorted(range(size) if local is None else local)
+        if rank not in local:
+            raise ValueError(f"rank {rank} is not among the local ranks {local}")
+        ring_bytes = _ring_bytes()
+        _, total = _world_layout(len(local), ring_bytes)
+        shm_direct.allow_peers()
+        mine = Segment.create(total)
+        segments = {rank: mine}
+        try:
+            ctl = memoryview(mine.buf[:64]).cast("Q")
+            ctl[_W_PID] = os.getpid()
+            ctl[_W_MAGIC] = WORLD_MAGIC
+            info = {"name": mine.name, "pid": os.getpid(), "address": mine.address, "ring_bytes": ring_bytes}
+            store.set(f"shm/segment/{rank}", json.dumps(info))
+            peers = [g for g in local if g != rank]
+            infos = {g: json.loads(v) for g, v in zip(peers, store.multi_get([f"shm/segment/{g}" for g in peers]))}
+            pids = {rank: os.getpid()}
+            for g, peer in infos.items():
+                if peer["ring_bytes"] != ring_bytes:
+                    raise ValueError(
+                        f"rank {g} uses DISTCOMM_SHM_RING_BYTES={peer['ring_bytes']}, this rank {ring_bytes}: "
+                        "set the same value on every rank"
+                    )
+                seg = Segment.open(peer["name"])
+                segments[g] = seg
+                if memoryview(seg.buf[:64]).cast("Q")[_W_MAGIC] != WORLD_MAGIC:
+                    raise RuntimeError(f"rank {g}'s shared-memory segment {peer['name']} is not initialized")
+                pids[g] = peer["pid"]
+            transport = cls(rank, size, local, segments, pids, ring_bytes)
+            for g, peer in infos.items():  # may we read the peer's memory directly?
+                ok = shm_direct.probe(peer["pid"], peer["address"], WORLD_MAGIC)
+                transport._in[g].ctl[PVM_OK] = int(ok)
+            store.set(f"shm/mapped/{rank}", "1")
+            store.wait([f"shm/mapped/{g}" for g in local], timedelta(seconds=timeout))
+            mine.unlink()
+            return transport
+        except BaseException:
+            for seg in segments.values():
+                seg.close()
+            raise
+
+    # -- helpers for collectives ----------------------------------------------------------------
+    def bell_of(self, global_rank: int) -> Bell:
+        return self._bells[global_rank]
+
+    def is_local(self, global_rank: int) -> bool:
+        return global_rank in self._index
+
+    def lost_peers(self, ranks) -> list[int]:
+        """Ranks among ``ranks`` whose transport is closed or whose process has exited."""
+        ctl = self._ctl
+        closed = [g for g in ranks if g != self.rank and ctl[g][_W_CLOSED]]
+        dead = self.health.dead([g for g in ranks if g != self.rank and g not in closed])
+        return closed + dead
+
+    def lost_error(self, lost: list[int], what: str = "") -> TransportError:
+        g = lost[0]
+        how = "closed its transport (destroy_process_group or an error)" if self._ctl[g][_W_CLOSED] else (
+            f"exited (pid {self._pids[g]} is gone)")
+        return TransportError(f"rank {g} {how}{what}", peer=g, reason="lost")
+
+    def wait_for(self, ready, deadline, peers, on_timeout) -> None:
+        """Wait for a shared-memory condition involving ``peers`` (global ranks); see shm_wait."""
+
+        def check() -> None:
+            if self._closed:
+                raise TransportError("this rank's transport was closed while waiting", reason="lost")
+            lost = self.lost_peers(peers)
+            if lost and not ready():
+                raise self.lost_error(lost)
+
+        wait_until(ready, deadline, self.bell, self.policy, check, on_timeout)
+
+    @property
+    def collectives(self):
+        if os.environ.get("DISTCOMM_SHM_COLLECTIVES", "1") in ("0", "false", "no"):
+            return None
+        if self._collectives is None:
+            from ..backends.shm_collectives import ShmCollectives
+
+            self._collectives = ShmCollectives(self)
+        return self._collectives
+
+    def group_context(self, gid: int, ranks, rank: int, deadline: float | None) -> GroupShm | None:
+        """The shared memory of group ``gid`` (members ``ranks``, global), created on first use;
+        None when some member is on another host."""
+        ctx = self._groups.get(gid)
+        if ctx is not None:
+            return ctx
+        ranks = list(ranks)
+        if not all(g in self._index for g in ranks):
+            return None
+        with self._groups_lock:
+            ctx = self._groups.get(gid)
+            if ctx is None:
+                ctx = self._open_group(gid, ranks, rank, deadline)
+                self._groups[gid] = ctx
+        return ctx
+
+    def _open_group(self, gid: int, ranks: list[int], rank: int, deadline: float | None) -> GroupShm:
+        if self._closed:
+            raise TransportError("the shared-memory transport is closed", reason="lost")
+        slot_bytes, nslots = slot_config()
+        _, total = layout(len(ranks), slot_bytes, nslots)
+        mine = Segment.create(total)
+        segments = [None] * len(ranks)
+        segments[rank] = mine
+        try:
+            init_segment(mine.buf, gid, len(ranks), slot_bytes, nslots)
+            self._publish_group(gid, mine.name)
+            for q, g in enumerate(ranks):
+                if q == rank:
+                    continue
+                name = self._find_group(g, gid, deadline)
+                seg = Segment.open(name)
+                segments[q] = seg
+                words = memoryview(seg.buf[:64]).cast("Q")
+                if (words[0], words[1], words[2], words[3], words[4]) != (GROUP_MAGIC, gid, len(ranks), slot_bytes, nslots):
+                    raise TransportError(
+                        f"rank {g}'s segment for group {gid} has {words[2]} members, {words[4]} slots of "
+                        f"{words[3]} bytes; this rank expected {len(ranks)} members, {nslots} slots of "
+                        f"{slot_bytes} bytes (set DISTCOMM_SHM_SLOT_BYTES/DISTCOMM_SHM_SLOTS alike on every rank)",
+                        peer=g,
+                        reason="mismatch",
+                    )
+            ctx = GroupShm(self, gid, ranks, rank, segments, slot_bytes, nslots)
+            ctx.unlink_when_mapped(deadline)
+            return ctx
+        except BaseException:
+            for seg in segments:
+                if seg is not None:
+                    seg.close()
+            raise
+
+    def _publish_group(self, gid: int, name: str) -> None:
+        if self._dir_count >= DIR_ENTRIES:
+            raise TransportError(
+                f"the shared-memory engine supports {DIR_ENTRIES} process groups per process; "
+                "destroy the process group and re-initialize, or create fewer groups",
+                reason="error",
+            )
+        buf = self._segments[self.rank].buf
+        at = self._dir_at + self._dir_count * _DIR_ENTRY
+        raw = name.encode()
+        buf[at + 8 : at + 8 + len(raw)] = np.frombuffer(raw, np.uint8)
+        memoryview(buf[at : at + 8]).cast("Q")[0] = gid + 1  # publish after the name
+        self._dir_count += 1
+        for g in self.local:
+            if g != self.rank:
+                self._bells[g].ring()
+
+    def _lookup_group(self, g: int, gid: int) -> str | None:
+        buf = self._segments[g].buf
+        words = memoryview(buf[self._dir_at :]).cast("Q")
+        step = _DIR_ENTRY // 8
+        for i in range(DIR_ENTRIES):
+            v = words[i * step]
+            if v == 0:
+                return None
+            if v == gid + 1:
+                at = self._dir_at + i * _DIR_ENTRY + 8
+                return bytes(buf[at : at + _DIR_ENTRY - 8]).rstrip(b"\0").decode()
+        return None
+
+    def _find_group(self, g: int, gid: int, deadline: float | None) -> str:
+        found: list[str] = []
+
+        def ready() -> bool:
+            name = self._lookup_group(g, gid)
+            if name:
+                found.append(name)
+            return bool(found)
+
+        def on_timeout() -> TransportError:
+            return TransportError(
+                f"timed out waiting for rank {g} to open its shared memory for group {gid} (it has not "
+                "reached this group's first collective)",
+                peer=g,
+                reason="timeout",
+            )
+
+        self.wait_for(ready, deadline, [g], on_timeout)
+        return found[0]
+
+    # -- the Transport interface ---------------------------------------------------------------
+    def isend(self, dst: int, data: np.ndarray, key: MessageKey, signature: int = 0) -> Request:
+        flat = _bytes(data)
+        self._check_peer(dst, False)
+        req = _ShmRequest(self, "send", dst, flat, key, signature)
+        req.nbytes = flat.nbytes
+        with self._lock:
+            if self._closed:
+                self._fail(req, TransportError("cannot send: this rank's transport is closed", peer=dst, reason="lost"))
+            elif dst == self.rank:
+                self._arrive_local(req)
+            elif self._ctl[dst][_W_CLOSED]:
+                self._fail(req, self.lost_error([dst], "; cannot send to it"))
+            else:
+                req.direct = flat.nbytes >= DIRECT_MIN_BYTES and bool(self._out[dst].ctl[PVM_OK])
+                req.header = encode(MODE_DIRECT if req.direct else MODE_INLINE, key, signature, flat.nbytes,
+                                    flat.ctypes.data if req.direct else 0)
+                self._queue[dst].append(req)
+                self._push(dst)
+        return req
+
+    def irecv(self, src: int, out: np.ndarray, key: MessageKey, signature: int = 0) -> Request:
+        flat = _bytes(out)
+        self._check_peer(src, True)
+        req = _ShmRequest(self, "recv", src, flat, key, signature)
+        with self._lock:
+            if self._closed:
+                self._fail(req, TransportError("cannot receive: this rank's transport is closed", peer=src, reason="lost"))
+                return req
+            entry = next((e for e in self._unexpected if e.key == key and src in (ANY_SOURCE, e.src)), None)
+            if entry is not None:
+                self._unexpected.remove(entry)
+                self._attach(entry, req)
+            else:
+                self._posted.append(req)
+                self._progress()
+        return req
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._ctl[self.rank][_W_CLOSED] = 1
+            err = TransportError("this rank's shared-memory transport was closed", reason="lost")
+            pending = list(self._posted) + [e.recv for e in self._unexpected if e.recv is not None]
+            for q in list(self._queue.values()) + list(self._unacked.values()):
+                pending.extend(q)
+            pending.extend(st.recv for st in self._incoming.values() if st is not None and st.recv is not None)
+            for req in pending:
+                if not req.done:
+                    self._fail(req, err)
+            self._posted.clear()
+        for g in self.local:
+            if g != self.rank:
+                self._bells[g].ring()
+        with self._groups_lock:
+            for ctx in self._groups.values():
+                ctx.close()
+            self._groups.clear()
+        self.health.close()
+        for seg in self._segments.values():
+            seg.close()
+
+    def __repr__(self) -> str:
+        return f"ShmTransport(rank={self.rank}, size={self.size}, local={self.local})"
+
+    # -- requests -----------------------------------------------------------------------------
+    def _check_peer(self, peer: int, allow_any: bool) -> None:
+        if allow_any and peer == ANY_SOURCE:
+            return
+        if peer not in self._index:
+            raise ValueError(f"rank {peer} is not a shared-memory peer of rank {self.rank} (local ranks {self.local})")
+
+    def _complete(self, req: _ShmRequest) -> None:
+        if not req.done:
+            req.done = True
+            req.attached = None
+            if req.kind == "recv":
+                req.buf = None  # sends keep theirs: a direct read may still be reading it
+
+    def _fail(self, req: _ShmRequest, err: TransportError) -> None:
+        if not req.done:
+            req.error = err
+            self._complete(req)
+
+    def _test(self, req: _ShmRequest) -> bool:
+        if not req.done:
+            with self._lock:
+                self._progress()
+        return req.done
+
+    def _wait(self, req: _ShmRequest, deadline: float | None) -> None:
+        if not req.done:
+            peers = [req.peer] if req.peer != ANY_SOURCE else [g for g in self.local if g != self.rank]
+
+            def check() -> None:
+                lost = self.lost_peers(peers)
+                if lost or self._closed:
+                    with self._lock:
+                        self._progress()
+                        if not req.done:
+                            if self._closed:
+                                err = TransportError("this rank's transport was closed", reason="lost")
+                            else:
+                                what = "; the message can no longer be " + ("sent" if req.kind == "send" else "received")
+                                err = self.lost_error(lost, what)
+                            self._withdraw(req)
+                            self._fail(req, err)
+
+            wait_until(lambda: self._test(req), deadline, self.bell, self.policy, check, lambda: self._timed_out(req))
+        if req.error is not None:
+            raise req.error
+
+    def _timed_out(self, req: _ShmRequest) -> TransportError | None:
+        with self._lock:
+            self._progress()
+            if req.done:
+                return None
+            peer = None if req.peer == ANY_SOURCE else req.peer
+            who = "any rank" if peer is None else f"rank {peer}"
+            what = "send to" if req.kind == "send" else "receive from"
+            err = TransportError(f"timed out waiting to {what} {who}", peer=peer, reason="timeout")
+            self._withdraw(req)
+            self._fail(req, err)
+            return err
+
+    def _withdraw(self, req: _ShmRequest) -> None:
+        """Take an unfinished request out of the engine (under the lock); late bytes are discarded."""
+        if req.kind == "recv":
+            if req in self._posted:
+                self._posted.remove(req)
+            src = req.attached
+            if isinstance(src, _Entry):
+                src.recv = None
+            elif isinstance(src, _Incoming):
+                src.recv, src.target = None, None
+            return
+        queue = self._queue.get(req.peer)
+        if queue is None or req not in queue:
+            return  # waiting for a direct read's acknowledgement: keep its buffer referenced
+        if req.sent < 0:
+            queue.remove(req)
+        else:  # mid-stream: the receiver expects the rest; send it from a private copy
+            req.buf = req.buf[req.sent :].copy()
+            req.sent = 0
+            req.header = None
+
+    # -- matching -----------------------------------------------------------------------------
+    def _attach(self, entry: _Entry, req: _ShmRequest) -> None:
+        if entry.complete:
+            self._deliver(entry, req)
+        else:
+            entry.recv = req
+            req.attached = entry
+
+    def _deliver(self, entry: _Entry, req: _ShmRequest) -> None:
+        if entry.error is not None:
+            self._fail(req, entry.error)
+        elif entry.signature != req.signature or entry.nbytes != req.buf.nbytes:
+            self._fail(req, _mismatch(entry.src, self.rank, entry.nbytes, entry.signature, req.buf.nbytes, req.signature))
+        else:
+            if entry.nbytes:
+                req.buf[...] = entry.data
+            req.source = entry.src
+            req.nbytes = entry.nbytes
+            self._complete(req)
+
+    def _match(self, src: int, key: MessageKey, signature: int, nbytes: int):
+        """(target buffer or None to discard, receive, entry) for a message that just arrived."""
+        for i, req in enumerate(self._posted):
+            if req.key == key and req.peer in (src, ANY_SOURCE):
+                del self._posted[i]
+                if req.signature != signature or req.buf.nbytes != nbytes:
+                    self._fail(req, _mismatch(src, self.rank, nbytes, signature, req.buf.nbytes, req.signature))
+                    return None, None, None
+                return req.buf, req, None
+        entry = _Entry(src, key, signature, nbytes)
+        self._unexpected.append(entry)
+        return entry.data, None, entry
+
+    def _finish(self, src: int, nbytes: int, recv, entry, error=None) -> None:
+        if recv is not None:
+            if error is not None:
+                self._fail(recv, error)
+            else:
+                recv.source = src
+                recv.nbytes = nbytes
+                self._complete(recv)
+        if entry is not None:
+            entry.error = error
+            entry.complete = True
+            if entry.recv is not None:
+                self._deliver(entry, entry.recv)
+
+    def _arrive_local(self, send: _ShmRequest) -> None:
+        """A send to ourselves: match it like an arrival, with the payload already at hand."""
+        target, recv, entry = self._match(self.rank, send.key, send.signature, send.nbytes)
+        if target is not None and send.nbytes:
+            target[...] = send.buf
+        self._finish(self.rank, send.nbytes, recv, entry)
+        self._complete(send)
+
+    # -- progress (under self._lock) --------------------------------------------------------------
+    def _progress(self) -> None:
+        for dst, queue in self._queue.items():
+            if queue or self._unacked[dst]:
+                self._push(dst)
+        for src, ring in self._in.items():
+            if self._incoming[src] is not None or ring.readable() >= RECORD:
+                self._pull(src, ring)
+
+    def _push(self, dst: int) -> None:
+        ring = self._out[dst]
+        queue = self._queue[dst]
+        moved = False
+        while queue:
+            s = queue[0]
+            if s.sent < 0:
+                if ring.writable() < RECORD:
+                    break
+                ring.push(s.header)
+                s.sent = 0
+                moved = True
+                if s.direct:
+                    queue.popleft()
+                    self._direct_sent[dst] += 1
+                    s.direct_no = self._direct_sent[dst]
+                    self._unacked[dst].append(s)
+                    continue
+            if s.sent < s.buf.size:
+                n = ring.push(s.buf[s.sent :])
+                s.sent += n
+                moved = moved or n > 0
+            if s.sent < s.buf.size:
+                break
+            queue.popleft()
+            self._complete(s)
+        unacked = self._unacked[dst]
+        if unacked:
+            acked = ring.ctl[ACKED]
+            while unacked and unacked[0].direct_no <= acked:
+                self._complete(unacked.popleft())
+        if moved:
+            self._bells[dst].ring()
+
+    def _pull(self, src: int, ring: Ring) -> None:
+        moved = False
+        while True:
+            st = self._incoming[src]
+            if st is None:
+                if ring.readable() < RECORD:
+                    break
+                ring.pull(self._header)
+                moved = True
+                st = self._begin(src, ring, decode(self._header))
+                if st is None:
+                    continue
+                self._incoming[src] = st
+            want = st.nbytes - st.got
+            n = ring.pull(None if st.target is None else st.target[st.got :], want)
+            if n == 0:
+                break
+            moved = True
+            st.got += n
+            if st.got == st.nbytes:
+                self._incoming[src] = None
+                self._finish(src, st.nbytes, st.recv, st.entry)
+        if moved:
+            self._bells[src].ring()
+
+    def _begin(self, src: int, ring: Ring, rec) -> _Incoming | None:
+        key = MessageKey(rec.group, rec.kind, rec.seq)
+        target, recv, entry = self._match(src, key, rec.signature, rec.nbytes)
+        if rec.mode == MODE_DIRECT:
+            error = None
+            if target is not None:
+                try:
+                    shm_direct.read(self._pids[src], rec.address, target)
+                except OSError as exc:
+                    error = TransportError(f"could not read rank {src}'s message directly: {exc}", peer=src)
+            self._direct_read[src] += 1
+            ring.ctl[ACKED] = self._direct_read[src]
+            self._finish(src, rec.nbytes, recv, entry, error)
+            return None
+        if rec.nbytes == 0:
+            self._finish(src, 0, recv, entry)
+            return None
+        st = _Incoming(src, rec.nbytes, target, recv, entry)
+        if recv is not None:
+            recv.attached = st
+        return st
