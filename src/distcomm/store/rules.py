@@ -71,11 +71,13 @@ def wrap_int64(value: int) -> int:
     return ((value - INT64_MIN) & 0xFFFFFFFFFFFFFFFF) + INT64_MIN
 
 
-def counter_value(key: str, current: bytes | None) -> int:
+def counter_value(key: str | bytes, current: bytes | None) -> int:
     """The integer a counter key holds (0 when missing or empty); ValueError if it is not one."""
     if not current:
         return 0
     if _DECIMAL.fullmatch(current) is None:
+        if isinstance(key, bytes):
+            key = key.decode("utf-8", "replace")
         raise ValueError(
             f"add(): key {key!r} holds {current[:64]!r}, which is not a decimal integer; add() works on keys "
             f"created by add() or set() to a decimal integer string"
@@ -83,7 +85,7 @@ def counter_value(key: str, current: bytes | None) -> int:
     return wrap_int64(int(current))
 
 
-def added(key: str, current: bytes | None, amount: int) -> tuple[bytes, int]:
+def added(key: str | bytes, current: bytes | None, amount: int) -> tuple[bytes, int]:
     """The new stored bytes and the returned int of ``add(key, amount)`` on ``current``."""
     try:  # fast path: a counter written by add() is a plain decimal that int() takes as it is
         total = int(current) + amount if current and b"_" not in current else counter_value(key, current) + amount

@@ -21,7 +21,7 @@ class KeyTable:
         self.values[key] = value
 
     def add(self, key, amount: int) -> int:
-        stored, total = rules.added(_printable(key), self.values.get(key), amount)
+        stored, total = rules.added(key, self.values.get(key), amount)
         self.values[key] = stored
         return total
 
@@ -51,7 +51,3 @@ class KeyTable:
 
     def __len__(self) -> int:
         return len(self.values)
-
-
-def _printable(key) -> str:
-    return key.decode("utf-8", "replace") if isinstance(key, bytes) else key

@@ -119,7 +119,7 @@ class TCPStoreClient:
         self._lock = threading.Lock()
         self._next_id = 0
         self._rcvtimeo = -1.0
-        self.reply_timeout = timeout + reply_grace(timeout)
+        self.set_timeout(timeout)
 
     def close(self) -> None:
         with self._lock:
@@ -133,12 +133,12 @@ class TCPStoreClient:
 
     # -- the round trip -----------------------------------------------------------------------------
 
-    def _new_id(self) -> int:
-        self._next_id = request_id = (self._next_id + 1) & 0xFFFFFFFF
-        return request_id
+    def _exchange(self, operation: str, frame: bytes, request_id: int, wait: float):
+        """Send ``frame``; return the response with ``request_id``, or None if none came within ``wait`` s.
 
-    def _roundtrip(self, operation: str, frame: bytes, request_id: int, wait: float):
-        """Send ``frame``; return the response with ``request_id``, or None if none came within ``wait`` s."""
+        The caller holds ``self._lock``. Responses with another id answer requests this client gave
+        up on earlier; they are dropped.
+        """
         sock = self._sock
         if sock is None:
             raise DistNetworkError(f"{operation}: this TCPStore client's connection to {self.where} is closed")
@@ -151,23 +151,20 @@ class TCPStoreClient:
         try:
             sock.sendall(frame)
             while True:
-                event = proto.next_event()
-                if event is p.NEED_DATA:
-                    try:
-                        data = sock.recv(_RECV_SIZE)
-                    except BlockingIOError:  # SO_RCVTIMEO passed
-                        remaining = started + wait - time.monotonic()
-                        if remaining <= 0:
-                            return None
-                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(remaining))
-                        self._rcvtimeo = -1.0
-                        continue
-                    if not data:
-                        raise ConnectionResetError(errno.ECONNRESET, "the server closed the connection")
-                    proto.receive_data(data)
-                elif event.request_id == request_id:
-                    return event
-                # else: the late answer to a request this client already gave up on; drop it
+                try:
+                    data = sock.recv(_RECV_SIZE)
+                except BlockingIOError:  # SO_RCVTIMEO passed
+                    remaining = started + wait - time.monotonic()
+                    if remaining <= 0:
+                        return None
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(remaining))
+                    self._rcvtimeo = -1.0
+                    continue
+                if not data:
+                    raise ConnectionResetError(errno.ECONNRESET, "the server closed the connection")
+                for event in proto.receive_events(data):
+                    if event.request_id == request_id:
+                        return event
         except p.ProtocolError as exc:
             self._broken(operation, f"the server sent bytes that are not this protocol ({exc})")
         except OSError as exc:
@@ -182,78 +179,104 @@ class TCPStoreClient:
             f"(is_master=True) may have exited; this store cannot be used any more."
         ) from None
 
-    def _call(self, operation: str, frame_of_id, wait: float | None = None):
+    def _call(self, operation: str, request):
+        """One non-blocking request (an event without its id yet); its response, errors raised."""
         with self._lock:
-            request_id = self._new_id()
-            response = self._roundtrip(operation, frame_of_id(request_id), request_id, wait or self.reply_timeout)
+            self._next_id = request.request_id = (self._next_id + 1) & 0xFFFFFFFF
+            response = self._exchange(operation, p.encode(request), request.request_id, self.reply_timeout)
+        return self._checked(operation, response)
+
+    def _checked(self, operation: str, response):
         if response is None:
             raise DistNetworkError(
                 f"{operation}: the TCPStore server at {self.where} did not answer within "
-                f"{rules.format_seconds(wait or self.reply_timeout)}; it may be hung or overloaded"
+                f"{rules.format_seconds(self.reply_timeout)}; it may be hung or overloaded"
             )
-        if type(response) is p.Error:
+        if response.__class__ is p.Error:
             message = response.message.decode("utf-8", "replace")
             if response.code == p.ERROR_NOT_AN_INTEGER:
                 raise ValueError(message)
             raise DistStoreError(f"{operation}: the TCPStore server at {self.where} refused the request: {message}")
         return response
 
-    def _blocking_call(self, operation: str, keys: list, timeout: float, frame_of_id):
+    def _blocking_call(self, operation: str, keys: list[str], timeout: float, request):
         """A GET/WAIT/MULTI_GET: the server answers by ``timeout``; the client waits a grace period more."""
         with self._lock:
-            request_id = self._new_id()
-            response = self._roundtrip(operation, frame_of_id(request_id), request_id, timeout + reply_grace(timeout))
-        if response is None or type(response) is p.TimedOut:
+            self._next_id = request.request_id = (self._next_id + 1) & 0xFFFFFFFF
+            response = self._exchange(operation, p.encode(request), request.request_id, timeout + reply_grace(timeout))
+        if response is None or response.__class__ is p.TimedOut:
             missing = None if response is None else [k.decode("utf-8", "replace") for k in response.missing_keys]
             raise rules.timeout_error(operation, keys, timeout, missing, where=f"TCPStore {self.where}")
         return response
 
-    # -- requests -------------------------------------------------------------------------------------
+    # -- requests (set, get and add skip building an event: they are the hot path) ----------------
 
     def set(self, key: bytes, value: bytes) -> None:
-        self._call("set", lambda rid: p.encode_set(rid, key, value))
+        with self._lock:
+            self._next_id = request_id = (self._next_id + 1) & 0xFFFFFFFF
+            response = self._exchange("set", p.encode_set(request_id, key, value), request_id, self.reply_timeout)
+        if response.__class__ is not p.Ok:
+            self._checked("set", response)
 
     def get(self, key: str, timeout: float) -> bytes:
-        key_bytes = key.encode()
-        ms = _milliseconds(timeout)
-        return self._blocking_call("get", [key], timeout, lambda rid: p.encode_get(rid, key_bytes, ms)).value
+        if timeout == self._timeout_cached:
+            wait, ms = self._wait_cached, self._ms_cached
+        else:
+            wait, ms = timeout + reply_grace(timeout), _milliseconds(timeout)
+        with self._lock:
+            self._next_id = request_id = (self._next_id + 1) & 0xFFFFFFFF
+            response = self._exchange("get", p.encode_get(request_id, key.encode(), ms), request_id, wait)
+        if response.__class__ is p.Value:
+            return response.value
+        if response is None or response.__class__ is p.TimedOut:
+            missing = None if response is None else [key]
+            raise rules.timeout_error("get", [key], timeout, missing, where=f"TCPStore {self.where}")
+        return self._checked("get", response).value
 
     def add(self, key: bytes, amount: int) -> int:
-        return self._call("add", lambda rid: p.encode_add(rid, key, amount)).value
+        with self._lock:
+            self._next_id = request_id = (self._next_id + 1) & 0xFFFFFFFF
+            response = self._exchange("add", p.encode_add(request_id, key, amount), request_id, self.reply_timeout)
+        if response.__class__ is p.Integer:
+            return response.value
+        return self._checked("add", response).value
 
     def compare_set(self, key: bytes, expected: bytes, desired: bytes) -> bytes:
-        return self._call("compare_set", lambda rid: p.encode(p.CompareSet(rid, key, expected, desired))).value
+        return self._call("compare_set", p.CompareSet(0, key, expected, desired)).value
 
     def wait(self, keys: list[str], timeout: float) -> None:
-        encoded = [k.encode() for k in keys]
-        ms = _milliseconds(timeout)
-        self._blocking_call("wait", keys, timeout, lambda rid: p.encode(p.Wait(rid, encoded, ms)))
+        request = p.Wait(0, [k.encode() for k in keys], _milliseconds(timeout))
+        self._blocking_call("wait", keys, timeout, request)
 
     def check(self, keys: list[bytes]) -> bool:
-        return self._call("check", lambda rid: p.encode(p.Check(rid, keys))).value
+        return self._call("check", p.Check(0, keys)).value
 
     def num_keys(self) -> int:
-        return self._call("num_keys", lambda rid: p.encode(p.NumKeys(rid))).value
+        return self._call("num_keys", p.NumKeys(0)).value
 
     def delete_key(self, key: bytes) -> bool:
-        return self._call("delete_key", lambda rid: p.encode(p.DeleteKey(rid, key))).value
+        return self._call("delete_key", p.DeleteKey(0, key)).value
 
     def append(self, key: bytes, value: bytes) -> None:
-        self._call("append", lambda rid: p.encode(p.Append(rid, key, value)))
+        self._call("append", p.Append(0, key, value))
 
     def multi_get(self, keys: list[str], timeout: float) -> list[bytes]:
-        encoded = [k.encode() for k in keys]
-        ms = _milliseconds(timeout)
-        return self._blocking_call("multi_get", keys, timeout, lambda rid: p.encode(p.MultiGet(rid, encoded, ms))).values
+        request = p.MultiGet(0, [k.encode() for k in keys], _milliseconds(timeout))
+        return self._blocking_call("multi_get", keys, timeout, request).values
 
     def multi_set(self, keys: list[bytes], values: list[bytes]) -> None:
-        self._call("multi_set", lambda rid: p.encode(p.MultiSet(rid, keys, values)))
+        self._call("multi_set", p.MultiSet(0, keys, values))
 
     def list_keys(self) -> list[bytes]:
-        return self._call("list_keys", lambda rid: p.encode(p.ListKeys(rid))).values
+        return self._call("list_keys", p.ListKeys(0)).values
 
     def join(self) -> int:
-        return self._call("join", lambda rid: p.encode(p.Join(rid))).value
+        return self._call("join", p.Join(0)).value
+
+    def set_timeout(self, timeout: float) -> None:
+        """The store's default timeout: bounds every reply, and get()'s wait."""
+        self.reply_timeout = timeout + reply_grace(timeout)
+        self._timeout_cached, self._wait_cached, self._ms_cached = timeout, self.reply_timeout, _milliseconds(timeout)
 
 
 def _milliseconds(seconds: float) -> int:

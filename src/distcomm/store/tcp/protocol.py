@@ -9,7 +9,7 @@ Wire format (all integers little-endian)::
 
     hello        client -> server   b"DCKV" | u16 version | u16 flags (0)
     hello reply  server -> client   b"DCKV" | u16 version | u16 status (0 ok, 1 unsupported version)
-    frame        both ways          u32 length | u8 opcode | u32 request_id | fields   (length counts
+    frame        both ways          u64 length | u8 opcode | u32 request_id | fields   (length counts
                                     everything after itself, so it is >= 5)
     fields       bytes: u32 n | n bytes;  list: u32 count | count x bytes;  i64 / u64 as 8 bytes
 
@@ -41,7 +41,8 @@ ERROR_NOT_AN_INTEGER = 1  # add() on a value that is not a decimal integer (torc
 ERROR_BAD_REQUEST = 2  # a well-formed frame asking for something invalid (e.g. mismatched multi_set)
 
 _HELLO = struct.Struct("<4sHH")
-_FRAME_HEAD = struct.Struct("<IBI")  # length, opcode, request_id
+_FRAME_HEAD = struct.Struct("<QBI")  # length, opcode, request_id
+_FRAME_HEAD_SIZE = _FRAME_HEAD.size
 _U32 = struct.Struct("<I")
 _I64 = struct.Struct("<q")
 _U64 = struct.Struct("<Q")
@@ -499,26 +500,64 @@ class _Connection:
         if not self._hello_done:
             return self._next_hello()
         buffer, pos = self._buffer, self._pos
-        if len(buffer) - pos < 4:
-            if not self._gather(4):
+        if len(buffer) - pos < _FRAME_HEAD_SIZE:
+            if len(buffer) - pos >= 8 or self._gather(8):  # the length alone: check it before waiting for more
+                self._check_length(_U64.unpack_from(self._buffer, self._pos)[0])
+            if not self._gather(_FRAME_HEAD_SIZE):
                 return NEED_DATA
             buffer, pos = self._buffer, 0
-        (length,) = _U32.unpack_from(buffer, pos)
-        if length > self.max_frame_size:
-            raise ProtocolError(f"frame length {length} exceeds the maximum frame size {self.max_frame_size}")
-        if length < _HEAD_AFTER_LENGTH:
-            raise ProtocolError(f"frame length {length} is shorter than a frame head ({_HEAD_AFTER_LENGTH} bytes)")
-        end = pos + 4 + length
+        length, opcode, request_id = _FRAME_HEAD.unpack_from(buffer, pos)
+        if length > self.max_frame_size or length < _HEAD_AFTER_LENGTH:
+            self._check_length(length)
+        end = pos + 8 + length
         if end > len(buffer):
-            if not self._gather(4 + length):
+            if not self._gather(8 + length):
                 return NEED_DATA
-            buffer, pos, end = self._buffer, 0, 4 + length
-        _, opcode, request_id = _FRAME_HEAD.unpack_from(buffer, pos)
+            buffer, pos, end = self._buffer, 0, 8 + length
         parse = self._parsers.get(opcode)
         if parse is None:
             raise ProtocolError(f"unknown opcode 0x{opcode:02x}")
         self._pos = end
-        return parse(buffer, pos + 4 + _HEAD_AFTER_LENGTH, end, request_id)
+        return parse(buffer, pos + _FRAME_HEAD_SIZE, end, request_id)
+
+    def receive_events(self, data: bytes) -> list:
+        """``receive_data(data)`` then every complete event, as a list (the loop's one call per read).
+
+        Same result as calling ``next_event`` until NEED_DATA; the common case — nothing buffered,
+        ``data`` holding whole frames — is parsed straight out of ``data`` without a copy.
+        """
+        if not data or not self._hello_done or self._pos < len(self._buffer) or self._pending:
+            self.receive_data(data)
+            events = []
+            while (event := self.next_event()) is not NEED_DATA:
+                events.append(event)
+            return events
+        events = []
+        parsers, max_frame_size = self._parsers, self.max_frame_size
+        pos, size = 0, len(data)
+        while size - pos >= _FRAME_HEAD_SIZE:
+            length, opcode, request_id = _FRAME_HEAD.unpack_from(data, pos)
+            if length > max_frame_size or length < _HEAD_AFTER_LENGTH:
+                self._check_length(length)
+            end = pos + 8 + length
+            if end > size:
+                break
+            parse = parsers.get(opcode)
+            if parse is None:
+                raise ProtocolError(f"unknown opcode 0x{opcode:02x}")
+            events.append(parse(data, pos + _FRAME_HEAD_SIZE, end, request_id))
+            pos = end
+        if pos < size:  # the start of a frame: keep it (and check its length if it is here already)
+            self._buffer, self._pos = bytes(data), pos
+            if size - pos >= 8:
+                self._check_length(_U64.unpack_from(data, pos)[0])
+        return events
+
+    def _check_length(self, length: int) -> None:
+        if length > self.max_frame_size:
+            raise ProtocolError(f"frame length {length} exceeds the maximum frame size {self.max_frame_size}")
+        if length < _HEAD_AFTER_LENGTH:
+            raise ProtocolError(f"frame length {length} is shorter than a frame head ({_HEAD_AFTER_LENGTH} bytes)")
 
     def _next_hello(self):
         self._gather(0)
@@ -577,12 +616,12 @@ class ClientProtocol(_Connection):
 
 
 # ---------------------------------------------------------------------------------------------
-# Fast paths for the client's hottest requests (same bytes as encode(); tested against it).
+# Fast paths for the client's hottest requests (same bytes as encode(); tested against it)
 # ---------------------------------------------------------------------------------------------
 
-_SET_HEAD = struct.Struct("<IBII")  # length, opcode, request_id, key length
-_GET_HEAD = struct.Struct("<IBIQ")  # length, opcode, request_id, timeout_ms
-_ADD_HEAD = struct.Struct("<IBIq")  # length, opcode, request_id, amount
+_SET_HEAD = struct.Struct("<QBII")  # length, opcode, request_id, key length
+_GET_HEAD = struct.Struct("<QBIQ")  # length, opcode, request_id, timeout_ms
+_ADD_HEAD = struct.Struct("<QBIq")  # length, opcode, request_id, amount
 
 
 def encode_set(request_id: int, key: bytes, value: bytes) -> bytes:
@@ -595,3 +634,25 @@ def encode_get(request_id: int, key: bytes, timeout_ms: int) -> bytes:
 
 def encode_add(request_id: int, key: bytes, amount: int) -> bytes:
     return _ADD_HEAD.pack(13 + len(key), Add.OPCODE, request_id, amount) + key
+
+
+# ... and for the server's hottest responses.
+
+_INTEGER_FRAME = struct.Struct("<QBIq")
+_BOOL_FRAME = struct.Struct("<QBI?")
+
+
+def encode_ok(request_id: int) -> bytes:
+    return _FRAME_HEAD.pack(_HEAD_AFTER_LENGTH, Ok.OPCODE, request_id)
+
+
+def encode_value(request_id: int, value: bytes) -> bytes:
+    return _FRAME_HEAD.pack(_HEAD_AFTER_LENGTH + len(value), Value.OPCODE, request_id) + value
+
+
+def encode_integer(request_id: int, value: int) -> bytes:
+    return _INTEGER_FRAME.pack(_HEAD_AFTER_LENGTH + 8, Integer.OPCODE, request_id, value)
+
+
+def encode_bool(request_id: int, value: bool) -> bytes:
+    return _BOOL_FRAME.pack(_HEAD_AFTER_LENGTH + 1, Bool.OPCODE, request_id, value)

@@ -1,9 +1,10 @@
 """TCPStoreServer: the TCPStore master's key table, served by one event loop in one background thread.
 
 Why one loop and no thread per client: a job of N ranks opens N connections (more with process
-groups and clones), most of them idle and many parked in a blocking get()/wait(). One selectors
-loop serves them all with one thread and no locks on the table: every request is handled to
-completion in arrival order, which is also what makes add() and compare_set() atomic.
+groups and clones), most of them idle and many parked in a blocking get()/wait(). One event loop
+(epoll; see poller.py) serves them all with one thread and no locks on the table: every request is
+handled to completion in arrival order, which is also what makes add() and compare_set() atomic.
+Responses are sent as soon as a batch of requests from one connection is handled, with one send.
 
 How blocking requests work: GET/WAIT/MULTI_GET whose keys are missing are *parked* — recorded under
 each missing key and in a deadline heap — and answered by the write that completes them, or with
@@ -25,7 +26,6 @@ from __future__ import annotations
 import errno
 import heapq
 import logging
-import selectors
 import socket
 import threading
 import time
@@ -34,6 +34,7 @@ import warnings
 from ...errors import DistNetworkError
 from ..table import KeyTable
 from . import protocol as p
+from .poller import Poller
 
 log = logging.getLogger(__name__)
 
@@ -90,18 +91,18 @@ def open_listener(host: str, port: int, backlog: int = DEFAULT_BACKLOG) -> socke
 
 
 class _Connection:
-    __slots__ = ("sock", "fd", "proto", "out", "partial_deadline", "parked", "closing", "peer", "key")
+    __slots__ = ("sock", "fd", "proto", "out", "partial_deadline", "parked", "closing", "peer", "writing")
 
     def __init__(self, sock: socket.socket, peer, max_frame_size: int):
         self.sock = sock
         self.fd = sock.fileno()
         self.proto = p.ServerProtocol(max_frame_size)
-        self.out = bytearray()
+        self.out = bytearray()  # responses the socket did not take yet
         self.partial_deadline: float | None = None
         self.parked: set = set()
-        self.closing = False  # close once the output buffer is flushed (after a refused hello)
+        self.closing = False  # close once the output is flushed (after a refused hello)
         self.peer = peer
-        self.key = None  # the selectors key
+        self.writing = False  # polled for writability (output pending), not readability
 
 
 class _Parked:
@@ -143,8 +144,7 @@ class TCPStoreServer:
         self._deadlines: list = []
         self._conns: dict[int, _Connection] = {}
         self._partial: dict[_Connection, float] = {}
-        self._dirty: set[_Connection] = set()
-        self._selector = selectors.DefaultSelector()
+        self._poller = Poller()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._stopping = False
@@ -152,6 +152,7 @@ class TCPStoreServer:
         self._next_sweep = 0.0
         self._thread: threading.Thread | None = None
         self._handlers = {
+            p.Hello: self._on_hello,
             p.Set: self._on_set,
             p.Get: self._on_get,
             p.Add: self._on_add,
@@ -173,8 +174,8 @@ class TCPStoreServer:
     # -- lifetime ---------------------------------------------------------------------------------
 
     def start(self) -> "TCPStoreServer":
-        self._selector.register(self._listener, selectors.EVENT_READ, "listener")
-        self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._poller.register(self._listener.fileno())
+        self._poller.register(self._wake_r.fileno())
         self._thread = threading.Thread(target=self._run, name=f"TCPStoreServer:{self.port}", daemon=True)
         self._thread.start()
         return self
@@ -198,7 +199,7 @@ class TCPStoreServer:
         return len(self._conns)
 
     def wait_for_joins(self, count: int, timeout: float) -> int:
-        """Block (in the caller's thread) until ``count`` clients sent Join, or ``timeout``; return the count."""
+        """Block (in the caller's thread) until ``count`` stores sent JOIN, or ``timeout``; return the count."""
         with self._joined_changed:
             self._joined_changed.wait_for(lambda: self.joined >= count or self._stopping, timeout)
             return self.joined
@@ -206,24 +207,23 @@ class TCPStoreServer:
     # -- the loop -----------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        selector = self._selector
+        poll = self._poller.poll
+        readable, writable = self._poller.READ, self._poller.WRITE
         conns = self._conns
+        listener_fd, wake_fd = self._listener.fileno(), self._wake_r.fileno()
         try:
             while not self._stopping:
-                events = selector.select(self._select_timeout())
-                for key, mask in events:
-                    conn = key.data
-                    if conn == "listener":
-                        self._accept()
-                    elif conn == "wake":
-                        self._drain_wake()
-                    elif conn.fd in conns:
-                        if mask & selectors.EVENT_READ:
+                for fd, mask in poll(self._poll_timeout()):
+                    conn = conns.get(fd)
+                    if conn is not None:
+                        if mask & readable:
                             self._read(conn)
-                        if mask & selectors.EVENT_WRITE and conn.fd in conns:
-                            self._dirty.add(conn)
-                if self._dirty:
-                    self._flush_dirty()
+                        if mask & writable and conn.fd in conns:
+                            self._flush(conn)
+                    elif fd == listener_fd:
+                        self._accept()
+                    elif fd == wake_fd:
+                        self._drain_wake()
                 if self._deadlines or self._partial or self._accept_paused_until:
                     self._expire(time.monotonic())
         except Exception:  # pragma: no cover - a bug; make it loud rather than a silent dead server
@@ -232,7 +232,7 @@ class TCPStoreServer:
         finally:
             self._close_everything()
 
-    def _select_timeout(self) -> float | None:
+    def _poll_timeout(self) -> float | None:
         timeout = None
         if self._deadlines:
             timeout = self._deadlines[0][0]
@@ -267,7 +267,7 @@ class TCPStoreServer:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = _Connection(sock, peer, self.max_frame_size)
             self._conns[conn.fd] = conn
-            conn.key = self._selector.register(sock, selectors.EVENT_READ, conn)
+            self._poller.register(conn.fd)
             self._mark_partial(conn, time.monotonic())
             self.stats["accepted"] += 1
 
@@ -283,7 +283,7 @@ class TCPStoreServer:
                 RuntimeWarning,
                 stacklevel=1,
             )
-        self._selector.unregister(self._listener)
+        self._poller.unregister(self._listener.fileno())
         self._accept_paused_until = time.monotonic() + _ACCEPT_PAUSE_ON_EMFILE
 
     def _read(self, conn: _Connection) -> None:
@@ -298,25 +298,20 @@ class TCPStoreServer:
             self._close(conn)
             return
         proto = conn.proto
-        proto.receive_data(data)
         handlers = self._handlers
-        out = conn.out
+        reply = None
         try:
-            while True:
-                event = proto.next_event()
-                if event is p.NEED_DATA:
+            for event in proto.receive_events(data):
+                answer = handlers[event.__class__](conn, event)
+                if answer is not None:
+                    if reply is None:
+                        reply = answer
+                    elif reply.__class__ is list:
+                        reply.append(answer)
+                    else:
+                        reply = [reply, answer]
+                if conn.closing:
                     break
-                handler = handlers.get(type(event))
-                if handler is not None:
-                    response = handler(conn, event)
-                    if response is not None:
-                        out += p.encode(response)
-                else:  # the Hello
-                    reply = proto.reply_to(event)
-                    out += proto.send(reply)
-                    if reply.status != p.HELLO_STATUS_OK:
-                        conn.closing = True
-                        break
         except p.ProtocolError as exc:
             self.stats["protocol_errors"] += 1
             log.info("TCPStore server: closing %s: %s", conn.peer, exc)
@@ -328,8 +323,8 @@ class TCPStoreServer:
         elif conn.partial_deadline is not None:
             conn.partial_deadline = None
             del self._partial[conn]
-        if out:
-            self._dirty.add(conn)
+        if reply is not None:
+            self._send(conn, reply if reply.__class__ is bytes else b"".join(reply))
 
     def _mark_partial(self, conn: _Connection, now: float) -> None:
         conn.partial_deadline = now + self.idle_timeout
@@ -337,37 +332,49 @@ class TCPStoreServer:
             self._next_sweep = now + min(self.idle_timeout / 4, 1.0)
         self._partial[conn] = conn.partial_deadline
 
-    def _flush_dirty(self) -> None:
-        dirty, self._dirty = self._dirty, set()
-        for conn in dirty:
-            if conn.fd in self._conns:
-                self._flush(conn)
+    def _send(self, conn: _Connection, data: bytes) -> None:
+        """Send now what the socket takes; keep the rest and poll for writability."""
+        if conn.out:
+            conn.out += data
+            return
+        try:
+            sent = conn.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            self._close(conn)
+            return
+        if sent < len(data):
+            conn.out += data[sent:]
+            conn.writing = True  # and stop reading: a client that does not read cannot grow our buffer
+            self._poller.modify(conn.fd, writable=True)
+        elif conn.closing:
+            self._close(conn)
 
     def _flush(self, conn: _Connection) -> None:
         out = conn.out
-        if out:
-            try:
-                sent = conn.sock.send(out)
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            except OSError:
+        try:
+            sent = conn.sock.send(out)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._close(conn)
+            return
+        del out[:sent]
+        if not out:
+            if conn.closing:
                 self._close(conn)
                 return
-            del out[:sent]
-        if out:  # the client is not reading: wait until it can take more, and stop reading its requests
-            if conn.key.events != selectors.EVENT_WRITE:
-                conn.key = self._selector.modify(conn.sock, selectors.EVENT_WRITE, conn)
-        elif conn.closing:
-            self._close(conn)
-        elif conn.key.events != selectors.EVENT_READ:
-            conn.key = self._selector.modify(conn.sock, selectors.EVENT_READ, conn)
+            conn.writing = False
+            self._poller.modify(conn.fd, writable=False)
 
     def _expire(self, now: float) -> None:
         deadlines = self._deadlines
         while deadlines and deadlines[0][0] <= now:
             _, parked = heapq.heappop(deadlines)
             if not parked.done:
-                self._finish(parked, p.TimedOut(parked.request.request_id, self.table.missing(parked.keys)))
+                missing = self.table.missing(parked.keys)
+                self._finish(parked, p.encode(p.TimedOut(parked.request.request_id, missing)))
         if self._partial and now >= self._next_sweep:
             self._next_sweep = now + min(self.idle_timeout / 4, 1.0)
             expired = [conn for conn, deadline in self._partial.items() if deadline <= now]
@@ -377,20 +384,17 @@ class TCPStoreServer:
                 self._close(conn)
         if self._accept_paused_until and now >= self._accept_paused_until:
             self._accept_paused_until = 0.0
-            self._selector.register(self._listener, selectors.EVENT_READ, "listener")
-        if self._dirty:
-            self._flush_dirty()
+            self._poller.register(self._listener.fileno())
 
     def _close(self, conn: _Connection) -> None:
         if self._conns.pop(conn.fd, None) is None:
             return
         self._partial.pop(conn, None)
-        self._dirty.discard(conn)
         for parked in list(conn.parked):
             self._unpark(parked)
         try:
-            self._selector.unregister(conn.sock)
-        except (KeyError, ValueError):
+            self._poller.unregister(conn.fd)
+        except (KeyError, ValueError, OSError):
             pass
         conn.sock.close()
 
@@ -403,7 +407,7 @@ class TCPStoreServer:
             except OSError:
                 pass
         try:
-            self._selector.close()
+            self._poller.close()
         except (OSError, RuntimeError):
             pass
         with self._joined_changed:
@@ -414,7 +418,7 @@ class TCPStoreServer:
     def _park(self, conn: _Connection, request, keys: list, missing: list, timeout_ms: int):
         """Answer later: when every key in ``missing`` is written, or at the deadline."""
         if timeout_ms == 0:
-            return p.TimedOut(request.request_id, missing)
+            return p.encode(p.TimedOut(request.request_id, missing))
         parked = _Parked(conn, request, keys, set(missing), time.monotonic() + timeout_ms / 1000.0)
         for key in parked.missing:
             self._waiting.setdefault(key, []).append(parked)
@@ -435,12 +439,10 @@ class TCPStoreServer:
                 if not waiters:
                     del self._waiting[key]
 
-    def _finish(self, parked: _Parked, response) -> None:
+    def _finish(self, parked: _Parked, reply: bytes) -> None:
         self._unpark(parked)
-        conn = parked.conn
-        if conn.fd in self._conns:
-            conn.out += p.encode(response)
-            self._dirty.add(conn)
+        if parked.conn.fd in self._conns:
+            self._send(parked.conn, reply)
 
     def _written(self, key: bytes) -> None:
         """``key`` now exists: answer the parked requests it completes."""
@@ -459,87 +461,93 @@ class TCPStoreServer:
                 continue
             self._finish(parked, self._completed(parked.request))
 
-    def _completed(self, request):
+    def _completed(self, request) -> bytes:
         values = self.table.values
         kind = type(request)
         if kind is p.Get:
-            return p.Value(request.request_id, values[request.key])
+            return p.encode_value(request.request_id, values[request.key])
         if kind is p.MultiGet:
-            return p.Values(request.request_id, [values[k] for k in request.keys])
-        return p.Ok(request.request_id)
+            return p.encode(p.Values(request.request_id, [values[k] for k in request.keys]))
+        return p.encode_ok(request.request_id)
 
-    # -- requests -----------------------------------------------------------------------------------
+    # -- requests: each returns the reply's bytes, or None when the request is parked ---------------
+
+    def _on_hello(self, conn, hello):
+        reply = conn.proto.reply_to(hello)
+        if reply.status != p.HELLO_STATUS_OK:
+            conn.closing = True  # after the reply, which tells the client which version we speak
+        return conn.proto.send(reply)
 
     def _on_set(self, conn, req):
         self.table.values[req.key] = req.value
         if self._waiting:
             self._written(req.key)
-        return p.Ok(req.request_id)
+        return p.encode_ok(req.request_id)
 
     def _on_get(self, conn, req):
         value = self.table.values.get(req.key)
         if value is not None:
-            return p.Value(req.request_id, value)
+            return p.encode_value(req.request_id, value)
         return self._park(conn, req, [req.key], [req.key], req.timeout_ms)
 
     def _on_add(self, conn, req):
         try:
             total = self.table.add(req.key, req.amount)
         except ValueError as exc:
-            return p.Error(req.request_id, p.ERROR_NOT_AN_INTEGER, str(exc).encode("utf-8"))
+            return p.encode(p.Error(req.request_id, p.ERROR_NOT_AN_INTEGER, str(exc).encode("utf-8")))
         if self._waiting:
             self._written(req.key)
-        return p.Integer(req.request_id, total)
+        return p.encode_integer(req.request_id, total)
 
     def _on_compare_set(self, conn, req):
         returned, changed = self.table.compare_set(req.key, req.expected, req.desired)
         if changed and self._waiting:
             self._written(req.key)
-        return p.Value(req.request_id, returned)
+        return p.encode_value(req.request_id, returned)
 
     def _on_wait(self, conn, req):
         missing = self.table.missing(req.keys)
         if not missing:
-            return p.Ok(req.request_id)
+            return p.encode_ok(req.request_id)
         return self._park(conn, req, req.keys, missing, req.timeout_ms)
 
     def _on_check(self, conn, req):
-        return p.Bool(req.request_id, not self.table.missing(req.keys))
+        return p.encode_bool(req.request_id, not self.table.missing(req.keys))
 
     def _on_num_keys(self, conn, req):
-        return p.Integer(req.request_id, len(self.table) + (1 if self.joined else 0))
+        return p.encode_integer(req.request_id, len(self.table) + (1 if self.joined else 0))
 
     def _on_delete_key(self, conn, req):
-        return p.Bool(req.request_id, self.table.delete(req.key))
+        return p.encode_bool(req.request_id, self.table.delete(req.key))
 
     def _on_append(self, conn, req):
         self.table.append(req.key, req.value)
         if self._waiting:
             self._written(req.key)
-        return p.Ok(req.request_id)
+        return p.encode_ok(req.request_id)
 
     def _on_multi_get(self, conn, req):
         missing = self.table.missing(req.keys)
         if not missing:
             values = self.table.values
-            return p.Values(req.request_id, [values[k] for k in req.keys])
+            return p.encode(p.Values(req.request_id, [values[k] for k in req.keys]))
         return self._park(conn, req, req.keys, missing, req.timeout_ms)
 
     def _on_multi_set(self, conn, req):
         if len(req.keys) != len(req.values):
             message = f"multi_set(): {len(req.keys)} keys but {len(req.values)} values"
-            return p.Error(req.request_id, p.ERROR_BAD_REQUEST, message.encode())
+            return p.encode(p.Error(req.request_id, p.ERROR_BAD_REQUEST, message.encode()))
         self.table.multi_set(req.keys, req.values)
         if self._waiting:
             for key in req.keys:
                 self._written(key)
-        return p.Ok(req.request_id)
+        return p.encode_ok(req.request_id)
 
     def _on_list_keys(self, conn, req):
-        return p.Values(req.request_id, list(self.table.values))
+        return p.encode(p.Values(req.request_id, list(self.table.values)))
 
     def _on_join(self, conn, req):
         with self._joined_changed:
             self.joined += 1
             self._joined_changed.notify_all()
-        return p.Integer(req.request_id, self.joined)
+        return p.encode_integer(req.request_id, self.joined)

@@ -22,7 +22,7 @@ from ...errors import DistStoreError
 from .. import rules
 from ..base import Store
 from . import protocol as p
-from .client import TCPStoreClient, reply_grace
+from .client import TCPStoreClient
 from .server import TCPStoreServer
 
 _WILDCARD_HOSTS = {"", "0.0.0.0", "::"}
@@ -170,9 +170,26 @@ class TCPStore(Store):
 
     def set_timeout(self, timeout: timedelta) -> None:
         super().set_timeout(timeout)
-        self._client.reply_timeout = self._timeout_s + reply_grace(self._timeout_s)
+        self._client.set_timeout(self._timeout_s)
 
     # -- Store ----------------------------------------------------------------------------------------
+    # set, get and add are the hot path: they skip the base class's dispatch to _set/_get/_add.
+
+    def set(self, key: str, value) -> None:
+        """Inserts the key-value pair into the store; an existing key is overwritten."""
+        if key.__class__ is not str:
+            key = rules.as_key(key)
+        self._client.set(key.encode(), value if value.__class__ is bytes else rules.as_value(value))
+
+    def get(self, key: str) -> bytes:
+        """Retrieves the value of ``key``, waiting up to the store timeout for it to be set."""
+        return self._client.get(rules.as_key(key), self._timeout_s)
+
+    def add(self, key: str, amount: int) -> int:
+        """Adds ``amount`` to the counter at ``key`` (created at 0) and returns the new value."""
+        if key.__class__ is not str:
+            key = rules.as_key(key)
+        return self._client.add(key.encode(), rules.as_amount(amount))
 
     def _set(self, key, value):
         self._client.set(key.encode(), value)
