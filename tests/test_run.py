@@ -7,6 +7,7 @@ environment contract, then fail as told. Every test that starts workers checks t
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import shutil
@@ -30,8 +31,9 @@ from launcher_scripts.support import (
     wait_for_pids,
 )
 
-from distcomm._launcher.config import LaunchError
+from distcomm._launcher.config import STD_ERR, STD_OUT, LaunchError
 from distcomm._launcher.failure import describe_exit, traceback_tail
+from distcomm._launcher.output import MAX_LINE, OutputRouter, StreamSink
 from distcomm.run import config_from_args, parse_args
 
 
@@ -208,6 +210,28 @@ def test_failure_on_one_node_stops_both(tmp_path):
     assert_no_leftovers(tmp_path, 4)
 
 
+def test_losing_node_rank_0_stops_the_other_node(tmp_path):
+    # Node rank 0's launcher (the store's host) is SIGKILLed: its workers die with it, and node
+    # rank 1's launcher notices the store is gone, stops its workers and exits non-zero.
+    port = free_port()
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-port", port, "--shutdown-timeout", "5",
+              WORKER, "--no-meet", "--fail-rank", "9", "--others", "hang"]
+    node0 = start_launcher(["--node-rank", "0", *common], tmp_path)
+    node1 = start_launcher(["--node-rank", "1", *common], tmp_path)
+    try:
+        wait_for_pids(tmp_path, 2)
+        node0.kill()
+        out, err = node1.communicate(timeout=TIMEOUT)
+    finally:
+        for launcher in (node0, node1):
+            if launcher.poll() is None:
+                launcher.kill()
+            launcher.communicate()
+    assert node1.returncode == 1
+    assert f"127.0.0.1:{port}" in err and "the --node-rank 0 launcher is gone" in err
+    assert_no_leftovers(tmp_path, 2)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_to_launcher_is_forwarded_and_cleanup_hooks_run(tmp_path, sig):
     pids, hook_log = tmp_path / "pids", tmp_path / "hooks.log"
@@ -345,3 +369,28 @@ def test_traceback_tail_keeps_the_whole_chain():
     long = ["Traceback (most recent call last):"] + [f"  frame {i}" for i in range(100)] + ["E: x"]
     tail = traceback_tail(long, max_lines=10)
     assert tail[0] == "  ..." and tail[-1] == "E: x" and len(tail) == 11
+
+
+def test_stream_sink_and_router(tmp_path):
+    out, err = io.BytesIO(), io.BytesIO()
+    router = OutputRouter({1: STD_OUT}, {0: STD_ERR}, str(tmp_path), ranks_filter={0, 1}, stdout=out, stderr=err)
+    o0, e0 = router.sinks(0, 4, str(tmp_path))
+    o1, e1 = router.sinks(1, 5, str(tmp_path))
+    o2, _ = OutputRouter({}, {}, None, ranks_filter={0}, stdout=out, stderr=err).sinks(2, 6, None)
+    for chunk in (b"ab", b"c\nde", b"f\ng"):
+        o0.feed(chunk)
+    o0.close()  # the last line has no newline: still a line
+    o1.feed(b"to file only\n")
+    o2.feed(b"filtered out\n")
+    e0.feed(b"teed\n")
+    for sink in (o1, e0, e1):
+        sink.close()
+    assert out.getvalue() == b"[rank4]: abc\n[rank4]: def\n[rank4]: g\n"
+    assert err.getvalue() == b"[rank4]: teed\n"
+    assert (tmp_path / "1" / "stdout.log").read_bytes() == b"to file only\n"
+    assert (tmp_path / "0" / "stderr.log").read_bytes() == b"teed\n"
+    assert not (tmp_path / "0" / "stdout.log").exists()
+    assert o0.tail_text() == ["abc", "def", "g"]
+    big = StreamSink(None, b"", None)
+    big.feed(b"x" * (MAX_LINE + 10))  # a line that never ends is cut, not buffered forever
+    assert len(big.tail) == 1

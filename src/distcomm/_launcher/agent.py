@@ -29,6 +29,7 @@ import tempfile
 import time
 import uuid
 
+from ..errors import DistError
 from . import store as job_store
 from .cleanup import run_cleanup_hooks
 from .config import LaunchConfig, LaunchError
@@ -109,6 +110,9 @@ class NodeAgent:
         except _Aborted as exc:
             notice(str(exc))
             return 1
+        except DistError as exc:  # a store operation failed: node rank 0's launcher is gone
+            notice(self._store_lost(exc))
+            return 1
         except LaunchError as exc:
             notice(f"error: {exc}")
             return 1
@@ -159,10 +163,13 @@ class NodeAgent:
         except Exception as exc:
             if self.is_host:
                 raise
-            raise _Aborted(
-                f"lost the job store at {self.config.master_addr}:{self.port} ({exc}); "
-                "the --node-rank 0 launcher is gone"
-            ) from exc
+            raise _Aborted(self._store_lost(exc)) from exc
+
+    def _store_lost(self, exc: BaseException) -> str:
+        return (
+            f"lost the job store at {self.config.master_addr}:{self.port} ({exc}); "
+            "the --node-rank 0 launcher is gone"
+        )
 
     def _check_abort(self) -> None:
         if self._count(f"{AGENT}/abort") > 0:
@@ -227,11 +234,11 @@ class NodeAgent:
         """Meet the other launchers for round ``attempt``; (this node's rank offset, world size)."""
         c = self.config
         r = f"{AGENT}/round{attempt}"
-        self.store.set(f"{r}/nproc/{c.node_rank}", str(c.nproc_per_node))
         if self.store.add(f"{r}/node/{c.node_rank}", 1) > 1:
             reason = f"two launchers were started with --node-rank {c.node_rank}"
             self._abort(reason)
             raise LaunchError(reason + "; give each node its own --node-rank")
+        self.store.set(f"{r}/nproc/{c.node_rank}", str(c.nproc_per_node))
         if self.store.add(f"{r}/joined", 1) > c.nnodes:
             raise LaunchError(f"more launchers than --nnodes={c.nnodes} joined this job")
         self._poll_until(
