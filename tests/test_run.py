@@ -111,10 +111,14 @@ def test_worker_exception_summary_and_cleanup(tmp_path):
 
 
 def test_sigkilled_worker_and_sigterm_ignoring_peer(tmp_path):
+    pids, shm = tmp_path / "pids", tmp_path / "shm"
+    pids.mkdir()
+    shm.mkdir()
+    (shm / "distcomm-otherrun-0-x").write_bytes(b"")  # another job's segment: must stay
     r = run_launcher(
-        ["--standalone", "--nproc-per-node", "2", "--shutdown-timeout", "1",
-         WORKER, "--fail-rank", "0", "--how", "sigkill", "--others", "ignore-term"],
-        tmp_path,
+        ["--standalone", "--nproc-per-node", "2", "--shutdown-timeout", "1", "--rdzv-id", "killed",
+         WORKER, "--fail-rank", "0", "--how", "sigkill", "--others", "ignore-term", "--leave-shm"],
+        env=launcher_env(pids, DISTCOMM_SHM_DIR=str(shm)),
     )
     assert r.returncode == 1
     assert "SIGKILL (-9) — possibly the out-of-memory killer" in r.stderr
@@ -122,7 +126,8 @@ def test_sigkilled_worker_and_sigterm_ignoring_peer(tmp_path):
     assert "did not raise a Python exception" in r.stderr
     assert "stderr line of rank 0" in r.stderr[r.stderr.index("Root cause"):]  # no traceback: stderr tail
     assert "Stopped by the launcher: rank 1" in r.stderr  # SIGKILLed after ignoring SIGTERM
-    assert_no_leftovers(tmp_path, 2)
+    assert_no_leftovers(pids, 2)
+    assert os.listdir(shm) == ["distcomm-otherrun-0-x"]  # the killed workers' segments were unlinked
 
 
 def test_restarts_use_a_fresh_round(tmp_path):

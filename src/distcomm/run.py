@@ -29,8 +29,9 @@ What the launcher does
   SIGHUP and SIGQUIT sent to the launcher are forwarded to the workers (each runs in its own
   session, with every process it starts); a second signal skips the grace period. Workers die with
   the launcher even if it is killed with SIGKILL (PR_SET_PDEATHSIG, Linux).
-- After each round the cleanup hooks run (``distcomm._launcher.cleanup``): the hook point for the
-  shared-memory segments of killed workers.
+- After each round (success, failure, restart, or a signal to the launcher) the cleanup hooks run
+  (``distcomm._launcher.cleanup``): the shared-memory transport's hook unlinks the segments that
+  killed workers of that round left in /dev/shm (named ``distcomm-<run_id>-<attempt>-...``).
 
 Environment of each worker (the env:// contract)
 ------------------------------------------------

@@ -40,6 +40,7 @@ def main():
     p.add_argument("--grandchild", action="store_true", help="start a sleeping child process first")
     p.add_argument("--lines", type=int, default=0, help="print this many long lines in fragments")
     p.add_argument("--no-meet", action="store_true")
+    p.add_argument("--leave-shm", action="store_true", help="create a run-named file in $DISTCOMM_SHM_DIR")
     p.add_argument("rest", nargs="*")
     a = p.parse_args()
 
@@ -48,6 +49,10 @@ def main():
     attempt = int(env["TORCHELASTIC_RESTART_COUNT"])
     record_pid("worker", os.getpid())
     print(f"stderr line of rank {rank}", file=sys.stderr, flush=True)
+    if a.leave_shm:  # named as the shared-memory transport names its segments
+        name = f"distcomm-{env['TORCHELASTIC_RUN_ID']}-{attempt}-rank{rank}"
+        with open(os.path.join(env["DISTCOMM_SHM_DIR"], name), "wb") as f:
+            f.write(b"\0" * 4096)
     if a.grandchild:
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
         record_pid("grandchild", child.pid)

@@ -5,14 +5,16 @@ or been killed: on success, on failure, before a restart, and when the launcher 
 signalled (SIGINT/SIGTERM/SIGHUP/SIGQUIT). Workers killed by SIGKILL cannot unlink their own
 shared-memory segments; this is where the launcher does it for them.
 
-Nothing registers a hook yet: the shared-memory transport is a later issue. Its contract:
+The shared-memory transport's hook is ``distcomm.transport.shm_segment:cleanup`` (listed in
+``HOOK_SPECS``). The contract it follows:
 
-- name every segment so that the run can be recognised, e.g. ``distcomm-<TORCHELASTIC_RUN_ID>-...``
+- every segment is named so that the run can be recognised: ``distcomm-<run_id>-<attempt>-...``
   (each worker finds the run id in TORCHELASTIC_RUN_ID and the attempt in
   TORCHELASTIC_RESTART_COUNT);
-- expose a function ``cleanup(run_id: str, attempt: int) -> None`` that unlinks the segments of
-  that run and attempt, and add ``"module.path:cleanup"`` to ``HOOK_SPECS`` below (or call
-  ``register_cleanup_hook`` from code that the launcher imports).
+- ``cleanup(run_id: str, attempt: int) -> None`` unlinks the segments of that run and attempt.
+
+Another hook is added by listing ``"module.path:function"`` in ``HOOK_SPECS`` below, or by calling
+``register_cleanup_hook`` from code that the launcher imports.
 
 Users (and tests) can add hooks without code: ``DISTCOMM_RUN_CLEANUP_HOOKS="pkg.mod:fn,other:fn"``
 in the launcher's environment.
@@ -31,7 +33,7 @@ from typing import Callable
 CleanupHook = Callable[[str, int], None]
 
 # "module:function" entries imported lazily the first time hooks run (missing modules are skipped).
-HOOK_SPECS: tuple[str, ...] = ()
+HOOK_SPECS: tuple[str, ...] = ("distcomm.transport.shm_segment:cleanup",)
 
 _hooks: list[CleanupHook] = []
 _specs_loaded = False
