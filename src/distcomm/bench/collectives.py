@@ -33,7 +33,7 @@ arrays unless ``--tensor torch``; torch ranks always get torch tensors.
 from __future__ import annotations
 
 import argparse
-import math
+import importlib.util
 import os
 import re
 import sys
@@ -355,16 +355,15 @@ def algo_env(ops: list[str], requests: list[str]) -> dict[str, str]:
     env: dict[str, str] = {}
     for request in requests:
         op, _, name = request.rpartition("=")
-        targets = [op] if op else [o for o in ops if name in ALGORITHMS[_algo_key(o)]]
         if op and op not in OPS:
-            raise SystemExit(f"distcomm-bench: --algo {request}: unknown op {op!r}; choose from {', '.join(OPS)}")
+            raise ValueError(f"--algo {request}: unknown op {op!r}; choose from {', '.join(OPS)}")
+        targets = [op] if op else [o for o in ops if name in ALGORITHMS[_algo_key(o)]]
         if not targets:
             known = "; ".join(f"{o}: {', '.join(ALGORITHMS[_algo_key(o)])}" for o in ops)
-            raise SystemExit(f"distcomm-bench: --algo {name}: no chosen op has that algorithm ({known})")
+            raise ValueError(f"--algo {name}: no chosen op has that algorithm ({known})")
         for target in targets:
             if name not in ALGORITHMS[_algo_key(target)]:
-                raise SystemExit(f"distcomm-bench: --algo {request}: {target} algorithms are "
-                                 f"{', '.join(ALGORITHMS[_algo_key(target)])}")
+                raise ValueError(f"--algo {request}: {target} algorithms are {', '.join(ALGORITHMS[_algo_key(target)])}")
             env[f"DISTCOMM_ALGO_{_algo_key(target).upper()}"] = name
     return env
 
@@ -418,16 +417,11 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
         parser.error("--iters must be at least 1 and --warmup at least 0")
     if args.dtype == "bfloat16" and args.tensor == "numpy" and args.compare is None:
         parser.error("bfloat16 needs torch tensors: add --tensor torch (numpy has no bfloat16)")
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            parser.error("--plot needs matplotlib: pip install 'distcomm[bench]' (or pip install matplotlib)")
-    if args.compare or args.tensor == "torch":
-        try:
-            import torch  # noqa: F401  (also puts its version in the machine description)
-        except ImportError:
-            parser.error("--compare torch and --tensor torch need torch: pip install 'distcomm[torch]'")
+    # find_spec, not import: importing torch here would cost the parent seconds for nothing.
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        parser.error("--plot needs matplotlib: pip install 'distcomm[bench]' (or pip install matplotlib)")
+    if (args.compare or args.tensor == "torch") and importlib.util.find_spec("torch") is None:
+        parser.error("--compare torch and --tensor torch need torch: pip install 'distcomm[torch]'")
     from .. import Backend
 
     try:
@@ -436,13 +430,22 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
         parser.error(f"--backend: {exc}")
 
 
+def _distcomm_version() -> str:
+    from .. import __version__
+
+    return __version__
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.dtype == "bfloat16" and args.compare:
         args.tensor = "torch"
     _validate(parser, args)
-    env = algo_env(args.ops, args.algo)
+    try:
+        env = algo_env(args.ops, args.algo)
+    except ValueError as exc:
+        parser.error(str(exc))
     plan = build_plan(args.ops, sizes(args.min_bytes, args.max_bytes, args.step_factor), args.world,
                       args.dtype, args.iters, args.warmup, args.budget)
     engines = [("distcomm", f"distcomm/{args.backend}", args.backend, args.tensor, env)]
@@ -450,15 +453,15 @@ def main(argv: list[str] | None = None) -> int:
         engines.append(("torch", "torch/gloo", "gloo", "torch", {}))
 
     info = report.machine()
-    forced = " ".join(f"{k}={v}" for k, v in sorted(env.items()))
     print(f"# distcomm-bench: world {args.world}, {args.dtype}, ops {','.join(args.ops)}, "
           f"{report.format_bytes(args.min_bytes)} .. {report.format_bytes(args.max_bytes)}")
     print(f"# machine: {report.machine_line(info)}")
     print(f"# time: the slowest rank's {args.stat} over timed iterations (per-iteration perf_counter, "
           f"barrier before timing, same buffers); busbw: nccl-tests factors; #wrong: checked every row")
-    for _, label, _, kind, extra in engines:
+    for library, label, _, kind, extra in engines:
+        version = info.get("torch") if library == "torch" else _distcomm_version()
         note = f", {' '.join(f'{k}={v}' for k, v in sorted(extra.items()))}" if extra else ""
-        print(f"# {label}: {kind} buffers{note}")
+        print(f"# {label}: {library} {version}, {kind} buffers{note}")
     sys.stdout.flush()
 
     live = sys.stderr if len(engines) > 1 else sys.stdout

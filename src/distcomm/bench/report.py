@@ -16,11 +16,11 @@ tables follow nccl-tests' layout so the numbers read the same way:
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import math
 import os
 import platform
-import sys
 from typing import Any, Iterable, Sequence
 
 BUS_FACTOR = {
@@ -174,9 +174,10 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "numpy": numpy.__version__,
     }
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        info["torch"] = torch.__version__
+    try:
+        info["torch"] = importlib.metadata.version("torch")  # without importing it (seconds)
+    except importlib.metadata.PackageNotFoundError:
+        pass
     return info
 
 
