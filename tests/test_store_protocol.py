@@ -1,0 +1,233 @@
+"""The TCPStore wire protocol on bytes alone: exact encodings, incremental parsing, and bad input.
+
+The tables spell every frame out field by field (hex, little-endian) so a change to the format is
+a visible, deliberate diff here, not a silent incompatibility between versions.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from distcomm.store.tcp import protocol as p
+
+
+def frame(length: int, opcode: str, request_id: str, *fields: str) -> bytes:
+    """u64 length | u8 opcode | u32 request id | fields — each given as hex."""
+    return struct.pack("<Q", length) + bytes.fromhex(opcode + request_id + "".join(fields))
+
+
+U32_1, U32_2 = "01000000", "02000000"
+
+REQUESTS = [
+    (p.Set(1, b"k", b"v"), frame(11, "01", U32_1, U32_1, "6b", "76")),
+    (p.Set(1, b"", b""), frame(9, "01", U32_1, "00000000")),
+    (p.Get(2, b"k", 1500), frame(14, "02", U32_2, "dc05000000000000", "6b")),
+    (p.Add(3, b"c", -2), frame(14, "03", "03000000", "feffffffffffffff", "63")),
+    (p.CompareSet(4, b"k", b"", b"d"), frame(15, "04", "04000000", U32_1, "6b", "00000000", "64")),
+    (p.Wait(5, [b"a", b"bc"], 0), frame(28, "05", "05000000", "0000000000000000", U32_2, U32_1, "61", U32_2, "6263")),
+    (p.Check(6, []), frame(9, "06", "06000000", "00000000")),
+    (p.NumKeys(7), frame(5, "07", "07000000")),
+    (p.DeleteKey(8, b"k"), frame(6, "08", "08000000", "6b")),
+    (p.Append(9, b"k", b"v"), frame(11, "09", "09000000", U32_1, "6b", "76")),
+    (p.MultiGet(10, [b"a"], 7), frame(22, "0a", "0a000000", "0700000000000000", U32_1, U32_1, "61")),
+    (p.MultiSet(11, [b"a"], [b"b"]), frame(23, "0b", "0b000000", U32_1, U32_1, "61", U32_1, U32_1, "62")),
+    (p.ListKeys(12), frame(5, "0c", "0c000000")),
+    (p.Join(0xFFFFFFFF), frame(5, "0d", "ffffffff")),
+]
+
+RESPONSES = [
+    (p.Ok(7), frame(5, "80", "07000000")),
+    (p.Value(8, b"xy"), frame(7, "81", "08000000", "7879")),
+    (p.Integer(9, -1), frame(13, "82", "09000000", "ffffffffffffffff")),
+    (p.Integer(9, 2**63 - 1), frame(13, "82", "09000000", "ffffffffffffff7f")),
+    (p.Bool(10, True), frame(6, "83", "0a000000", "01")),
+    (p.Bool(10, False), frame(6, "83", "0a000000", "00")),
+    (p.Values(11, [b"a", b""]), frame(18, "84", "0b000000", U32_2, U32_1, "61", "00000000")),
+    (p.TimedOut(12, [b"a"]), frame(14, "85", "0c000000", U32_1, U32_1, "61")),
+    (p.Error(13, p.ERROR_NOT_AN_INTEGER, b"no"), frame(8, "86", "0d000000", "01", "6e6f")),
+]
+
+HELLO = b"DCKV\x01\x00\x00\x00"
+HELLO_OK = b"DCKV\x01\x00\x00\x00"
+HELLO_REFUSED = b"DCKV\x01\x00\x01\x00"
+
+
+def _server(max_frame_size: int = p.DEFAULT_MAX_FRAME_SIZE) -> p.ServerProtocol:
+    proto = p.ServerProtocol(max_frame_size)
+    proto.receive_data(HELLO)
+    assert proto.next_event() == p.Hello(1)
+    return proto
+
+
+def _client() -> p.ClientProtocol:
+    proto = p.ClientProtocol()
+    proto.receive_data(HELLO_OK)
+    assert proto.next_event() == p.HelloReply(1, p.HELLO_STATUS_OK)
+    return proto
+
+
+# -- exact encodings ------------------------------------------------------------------------------
+
+
+def test_hello_bytes():
+    assert p.ClientProtocol.send(p.Hello()) == HELLO
+    assert p.ServerProtocol.send(p.HelloReply(1, p.HELLO_STATUS_OK)) == HELLO_OK
+    assert p.ServerProtocol.send(p.HelloReply(1, p.HELLO_STATUS_UNSUPPORTED_VERSION)) == HELLO_REFUSED
+
+
+@pytest.mark.parametrize("event, wire", REQUESTS, ids=lambda x: type(x).__name__ if not isinstance(x, bytes) else "")
+def test_request_encoding_and_decoding(event, wire):
+    assert p.ClientProtocol.send(event) == wire
+    server = _server()
+    server.receive_data(wire)
+    assert server.next_event() == event
+    assert server.next_event() is p.NEED_DATA
+
+
+@pytest.mark.parametrize("event, wire", RESPONSES, ids=lambda x: type(x).__name__ if not isinstance(x, bytes) else "")
+def test_response_encoding_and_decoding(event, wire):
+    assert p.ServerProtocol.send(event) == wire
+    client = _client()
+    assert client.receive_events(wire) == [event]
+
+
+def test_fast_encoders_match_the_generic_encoder():
+    assert p.encode_set(5, b"key", b"value") == p.encode(p.Set(5, b"key", b"value"))
+    assert p.encode_get(5, b"key", 300_000) == p.encode(p.Get(5, b"key", 300_000))
+    assert p.encode_add(5, b"key", -(2**63)) == p.encode(p.Add(5, b"key", -(2**63)))
+    assert p.encode_ok(5) == p.encode(p.Ok(5))
+    assert p.encode_value(5, b"v") == p.encode(p.Value(5, b"v"))
+    assert p.encode_integer(5, 42) == p.encode(p.Integer(5, 42))
+    assert p.encode_bool(5, True) == p.encode(p.Bool(5, True))
+
+
+def test_each_side_sends_only_its_own_events():
+    with pytest.raises(TypeError):
+        p.ClientProtocol.send(p.Ok(1))
+    with pytest.raises(TypeError):
+        p.ServerProtocol.send(p.Set(1, b"k", b"v"))
+    with pytest.raises(TypeError):
+        p.encode(p.Hello())
+    with pytest.raises(ValueError):
+        p.encode(p.MultiSet(1, [b"a"], []))
+
+
+def test_version_policy():
+    assert p.ServerProtocol.reply_to(p.Hello(p.VERSION)) == p.HelloReply(p.VERSION, p.HELLO_STATUS_OK)
+    assert p.ServerProtocol.reply_to(p.Hello(99)).status == p.HELLO_STATUS_UNSUPPORTED_VERSION
+
+
+# -- incremental parsing --------------------------------------------------------------------------
+
+
+def test_byte_by_byte_gives_the_same_events():
+    stream = b"".join(wire for _, wire in REQUESTS)
+    server = p.ServerProtocol()
+    events = []
+    for i in range(len(HELLO + stream)):
+        events += server.receive_events((HELLO + stream)[i : i + 1])
+    assert events == [p.Hello(1)] + [event for event, _ in REQUESTS]
+    assert not server.has_partial_data
+
+
+def test_many_frames_in_one_chunk_and_a_split_frame():
+    wires = [wire for _, wire in RESPONSES]
+    client = _client()
+    blob = b"".join(wires)
+    cut = len(blob) - 3
+    assert client.receive_events(blob[:cut]) == [event for event, _ in RESPONSES[:-1]]
+    assert client.has_partial_data
+    assert client.receive_events(blob[cut:]) == [RESPONSES[-1][0]]
+    assert not client.has_partial_data
+
+
+def test_partial_data_tracks_the_hello_and_frames():
+    server = p.ServerProtocol()
+    assert server.has_partial_data  # no hello yet
+    server.receive_data(HELLO[:3])
+    assert server.next_event() is p.NEED_DATA and server.has_partial_data
+    server.receive_data(HELLO[3:])
+    assert server.next_event() == p.Hello(1)
+    assert not server.has_partial_data
+    server.receive_data(REQUESTS[0][1][:4])
+    assert server.next_event() is p.NEED_DATA and server.has_partial_data
+
+
+def test_empty_data_means_closed():
+    server = p.ServerProtocol()
+    server.receive_data(b"")
+    assert server.closed
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+
+def test_wrong_magic_is_reported_at_the_first_wrong_byte():
+    server = p.ServerProtocol()
+    server.receive_data(b"G")  # e.g. "GET / HTTP/1.1"
+    with pytest.raises(p.ProtocolError, match="bad magic"):
+        server.next_event()
+
+
+def test_unsupported_version_is_parsed_then_refused():
+    server = p.ServerProtocol()
+    server.receive_data(b"DCKV\x02\x00\x00\x00")
+    hello = server.next_event()
+    assert hello == p.Hello(2)
+    assert server.send(server.reply_to(hello)) == HELLO_REFUSED
+
+
+def test_a_huge_length_prefix_is_refused_before_anything_else_arrives():
+    server = _server(max_frame_size=1 << 20)
+    server.receive_data(struct.pack("<Q", 2**40))  # only the 8 length bytes
+    with pytest.raises(p.ProtocolError, match="exceeds the maximum frame size"):
+        server.next_event()
+    assert p.DEFAULT_MAX_FRAME_SIZE < 2**40
+
+
+def test_a_huge_length_prefix_in_a_batch_is_refused():
+    server = _server(max_frame_size=1 << 20)
+    with pytest.raises(p.ProtocolError, match="exceeds"):
+        server.receive_events(p.encode(p.NumKeys(1)) + struct.pack("<Q", 2**40) + b"\x01")
+
+
+@pytest.mark.parametrize(
+    "wire, message",
+    [
+        (frame(4, "07", "01000000")[:12], "shorter than a frame head"),
+        (frame(5, "7f", "01000000"), "unknown opcode 0x7f"),
+        (frame(5, "80", "01000000"), "unknown opcode 0x80"),  # a response sent to the server
+        (frame(13, "01", U32_1, "ff000000", "6b6b6b6b"), "needs 255 bytes"),  # key length past the frame
+        (frame(9, "02", U32_1, "00000000"), "cannot hold timeout_ms"),
+        (frame(17, "05", U32_1, "0000000000000000", "ffffffff"), "count 4294967295 cannot fit"),
+        (frame(15, "06", U32_1, U32_1, "00000000", "zz".encode().hex()), "unexpected bytes"),
+    ],
+)
+def test_malformed_frames_raise_protocol_error(wire, message):
+    server = _server()
+    with pytest.raises(p.ProtocolError, match=message):
+        server.receive_events(wire)
+
+
+def test_bad_responses_raise_protocol_error():
+    client = _client()
+    with pytest.raises(p.ProtocolError, match="not one byte 0 or 1"):
+        client.receive_events(frame(6, "83", U32_1, "02"))
+    with pytest.raises(p.ProtocolError, match="not 8"):
+        _client().receive_events(frame(6, "82", U32_1, "02"))
+    with pytest.raises(p.ProtocolError, match="unknown opcode 0x01"):
+        _client().receive_events(REQUESTS[0][1])  # a request sent to the client
+
+
+def test_receive_events_equals_next_event_loop():
+    stream = b"".join(wire for _, wire in REQUESTS) * 3
+    a, b = _server(), _server()
+    via_batch = a.receive_events(stream[:50]) + a.receive_events(stream[50:])
+    b.receive_data(stream[:50])
+    b.receive_data(stream[50:])
+    via_loop = []
+    while (event := b.next_event()) is not p.NEED_DATA:
+        via_loop.append(event)
+    assert via_batch == via_loop == [event for event, _ in REQUESTS] * 3

@@ -1,0 +1,406 @@
+"""TCPStore server and client against real sockets: bad input, idle connections, many clients,
+late answers, lost connections, port conflicts, and the file-descriptor limit.
+
+Every bad-input case checks two things: the offending connection is closed, and a client that was
+connected before keeps being served (and a new one can still connect)."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import struct
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+
+from distcomm.errors import DistNetworkError, DistStoreError, DistStoreTimeoutError
+from distcomm.store import TCPStore
+from distcomm.store.tcp import TCPStoreServer
+from distcomm.store.tcp import protocol as p
+from distcomm.store.tcp.client import TCPStoreClient
+
+HELLO = p.ClientProtocol.send(p.Hello())
+IDLE = 0.4  # the test server's idle timeout, in seconds
+
+
+@pytest.fixture
+def server():
+    server = TCPStoreServer("127.0.0.1", 0, idle_timeout=IDLE, max_frame_size=1 << 20).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def good_client(server):
+    client = TCPStore("127.0.0.1", server.port, timeout=timedelta(seconds=10))
+    client.set("before", "1")
+    yield client
+    client.close()
+
+
+def _raw(server) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def _closed_by_server(sock: socket.socket, within: float = 10.0) -> bool:
+    """True if the server closes ``sock`` (EOF or reset) within ``within`` seconds; replies are skipped."""
+    sock.settimeout(within)
+    try:
+        while sock.recv(4096):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except socket.timeout:
+        return False
+    finally:
+        sock.close()
+
+
+def _still_served(server, good_client) -> None:
+    assert good_client.add("served", 1) >= 1
+    assert good_client.get("before") == b"1"
+    fresh = TCPStore("127.0.0.1", server.port, timeout=timedelta(seconds=10))
+    assert fresh.get("before") == b"1"
+    fresh.close()
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+
+def test_random_bytes(server, good_client):
+    rng = random.Random(1234)
+    for _ in range(5):
+        sock = _raw(server)
+        sock.sendall(bytes(rng.getrandbits(8) for _ in range(256)))
+        assert _closed_by_server(sock)
+    _still_served(server, good_client)
+    assert server.stats["protocol_errors"] >= 5
+
+
+def test_random_bytes_after_a_valid_hello(server, good_client):
+    rng = random.Random(99)
+    sock = _raw(server)
+    sock.sendall(HELLO + bytes([0x7F]) * 13 + bytes(rng.getrandbits(8) for _ in range(64)))
+    assert _closed_by_server(sock)
+    _still_served(server, good_client)
+
+
+def test_wrong_magic(server, good_client):
+    sock = _raw(server)
+    sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert _closed_by_server(sock)
+    _still_served(server, good_client)
+
+
+def test_wrong_version_gets_a_refusal_naming_our_version_then_close(server, good_client):
+    sock = _raw(server)
+    sock.sendall(b"DCKV\x63\x00\x00\x00")  # version 99
+    assert sock.recv(8) == b"DCKV" + struct.pack("<HH", p.VERSION, p.HELLO_STATUS_UNSUPPORTED_VERSION)
+    assert _closed_by_server(sock)
+    _still_served(server, good_client)
+
+
+def test_wrong_version_client_error_names_both_versions(server, monkeypatch):
+    newer_server = staticmethod(lambda hello: p.HelloReply(2, p.HELLO_STATUS_UNSUPPORTED_VERSION))
+    monkeypatch.setattr(p.ServerProtocol, "reply_to", newer_server)
+    with pytest.raises(DistNetworkError, match="speaks protocol version 2 and refused this client's version 1"):
+        TCPStoreClient("127.0.0.1", server.port, timeout=5)
+
+
+def test_length_prefix_of_2_to_the_40(server, good_client):
+    sock = _raw(server)
+    sock.sendall(HELLO)
+    assert sock.recv(8) == HELLO  # accepted
+    sock.sendall(struct.pack("<Q", 2**40))  # and nothing more: refused on the prefix alone
+    assert _closed_by_server(sock)
+    _still_served(server, good_client)
+
+
+def test_a_frame_over_the_server_maximum(server, good_client):
+    sock = _raw(server)
+    sock.sendall(HELLO + p.encode_set(1, b"k", b"v" * ((1 << 20) + 1)))
+    assert _closed_by_server(sock)
+    _still_served(server, good_client)
+
+
+def test_a_connection_that_never_sends(server, good_client):
+    sock = _raw(server)
+    assert _closed_by_server(sock, within=IDLE + 5)
+    _still_served(server, good_client)
+    assert server.stats["idle_closed"] >= 1
+
+
+def test_a_client_sending_one_byte_at_a_time_is_closed(server, good_client):
+    sock = _raw(server)
+    closed = threading.Event()
+
+    def drip():
+        # a valid hello and frame, but one byte every IDLE/3 seconds: never completes in time
+        for byte in HELLO + p.encode_set(1, b"key", b"value"):
+            try:
+                sock.send(bytes([byte]))
+            except OSError:
+                closed.set()
+                return
+            time.sleep(IDLE / 3)
+
+    thread = threading.Thread(target=drip, daemon=True)
+    thread.start()
+    time.sleep(IDLE / 2)
+    _still_served(server, good_client)  # served while the slow client drips
+    sock2 = sock.dup()
+    assert _closed_by_server(sock2, within=IDLE * 4 + 5)
+    thread.join(IDLE * 30)
+    assert server.stats["idle_closed"] >= 1
+    _still_served(server, good_client)
+
+
+def test_idle_between_frames_is_not_closed(server):
+    client = TCPStore("127.0.0.1", server.port)
+    client.set("k", "v")
+    time.sleep(IDLE * 2.5)  # several sweeps
+    assert client.get("k") == b"v"
+    client.close()
+
+
+def test_a_client_closing_while_parked(server, good_client):
+    sock = _raw(server)
+    sock.sendall(HELLO + p.encode_get(1, b"never-set-yet", 60_000))
+    assert sock.recv(8) == HELLO
+    sock.close()
+    time.sleep(0.05)
+    good_client.set("never-set-yet", "now")  # wakes nobody, breaks nothing
+    _still_served(server, good_client)
+
+
+# -- many clients -----------------------------------------------------------------------------------
+
+
+def test_a_thousand_concurrent_clients(server):
+    count = 1000
+    socks = []
+    try:
+        for _ in range(count):  # a burst of connects: the listen backlog holds what accept() has not taken
+            socks.append(socket.create_connection(("127.0.0.1", server.port), timeout=30))
+        for sock in socks:
+            sock.sendall(HELLO)
+        for sock in socks:
+            assert sock.recv(8) == HELLO
+        for i, sock in enumerate(socks):
+            sock.sendall(p.encode_add(i, b"joined", 1))
+        totals = []
+        for i, sock in enumerate(socks):
+            proto = p.ClientProtocol()
+            proto.receive_data(HELLO)
+            proto.next_event()
+            events = []
+            while not events:
+                events = proto.receive_events(sock.recv(64))
+            assert events[0].request_id == i
+            totals.append(events[0].value)
+        assert sorted(totals) == list(range(1, count + 1))
+        assert server.num_clients >= count
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+# -- the client's side ------------------------------------------------------------------------------
+
+
+def test_a_late_answer_to_an_abandoned_get_does_not_desync_the_client(server):
+    client = TCPStoreClient("127.0.0.1", server.port, timeout=10)
+    setter = TCPStore("127.0.0.1", server.port)
+    with client._lock:  # give up on a GET client-side while the server still holds it (60 s)
+        assert client._exchange("get", p.encode_get(77, b"late", 60_000), 77, wait=0.05) is None
+    setter.set("late", "value")  # the server now answers request 77, which nobody waits for
+    time.sleep(0.05)
+    assert client.add(b"n", 5) == 5  # request ids tell the late Value from the Integer
+    assert client.get("late", 1.0) == b"value"
+    client.close()
+    setter.close()
+
+
+def test_server_side_timeout_answer_keeps_the_stream_in_sync(server):
+    store = TCPStore("127.0.0.1", server.port)
+    store.set_timeout(timedelta(milliseconds=30))
+    for _ in range(3):
+        with pytest.raises(DistStoreTimeoutError, match="'nothing'"):
+            store.get("nothing")
+    store.set("x", "1")
+    assert store.get("x") == b"1"
+    store.close()
+
+
+def test_lost_server_raises_network_error(server):
+    store = TCPStore("127.0.0.1", server.port)
+    store.set("k", "v")
+    server.stop()
+    with pytest.raises(DistNetworkError, match="lost the connection to the TCPStore server"):
+        for _ in range(3):  # the first send may still succeed into the socket buffer
+            store.get("k")
+    with pytest.raises(DistNetworkError):
+        store.set("k", "v")
+
+
+def test_client_retries_until_the_server_comes_up():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    servers = []
+
+    def start_late():
+        time.sleep(0.3)
+        servers.append(TCPStoreServer("127.0.0.1", port).start())
+
+    thread = threading.Thread(target=start_late)
+    thread.start()
+    store = TCPStore("127.0.0.1", port, timeout=timedelta(seconds=20))
+    store.set("k", "v")
+    assert store.get("k") == b"v"
+    thread.join()
+    store.close()
+    servers[0].stop()
+
+
+def test_client_connect_timeout_names_host_port_and_attempts():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    start = time.monotonic()
+    with pytest.raises(DistNetworkError, match=rf"127\.0\.0\.1:{port} within 300 ms \(\d+ attempts"):
+        TCPStore("127.0.0.1", port, timeout=timedelta(milliseconds=300))
+    assert time.monotonic() - start < 10
+
+
+# -- the master ----------------------------------------------------------------------------------------
+
+
+def test_port_in_use_raises_at_once_naming_host_and_port():
+    first = TCPStore("127.0.0.1", 0, None, True)
+    start = time.monotonic()
+    with pytest.raises(DistNetworkError, match=rf"127\.0\.0\.1:{first.port}.*already in use"):
+        TCPStore("127.0.0.1", first.port, None, True, timeout=timedelta(seconds=30))
+    assert time.monotonic() - start < 5
+    first.close()
+
+
+def test_master_listens_only_on_the_host_it_was_given():
+    master = TCPStore("127.0.0.1", 0, None, True)
+    assert master._server._listener.getsockname()[0] == "127.0.0.1"
+    master.close()
+
+
+def test_port_zero_and_host_properties():
+    master = TCPStore("localhost", 0, None, True)
+    assert master.port > 0 and master.host == "localhost"
+    client = TCPStore("localhost", master.port)
+    assert client.port == master.port
+    client.close()
+    master.close()
+
+
+def test_master_waiting_for_workers_that_never_come():
+    with pytest.raises(DistStoreError, match="1/3 clients joined"):
+        TCPStore("127.0.0.1", 0, 3, True, timeout=timedelta(milliseconds=300))
+
+
+def test_master_waits_for_world_size_stores_its_own_included():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    workers = []
+
+    def join_later():
+        time.sleep(0.1)
+        workers.append(TCPStore("127.0.0.1", port, 3, timeout=timedelta(seconds=20)))
+        workers.append(TCPStore("127.0.0.1", port, 3, timeout=timedelta(seconds=20)))
+
+    thread = threading.Thread(target=join_later)
+    thread.start()
+    master = TCPStore("127.0.0.1", port, 3, True, timeout=timedelta(seconds=20))
+    thread.join()
+    assert master.num_keys() == 1  # the join counter, as torch counts its init key
+    for store in [*workers, master]:
+        store.close()
+
+
+def test_multi_tenant_masters_share_one_server():
+    first = TCPStore("127.0.0.1", 0, None, True, multi_tenant=True)
+    second = TCPStore("127.0.0.1", first.port, None, True, multi_tenant=True)
+    assert second._server is first._server
+    first.set("shared", "yes")
+    assert second.get("shared") == b"yes"
+    first.close()
+    assert second.get("shared") == b"yes"  # the server lives while one of its masters does
+    second.close()
+    with pytest.raises(DistNetworkError):
+        TCPStore("127.0.0.1", first.port, timeout=timedelta(milliseconds=200))
+
+
+def test_clone_is_an_independent_connection():
+    master = TCPStore("127.0.0.1", 0, None, True)
+    clone = master.clone()
+    master.set_timeout(timedelta(seconds=20))
+    thread = threading.Thread(target=lambda: (time.sleep(0.05), clone.set("k", "v")))
+    thread.start()
+    assert master.get("k") == b"v"
+    thread.join()
+    clone.close()
+    master.close()
+
+
+def test_bad_constructor_arguments():
+    with pytest.raises(ValueError, match="port"):
+        TCPStore("127.0.0.1", 70000, None, True)
+    with pytest.raises(ValueError, match="port=0"):
+        TCPStore("127.0.0.1", 0)
+    with pytest.raises(TypeError):
+        TCPStore(None, 1234)
+
+
+_EMFILE_SERVER = textwrap.dedent(
+    """
+    import resource, sys, time, warnings
+    resource.setrlimit(resource.RLIMIT_NOFILE, (48, 48))
+    from distcomm.store.tcp import TCPStoreServer
+    warnings.simplefilter("always")
+    server = TCPStoreServer("127.0.0.1", 0).start()
+    print(server.port, flush=True)
+    time.sleep(30)
+    """
+)
+
+
+def test_running_out_of_file_descriptors_is_reported():
+    proc = subprocess.Popen([sys.executable, "-c", _EMFILE_SERVER], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    socks = []
+    try:
+        port = int(proc.stdout.readline())
+        for _ in range(60):  # more than the server process may open
+            sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+            sock.sendall(HELLO)
+            socks.append(sock)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+            os.set_blocking(proc.stderr.fileno(), False)
+            text = proc.stderr.read() or ""
+            if "RLIMIT_NOFILE" in text:
+                break
+        assert "cannot accept more clients" in text and "RLIMIT_NOFILE" in text and "ulimit -n" in text
+    finally:
+        for sock in socks:
+            sock.close()
+        proc.kill()
+        proc.wait()
