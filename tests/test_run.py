@@ -13,7 +13,6 @@ import re
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 
 import pytest

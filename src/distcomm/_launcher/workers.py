@@ -45,6 +45,7 @@ except OSError as exc:
 """
 
 STOP_KILL_WAIT = 10.0  # seconds to wait for SIGKILLed workers to be reaped
+DRAIN_READS = 64       # reads of up to 64 KiB from each pipe of a worker that just exited
 
 
 @dataclass
@@ -181,8 +182,9 @@ class WorkerGroup:
         """Read everything a worker has written so far (its traceback arrives before its exit)."""
         for fd in list(worker.open_pipes):
             sink = self._sel.get_key(fd).data[2]
-            while self._read(fd, worker, sink):
-                pass
+            for _ in range(DRAIN_READS):  # bounded: a surviving child may keep writing to the pipe
+                if not self._read(fd, worker, sink):
+                    break
 
     def _reap(self, worker: Worker, exited: list[Worker]) -> None:
         worker.returncode = worker.proc.wait()
