@@ -8,7 +8,9 @@ One module per concern, so each can be read (and tested) alone:
 - ``output``   one selector reads every worker pipe; whole lines, rank prefixes, log files, tails
 - ``failure``  what failed and why: exit descriptions, traceback tails, the summary text
 - ``cleanup``  hook point run after every round's workers are gone (shared-memory segments)
-- ``agent``    one node's launcher: rendezvous with the other launchers, rounds, restarts, exit
+- ``coordination``  what the launchers of a job agree through the store: rendezvous per round,
+               the root cause of a failure, abort, the exit barrier
+- ``agent``    one node's launcher: rounds of workers, restarts, the summary, signal forwarding
 
 The user-facing contract (options, environment of each worker) is documented in
 ``distcomm.run``'s module docstring.

@@ -15,6 +15,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 
 from ..errors import DistError
@@ -108,6 +109,8 @@ class NodeAgent:
             raise _Signaled(signum)
 
         previous = {}
+        if threading.current_thread() is not threading.main_thread():
+            return previous  # launched from library code in a thread: signals stay the caller's
         for name in self.config.signals:
             signum = getattr(signal, name.strip().upper(), None)
             if isinstance(signum, signal.Signals):

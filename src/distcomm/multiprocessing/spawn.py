@@ -9,7 +9,9 @@ messages) in the standard library only:
 - a child that exits non-zero without an exception (``sys.exit(3)``, a signal) gives
   ``ProcessExitedException`` with ``exit_code`` and ``signal_name``;
 - when one child fails the others are stopped: SIGTERM, then SIGKILL after a grace period;
-- each child gets PR_SET_PDEATHSIG (Linux), so children die with a parent that is killed.
+- each child gets PR_SET_PDEATHSIG=SIGKILL (Linux), so children die with a parent that is killed.
+  As with torch's (which uses SIGINT), the "parent" is the *thread* that started them: call
+  ``spawn`` from a thread that outlives the children (the main thread, typically).
 """
 
 from __future__ import annotations
