@@ -1,0 +1,149 @@
+"""FileStore's own contract: who removes the file and when, and how a stale or foreign file is refused."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from distcomm.errors import DistStoreError
+from distcomm.store import FileStore
+from distcomm.store.file import MAGIC
+
+
+def test_the_last_of_world_size_users_removes_the_file(tmp_path):
+    path = str(tmp_path / "fs")
+    first = FileStore(path, 2)
+    first.set("k", "v")
+    first.close()  # finished before the second user even opened it: the file must stay
+    assert os.path.exists(path)
+    second = FileStore(path, 2)
+    assert second.get("k") == b"v"
+    second.close()
+    assert not os.path.exists(path)
+
+
+def test_without_world_size_the_last_open_user_removes_it(tmp_path):
+    path = str(tmp_path / "fs")
+    a, b = FileStore(path), FileStore(path)
+    a.set("k", "v")
+    a.close()
+    assert b.get("k") == b"v" and os.path.exists(path)
+    b.close()
+    assert not os.path.exists(path)
+
+
+def test_garbage_collection_and_close_are_the_same_leave(tmp_path):
+    path = str(tmp_path / "fs")
+    store = FileStore(path, 1)
+    store.close()
+    store.close()  # idempotent
+    assert not os.path.exists(path)
+    store = FileStore(path, 1)
+    del store
+    assert not os.path.exists(path)
+
+
+def test_a_closed_store_refuses_operations(tmp_path):
+    store = FileStore(str(tmp_path / "fs"), 1)
+    store.close()
+    with pytest.raises(DistStoreError, match="closed"):
+        store.set("k", "v")
+
+
+def test_path_and_empty_file(tmp_path):
+    path = tmp_path / "fs"
+    path.write_bytes(b"")  # an empty file is a new store, as torch's docs promise
+    store = FileStore(str(path), 1)
+    assert store.path == str(path)
+    store.set("k", "v")
+    assert store.num_keys() == 2  # the key, and the store's own membership key (torch counts one too)
+    store.close()
+
+
+_CRASHING_USER = textwrap.dedent(
+    """
+    import os, sys
+    from distcomm.store import FileStore
+    store = FileStore(sys.argv[1], int(sys.argv[2]))
+    store.set("old run", "old value")
+    os.kill(os.getpid(), 9)
+    """
+)
+
+
+def _crash_a_user(path: str, world_size: int) -> None:
+    result = subprocess.run([sys.executable, "-c", _CRASHING_USER, path, str(world_size)], capture_output=True)
+    assert result.returncode == -signal.SIGKILL, result.stderr
+
+
+def test_a_file_left_by_a_crashed_run_is_reported_not_reused(tmp_path):
+    path = str(tmp_path / "fs")
+    _crash_a_user(path, 2)
+    with pytest.raises(DistStoreError) as info:
+        FileStore(path, 2)
+    text = str(info.value)
+    assert "stale" in text and path in text and "pid" in text and "delete it" in text
+    os.unlink(path)
+    fresh = FileStore(path, 2)  # after deleting it, the path is usable again
+    assert not fresh.check(["old run"])
+    fresh.close()
+
+
+def test_a_file_whose_users_all_finished_is_leftover(tmp_path):
+    path = str(tmp_path / "fs")
+    one, two = FileStore(path, 2), FileStore(path, 2)
+    os.link(path, str(tmp_path / "keep"))  # the file survives its removal under another name
+    one.close()
+    two.close()
+    os.rename(str(tmp_path / "keep"), path)
+    with pytest.raises(DistStoreError, match="already been opened by world_size=2 users"):
+        FileStore(path, 2)
+
+
+def test_world_size_mismatch(tmp_path):
+    path = str(tmp_path / "fs")
+    first = FileStore(path, 2)
+    with pytest.raises(DistStoreError, match="created with world_size=2, not 3"):
+        FileStore(path, 3)
+    first.close()
+
+
+def test_a_foreign_file_is_refused(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("my notes")
+    with pytest.raises(DistStoreError, match="not a distcomm FileStore file"):
+        FileStore(str(path), 1)
+    assert path.read_text() == "my notes"
+
+
+def test_a_torn_record_is_reported(tmp_path):
+    path = str(tmp_path / "fs")
+    store = FileStore(path, 2)
+    with open(path, "ab") as f:
+        f.write(b"S\x05\x00\x00\x00")  # a record head cut short, as by a writer killed mid-append
+    with pytest.raises(DistStoreError, match="torn record"):
+        store.get("anything")
+    with pytest.raises(DistStoreError, match="torn record"):
+        FileStore(path, 2)
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(ValueError):
+        FileStore("", 1)
+    with pytest.raises(ValueError):
+        FileStore(str(tmp_path / "fs"), 0)
+    with pytest.raises(TypeError):
+        FileStore(str(tmp_path / "fs"), "2")
+
+
+def test_magic_is_at_the_start(tmp_path):
+    path = str(tmp_path / "fs")
+    store = FileStore(path, 2)
+    with open(path, "rb") as f:
+        assert f.read(len(MAGIC)) == MAGIC
+    store.close()

@@ -1,0 +1,77 @@
+"""Stores across processes (tests/harness.py worlds, each with a hard deadline): an exact total from
+16 processes doing 1000 add() each on TCPStore and on FileStore, and blocking get/wait/multi_get
+released by a set from another process, through the env:// rendezvous."""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+from distcomm.rendezvous import rendezvous
+from distcomm.store import FileStore, TCPStore
+from harness import run_world
+
+ADDS = 1000
+
+
+def _sixteen_adders(rank: int, world_size: int, file_path: str) -> tuple[int, int]:
+    tcp = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, rank == 0,
+                   timeout=timedelta(seconds=60))
+    shared_file = FileStore(file_path, world_size)
+    shared_file.set_timeout(timedelta(seconds=60))
+    for store in (tcp, shared_file):
+        for _ in range(ADDS):
+            store.add("counter", 1)
+        if store.add("finished", 1) == world_size:
+            store.set("all finished", "1")
+    totals = []
+    for store in (tcp, shared_file):
+        store.wait(["all finished"])
+        totals.append(int(store.get("counter")))
+    if rank == 0:  # the master's server must outlive every other rank's last request
+        tcp.wait([f"gone/{r}" for r in range(1, world_size)])
+    else:
+        tcp.set(f"gone/{rank}", "1")
+    shared_file.close()
+    return tuple(totals)
+
+
+def test_sixteen_processes_add_an_exact_total(tmp_path):
+    path = str(tmp_path / "filestore")
+    results = run_world(_sixteen_adders, 16, args=(path,), timeout=120)
+    assert results == [(16 * ADDS, 16 * ADDS)] * 16
+    assert not os.path.exists(path)  # the last of the 16 users removed it
+
+
+def _blocked_then_released(rank: int, world_size: int, file_path: str):
+    store, got_rank, got_world = next(rendezvous("env://", timeout=timedelta(seconds=30)))
+    assert (got_rank, got_world) == (rank, world_size)
+    shared_file = FileStore(file_path, world_size)
+    shared_file.set_timeout(timedelta(seconds=30))
+    if rank == 1:
+        start = time.monotonic()
+        value = store.get("late")  # blocks until rank 0 sets it
+        store.wait(["w1", "w2"])
+        values = store.multi_get(["w1", "w2"])
+        file_value = shared_file.get("late")
+        shared_file.wait(["w1"])
+        store.set("done", "1")
+        return value, values, file_value, time.monotonic() - start
+    store.add("ready", 1)
+    time.sleep(0.3)  # rank 1 is now blocked in get()
+    store.set("late", "from rank 0")
+    store.multi_set(["w1", "w2"], ["a", "b"])
+    shared_file.set("late", "file value")
+    shared_file.set("w1", "x")
+    store.wait(["done"])
+    return None
+
+
+def test_blocking_get_and_wait_are_released_by_another_process(tmp_path):
+    results = run_world(_blocked_then_released, 2, args=(str(tmp_path / "fs"),), timeout=60)
+    value, values, file_value, waited = results[1]
+    assert value == b"from rank 0"
+    assert values == [b"a", b"b"]
+    assert file_value == b"file value"
+    assert waited > 0.1  # it really blocked (no timing bound: the machine is shared)
