@@ -286,11 +286,15 @@ class ShmTransport(Transport):
         ranks = list(ranks)
         if not all(g in self._index for g in ranks):
             return None
+        # No lock held while waiting for peers: groups are set up by their own threads, in any
+        # order across ranks. A group's collectives run one at a time (its executor), so one gid is
+        # never set up twice at once.
+        ctx = self._open_group(gid, ranks, rank, deadline)
         with self._groups_lock:
-            ctx = self._groups.get(gid)
-            if ctx is None:
-                ctx = self._open_group(gid, ranks, rank, deadline)
-                self._groups[gid] = ctx
+            if self._closed:
+                ctx.close()
+                raise TransportError("the shared-memory transport was closed", reason="lost")
+            self._groups[gid] = ctx
         return ctx
 
     def _open_group(self, gid: int, ranks: list[int], rank: int, deadline: float | None) -> GroupShm:
@@ -329,18 +333,19 @@ class ShmTransport(Transport):
             raise
 
     def _publish_group(self, gid: int, name: str) -> None:
-        if self._dir_count >= DIR_ENTRIES:
-            raise TransportError(
-                f"the shared-memory engine supports {DIR_ENTRIES} process groups per process; "
-                "destroy the process group and re-initialize, or create fewer groups",
-                reason="error",
-            )
         buf = self._segments[self.rank].buf
-        at = self._dir_at + self._dir_count * _DIR_ENTRY
         raw = name.encode()
-        buf[at + 8 : at + 8 + len(raw)] = np.frombuffer(raw, np.uint8)
-        memoryview(buf[at : at + 8]).cast("Q")[0] = gid + 1  # publish after the name
-        self._dir_count += 1
+        with self._groups_lock:  # one writer per directory: this process's threads take turns
+            if self._dir_count >= DIR_ENTRIES:
+                raise TransportError(
+                    f"the shared-memory engine supports {DIR_ENTRIES} process groups per process; "
+                    "destroy the process group and re-initialize, or create fewer groups",
+                    reason="error",
+                )
+            at = self._dir_at + self._dir_count * _DIR_ENTRY
+            buf[at + 8 : at + 8 + len(raw)] = np.frombuffer(raw, np.uint8)
+            memoryview(buf[at : at + 8]).cast("Q")[0] = gid + 1  # publish after the name
+            self._dir_count += 1
         for g in self.local:
             if g != self.rank:
                 self._bells[g].ring()

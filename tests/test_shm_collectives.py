@@ -1,0 +1,261 @@
+"""Every collective on the "shm" engine and the default engine, against numpy, at world sizes 2-8.
+
+Each rank computes every rank's input (deterministic per rank), runs the collectives, and checks
+its own result against the reference semantics computed with numpy: reductions in rank order,
+((x0 ⊕ x1) ⊕ x2) ..., which is what the shared-memory algorithms compute, so results are compared
+bit for bit. ``DISTCOMM_SHM_SLOT_BYTES=4096`` makes small messages take many rounds (chunking,
+slot reuse, uneven pieces) while staying fast; ``DISTCOMM_SHM_ALLREDUCE_DIRECT_BYTES=256`` sends
+all but the smallest all_reduce through the bandwidth algorithm. Also: async work, two groups on the
+same ranks used at once, subgroups, object collectives, torch tensors with bfloat16, the default
+slot size with messages of a few MiB, and the generic algorithms over the shared-memory rings
+(``DISTCOMM_SHM_COLLECTIVES=0``).
+
+Worlds are oversubscribed on this 2-core machine (up to 8 ranks): sizes stay small.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from harness import run_world
+
+CHUNKY = {"DISTCOMM_SHM_SLOT_BYTES": "4096", "DISTCOMM_SHM_ALLREDUCE_DIRECT_BYTES": "256"}
+
+
+def _data(rank: int, n: int, dtype, salt: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(1000 * salt + rank)
+    dtype = np.dtype(dtype)
+    if dtype.kind == "b":
+        return rng.integers(0, 2, n).astype(bool)
+    if dtype.kind in "iu":
+        return rng.integers(-50 if dtype.kind == "i" else 0, 50, n).astype(dtype)
+    return (rng.standard_normal(n) * 10).astype(dtype)
+
+
+def _fold(parts, fn):
+    acc = parts[0].copy()
+    for x in parts[1:]:
+        acc = fn(acc, x).astype(acc.dtype)
+    return acc
+
+
+def _check(name, got, want):
+    if os.environ.get("DISTCOMM_SHM_COLLECTIVES") == "0" and got.dtype.kind == "f":
+        # the generic algorithms reduce in another order than the reference: compare values
+        if np.allclose(got, want, rtol=1e-5, atol=1e-4, equal_nan=True):
+            return
+    if not np.array_equal(got, want, equal_nan=got.dtype.kind == "f"):
+        bad = np.flatnonzero(got != want)[:5]
+        raise AssertionError(f"{name}: {bad.size and len(np.flatnonzero(got != want))} wrong elements, first at "
+                             f"{bad.tolist()}: got {got[bad].tolist()}, want {want[bad].tolist()}")
+
+
+def _reductions(dist, rank, world, group, members, salt):
+    """all_reduce and reduce over a few dtypes, ops and sizes; ``members``: global ranks of group."""
+    grank = members.index(rank)
+    ReduceOp = dist.ReduceOp
+    cases = [
+        (np.float32, ReduceOp.SUM, np.add), (np.float32, ReduceOp.MAX, np.maximum),
+        (np.int64, ReduceOp.SUM, np.add), (np.int32, ReduceOp.BXOR, np.bitwise_xor),
+        (np.bool_, ReduceOp.SUM, np.logical_or), (np.float64, ReduceOp.PRODUCT, np.multiply),
+    ]
+    for i, (dtype, op, fn) in enumerate(cases):
+        for n in (0, 1, 7, 300, 2500):
+            parts = [_data(g, n, dtype, salt + i) for g in members]
+            x = parts[grank].copy()
+            dist.all_reduce(x, op=op, group=group)
+            _check(f"all_reduce {np.dtype(dtype)} {op} n={n}", x, _fold(parts, fn))
+            root = members[-1]
+            y = parts[grank].copy()
+            dist.reduce(y, dst=root, op=op, group=group)
+            _check(f"reduce {np.dtype(dtype)} {op} n={n}", y, _fold(parts, fn) if rank == root else parts[grank])
+    n = 1500
+    parts = [_data(g, n, np.float32, salt + 9) for g in members]
+    x = parts[grank].copy()
+    dist.all_reduce(x, op=ReduceOp.AVG, group=group)
+    _check("all_reduce AVG", x, (_fold(parts, np.add) / np.float32(len(members))).astype(np.float32))
+    x = parts[grank].copy()
+    dist.all_reduce(x, op=ReduceOp.PREMUL_SUM(2.0), group=group)
+    _check("all_reduce PREMUL_SUM", x, _fold([p * np.float32(2.0) for p in parts], np.add))
+    y = parts[grank].copy()
+    dist.reduce(y, dst=members[0], op=ReduceOp.PREMUL_SUM(2.0), group=group)
+    _check("reduce PREMUL_SUM", y, _fold([p * np.float32(2.0) for p in parts], np.add) if rank == members[0] else parts[grank])
+
+
+def _data_movement(dist, rank, world, group, members, salt):
+    p = len(members)
+    grank = members.index(rank)
+    for n in (0, 5, 1100):
+        root = members[1 % p]
+        x = _data(root, n, np.int16, salt) if rank == root else np.zeros(n, np.int16)
+        dist.broadcast(x, src=root, group=group)
+        _check(f"broadcast n={n}", x, _data(root, n, np.int16, salt))
+
+        out = np.zeros(n * p, np.float64)
+        dist.all_gather_into_tensor(out, _data(rank, n, np.float64, salt), group=group)
+        _check(f"all_gather_into_tensor n={n}", out, np.concatenate([_data(g, n, np.float64, salt) for g in members]))
+        outs = [np.zeros(n, np.uint8) for _ in members]
+        dist.all_gather(outs, _data(rank, n, np.uint8, salt), group=group)
+        for g, o in zip(members, outs):
+            _check(f"all_gather n={n} from {g}", o, _data(g, n, np.uint8, salt))
+
+        root = members[-1]
+        gl = [np.zeros(n, np.int64) for _ in members] if rank == root else None
+        dist.gather(_data(rank, n, np.int64, salt), gl, dst=root, group=group)
+        if rank == root:
+            for g, o in zip(members, gl):
+                _check(f"gather n={n} from {g}", o, _data(g, n, np.int64, salt))
+
+        root = members[0]
+        out = np.zeros(n, np.float32)
+        sl = [_data(g, n, np.float32, salt + 1) for g in members] if rank == root else None
+        dist.scatter(out, sl, src=root, group=group)
+        _check(f"scatter n={n}", out, _data(rank, n, np.float32, salt + 1))
+
+    # reduce_scatter with uneven blocks, and the tensor form
+    counts = [300 + 37 * q for q in range(p)]
+    inputs = {g: [_data(g, c, np.float32, salt + 2 + q) for q, c in enumerate(counts)] for g in members}
+    out = np.zeros(counts[grank], np.float32)
+    dist.reduce_scatter(out, [a.copy() for a in inputs[rank]], group=group)
+    _check("reduce_scatter", out, _fold([inputs[g][grank] for g in members], np.add))
+    whole = {g: _data(g, 700 * p, np.int64, salt + 3) for g in members}
+    out = np.zeros(700, np.int64)
+    dist.reduce_scatter_tensor(out, whole[rank].copy(), op=dist.ReduceOp.MAX, group=group)
+    _check("reduce_scatter_tensor", out, _fold([whole[g][grank * 700:(grank + 1) * 700] for g in members], np.maximum))
+
+    # all_to_all with uneven splits (sender g sends 150 + 10 q + g elements to group rank q)
+    def split(g, q):
+        return 150 + 10 * q + g
+
+    send = np.concatenate([np.full(split(rank, q), 1000 * rank + q, np.int32) for q in range(p)])
+    recv = np.zeros(sum(split(g, grank) for g in members), np.int32)
+    dist.all_to_all_single(recv, send, output_split_sizes=[split(g, grank) for g in members],
+                           input_split_sizes=[split(rank, q) for q in range(p)], group=group)
+    _check("all_to_all_single", recv, np.concatenate([np.full(split(g, grank), 1000 * g + grank, np.int32)
+                                                      for g in members]))
+    outs = [np.zeros(3, np.int32) for _ in members]
+    dist.all_to_all(outs, [np.full(3, 10 * rank + q, np.int32) for q in range(p)], group=group)
+    for g, o in zip(members, outs):
+        _check("all_to_all", o, np.full(3, 10 * g + grank, np.int32))
+    dist.barrier(group=group)
+
+
+def _objects_and_async(dist, rank, world):
+    objs = [None] * world
+    dist.all_gather_object(objs, {"rank": rank, "pad": "x" * (rank * 1000)})
+    assert [o["rank"] for o in objs] == list(range(world))
+    lst = [{"from": 0}] if rank == 0 else [None]
+    dist.broadcast_object_list(lst, src=0)
+    assert lst == [{"from": 0}]
+    # async work on two groups over the same ranks, interleaved, plus the world
+    g1, g2 = dist.new_group(list(range(world))), dist.new_group(list(range(world)))
+    works, expect = [], []
+    for i in range(6):
+        for j, g in enumerate((g1, g2, None)):
+            x = _data(rank, 900 + 100 * j, np.float32, 50 + 3 * i + j)
+            works.append((dist.all_reduce(x, group=g, async_op=True), x))
+            expect.append(_fold([_data(q, 900 + 100 * j, np.float32, 50 + 3 * i + j) for q in range(world)], np.add))
+    for (w, x), want in zip(works, expect):
+        w.wait()
+        _check("async all_reduce", x, want)
+    b = np.arange(4000, dtype=np.float32) if rank == 0 else np.zeros(4000, np.float32)
+    w1 = dist.broadcast(b, src=0, group=g1, async_op=True)
+    c = np.full(10, rank, np.int64)
+    w2 = dist.all_reduce(c, group=g2, async_op=True)
+    w1.wait()
+    w2.wait()
+    _check("async broadcast", b, np.arange(4000, dtype=np.float32))
+    _check("async all_reduce g2", c, np.full(10, sum(range(world)), np.int64))
+
+
+def world_body(rank, world, backend, salt):
+    import distcomm as dist
+
+    dist.init_process_group(backend)
+    try:
+        members = list(range(world))
+        _reductions(dist, rank, world, None, members, salt)
+        _data_movement(dist, rank, world, None, members, salt)
+        if world >= 3:  # a subgroup of every other rank, reversed order of creation irrelevant
+            sub_ranks = members[::2]
+            sub = dist.new_group(sub_ranks)
+            if rank in sub_ranks:
+                _reductions(dist, rank, world, sub, sub_ranks, salt + 7)
+                _data_movement(dist, rank, world, sub, sub_ranks, salt + 7)
+        _objects_and_async(dist, rank, world)
+        assert dist.get_backend() == (backend or "gloo")
+    finally:
+        dist.destroy_process_group()
+    return "ok"
+
+
+@pytest.mark.parametrize(
+    "backend, world, env",
+    [
+        ("shm", 2, CHUNKY),
+        ("shm", 3, CHUNKY),
+        ("shm", 8, CHUNKY),
+        ("gloo", 4, CHUNKY),
+        (None, 3, {}),
+        ("shm", 4, {"DISTCOMM_SHM_COLLECTIVES": "0", "DISTCOMM_SHM_RING_BYTES": "4096"}),
+    ],
+    ids=["shm-2", "shm-3", "shm-8", "gloo-4", "default-slots-3", "shm-rings-only-4"],
+)
+def test_every_collective(backend, world, env):
+    assert run_world(world_body, world, args=(backend, world), env=env, timeout=150) == ["ok"] * world
+
+
+def large_body(rank, world):
+    """The default slot size with messages of a few MiB, both all_reduce algorithms forced."""
+    import distcomm as dist
+    from distcomm import world as world_state
+
+    dist.init_process_group("shm")
+    ops = world_state.default_pg.ops
+    n = 3 * (1 << 20) // 4 + 13  # ~3 MiB of float32: several 1 MiB rounds and a ragged end
+    parts = [_data(q, n, np.float32, 77) for q in range(world)]
+    for algo in ("slices", "direct"):
+        ops.allreduce_algo = algo
+        x = parts[rank].copy()
+        dist.all_reduce(x)
+        _check(f"all_reduce {algo}", x, _fold(parts, np.add))
+    x = parts[0].copy() if rank == 0 else np.zeros(n, np.float32)
+    dist.broadcast(x, src=0)
+    _check("broadcast", x, parts[0])
+    out = np.zeros(n * world, np.float32)
+    dist.all_gather_into_tensor(out, parts[rank])
+    _check("all_gather", out, np.concatenate(parts))
+    dist.destroy_process_group()
+    return "ok"
+
+
+def test_large_messages_default_slots():
+    assert run_world(large_body, 2, timeout=120) == ["ok"] * 2
+
+
+def torch_body(rank, world):
+    import torch
+
+    import distcomm as dist
+
+    dist.init_process_group("shm")
+    for dtype in (torch.bfloat16, torch.float16, torch.complex64):
+        parts = [torch.arange(3000, dtype=torch.float32).to(dtype) * (q + 1) / 7 for q in range(world)]
+        t = parts[rank].clone()
+        dist.all_reduce(t)
+        want = parts[0].clone()
+        for p in parts[1:]:
+            want += p
+        assert torch.equal(t, want), dtype
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4).t()  # non-contiguous: written back
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.arange(12, dtype=torch.float32).reshape(3, 4).t() * world)
+    dist.destroy_process_group()
+    return "ok"
+
+
+def test_torch_tensors_bfloat16_and_non_contiguous():
+    assert run_world(torch_body, 2, env=CHUNKY, timeout=120) == ["ok"] * 2

@@ -1,0 +1,242 @@
+"""Unit tests of the shared-memory engine's parts, in one process (no world needed).
+
+Rings (wrap-around, partial pushes, discards, record headers), segments (mode 0600, unpredictable
+names, unlink on close / garbage collection, the launcher's cleanup hook), doorbells and futex
+waits, the waiting policy's deadline and health checks, peer health through pidfds, host ids
+single-copy reads, and and single-copy reads (multi-process behaviour is in the other test_shm_* files).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import stat
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from distcomm.transport import hostid, shm_direct, shm_segment
+from distcomm.transport.base import KIND_COLLECTIVE, MessageKey, TransportError
+from distcomm.transport.shm_ring import MODE_DIRECT, MODE_INLINE, RECORD, Ring, decode, encode
+from distcomm.transport.shm_segment import Segment
+from distcomm.transport.shm_wait import Bell, PeerHealth, WaitPolicy, futex_wait, wait_until
+
+
+@pytest.fixture
+def shm_dir(tmp_path, monkeypatch):
+    """Segments of this test in a private directory (so leftovers are visible and harmless)."""
+    d = tmp_path / "shm"
+    d.mkdir()
+    monkeypatch.setenv("DISTCOMM_SHM_DIR", str(d))
+    return d
+
+
+# -- rings ----------------------------------------------------------------------------------------
+def _ring(capacity: int) -> tuple[Ring, Ring, np.ndarray]:
+    block = np.zeros(Ring.block_bytes(capacity), np.uint8)
+    return Ring(block), Ring(block), block
+
+
+def test_ring_round_trip_with_wrap_around():
+    prod, cons, _ = _ring(4096)
+    rng = np.random.default_rng(0)
+    sent, got = [], []
+    for size in [100, 4000, 3000, 1, 4096, 2500, 0, 777]:
+        data = rng.integers(0, 256, size, dtype=np.uint8)
+        sent.append(data)
+        pushed = 0
+        while pushed < size:
+            pushed += prod.push(data[pushed:])
+            out = np.empty(cons.readable(), np.uint8)
+            cons.pull(out)
+            got.append(out)
+    assert np.array_equal(np.concatenate(sent), np.concatenate(got))
+
+
+def test_ring_full_and_partial_push():
+    prod, cons, _ = _ring(4096)
+    assert prod.push(np.ones(5000, np.uint8)) == 4096
+    assert prod.writable() == 0
+    assert prod.push(np.ones(10, np.uint8)) == 0
+    out = np.empty(1000, np.uint8)
+    assert cons.pull(out) == 1000
+    assert prod.writable() == 1000
+    assert cons.pull(None, 96) == 96  # discard
+    assert cons.readable() == 4096 - 1096
+
+
+def test_ring_counters_are_shared_through_memory():
+    prod, cons, block = _ring(4096)
+    prod.push(np.arange(10, dtype=np.uint8))
+    late = Ring(block)  # a consumer attached later sees what was published
+    assert late.readable() == 10
+
+
+def test_record_round_trip():
+    key = MessageKey(7, KIND_COLLECTIVE, 123456789)
+    for mode in (MODE_INLINE, MODE_DIRECT):
+        rec = decode(encode(mode, key, 0x1234, 1 << 40, 0xDEADBEEF))
+        assert (rec.mode, rec.group, rec.kind, rec.seq, rec.signature, rec.nbytes, rec.address) == (
+            mode, 7, KIND_COLLECTIVE, 123456789, 0x1234, 1 << 40, 0xDEADBEEF)
+    assert encode(MODE_INLINE, MessageKey(0, 1, -5), 0, 0).nbytes == RECORD
+    assert decode(encode(MODE_INLINE, MessageKey(0, 1, -5), 0, 0)).seq == -5
+
+
+# -- segments -------------------------------------------------------------------------------------
+def test_segment_is_private_and_unpredictable(shm_dir):
+    a, b = Segment.create(8192), Segment.create(8192)
+    try:
+        for seg in (a, b):
+            st = os.stat(seg.path)
+            assert stat.S_IMODE(st.st_mode) == 0o600
+            assert seg.name.startswith("distcomm-") and len(seg.name) >= len("distcomm-") + 32
+        assert a.name != b.name
+        peer = Segment.open(a.name)
+        peer.buf[:4] = [1, 2, 3, 4]
+        assert list(a.buf[:4]) == [1, 2, 3, 4]  # the same memory
+        peer.close()
+        assert os.path.exists(a.path)  # only the creator unlinks
+    finally:
+        a.close()
+        b.close()
+    assert os.listdir(shm_dir) == []
+
+
+def test_segment_open_refuses_foreign_modes(shm_dir):
+    seg = Segment.create(4096)
+    try:
+        os.chmod(seg.path, 0o644)
+        with pytest.raises(PermissionError, match="not a private segment"):
+            Segment.open(seg.name)
+        with pytest.raises(ValueError):
+            Segment.open("../etc/passwd")
+    finally:
+        seg.close()
+
+
+def test_segment_unlinked_by_unlink_close_and_gc(shm_dir):
+    seg = Segment.create(4096)
+    seg.unlink()
+    assert os.listdir(shm_dir) == []
+    seg.buf[0] = 1  # still mapped
+    seg.close()
+    seg = Segment.create(4096)
+    del seg
+    gc.collect()
+    assert os.listdir(shm_dir) == []
+
+
+def test_segment_unlinked_at_interpreter_exit(shm_dir):
+    code = "from distcomm.transport.shm_segment import Segment; s = Segment.create(4096); print(s.name)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "DISTCOMM_SHM_DIR": str(shm_dir)})
+    assert out.stdout.strip().startswith("distcomm-")
+    assert os.listdir(shm_dir) == []
+
+
+def test_cleanup_hook_removes_a_runs_segments(shm_dir, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job/42")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
+    seg = Segment.create(4096)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "other")
+    other = Segment.create(4096)
+    assert seg.name.startswith("distcomm-job_42-3-")
+    shm_segment.cleanup("job/42", 2)  # another attempt: untouched
+    assert len(os.listdir(shm_dir)) == 2
+    shm_segment.cleanup("job/42", 3)
+    assert os.listdir(shm_dir) == [other.name]
+    seg.close()
+    other.close()
+
+
+# -- waiting --------------------------------------------------------------------------------------
+def _bell() -> tuple[Bell, np.ndarray]:
+    mem = np.zeros(64, np.uint8)
+    words = memoryview(mem).cast("I")
+    return Bell(words, 0, mem.ctypes.data), mem
+
+
+def test_futex_wait_returns_when_value_differs_or_times_out():
+    bell, _ = _bell()
+    t = time.monotonic()
+    futex_wait(bell.address, 1, 5.0)  # value is 0, not 1: returns at once
+    futex_wait(bell.address, 0, 0.01)  # times out
+    assert time.monotonic() - t < 2.0
+
+
+def test_bell_wakes_a_sleeper():
+    bell, _ = _bell()
+    flag = []
+    woke = threading.Event()
+
+    def sleeper():
+        policy = WaitPolicy(1)
+        wait_until(lambda: bool(flag), time.monotonic() + 10, bell, policy, lambda: None,
+                   lambda: TransportError("timeout", reason="timeout"))
+        woke.set()
+
+    t = threading.Thread(target=sleeper)
+    t.start()
+    time.sleep(0.05)  # well past spinning and yielding: asleep in the kernel
+    flag.append(1)
+    bell.ring()
+    assert woke.wait(5)
+    t.join()
+
+
+def test_wait_until_deadline_and_health_check():
+    bell, _ = _bell()
+    policy = WaitPolicy(1)
+    with pytest.raises(TransportError, match="late"):
+        wait_until(lambda: False, time.monotonic() + 0.05, bell, policy, lambda: None,
+                   lambda: TransportError("late", reason="timeout"))
+    calls = []
+
+    def check():
+        calls.append(1)
+        if len(calls) >= 2:
+            raise TransportError("peer died", reason="lost")
+
+    t = time.monotonic()
+    with pytest.raises(TransportError, match="peer died"):
+        wait_until(lambda: False, None, bell, policy, check, lambda: None)
+    assert time.monotonic() - t < 2.0
+
+
+def test_peer_health_sees_exit_including_zombies():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        health = PeerHealth({5: child.pid})
+        assert health.dead([5]) == []
+        child.kill()
+        deadline = time.monotonic() + 5
+        while not health.dead([5]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert health.dead([5]) == [5]  # not yet reaped: a zombie counts as dead
+        health.close()
+    finally:
+        child.wait()
+
+
+# -- host ids and single-copy reads -------------------------------------------------------------
+def test_host_id_is_stable_and_overridable(monkeypatch):
+    assert hostid.host_id() == hostid.host_id()
+    monkeypatch.setenv("DISTCOMM_HOST_ID", "node-a")
+    assert hostid.host_id() == "node-a"
+    assert "ranks [0, 2]" in hostid.describe(["a", "b", "a"])
+
+
+def test_direct_read_of_own_memory_and_probe():
+    src = np.arange(1000, dtype=np.int64)
+    out = np.zeros_like(src)
+    if not shm_direct.probe(os.getpid(), src.ctypes.data, 0):
+        pytest.skip("process_vm_readv is not allowed here")
+    shm_direct.read(os.getpid(), src.ctypes.data, out)
+    assert np.array_equal(src, out)
+    assert not shm_direct.probe(os.getpid(), src.ctypes.data + 8, 0)  # the word there is 1, not 0
+    with pytest.raises(OSError):
+        shm_direct.read(os.getpid(), 8, out)  # an unmapped address
