@@ -1,0 +1,1 @@
+"""Utilities for training on top of distcomm: data sharding (``distcomm.utils.data``)."""
