@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import timedelta
 
 import numpy as np
 
@@ -30,6 +31,13 @@ def connect_shm(store, rank: int, size: int, timeout: float, options=None) -> Sh
     """The "shm" engine: every rank must be on this host."""
     hosts = hostid.exchange(store, rank, size)
     if len(set(hosts)) > 1:
+        # Every rank raises the same error. Rank 0 (which hosts the store under env://) waits until
+        # the others are done with the store, or its exit would turn their error into a lost
+        # connection.
+        if rank == 0:
+            store.wait([f"hostid/refused/{q}" for q in range(1, size)], timedelta(seconds=timeout))
+        else:
+            store.set(f"hostid/refused/{rank}", "1")
         raise RuntimeError(
             f"backend 'shm' needs every rank on one host, but {hostid.describe(hosts)}. Use backend "
             "'gloo' (the default: shared memory within a host, TCP between hosts) or 'tcp'."
