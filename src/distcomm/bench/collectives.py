@@ -135,7 +135,14 @@ class _Tensors:
     def ramp(self, count: int, add: int = 0, scale: int = 1, offset: int = 0) -> np.ndarray:
         """``add + scale * ((offset + i) % P)`` for i < count, in the host dtype."""
         base = add + scale * ((offset + np.arange(_PERIOD, dtype=np.int64)) % _PERIOD)
-        return np.resize(base.astype(self.host), count)
+        out = np.empty(max(count, _PERIOD), dtype=self.host)
+        out[:_PERIOD] = base  # then double the filled prefix (a multiple of the period) until full:
+        filled = _PERIOD  # log2(count) large copies; np.resize concatenates count/P tiny arrays (seconds)
+        while filled < count:
+            step = min(filled, count - filled)
+            out[filled:filled + step] = out[:step]
+            filled += step
+        return out[:count]
 
     def fill(self, buf, values: np.ndarray) -> None:
         if self.torch is not None:
