@@ -14,8 +14,9 @@ Algorithms (bytes are per rank, n the message, p the group size):
   its own buffer. One round per chunk: the latency path (8 bytes: one write, one flag, p reads).
   Reads p·n, reduces (p-1)·n: used up to ``DISTCOMM_SHM_ALLREDUCE_DIRECT_BYTES`` (64 KiB).
 * all_reduce, "slices": each rank publishes the parts of the chunk others own, reduces the part it
-  owns from all p copies into its slot, then every rank copies all results out. Two rounds per
-  chunk; each rank reduces only n/p: the bandwidth path.
+  owns from all p copies into its next slot, then every rank copies all results out. One round
+  per chunk (a round carries one chunk's inputs and the previous chunk's results); each rank
+  reduces only n/p: the bandwidth path.
 * reduce: "direct" with only the root reading; broadcast: the root writes, the others copy;
   all_gather / gather: each writes its block, the others (the root) copy; scatter: the root writes
   every destination's piece; reduce_scatter: each writes the blocks others own and reduces its own;
@@ -36,6 +37,7 @@ import numpy as np
 
 from ..reduce import finish, premultiply, reducer
 from ..errors import DistBackendError
+from ..types import RedOpType
 from ..transport.base import Channel, TransportError
 from . import collectives as generic
 
@@ -84,35 +86,76 @@ def reduce_direct(ctx, ch: Channel, flat: np.ndarray, red, root: int | None) -> 
             return
 
 
+def allreduce_small(ctx, ch: Channel, flat: np.ndarray, red) -> None:
+    """The latency path: the whole message in one slot; every rank reduces all p copies."""
+    k = ctx.next_round()
+    n = flat.nbytes
+    ctx.acquire(k, ch)[:n] = flat.view(np.uint8)
+    ctx.post(k, ch, n)
+    ctx.wait_posted(k, ch, n)
+    views = ctx.views(k, flat.dtype, flat.size)
+    if ctx.rank:
+        flat[...] = views[0]
+    for v in views[1:]:
+        red(flat, v)
+    ctx.consume(k)
+
+
 def allreduce_slices(ctx, ch: Channel, flat: np.ndarray, red) -> None:
-    """Reduce-scatter by part owners, then all-gather of the parts, chunk by chunk."""
+    """Reduce-scatter by part owners, then all-gather of the parts, one round per chunk.
+
+    Round j carries the inputs of chunk j (the parts others own) *and* this rank's reduced part
+    of chunk j-1, so the all-gather of one chunk shares its synchronization with the reduce-scatter
+    of the next: chunks + 1 rounds in all.
+    """
     p, r = ctx.size, ctx.rank
     dt = flat.dtype
     item = dt.itemsize
-    per = max(p, ctx.slot_bytes // item)
+    per = max(p, (ctx.slot_bytes // item - p) * p // (p + 1) // 16 * 16)  # inputs + a 1/p share fit a slot
+    res_at = per * item  # where a slot's reduced part starts
     count, nbytes = flat.size, flat.nbytes
-    for lo in range(0, count, per):
-        chunk = flat[lo : min(lo + per, count)]
-        m = chunk.size
-        b = [m * q // p for q in range(p + 1)]
+    chunks = -(-count // per)
+    k0 = ctx.round + 1
+    ctx.round += chunks + 1
+
+    def bounds(j):
+        lo = j * per
+        m = min(per, count - lo)
+        return lo, [m * q // p for q in range(p + 1)]
+
+    def publish(slot, j):
+        lo, b = bounds(j)
         a0, a1 = b[r], b[r + 1]
-        ka = ctx.next_round()
-        out = _view(ctx.acquire(ka, ch), dt, m)
-        out[:a0] = chunk[:a0]
-        out[a1:] = chunk[a1:]
-        ctx.post(ka, ch, nbytes)
-        ctx.wait_posted(ka, ch, nbytes)
-        kb = ctx.next_round()
-        res = _view(ctx.acquire(kb, ch), dt, a1 - a0)
-        res[...] = chunk[a0:a1] if r == 0 else _view(ctx.data(0, ka), dt, a1 - a0, a0 * item)
+        out = slot[: b[p] * item].view(dt)
+        out[:a0] = flat[lo : lo + a0]
+        out[a1:] = flat[lo + a1 : lo + b[p]]
+
+    slot = ctx.acquire(k0, ch)
+    publish(slot, 0)
+    ctx.post(k0, ch, nbytes)
+    for j in range(chunks + 1):
+        k = k0 + j
+        ctx.wait_posted(k, ch, nbytes)
+        if j > 0:  # every owner's reduced part of chunk j-1 (ours included) into place
+            lo, b = bounds(j - 1)
+            for q in range(p):
+                n = b[q + 1] - b[q]
+                flat[lo + b[q] : lo + b[q + 1]] = ctx.data(q, k)[res_at : res_at + n * item].view(dt)
+        if j == chunks:
+            ctx.consume(k)
+            return
+        lo, b = bounds(j)
+        a0, a1 = b[r], b[r + 1]
+        slot = ctx.acquire(k + 1, ch)
+        res = slot[res_at : res_at + (a1 - a0) * item].view(dt)
+        mine = flat[lo + a0 : lo + a1]
+        res[...] = mine if r == 0 else ctx.data(0, k)[a0 * item : a1 * item].view(dt)
         for q in range(1, p):
-            red(res, chunk[a0:a1] if q == r else _view(ctx.data(q, ka), dt, a1 - a0, a0 * item))
-        ctx.consume(ka)
-        ctx.post(kb, ch, nbytes)
-        ctx.wait_posted(kb, ch, nbytes)
-        for q in range(p):
-            chunk[b[q] : b[q + 1]] = _view(ctx.data(q, kb), dt, b[q + 1] - b[q])
-        ctx.consume(kb)
+            red(res, mine if q == r else ctx.data(q, k)[a0 * item : a1 * item].view(dt))
+        ctx.consume(k)
+        if j + 1 < chunks:
+            publish(slot, j + 1)
+        ctx.post(k + 1, ch, nbytes)
 
 
 def broadcast(ctx, ch: Channel, flat: np.ndarray, root: int) -> None:
@@ -295,9 +338,20 @@ class ShmCollectives:
         if self.allreduce_algo not in (None, "direct", "slices"):
             raise ValueError(f"DISTCOMM_SHM_ALGO_ALLREDUCE={self.allreduce_algo!r}: valid: direct, slices")
         self.direct_bytes = int(os.environ.get("DISTCOMM_SHM_ALLREDUCE_DIRECT_BYTES", DIRECT_ALLREDUCE_BYTES))
+        self._reducers: dict = {}
 
     def __getattr__(self, name):
         return getattr(generic, name)
+
+    def _reducer(self, op, dtype):
+        """reduce.reducer(op, dtype), cached for the plain ops (building one costs microseconds)."""
+        if type(op) is not RedOpType:
+            return reducer(op, dtype)
+        key = (op, dtype.name)
+        red = self._reducers.get(key)
+        if red is None:
+            red = self._reducers[key] = reducer(op, dtype)
+        return red
 
     def _context(self, ch: Channel):
         """The group's shared memory, or None (a group of one, or a member on another host)."""
@@ -330,14 +384,19 @@ class ShmCollectives:
         ctx = self._context(ch)
         if ctx is None:
             return generic.all_reduce(ch, flat, dtype, op)
-        premultiply(op, flat, dtype)
-        red = reducer(op, dtype)
+        plain = type(op) is RedOpType  # no factor to apply first; only AVG needs finishing
+        if not plain:
+            premultiply(op, flat, dtype)
+        red = self._reducer(op, dtype)
         algo = self.allreduce_algo or ("direct" if flat.nbytes <= self.direct_bytes else "slices")
-        if algo == "direct":
-            self._run(ctx, ch, reduce_direct, flat, red, None)
-        else:
+        if algo == "slices":
             self._run(ctx, ch, allreduce_slices, flat, red)
-        finish(op, flat, ch.size, dtype)
+        elif flat.nbytes <= ctx.slot_bytes:
+            self._run(ctx, ch, allreduce_small, flat, red)
+        else:
+            self._run(ctx, ch, reduce_direct, flat, red, None)
+        if not plain or op is RedOpType.AVG:
+            finish(op, flat, ch.size, dtype)
 
     def reduce(self, ch: Channel, flat: np.ndarray, dtype, op, root: int) -> None:
         ctx = self._context(ch)
@@ -346,7 +405,7 @@ class ShmCollectives:
         if ch.rank != root and getattr(op, "factor", None) is not None:
             flat = flat.copy()  # PREMUL_SUM scales the input; a non-root keeps its own unscaled
         premultiply(op, flat, dtype)
-        self._run(ctx, ch, reduce_direct, flat, reducer(op, dtype), root)
+        self._run(ctx, ch, reduce_direct, flat, self._reducer(op, dtype), root)
         if ch.rank == root:
             finish(op, flat, ch.size, dtype)
 
@@ -379,7 +438,7 @@ class ShmCollectives:
         if ctx is None:
             return generic.reduce_scatter(ch, scratch, out, counts, dtype, op)
         premultiply(op, scratch, dtype)
-        self._run(ctx, ch, reduce_scatter, scratch, out, list(counts), reducer(op, dtype))
+        self._run(ctx, ch, reduce_scatter, scratch, out, list(counts), self._reducer(op, dtype))
         finish(op, out, ch.size, dtype)
 
     def all_to_all(self, ch: Channel, send: np.ndarray, send_counts, recv: np.ndarray, recv_counts) -> None:

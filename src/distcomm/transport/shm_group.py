@@ -32,6 +32,7 @@ MAGIC = 0x64636F6D6D677270  # "dcommgrp"
 _H_MAGIC, _H_GID, _H_SIZE, _H_SLOT_BYTES, _H_NSLOTS = 0, 1, 2, 3, 4
 POSTED = 8  # byte 64: own cache line
 CONSUMED = 16  # byte 128
+REUSING = 20  # byte 160: 1 while this member waits for peers' CONSUMED (to reuse a slot)
 _OPENED_AT = 192  # one byte per member: "I have mapped this segment"
 SLOT_HEADER = 64
 # u64 indexes into a slot header
@@ -99,6 +100,8 @@ class GroupShm:
         self.broken: str | None = None
         self._peers = [q for q in range(self.size) if q != rank]
         self._peer_bells = [transport.bell_of(ranks[q]) for q in self._peers]
+        self._peer_ctl = [self.ctl[q] for q in self._peers]
+        self._views: dict = {}
         for q in self._peers:  # tell each owner we have mapped its segment
             segments[q].buf[_OPENED_AT + rank] = 1
             transport.bell_of(ranks[q]).ring()
@@ -112,10 +115,20 @@ class GroupShm:
         """My slot for round k (uint8, slot_bytes), once every peer has read its previous use."""
         need = k - self.nslots
         if need > 0:
-            ctl, peers = self.ctl, self._peers
-            if not all(ctl[q][CONSUMED] >= need for q in peers):
-                self._wait(lambda: all(ctl[q][CONSUMED] >= need for q in peers), ch, CONSUMED, need)
+            for c in self._peer_ctl:
+                if c[CONSUMED] < need:
+                    self._wait_reuse(need, ch)
+                    break
         return self.slots[self.rank][k % self.nslots]
+
+    def _wait_reuse(self, need: int, ch) -> None:
+        ctl, peers = self.ctl, self._peers
+        mine = ctl[self.rank]
+        mine[REUSING] = 1  # ask consumers to wake us (see consume)
+        try:
+            self._wait(lambda: all(ctl[q][CONSUMED] >= need for q in peers), ch, CONSUMED, need)
+        finally:
+            mine[REUSING] = 0
 
     def post(self, k: int, ch, nbytes: int, extra: int = 0) -> None:
         """Publish my slot of round k (its header first, then the counter), and ring the peers."""
@@ -131,27 +144,45 @@ class GroupShm:
 
     def wait_posted(self, k: int, ch, nbytes: int | None, peers=None) -> None:
         """Wait until ``peers`` (default: all others) have posted round k; check their headers."""
-        peers = self._peers if peers is None else peers
         ctl = self.ctl
-        if not all(ctl[q][POSTED] >= k for q in peers):
+        if peers is None:
+            peers = self._peers
+            ready = all(c[POSTED] >= k for c in self._peer_ctl)
+        else:
+            ready = all(ctl[q][POSTED] >= k for q in peers)
+        if not ready:
             self._wait(lambda: all(ctl[q][POSTED] >= k for q in peers), ch, POSTED, k, peers)
         slot = k % self.nslots
+        seq, sig = ch.key.seq, ch.signature
         for q in peers:
             h = self.headers[q][slot]
-            if h[S_ROUND] != k or h[S_SEQ] != ch.key.seq or h[S_SIG] != ch.signature or (
-                nbytes is not None and h[S_NBYTES] != nbytes
-            ):
-                raise TransportError(
-                    f"rank {self.ranks[q]} is running another collective: its shared-memory slot holds "
-                    f"sequence number {h[S_SEQ]}, signature {h[S_SIG]:#x}, {h[S_NBYTES]} bytes (round "
-                    f"{h[S_ROUND]}); this rank expected sequence number {ch.key.seq}, signature "
-                    f"{ch.signature:#x}"
-                    + (f", {nbytes} bytes" if nbytes is not None else "")
-                    + f" (round {k}): the ranks called different collectives, or the same one with "
-                    "different sizes, dtypes or ops",
-                    peer=self.ranks[q],
-                    reason="mismatch",
-                )
+            if h[S_ROUND] != k or h[S_SEQ] != seq or h[S_SIG] != sig or (nbytes is not None and h[S_NBYTES] != nbytes):
+                raise self._mismatch(q, k, h, ch, nbytes)
+
+    def _mismatch(self, q: int, k: int, h, ch, nbytes: int | None) -> TransportError:
+        return TransportError(
+            f"rank {self.ranks[q]} is running another collective: its shared-memory slot holds "
+            f"sequence number {h[S_SEQ]}, signature {h[S_SIG]:#x}, {h[S_NBYTES]} bytes (round "
+            f"{h[S_ROUND]}); this rank expected sequence number {ch.key.seq}, signature "
+            f"{ch.signature:#x}"
+            + (f", {nbytes} bytes" if nbytes is not None else "")
+            + f" (round {k}): the ranks called different collectives, or the same one with "
+            "different sizes, dtypes or ops",
+            peer=self.ranks[q],
+            reason="mismatch",
+        )
+
+    def views(self, k: int, dtype: np.dtype, count: int) -> list[np.ndarray]:
+        """Every member's slot of round k as ``count`` elements of ``dtype`` (cached: the latency
+        path reuses the same few views call after call)."""
+        key = (k % self.nslots, dtype, count)
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) >= 256:
+                self._views.clear()
+            nbytes = count * dtype.itemsize
+            views = self._views[key] = [self.slots[q][key[0]][:nbytes].view(dtype) for q in range(self.size)]
+        return views
 
     def extra(self, q: int, k: int) -> int:
         return self.headers[q][k % self.nslots][S_EXTRA]
@@ -161,10 +192,18 @@ class GroupShm:
         return self.slots[q][k % self.nslots]
 
     def consume(self, k: int) -> None:
-        """Done reading round k: peers may reuse their slots of round k."""
-        self.ctl[self.rank][CONSUMED] = k
-        for bell in self._peer_bells:
-            bell.ring()
+        """Done reading round k: peers may reuse their slots of round k.
+
+        Peers' bells are bumped, but only a peer waiting to reuse a slot is woken: one asleep
+        waiting for data has no use for this news, and waking it costs both sides a system call.
+        """
+        ctl = self.ctl
+        ctl[self.rank][CONSUMED] = k
+        for q, bell in zip(self._peers, self._peer_bells):
+            if ctl[q][REUSING]:
+                bell.ring()
+            else:
+                bell.bump()
 
     # -- waiting and health -------------------------------------------------------------------
     def _wait(self, ready, ch, counter: int, value: int, peers=None) -> None:

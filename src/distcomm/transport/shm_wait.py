@@ -84,10 +84,17 @@ class Bell:
         self._lock = threading.Lock()
 
     def ring(self) -> None:
+        """Bump the bell and wake its sleepers (a system call only if one is asleep)."""
         w, i = self.words, self.index
         w[i] = (w[i] + 1) & 0xFFFFFFFF
         if w[i + 1]:
             futex_wake(self.address)
+
+    def bump(self) -> None:
+        """Bump the bell without waking: a sleeper about to sleep returns at once, one already
+        asleep keeps sleeping (for news it does not wait for; see GroupShm.consume)."""
+        w, i = self.words, self.index
+        w[i] = (w[i] + 1) & 0xFFFFFFFF
 
     def value(self) -> int:
         return self.words[self.index]
