@@ -72,8 +72,8 @@ def _tcp_master() -> Opened:
     return opened
 
 
-def _tcp_client() -> Opened:
-    master = TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=30))
+def _tcp_client(**server_options) -> Opened:
+    master = TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=30), **server_options)
     client = TCPStore("127.0.0.1", master.port, None, False, timeout=timedelta(seconds=30))
     clones = []
 
@@ -89,8 +89,8 @@ def _tcp_client() -> Opened:
 BASE_KINDS: dict[str, Callable[[], Opened]] = {
     "hash": _hash,
     "file": _file,
-    "tcp-master": _tcp_master,
-    "tcp-client": _tcp_client,
+    "tcp-master": _tcp_master,  # the master's in-process connection
+    "tcp-client": _tcp_client,  # a same-host client: moved to the server's Unix socket
 }
 
 
@@ -106,4 +106,5 @@ def _prefixed(base: Callable[[], Opened]) -> Callable[[], Opened]:
 KINDS: dict[str, Callable[[], Opened]] = {
     **BASE_KINDS,
     **{f"prefix-{name}": _prefixed(make) for name, make in BASE_KINDS.items()},
+    "tcp-client-over-tcp": lambda: _tcp_client(local_socket=False),  # a client on another host
 }

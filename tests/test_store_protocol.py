@@ -50,8 +50,9 @@ RESPONSES = [
 ]
 
 HELLO = b"DCKV\x01\x00\x00\x00"
-HELLO_OK = b"DCKV\x01\x00\x00\x00"
-HELLO_REFUSED = b"DCKV\x01\x00\x01\x00"
+HELLO_OK = b"DCKV\x01\x00\x00\x00\x00\x00"  # no local address
+HELLO_OK_LOCAL = b"DCKV\x01\x00\x00\x00\x04\x00\x00abc"
+HELLO_REFUSED = b"DCKV\x01\x00\x01\x00\x00\x00"
 
 
 def _server(max_frame_size: int = p.DEFAULT_MAX_FRAME_SIZE) -> p.ServerProtocol:
@@ -75,6 +76,16 @@ def test_hello_bytes():
     assert p.ClientProtocol.send(p.Hello()) == HELLO
     assert p.ServerProtocol.send(p.HelloReply(1, p.HELLO_STATUS_OK)) == HELLO_OK
     assert p.ServerProtocol.send(p.HelloReply(1, p.HELLO_STATUS_UNSUPPORTED_VERSION)) == HELLO_REFUSED
+    assert p.ServerProtocol.send(p.HelloReply(1, p.HELLO_STATUS_OK, b"\0abc")) == HELLO_OK_LOCAL
+
+
+def test_hello_reply_with_a_local_address_arriving_in_pieces():
+    client = p.ClientProtocol()
+    events = []
+    for i in range(len(HELLO_OK_LOCAL)):
+        events += client.receive_events(HELLO_OK_LOCAL[i : i + 1])
+    assert events == [p.HelloReply(1, p.HELLO_STATUS_OK, b"\0abc")]
+    assert not client.has_partial_data
 
 
 @pytest.mark.parametrize("event, wire", REQUESTS, ids=lambda x: type(x).__name__ if not isinstance(x, bytes) else "")

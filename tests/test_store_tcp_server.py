@@ -29,6 +29,13 @@ HELLO = p.ClientProtocol.send(p.Hello())
 IDLE = 0.4  # the test server's idle timeout, in seconds
 
 
+def _hello_reply(sock: socket.socket) -> p.HelloReply:
+    proto = p.ClientProtocol()
+    while (event := proto.next_event()) is p.NEED_DATA:
+        proto.receive_data(sock.recv(1))  # byte by byte: leave what follows the reply in the socket
+    return event
+
+
 @pytest.fixture
 def server():
     server = TCPStoreServer("127.0.0.1", 0, idle_timeout=IDLE, max_frame_size=1 << 20).start()
@@ -104,7 +111,7 @@ def test_wrong_magic(server, good_client):
 def test_wrong_version_gets_a_refusal_naming_our_version_then_close(server, good_client):
     sock = _raw(server)
     sock.sendall(b"DCKV\x63\x00\x00\x00")  # version 99
-    assert sock.recv(8) == b"DCKV" + struct.pack("<HH", p.VERSION, p.HELLO_STATUS_UNSUPPORTED_VERSION)
+    assert _hello_reply(sock) == p.HelloReply(p.VERSION, p.HELLO_STATUS_UNSUPPORTED_VERSION)
     assert _closed_by_server(sock)
     _still_served(server, good_client)
 
@@ -119,7 +126,7 @@ def test_wrong_version_client_error_names_both_versions(server, monkeypatch):
 def test_length_prefix_of_2_to_the_40(server, good_client):
     sock = _raw(server)
     sock.sendall(HELLO)
-    assert sock.recv(8) == HELLO  # accepted
+    assert _hello_reply(sock).status == p.HELLO_STATUS_OK
     sock.sendall(struct.pack("<Q", 2**40))  # and nothing more: refused on the prefix alone
     assert _closed_by_server(sock)
     _still_served(server, good_client)
@@ -175,7 +182,7 @@ def test_idle_between_frames_is_not_closed(server):
 def test_a_client_closing_while_parked(server, good_client):
     sock = _raw(server)
     sock.sendall(HELLO + p.encode_get(1, b"never-set-yet", 60_000))
-    assert sock.recv(8) == HELLO
+    assert _hello_reply(sock).status == p.HELLO_STATUS_OK
     sock.close()
     time.sleep(0.05)
     good_client.set("never-set-yet", "now")  # wakes nobody, breaks nothing
@@ -194,13 +201,13 @@ def test_a_thousand_concurrent_clients(server):
         for sock in socks:
             sock.sendall(HELLO)
         for sock in socks:
-            assert sock.recv(8) == HELLO
+            assert _hello_reply(sock).status == p.HELLO_STATUS_OK
         for i, sock in enumerate(socks):
             sock.sendall(p.encode_add(i, b"joined", 1))
         totals = []
         for i, sock in enumerate(socks):
             proto = p.ClientProtocol()
-            proto.receive_data(HELLO)
+            proto.receive_data(p.ServerProtocol.send(p.HelloReply()))
             proto.next_event()
             events = []
             while not events:
@@ -404,3 +411,55 @@ def test_running_out_of_file_descriptors_is_reported():
             sock.close()
         proc.kill()
         proc.wait()
+
+
+# -- transports: in-process for the master, Unix socket on the same host, TCP otherwise -----------------
+
+
+def test_each_store_takes_the_cheapest_transport_it_can(monkeypatch):
+    from distcomm.store.tcp.local import LocalSocket
+
+    master = TCPStore("127.0.0.1", 0, None, True)
+    same_host = TCPStore("127.0.0.1", master.port)
+    assert isinstance(master._client._sock, LocalSocket)
+    assert same_host._client._sock.family == socket.AF_UNIX
+    monkeypatch.setenv("DISTCOMM_STORE_LOCAL_SOCKET", "0")
+    over_tcp = TCPStore("127.0.0.1", master.port)
+    assert over_tcp._client._sock.family == socket.AF_INET
+    master.set("k", "v")
+    assert same_host.get("k") == over_tcp.get("k") == b"v"
+    for store in (over_tcp, same_host, master):
+        store.close()
+
+
+def test_the_unix_socket_is_not_offered_when_turned_off():
+    server = TCPStoreServer("127.0.0.1", 0, local_socket=False).start()
+    sock = _raw(server)
+    sock.sendall(HELLO)
+    assert _hello_reply(sock).local_address == b""
+    sock.close()
+    server.stop()
+
+
+def test_master_in_process_get_parks_until_a_remote_set_and_times_out_cleanly():
+    master = TCPStore("127.0.0.1", 0, None, True)
+    remote = TCPStore("127.0.0.1", master.port)
+    master.set_timeout(timedelta(milliseconds=50))
+    with pytest.raises(DistStoreTimeoutError, match="'absent'"):
+        master.get("absent")  # answered TIMED_OUT by the loop thread at the deadline
+    master.set_timeout(timedelta(seconds=20))
+    thread = threading.Thread(target=lambda: (time.sleep(0.05), remote.set("absent", "here")))
+    thread.start()
+    assert master.get("absent") == b"here"
+    thread.join()
+    assert master.add("n", 2) == 2 and remote.add("n", 3) == 5
+    remote.close()
+    master.close()
+
+
+def test_master_in_process_connection_after_stop():
+    master = TCPStore("127.0.0.1", 0, None, True)
+    master._server.stop()
+    with pytest.raises(DistNetworkError, match="lost the connection"):
+        master.add("n", 1)
+    master.close()

@@ -27,7 +27,10 @@ import sys
 import time
 from datetime import timedelta
 
-IMPLEMENTATIONS = ("distcomm", "torch")
+# distcomm-tcp: distcomm with same-host clients kept on loopback TCP (no Unix-socket shortcut),
+# the transport torch's store uses, to show what each of the two contributes.
+IMPLEMENTATIONS = ("distcomm", "distcomm-tcp", "torch")
+_NO_LOCAL_SOCKET = {"DISTCOMM_STORE_LOCAL_SOCKET": "0"}
 _TIMEOUT = timedelta(seconds=120)
 
 
@@ -76,7 +79,7 @@ def serve(impl: str) -> None:
 class _Server:
     def __init__(self, impl: str):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "distcomm.bench.store", "--serve", impl],
+            [sys.executable, "-m", "distcomm.bench.store", "--serve", "torch" if impl == "torch" else "distcomm"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,  # torch's store logs warnings there
@@ -143,6 +146,17 @@ def _throughput(impl: str, server: _Server, workers: int, adds: int) -> float:
 
 
 def _measure(impl: str, args) -> dict:
+    saved = dict(os.environ)
+    if impl == "distcomm-tcp":
+        os.environ.update(_NO_LOCAL_SOCKET)  # inherited by the server subprocess and the forked workers
+    try:
+        return _measure_in_env(impl, args)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _measure_in_env(impl: str, args) -> dict:
     server = _Server(impl)
     try:
         client = _tcp_store(impl, server.port, False)
@@ -156,7 +170,7 @@ def _measure(impl: str, args) -> dict:
 
 
 def _available(impl: str) -> bool:
-    if impl == "distcomm":
+    if impl.startswith("distcomm"):
         return True
     try:
         import torch.distributed  # noqa: F401
@@ -189,15 +203,17 @@ def format_table(results: dict, args) -> str:
         f"  set+get round trip: {args.iters} iterations, one client; add() throughput: "
         f"{args.workers} processes x {args.adds} adds",
         "",
-        f"{'store':<20} {'client p50':>11} {'client p99':>11} {'master p50':>11} {'master p99':>11} {'add()/s':>10}",
+        f"{'store':<24} {'client p50':>11} {'client p99':>11} {'master p50':>11} {'master p99':>11} {'add()/s':>10}",
     ]
+    labels = {"distcomm": "distcomm TCPStore", "distcomm-tcp": "distcomm, TCP only", "torch": "torch TCPStore"}
     for impl, r in results.items():
         lines.append(
-            f"{impl + ' TCPStore':<20} {r['client']['p50_us']:>8.1f} us {r['client']['p99_us']:>8.1f} us "
+            f"{labels[impl]:<24} {r['client']['p50_us']:>8.1f} us {r['client']['p99_us']:>8.1f} us "
             f"{r['master']['p50_us']:>8.1f} us {r['master']['p99_us']:>8.1f} us {r['adds_per_s']:>10,.0f}"
         )
     lines.append("")
     lines.append("client: a client in another process than the master; master: the master's own client (rank 0)")
+    lines.append("distcomm's same-host clients talk to the server over a Unix socket; 'TCP only' turns that off")
     return "\n".join(lines)
 
 
@@ -209,7 +225,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per implementation")
     parser.add_argument("--only", choices=IMPLEMENTATIONS, help="measure one implementation only")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
-    parser.add_argument("--serve", choices=IMPLEMENTATIONS, help=argparse.SUPPRESS)
+    parser.add_argument("--serve", choices=("distcomm", "torch"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:
         serve(args.serve)

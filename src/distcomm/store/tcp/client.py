@@ -13,7 +13,8 @@ came it gives up on its own — the late answer, carrying an old request id, is 
 arrives, so the connection stays usable.
 
 Connecting retries with exponential backoff and jitter until the store timeout: the master may not
-be listening yet when workers start, and a thousand workers must not retry in lockstep.
+be listening yet when workers start, and a thousand workers must not retry in lockstep. A client on
+the server's host then moves to the server's Unix socket if the handshake offers one (protocol.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import time
 from ...errors import DistNetworkError, DistStoreError
 from .. import rules
 from . import protocol as p
+from .server import local_socket_enabled
 
 _RECV_SIZE = 1 << 16
 _FIRST_RETRY_DELAY = 0.01
@@ -49,7 +51,7 @@ class _Refused(Exception):
     """The peer answered, but not as a compatible distcomm TCPStore server; retrying will not help."""
 
 
-def _handshake(sock: socket.socket, proto: p.ClientProtocol, where: str) -> None:
+def _handshake(sock: socket.socket, proto: p.ClientProtocol, where: str) -> p.HelloReply:
     sock.sendall(proto.send(p.Hello(p.VERSION)))
     while True:
         try:
@@ -58,7 +60,7 @@ def _handshake(sock: socket.socket, proto: p.ClientProtocol, where: str) -> None
             raise _Refused(f"{where} is not a distcomm TCPStore server ({exc})") from None
         if event is not p.NEED_DATA:
             break
-        data = sock.recv(p.HELLO_SIZE)
+        data = sock.recv(4096)
         if not data:
             raise ConnectionResetError(errno.ECONNRESET, "server closed the connection during the handshake")
         proto.receive_data(data)
@@ -67,6 +69,22 @@ def _handshake(sock: socket.socket, proto: p.ClientProtocol, where: str) -> None
             f"the TCPStore server at {where} speaks protocol version {event.version} and refused this client's "
             f"version {p.VERSION}; run the same distcomm version on every rank"
         )
+    return event
+
+
+def _move_to_local_socket(address: bytes, timeout: float, max_frame_size: int):
+    """Connect to the server's same-host Unix socket; None if it cannot be reached from here."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(address)
+        proto = p.ClientProtocol(max_frame_size)
+        _handshake(sock, proto, "the server's local socket")
+    except (OSError, _Refused):
+        sock.close()
+        return None
+    sock.settimeout(None)
+    return sock, proto
 
 
 def connect(host: str, port: int, timeout: float, max_frame_size: int) -> tuple[socket.socket, p.ClientProtocol]:
@@ -83,7 +101,12 @@ def connect(host: str, port: int, timeout: float, max_frame_size: int) -> tuple[
             sock = socket.create_connection((host, port), timeout=max(remaining, 0.01))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             proto = p.ClientProtocol(max_frame_size)
-            _handshake(sock, proto, where)
+            reply = _handshake(sock, proto, where)
+            if reply.local_address and local_socket_enabled():
+                local = _move_to_local_socket(reply.local_address, min(max(remaining, 0.01), 5.0), max_frame_size)
+                if local is not None:
+                    sock.close()
+                    return local
             sock.settimeout(None)
             return sock, proto
         except _Refused as exc:
@@ -112,14 +135,22 @@ def connect(host: str, port: int, timeout: float, max_frame_size: int) -> tuple[
 class TCPStoreClient:
     """A connection to a TCPStore server; every method is one request and its response."""
 
-    def __init__(self, host: str, port: int, timeout: float, max_frame_size: int = p.DEFAULT_MAX_FRAME_SIZE):
+    def __init__(
+        self, host: str, port: int, timeout: float, max_frame_size: int = p.DEFAULT_MAX_FRAME_SIZE, *, local=None
+    ):
+        """Connect to ``host``:``port``; or, with ``local`` (a server's ``connect_local()``), use that."""
         self.host, self.port = host, port
         self.where = f"{host}:{port}"
-        self._sock, self._proto = connect(host, port, timeout, max_frame_size)
+        if local is None:
+            self._sock, self._proto = connect(host, port, timeout, max_frame_size)
+        else:
+            self._sock, self._proto = local, p.ClientProtocol(max_frame_size)
+            _handshake(local, self._proto, self.where)
         self._lock = threading.Lock()
         self._next_id = 0
         self._rcvtimeo = -1.0
         self.set_timeout(timeout)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(self.reply_timeout))
 
     def close(self) -> None:
         with self._lock:
@@ -212,11 +243,16 @@ class TCPStoreClient:
     # -- requests (set, get and add skip building an event: they are the hot path) ----------------
 
     def set(self, key: bytes, value: bytes) -> None:
+        """One send and no reply (see protocol.py); the next request on this connection comes after it."""
         with self._lock:
             self._next_id = request_id = (self._next_id + 1) & 0xFFFFFFFF
-            response = self._exchange("set", p.encode_set(request_id, key, value), request_id, self.reply_timeout)
-        if response.__class__ is not p.Ok:
-            self._checked("set", response)
+            sock = self._sock
+            if sock is None:
+                raise DistNetworkError(f"set: this TCPStore client's connection to {self.where} is closed")
+            try:
+                sock.sendall(p.encode_set(request_id, key, value))
+            except OSError as exc:
+                self._broken("set", str(exc) or type(exc).__name__)
 
     def get(self, key: str, timeout: float) -> bytes:
         if timeout == self._timeout_cached:

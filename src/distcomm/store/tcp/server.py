@@ -19,14 +19,24 @@ legitimate and kept. A client that does not read its responses stops being read 
 buffer must drain first), so it cannot make the server buffer without bound. When accept() fails
 because the process is out of file descriptors, the server says so (a warning naming the limit)
 and retries shortly instead of spinning.
+
+Where it listens: on exactly the host and port it was given (port 0: a free one). On Linux it also
+listens on an abstract-namespace Unix socket whose name carries a random token, and tells clients
+that name in the TCP handshake (see protocol.py): clients on the same host move there, which costs
+the kernel about a third less per request than loopback TCP. The socket is reachable only from this
+host's network namespace, by a client that was already accepted over TCP. ``local_socket=False``
+(or DISTCOMM_STORE_LOCAL_SOCKET=0) turns it off.
 """
 
 from __future__ import annotations
 
 import errno
 import heapq
+import itertools
 import logging
+import os
 import socket
+import sys
 import threading
 import time
 import warnings
@@ -34,6 +44,7 @@ import warnings
 from ...errors import DistNetworkError
 from ..table import KeyTable
 from . import protocol as p
+from .local import LocalSocket
 from .poller import Poller
 
 log = logging.getLogger(__name__)
@@ -90,19 +101,38 @@ def open_listener(host: str, port: int, backlog: int = DEFAULT_BACKLOG) -> socke
     return sock
 
 
-class _Connection:
-    __slots__ = ("sock", "fd", "proto", "out", "partial_deadline", "parked", "closing", "peer", "writing")
+def local_socket_enabled() -> bool:
+    """Whether same-host clients may use the server's Unix socket (DISTCOMM_STORE_LOCAL_SOCKET=0: no)."""
+    return sys.platform.startswith("linux") and os.environ.get("DISTCOMM_STORE_LOCAL_SOCKET", "1") != "0"
 
-    def __init__(self, sock: socket.socket, peer, max_frame_size: int):
+
+def open_local_listener(port: int, backlog: int) -> socket.socket | None:
+    """An abstract-namespace Unix listener with an unguessable name, or None where there is none."""
+    name = b"\0distcomm-store-%d-%s" % (port, os.urandom(12).hex().encode())
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(name)
+        sock.listen(backlog)
+    except OSError:
+        sock.close()
+        return None
+    sock.setblocking(False)
+    return sock
+
+
+class _Connection:
+    __slots__ = ("sock", "fd", "proto", "out", "partial_deadline", "parked", "closing", "peer", "local")
+
+    def __init__(self, sock, peer, max_frame_size: int, local: bool, fd: int | None = None):
         self.sock = sock
-        self.fd = sock.fileno()
+        self.fd = sock.fileno() if fd is None else fd
         self.proto = p.ServerProtocol(max_frame_size)
         self.out = bytearray()  # responses the socket did not take yet
         self.partial_deadline: float | None = None
         self.parked: set = set()
         self.closing = False  # close once the output is flushed (after a refused hello)
         self.peer = peer
-        self.writing = False  # polled for writability (output pending), not readability
+        self.local = local  # came in through the Unix socket, or from this process (connect_local)
 
 
 class _Parked:
@@ -129,11 +159,17 @@ class TCPStoreServer:
         idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
         max_frame_size: int = p.DEFAULT_MAX_FRAME_SIZE,
         backlog: int = DEFAULT_BACKLOG,
+        local_socket: bool | None = None,
     ):
         self.open_file_limit = raise_open_file_limit()[0]
         self._listener = open_listener(host, port, backlog)
         self.host = host
         self.port = self._listener.getsockname()[1]
+        if local_socket is None:
+            local_socket = local_socket_enabled()
+        self._local_listener = open_local_listener(self.port, backlog) if local_socket else None
+        self.local_address = self._local_listener.getsockname() if self._local_listener else b""
+        self._listeners = [s for s in (self._listener, self._local_listener) if s is not None]
         self.idle_timeout = idle_timeout
         self.max_frame_size = max_frame_size
         self.table = KeyTable()
@@ -149,8 +185,11 @@ class TCPStoreServer:
         self._wake_r.setblocking(False)
         self._stopping = False
         self._accept_paused_until = 0.0
+        self._paused_listeners: list[socket.socket] = []
         self._next_sweep = 0.0
         self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # the table and connections: the loop's batch, or one local request
+        self._local_ids = itertools.count(-1, -1)  # local connections have no fd: negative keys
         self._handlers = {
             p.Hello: self._on_hello,
             p.Set: self._on_set,
@@ -174,7 +213,8 @@ class TCPStoreServer:
     # -- lifetime ---------------------------------------------------------------------------------
 
     def start(self) -> "TCPStoreServer":
-        self._poller.register(self._listener.fileno())
+        for listener in self._listeners:
+            self._poller.register(listener.fileno())
         self._poller.register(self._wake_r.fileno())
         self._thread = threading.Thread(target=self._run, name=f"TCPStoreServer:{self.port}", daemon=True)
         self._thread.start()
@@ -185,10 +225,7 @@ class TCPStoreServer:
         if self._stopping:
             return
         self._stopping = True
-        try:
-            self._wake_w.send(b"x")
-        except OSError:
-            pass
+        self._wake()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(10)
         if self._thread is None:
@@ -204,28 +241,66 @@ class TCPStoreServer:
             self._joined_changed.wait_for(lambda: self.joined >= count or self._stopping, timeout)
             return self.joined
 
+    def connect_local(self) -> LocalSocket:
+        """A connection for a client in this process: its requests run in its own thread, no socket.
+
+        The master's own TCPStore uses this: no system calls and no hand-off to the loop thread per
+        request, only this server's lock. A request that parks is answered like any other, by the
+        write that completes it or at its deadline.
+        """
+        local = LocalSocket(self)
+        conn = _Connection(local, "local", self.max_frame_size, True, fd=next(self._local_ids))
+        local.conn = conn
+        with self._lock:
+            self._conns[conn.fd] = conn
+        return local
+
+    def handle_local(self, conn: _Connection, data: bytes) -> None:
+        """``data`` sent by a local client: handled now, in the caller's thread."""
+        with self._lock:
+            if conn.fd not in self._conns:
+                raise ConnectionResetError(errno.ECONNRESET, "the TCPStore server has stopped")
+            had_deadline = self._deadlines[0][0] if self._deadlines else None
+            self._process(conn, data)
+            if self._deadlines and self._deadlines[0][0] != had_deadline:
+                self._wake()  # the loop must recompute its poll timeout for the new deadline
+
+    def close_local(self, conn: _Connection) -> None:
+        with self._lock:
+            self._close(conn)
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+
     # -- the loop -----------------------------------------------------------------------------------
 
     def _run(self) -> None:
         poll = self._poller.poll
         readable, writable = self._poller.READ, self._poller.WRITE
         conns = self._conns
-        listener_fd, wake_fd = self._listener.fileno(), self._wake_r.fileno()
+        listeners = {listener.fileno(): listener for listener in self._listeners}
+        wake_fd = self._wake_r.fileno()
+        lock = self._lock
         try:
             while not self._stopping:
-                for fd, mask in poll(self._poll_timeout()):
-                    conn = conns.get(fd)
-                    if conn is not None:
-                        if mask & readable:
-                            self._read(conn)
-                        if mask & writable and conn.fd in conns:
-                            self._flush(conn)
-                    elif fd == listener_fd:
-                        self._accept()
-                    elif fd == wake_fd:
-                        self._drain_wake()
-                if self._deadlines or self._partial or self._accept_paused_until:
-                    self._expire(time.monotonic())
+                events = poll(self._poll_timeout())
+                with lock:  # shared with in-process clients (connect_local), taken once per batch
+                    for fd, mask in events:
+                        conn = conns.get(fd)
+                        if conn is not None:
+                            if mask & readable:
+                                self._read(conn)
+                            if mask & writable and conn.fd in conns:
+                                self._flush(conn)
+                        elif fd in listeners:
+                            self._accept(listeners[fd])
+                        elif fd == wake_fd:
+                            self._drain_wake()
+                    if self._deadlines or self._partial or self._accept_paused_until:
+                        self._expire(time.monotonic())
         except Exception:  # pragma: no cover - a bug; make it loud rather than a silent dead server
             log.exception("TCPStoreServer on port %d crashed", self.port)
             raise
@@ -250,28 +325,30 @@ class TCPStoreServer:
         except OSError:
             pass
 
-    def _accept(self) -> None:
+    def _accept(self, listener: socket.socket) -> None:
+        local = listener is self._local_listener
         for _ in range(512):
             try:
-                sock, peer = self._listener.accept()
+                sock, peer = listener.accept()
             except BlockingIOError:
                 return
             except OSError as exc:
                 if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    self._pause_accepting(exc)
+                    self._pause_accepting(listener, exc)
                     return
                 if exc.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EPERM):
                     continue
                 raise
             sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Connection(sock, peer, self.max_frame_size)
+            if not local:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = _Connection(sock, peer, self.max_frame_size, local)
             self._conns[conn.fd] = conn
             self._poller.register(conn.fd)
             self._mark_partial(conn, time.monotonic())
             self.stats["accepted"] += 1
 
-    def _pause_accepting(self, exc: OSError) -> None:
+    def _pause_accepting(self, listener: socket.socket, exc: OSError) -> None:
         """Out of file descriptors: stop polling the listener briefly instead of spinning on it."""
         self.stats["accept_fd_exhausted"] += 1
         if self.stats["accept_fd_exhausted"] == 1:
@@ -283,7 +360,8 @@ class TCPStoreServer:
                 RuntimeWarning,
                 stacklevel=1,
             )
-        self._poller.unregister(self._listener.fileno())
+        self._poller.unregister(listener.fileno())
+        self._paused_listeners.append(listener)
         self._accept_paused_until = time.monotonic() + _ACCEPT_PAUSE_ON_EMFILE
 
     def _read(self, conn: _Connection) -> None:
@@ -297,6 +375,10 @@ class TCPStoreServer:
         if not data:
             self._close(conn)
             return
+        self._process(conn, data)
+
+    def _process(self, conn: _Connection, data: bytes) -> None:
+        """Handle every complete request in ``data`` and send the replies with one send."""
         proto = conn.proto
         handlers = self._handlers
         reply = None
@@ -346,7 +428,7 @@ class TCPStoreServer:
             return
         if sent < len(data):
             conn.out += data[sent:]
-            conn.writing = True  # and stop reading: a client that does not read cannot grow our buffer
+            # and stop reading it: a client that does not read its answers cannot grow our buffer
             self._poller.modify(conn.fd, writable=True)
         elif conn.closing:
             self._close(conn)
@@ -365,7 +447,6 @@ class TCPStoreServer:
             if conn.closing:
                 self._close(conn)
                 return
-            conn.writing = False
             self._poller.modify(conn.fd, writable=False)
 
     def _expire(self, now: float) -> None:
@@ -384,7 +465,9 @@ class TCPStoreServer:
                 self._close(conn)
         if self._accept_paused_until and now >= self._accept_paused_until:
             self._accept_paused_until = 0.0
-            self._poller.register(self._listener.fileno())
+            for listener in self._paused_listeners:
+                self._poller.register(listener.fileno())
+            self._paused_listeners.clear()
 
     def _close(self, conn: _Connection) -> None:
         if self._conns.pop(conn.fd, None) is None:
@@ -392,6 +475,9 @@ class TCPStoreServer:
         self._partial.pop(conn, None)
         for parked in list(conn.parked):
             self._unpark(parked)
+        if conn.fd < 0:  # a LocalSocket
+            conn.sock.shutdown_from_server()
+            return
         try:
             self._poller.unregister(conn.fd)
         except (KeyError, ValueError, OSError):
@@ -401,7 +487,7 @@ class TCPStoreServer:
     def _close_everything(self) -> None:
         for conn in list(self._conns.values()):
             self._close(conn)
-        for sock in (self._listener, self._wake_r, self._wake_w):
+        for sock in (*self._listeners, self._wake_r, self._wake_w):
             try:
                 sock.close()
             except OSError:
@@ -470,19 +556,20 @@ class TCPStoreServer:
             return p.encode(p.Values(request.request_id, [values[k] for k in request.keys]))
         return p.encode_ok(request.request_id)
 
-    # -- requests: each returns the reply's bytes, or None when the request is parked ---------------
+    # -- requests: each returns the reply's bytes, or None (parked, or SET, which has no reply) -----
 
     def _on_hello(self, conn, hello):
         reply = conn.proto.reply_to(hello)
         if reply.status != p.HELLO_STATUS_OK:
             conn.closing = True  # after the reply, which tells the client which version we speak
+        elif not conn.local:
+            reply.local_address = self.local_address
         return conn.proto.send(reply)
 
-    def _on_set(self, conn, req):
+    def _on_set(self, conn, req):  # no reply: see protocol.py
         self.table.values[req.key] = req.value
         if self._waiting:
             self._written(req.key)
-        return p.encode_ok(req.request_id)
 
     def _on_get(self, conn, req):
         value = self.table.values.get(req.key)

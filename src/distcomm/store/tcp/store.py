@@ -2,9 +2,10 @@
 
 Why this module is only glue: the server (event loop, table) and the client (connection, round
 trip) are separate so each can be tested alone; this class decides *which* of them a process gets.
-A master owns a server (started here, in a background thread) and, like every other TCPStore, talks
-to it through its own client connection — so the master's requests take exactly the path the
-workers' do, and its client counts towards ``world_size``.
+A master owns a server (started here, in a background thread) and, like every other TCPStore, is a
+client of it — its requests are the same protocol frames, handled by the same code in the same
+order, and its client counts towards ``world_size`` — but its connection is in-process (local.py):
+a function call instead of two system calls and two thread hand-offs per request.
 
 ``multi_tenant=True`` masters on the same host:port in one process share one server and therefore
 one key space, as torch's do; the server stops when the last of them closes. ``wait_for_workers``
@@ -24,8 +25,6 @@ from ..base import Store
 from . import protocol as p
 from .client import TCPStoreClient
 from .server import TCPStoreServer
-
-_WILDCARD_HOSTS = {"", "0.0.0.0", "::"}
 
 
 class _SharedServers:
@@ -104,10 +103,11 @@ class TCPStore(Store):
         self._world_size = world_size
         self._server = _shared_servers.acquire(host_name, port, multi_tenant, **server_options) if is_master else None
         self._port = self._server.port if self._server is not None else port
-        connect_host = "127.0.0.1" if is_master and host_name in _WILDCARD_HOSTS else host_name
+        max_frame_size = server_options.get("max_frame_size", p.DEFAULT_MAX_FRAME_SIZE)
         try:
-            self._client = TCPStoreClient(connect_host, self._port, self._timeout_s, server_options.get(
-                "max_frame_size", p.DEFAULT_MAX_FRAME_SIZE))
+            # the master talks to its own server in-process (see local.py); everyone else over the network
+            local = self._server.connect_local() if self._server is not None else None
+            self._client = TCPStoreClient(host_name, self._port, self._timeout_s, max_frame_size, local=local)
         except BaseException:
             if self._server is not None:
                 _shared_servers.release(self._server)
@@ -132,18 +132,15 @@ class TCPStore(Store):
                 f"reaches this host and port."
             )
 
-    @classmethod
-    def _client_of(cls, host: str, port: int, timeout_s: float) -> "TCPStore":
-        store = cls.__new__(cls)
-        Store.__init__(store, timedelta(seconds=timeout_s))
-        store._host, store._port, store._world_size, store._server = host, port, None, None
-        store._client = TCPStoreClient(host, port, timeout_s)
+    def clone(self) -> "TCPStore":
+        """A new connection to the same server, e.g. for another thread (a store serializes its requests)."""
+        store = TCPStore.__new__(TCPStore)
+        Store.__init__(store, timedelta(seconds=self._timeout_s))
+        store._host, store._port, store._world_size, store._server = self._host, self._port, None, None
+        local = self._server.connect_local() if self._server is not None else None
+        store._client = TCPStoreClient(self._client.host, self._port, self._timeout_s, local=local)
         store._finalizer = weakref.finalize(store, _release, store._client, None)
         return store
-
-    def clone(self) -> "TCPStore":
-        """A new client connection to the same server (for use from another thread without sharing a lock)."""
-        return TCPStore._client_of(self._client.host, self._port, self._timeout_s)
 
     def close(self) -> None:
         """Close this store's connection; a master also releases its server (stopped when its last user closes)."""
