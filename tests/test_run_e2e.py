@@ -28,11 +28,5 @@ def test_store_built_from_the_env_contract(tmp_path):
     _run_with_one_restart(tmp_path, "--explicit-store")
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="env:// does not yet follow the launcher's contract: with TORCHELASTIC_USE_AGENT_STORE=True "
-    "every rank (rank 0 too) must connect as a client, under PrefixStore(DISTCOMM_STORE_PREFIX); "
-    "see distcomm.run's docstring",
-)
 def test_init_process_group_with_no_arguments(tmp_path):
     _run_with_one_restart(tmp_path)

@@ -24,7 +24,7 @@ from datetime import timedelta
 from typing import Callable, Iterator
 from urllib.parse import parse_qsl, urlencode, urlparse, urlunparse
 
-from .store import FileStore, Store, TCPStore
+from .store import FileStore, PrefixStore, Store, TCPStore
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default_pg_timeout
 
@@ -150,8 +150,21 @@ def _env_rendezvous_handler(url: str, timeout: timedelta = DEFAULT_TIMEOUT, **kw
     if not 0 <= master_port <= 65535:
         raise _error("env", f"MASTER_PORT={master_port} is not a port (0..65535)")
     _checked_rank("env", rank, world_size)
-    yield _tcp_store(master_addr, master_port, rank, world_size, timeout), rank, world_size
+    yield _env_store(master_addr, master_port, rank, world_size, timeout), rank, world_size
     raise RuntimeError("Unable to perform re-rendezvous using env:// method")
+
+
+def _env_store(host: str, port: int, rank: int, world_size: int, timeout: timedelta) -> Store:
+    """The job's store. Under distcomm-run / torchrun the launcher already hosts it
+    (TORCHELASTIC_USE_AGENT_STORE=True): every rank, rank 0 included, connects as a client, and
+    keys live under the round's prefix so a restarted round never reads an earlier round's keys."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return _tcp_store(host, port, rank, world_size, timeout)
+    client = TCPStore(host, port, None, is_master=False, timeout=timeout)
+    prefix = os.environ.get("DISTCOMM_STORE_PREFIX") or (
+        f"/worker/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    )
+    return PrefixStore(prefix, client)
 
 
 def _file_rendezvous_handler(url: str, **kwargs):
