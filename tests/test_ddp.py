@@ -163,7 +163,8 @@ def _hook_api_checks(rank, ws, dc, results):
 
     def hook(state, bucket):
         seen.append((bucket.index(), bucket.is_last(), [tuple(p.shape) for p in bucket.parameters()],
-                     [tuple(g.shape) for g in bucket.gradients()], bucket.buffer().numel()))
+                     [tuple(g.shape) for g in bucket.gradients()], bucket.buffer().numel(),
+                     sum(model.reducer._ready)))  # parameters with a gradient when this bucket is launched
         buf = bucket.buffer()
         buf.div_(state.size())
         return dc.all_reduce(buf, group=state, async_op=True).get_future().then(lambda f: f.value()[0] * 0 + 7.0)
@@ -297,6 +298,16 @@ def test_custom_hook_sees_grad_buckets(world):
         assert info["seen"][0][2] == info["seen"][0][3]
         assert (4,) in info["seen"][0][2] or (4, 16) in info["seen"][0][2]
         assert sum(s[4] for s in info["seen"]) == 8 * 16 + 16 + 16 * 16 + 16 + 16 * 4 + 4
+
+
+def test_buckets_are_launched_during_backward(world):
+    """Overlap, without timing: bucket 0 (the last layer) is handed to the engine while the first
+    layer's gradients are still to be computed; the last bucket only when all are ready."""
+    ws, results = world
+    for r in results:
+        ready_at_launch = [s[5] for s in r["hook_api"]["seen"]]
+        assert ready_at_launch[0] == 2 < 6  # the last Linear's weight and bias, of 6 parameters
+        assert ready_at_launch == sorted(ready_at_launch) and ready_at_launch[-1] == 6
 
 
 def test_unused_parameter_error_names_parameters_under_debug(world):

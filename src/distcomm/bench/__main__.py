@@ -14,6 +14,7 @@ import sys
 BENCHMARKS = {
     "collectives": "distcomm.bench.collectives",
     "store": "distcomm.bench.store",
+    "ddp": "distcomm.bench.ddp",
 }
 DEFAULT = "collectives"
 

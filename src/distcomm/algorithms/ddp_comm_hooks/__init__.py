@@ -19,12 +19,16 @@ from .default_hooks import (
 )
 
 
+def _register(model, state, comm_hook):
+    model.register_comm_hook(state, comm_hook)
+
+
 class DDPCommHookType(Enum):
     """The built-in hooks by name: ``DDPCommHookType.FP16_COMPRESS.value(model=ddp, state=None)``."""
 
-    ALLREDUCE = partial(lambda model, state, hook: model.register_comm_hook(state, hook), hook=allreduce_hook)
-    FP16_COMPRESS = partial(lambda model, state, hook: model.register_comm_hook(state, hook), hook=fp16_compress_hook)
-    BF16_COMPRESS = partial(lambda model, state, hook: model.register_comm_hook(state, hook), hook=bf16_compress_hook)
+    ALLREDUCE = partial(_register, comm_hook=allreduce_hook)
+    FP16_COMPRESS = partial(_register, comm_hook=fp16_compress_hook)
+    BF16_COMPRESS = partial(_register, comm_hook=bf16_compress_hook)
 
 
 def register_ddp_comm_hook(comm_hook_type: DDPCommHookType, model, state=None) -> None:
