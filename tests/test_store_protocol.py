@@ -242,3 +242,13 @@ def test_receive_events_equals_next_event_loop():
     while (event := b.next_event()) is not p.NEED_DATA:
         via_loop.append(event)
     assert via_batch == via_loop == [event for event, _ in REQUESTS] * 3
+
+
+def test_receive_reply_picks_the_awaited_answer_and_drops_late_ones():
+    late = p.encode(p.Value(3, b"late"))
+    awaited = p.encode(p.Integer(4, 9))
+    client = _client()
+    assert client.receive_reply(awaited, 4) == p.Integer(4, 9)  # the fast path
+    assert client.receive_reply(late + awaited[:5], 4) is None  # late answer dropped, reply incomplete
+    assert client.receive_reply(awaited[5:], 4) == p.Integer(4, 9)
+    assert not client.has_partial_data

@@ -24,6 +24,7 @@ from distcomm.store import TCPStore
 from distcomm.store.tcp import TCPStoreServer
 from distcomm.store.tcp import protocol as p
 from distcomm.store.tcp.client import TCPStoreClient
+from harness import free_port
 
 HELLO = p.ClientProtocol.send(p.Hello())
 IDLE = 0.4  # the test server's idle timeout, in seconds
@@ -260,9 +261,7 @@ def test_lost_server_raises_network_error(server):
 
 
 def test_client_retries_until_the_server_comes_up():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     servers = []
 
     def start_late():
@@ -280,9 +279,7 @@ def test_client_retries_until_the_server_comes_up():
 
 
 def test_client_connect_timeout_names_host_port_and_attempts():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     start = time.monotonic()
     with pytest.raises(DistNetworkError, match=rf"127\.0\.0\.1:{port} within 300 ms \(\d+ attempts"):
         TCPStore("127.0.0.1", port, timeout=timedelta(milliseconds=300))
@@ -322,9 +319,7 @@ def test_master_waiting_for_workers_that_never_come():
 
 
 def test_master_waits_for_world_size_stores_its_own_included():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     workers = []
 
     def join_later():

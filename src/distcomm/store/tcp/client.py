@@ -4,6 +4,7 @@ Why synchronous: a store request is tiny and the caller waits for its answer any
 path is the caller's own thread doing one ``send`` and one ``recv`` (TCP_NODELAY, no hand-off to a
 background thread, which would cost tens of microseconds per request). A lock makes one client
 safe to share between threads; a process that wants concurrent requests uses ``TCPStore.clone()``.
+The "socket" may also be a LocalSocket (local.py): the master's client calling its server directly.
 
 Deadlines without per-call overhead: the socket stays in blocking mode and the kernel enforces the
 receive deadline (SO_RCVTIMEO), which is only re-set when it changes; Python's socket timeouts
@@ -193,9 +194,9 @@ class TCPStoreClient:
                     continue
                 if not data:
                     raise ConnectionResetError(errno.ECONNRESET, "the server closed the connection")
-                for event in proto.receive_events(data):
-                    if event.request_id == request_id:
-                        return event
+                event = proto.receive_reply(data, request_id)
+                if event is not None:
+                    return event
         except p.ProtocolError as exc:
             self._broken(operation, f"the server sent bytes that are not this protocol ({exc})")
         except OSError as exc:

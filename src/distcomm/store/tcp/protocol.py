@@ -570,6 +570,24 @@ class _Connection:
                 self._check_length(_U64.unpack_from(data, pos)[0])
         return events
 
+    def receive_reply(self, data: bytes, request_id: int):
+        """``receive_data(data)``; the event answering ``request_id`` if it is complete, else None.
+
+        Other complete events are dropped: for a client with one request in flight they can only be
+        late answers to requests it gave up on. The common case — nothing buffered, ``data`` exactly
+        the one frame awaited — is decoded without building a list.
+        """
+        if self._hello_done and self._pos >= len(self._buffer) and not self._pending and len(data) >= _FRAME_HEAD_SIZE:
+            length, opcode, got_id = _FRAME_HEAD.unpack_from(data, 0)
+            if got_id == request_id and len(data) == 8 + length and length <= self.max_frame_size:
+                parse = self._parsers.get(opcode)
+                if parse is not None:
+                    return parse(data, _FRAME_HEAD_SIZE, len(data), got_id)
+        for event in self.receive_events(data):
+            if event.request_id == request_id:
+                return event
+        return None
+
     def _check_length(self, length: int) -> None:
         if length > self.max_frame_size:
             raise ProtocolError(f"frame length {length} exceeds the maximum frame size {self.max_frame_size}")

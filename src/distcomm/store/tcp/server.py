@@ -2,9 +2,11 @@
 
 Why one loop and no thread per client: a job of N ranks opens N connections (more with process
 groups and clones), most of them idle and many parked in a blocking get()/wait(). One event loop
-(epoll; see poller.py) serves them all with one thread and no locks on the table: every request is
-handled to completion in arrival order, which is also what makes add() and compare_set() atomic.
-Responses are sent as soon as a batch of requests from one connection is handled, with one send.
+(epoll; see poller.py) serves them all with one thread: every request is handled to completion in
+arrival order, which is also what makes add() and compare_set() atomic. Responses are sent as soon
+as a batch of requests from one connection is handled, with one send. One lock guards the table; the
+loop takes it once per batch of ready connections, and only the master's own in-process client
+(``connect_local``, local.py) ever competes for it.
 
 How blocking requests work: GET/WAIT/MULTI_GET whose keys are missing are *parked* — recorded under
 each missing key and in a deadline heap — and answered by the write that completes them, or with

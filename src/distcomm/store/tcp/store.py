@@ -73,6 +73,11 @@ class TCPStore(Store):
     store, the master's included, is a client of it. ``world_size`` is the number of stores that
     will connect (clients + 1 for the master); with ``wait_for_workers`` the master's constructor
     returns once they all have. ``port=0`` on the master picks a free port, readable as ``.port``.
+
+    distcomm extensions, keyword-only, for a master: ``idle_timeout`` (seconds a connection may sit
+    on an unfinished hello or frame, default 60), ``max_frame_size`` (bytes, default 1 GiB; also the
+    limit a client accepts), ``backlog`` (listen backlog, default 4096), ``local_socket`` (offer the
+    same-host Unix socket; default on, off with DISTCOMM_STORE_LOCAL_SOCKET=0).
     """
 
     def __init__(
