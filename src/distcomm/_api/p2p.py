@@ -21,8 +21,9 @@ from . import args
 class P2PWork(Work):
     """A Work backed by one transport request."""
 
-    def __init__(self, op: str, pg, request, buf, peer_group_rank: int, tag: int):
+    def __init__(self, op: str, pg, request, buf, peer_group_rank: int, tag: int, receiving: bool = False):
         super().__init__(op, [buf.obj])
+        self._receiving = receiving  # by flag, not by op name: recv_object_list receives too
         self._pg = pg
         self._request = request
         self._buf = buf
@@ -43,7 +44,7 @@ class P2PWork(Work):
             self._finish(err)
             raise err from None
         source = None
-        if self.op in ("recv", "irecv"):
+        if self._receiving:
             self._buf.commit()
             source = self._request.source
         self._finish(None, source)
@@ -107,7 +108,7 @@ def _post(op: str, tensor, peer: int | None, group, tag: int, group_peer: int | 
     else:
         src = ANY_SOURCE if peer_rank == ANY_SOURCE else pg.ranks[peer_rank]
         request = pg.transport.irecv(src, buf.flat, key, sig)
-    return P2PWork(op, pg, request, buf, peer_rank, tag)
+    return P2PWork(op, pg, request, buf, peer_rank, tag, receiving=not sending)
 
 
 def isend(tensor, dst: int | None = None, group=None, tag: int = 0, group_dst: int | None = None):
