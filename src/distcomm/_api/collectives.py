@@ -90,6 +90,13 @@ def reduce(tensor, dst: int | None = None, op=RedOpType.SUM, group=None, async_o
     return pg.collective("reduce", body, async_op, sig, [tensor])
 
 
+def _per_rank_views(output, size: int) -> list:
+    """``output`` split along its first dimension into ``size`` views (torch's future value)."""
+    if isinstance(output, np.ndarray):
+        return np.array_split(output, size) if output.ndim else [output]
+    return list(output.chunk(size)) if output.dim() else [output]
+
+
 def _gather_into(pg, ch, flat_out: np.ndarray, send: np.ndarray) -> None:
     count = send.size
     block = flat_out[ch.rank * count:(ch.rank + 1) * count]
@@ -114,7 +121,8 @@ def all_gather(tensor_list, tensor, group=None, async_op: bool = False):
             out.flat[...] = flat[i * count:(i + 1) * count]
             out.commit()
 
-    return pg.collective("all_gather", body, async_op, signature("all_gather", inp.dtype.code), [tensor_list])
+    return pg.collective("all_gather", body, async_op, signature("all_gather", inp.dtype.code),
+                         list(tensor_list))  # torch's future holds the output tensors, flat
 
 
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bool = False):
@@ -137,7 +145,8 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bo
         out.commit()
 
     sig = signature("all_gather_into_tensor", inp.dtype.code)
-    return pg.collective("all_gather_into_tensor", body, async_op, sig, [output_tensor])
+    # torch's future holds the output split into one view per rank
+    return pg.collective("all_gather_into_tensor", body, async_op, sig, _per_rank_views(output_tensor, pg.size()))
 
 
 def gather(tensor, gather_list=None, dst: int | None = None, group=None, async_op: bool = False,
@@ -169,7 +178,8 @@ def gather(tensor, gather_list=None, dst: int | None = None, group=None, async_o
                 out.flat[...] = flat[i * count:(i + 1) * count]
                 out.commit()
 
-    return pg.collective("gather", body, async_op, signature("gather", inp.dtype.code), [gather_list or []])
+    return pg.collective("gather", body, async_op, signature("gather", inp.dtype.code),
+                         list(gather_list or []))  # as torch: the gathered tensors on dst, [] elsewhere
 
 
 def scatter(tensor, scatter_list=None, src: int | None = None, group=None, async_op: bool = False,
@@ -270,7 +280,7 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool
             b.commit()
 
     sig = signature("all_to_all", outs[0].dtype.code)
-    return pg.collective("all_to_all", body, async_op, sig, [output_tensor_list])
+    return pg.collective("all_to_all", body, async_op, sig, list(output_tensor_list))  # flat, as torch
 
 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,  # noqa: A002
@@ -305,7 +315,7 @@ def barrier(group=None, async_op: bool = False, device_ids=None):
     pg = args.resolve_group(group, "barrier")
     if pg is None:
         return None
-    return pg.collective("barrier", pg.ops.barrier, async_op)
+    return pg.collective("barrier", pg.ops.barrier, async_op, result=[])  # torch's future value: []
 
 
 def monitored_barrier(group=None, timeout: timedelta | None = None, wait_all_ranks: bool = False):
