@@ -252,3 +252,29 @@ def test_receive_reply_picks_the_awaited_answer_and_drops_late_ones():
     assert client.receive_reply(late + awaited[:5], 4) is None  # late answer dropped, reply incomplete
     assert client.receive_reply(awaited[5:], 4) == p.Integer(4, 9)
     assert not client.has_partial_data
+
+
+# -- fuzzing: whatever arrives, the parser yields events or raises ProtocolError, nothing else --------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+framed = st.builds(
+    lambda opcode, request_id, payload: struct.pack("<QBI", 5 + len(payload), opcode, request_id) + payload,
+    st.integers(0, 255),
+    st.integers(0, 2**32 - 1),
+    st.binary(max_size=40),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(framed | st.binary(max_size=30), max_size=6), st.integers(1, 7))
+def test_server_parser_never_fails_otherwise(chunks, cut):
+    server = _server(max_frame_size=1 << 16)
+    stream = b"".join(chunks)
+    try:
+        for i in range(0, len(stream), cut):
+            for event in server.receive_events(stream[i : i + cut]):
+                assert isinstance(event, p.REQUESTS)
+    except p.ProtocolError:
+        pass

@@ -458,3 +458,86 @@ def test_master_in_process_connection_after_stop():
     with pytest.raises(DistNetworkError, match="lost the connection"):
         master.add("n", 1)
     master.close()
+
+
+def test_the_largest_timeout_a_client_can_send(server, good_client):
+    sock = _raw(server)
+    sock.sendall(HELLO + p.encode_get(1, b"forever", 2**64 - 1) + p.encode(p.Wait(2, [b"forever"], 2**64 - 1)))
+    assert _hello_reply(sock).status == p.HELLO_STATUS_OK
+    time.sleep(0.05)
+    _still_served(server, good_client)  # the loop survived a deadline ~5.8e8 years away
+    good_client.set("forever", "now")
+    proto = p.ClientProtocol()
+    proto.receive_data(p.ServerProtocol.send(p.HelloReply()))
+    proto.next_event()
+    events = []
+    while len(events) < 2:
+        events += proto.receive_events(sock.recv(4096))
+    assert events == [p.Value(1, b"now"), p.Ok(2)]
+    sock.close()
+
+
+# -- fuzzing the request handlers: any framed request is answered or refused, the loop never breaks ----
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from distcomm.store.tcp.server import _Connection  # noqa: E402
+
+
+class _FakeSocket:
+    def __init__(self):
+        self.sent = bytearray()
+
+    def send(self, data):
+        self.sent += data
+        return len(data)
+
+    def fileno(self):
+        return 10**6
+
+    def close(self):
+        pass
+
+
+_requests = st.one_of(
+    st.builds(p.Set, st.integers(0, 9), st.binary(max_size=4), st.binary(max_size=8)),
+    st.builds(p.Get, st.integers(0, 9), st.binary(max_size=4), st.sampled_from([0, 1, 2**64 - 1])),
+    st.builds(p.Add, st.integers(0, 9), st.binary(max_size=4), st.integers(-(2**63), 2**63 - 1)),
+    st.builds(p.CompareSet, st.integers(0, 9), st.binary(max_size=4), st.binary(max_size=4), st.binary(max_size=4)),
+    st.builds(p.Wait, st.integers(0, 9), st.lists(st.binary(max_size=4), max_size=3), st.sampled_from([0, 5])),
+    st.builds(p.MultiGet, st.integers(0, 9), st.lists(st.binary(max_size=4), max_size=3), st.sampled_from([0, 5])),
+    st.builds(p.MultiSet, st.integers(0, 9), st.lists(st.binary(max_size=4), max_size=3),
+              st.lists(st.binary(max_size=4), max_size=3)),
+    st.builds(p.DeleteKey, st.integers(0, 9), st.binary(max_size=4)),
+    st.builds(p.Append, st.integers(0, 9), st.binary(max_size=4), st.binary(max_size=4)),
+    st.builds(p.Check, st.integers(0, 9), st.lists(st.binary(max_size=4), max_size=3)),
+    st.builds(p.NumKeys, st.integers(0, 9)),
+    st.builds(p.ListKeys, st.integers(0, 9)),
+)
+
+
+def _wire(request) -> bytes:
+    if isinstance(request, p.MultiSet) and len(request.keys) != len(request.values):
+        keys, values = p._items(request.keys), p._items(request.values)  # a mismatched pair, on purpose
+        payload = keys + values
+        return struct.pack("<QBI", 5 + len(payload), p.MultiSet.OPCODE, request.request_id) + payload
+    return p.encode(request)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(_requests, max_size=12))
+def test_any_sequence_of_requests_is_handled(requests):
+    server = TCPStoreServer("127.0.0.1", 0, local_socket=False)
+    try:
+        fake = _FakeSocket()
+        conn = _Connection(fake, "fuzz", 1 << 20, False)
+        server._conns[conn.fd] = conn
+        server._process(conn, HELLO + b"".join(_wire(r) for r in requests))
+        assert conn.fd in server._conns  # well-formed requests never get a connection closed
+        client = p.ClientProtocol()
+        replies = client.receive_events(fake.sent)
+        assert isinstance(replies[0], p.HelloReply)
+        assert all(isinstance(r, p.RESPONSES) for r in replies[1:])
+    finally:
+        server.stop()  # never started: closes its sockets in this thread

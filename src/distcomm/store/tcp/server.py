@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 DEFAULT_IDLE_TIMEOUT = 60.0
 DEFAULT_BACKLOG = 4096  # the kernel caps this at net.core.somaxconn
 _ACCEPT_PAUSE_ON_EMFILE = 0.2
+_MAX_POLL_TIMEOUT = 3600.0  # a client may send any timeout; epoll cannot take every float
 _RECV_SIZE = 1 << 16
 
 
@@ -319,7 +320,7 @@ class TCPStoreServer:
             timeout = self._accept_paused_until if timeout is None else min(timeout, self._accept_paused_until)
         if timeout is None:
             return None
-        return max(0.0, timeout - time.monotonic())
+        return min(max(0.0, timeout - time.monotonic()), _MAX_POLL_TIMEOUT)
 
     def _drain_wake(self) -> None:
         try:
