@@ -204,9 +204,30 @@ def world_checks(rank, ws, dc, tdist):
     _compare("bf16_hook", rank, ws, dc, tdist, {"bucket_cap_mb": 0.001}, results,
              hook=our_hooks.bf16_compress_hook, torch_hook=_torch_bf16_hook, reference=False)
     _find_unused(rank, ws, results)
+    if ws == 3:
+        _subgroup(rank, dc, tdist, results)
     _hook_api_checks(rank, ws, dc, results)
     _unused_checks(rank, ws, results)
     return results
+
+
+def _subgroup(rank, dc, tdist, results):
+    """DDP over new_group([0, 2]) of a world of 3 (rank 1 only takes part in creating the group)."""
+    from distcomm.parallel import DistributedDataParallel as DDP
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from training_helpers import max_diff, snapshot
+
+    ours_group, theirs_group = dc.new_group([0, 2]), tdist.new_group([0, 2])
+    if rank == 1:
+        return
+    X, Y = _data(2)
+    member = rank // 2  # 0 or 1 within the group
+    ours = _train(DDP(_model(rank), process_group=ours_group, bucket_cap_mb=0.0002), X, Y, member, 2, True)
+    theirs = _train(TorchDDP(_model(rank), process_group=theirs_group, bucket_cap_mb=0.0002), X, Y, member, 2, True)
+    single = _train(_model(0), X, Y, member, 2, False)
+    results["subgroup"] = {"vs_torch": max_diff(snapshot(ours.module), snapshot(theirs.module)),
+                           "vs_single": max_diff(snapshot(ours.module), snapshot(single))}
 
 
 def _torch_bf16_hook(state, bucket):
@@ -318,3 +339,13 @@ def test_unused_parameter_error_names_parameters_under_debug(world):
         assert f"Parameter indices which did not receive grad for rank {rank}: 0" in plain
         assert "a.weight" not in plain and "TORCH_DISTRIBUTED_DEBUG" in plain
         assert f"Parameters which did not receive grad for rank {rank}: a.weight" in debug
+
+
+def test_ddp_on_a_subgroup(world):
+    ws, results = world
+    if ws != 3:
+        pytest.skip("needs a world of 3")
+    assert "subgroup" not in results[1]
+    for rank in (0, 2):
+        entry = results[rank]["subgroup"]
+        assert entry["vs_torch"] < TOL and entry["vs_single"] < TOL, entry
