@@ -115,23 +115,6 @@ def evaluate(dist, model, test_size: int) -> float:
     return float(counts[0] / counts[1])
 
 
-def _init_process_group(dist, backend: str) -> None:
-    """``dist.init_process_group(backend)``, from the launcher's environment.
-
-    TEMPORARY: env:// does not yet follow distcomm-run's contract (with TORCHELASTIC_USE_AGENT_STORE
-    every rank connects to the launcher's store as a client, under DISTCOMM_STORE_PREFIX), so under
-    the launcher the store is built here. Delete this once rendezvous.py honours those variables.
-    """
-    env = os.environ
-    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        dist.init_process_group(backend)
-        return
-    rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
-    client = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size, is_master=False)
-    store = dist.PrefixStore(env.get("DISTCOMM_STORE_PREFIX", "/worker/attempt_0"), client)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
-
-
 def worker(args) -> None:
     import torch
     import torch.nn.functional as F
@@ -140,7 +123,7 @@ def worker(args) -> None:
     from distcomm.parallel import DistributedDataParallel
 
     torch.set_num_threads(1)
-    _init_process_group(dist, args.backend)
+    dist.init_process_group(args.backend)
     rank = dist.get_rank()
     show_progress = os.environ.get(PROGRESS_ENV) == "1" and rank == 0
     torch.manual_seed(1234)
