@@ -110,5 +110,5 @@ def machine_for(kind: str):
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_store_behaves_like_a_dict(kind):
     machine = machine_for(kind)
-    machine.TestCase.settings = settings(max_examples=15, stateful_step_count=25, deadline=None)
+    machine.TestCase.settings = settings(max_examples=12, stateful_step_count=25, deadline=None)
     machine.TestCase().runTest()

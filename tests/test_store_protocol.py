@@ -267,7 +267,7 @@ framed = st.builds(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.lists(framed | st.binary(max_size=30), max_size=6), st.integers(1, 7))
 def test_server_parser_never_fails_otherwise(chunks, cut):
     server = _server(max_frame_size=1 << 16)

@@ -8,7 +8,8 @@ must not differ between them. Each rule below was checked against torch 2.13's s
   TypeError, as torch's bindings reject it).
 * ``add`` keeps a decimal int64 counter as the key's value. A missing key starts at 0; an empty
   value counts as 0 (HashStore does this); a value that is not a decimal integer raises ValueError
-  (torch raises ``ValueError: stoll``); the sum wraps around at int64 like torch's C++ ``int64_t``.
+  (torch raises ``ValueError: stoll``, though its stoll takes a numeric prefix such as "5x" as 5,
+  which distcomm refuses); the sum wraps around at int64 like torch's C++ ``int64_t``.
 * ``compare_set(key, expected, desired)``: if the key is missing, it is created with ``desired``
   only when ``expected`` is empty, and the call returns ``desired``; otherwise it returns
   ``expected`` unchanged. If the key exists and holds ``expected``, it is replaced by ``desired``
