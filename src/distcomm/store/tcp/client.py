@@ -7,8 +7,8 @@ safe to share between threads; a process that wants concurrent requests uses ``T
 The "socket" may also be a LocalSocket (local.py): the master's client calling its server directly.
 
 Deadlines without per-call overhead: the socket stays in blocking mode and the kernel enforces the
-receive deadline (SO_RCVTIMEO), which is only re-set when it changes; Python's socket timeouts
-would add a poll() before every recv. A blocking request sends its timeout to the server, which
+receive deadline (SO_RCVTIMEO: no byte for that long), which is only re-set when it changes;
+Python's socket timeouts would add a poll() before every recv. A blocking request sends its timeout to the server, which
 answers TIMED_OUT itself; the client waits that long plus a grace period, and if even then nothing
 came it gives up on its own — the late answer, carrying an old request id, is dropped when it
 arrives, so the connection stays usable.
@@ -179,19 +179,13 @@ class TCPStoreClient:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(wait))
             self._rcvtimeo = wait
         proto = self._proto
-        started = time.monotonic()
         try:
             sock.sendall(frame)
             while True:
                 try:
                     data = sock.recv(_RECV_SIZE)
-                except BlockingIOError:  # SO_RCVTIMEO passed
-                    remaining = started + wait - time.monotonic()
-                    if remaining <= 0:
-                        return None
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(remaining))
-                    self._rcvtimeo = -1.0
-                    continue
+                except BlockingIOError:  # SO_RCVTIMEO: ``wait`` seconds without a byte
+                    return None
                 if not data:
                     raise ConnectionResetError(errno.ECONNRESET, "the server closed the connection")
                 event = proto.receive_reply(data, request_id)

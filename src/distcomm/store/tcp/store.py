@@ -191,7 +191,9 @@ class TCPStore(Store):
         """Adds ``amount`` to the counter at ``key`` (created at 0) and returns the new value."""
         if key.__class__ is not str:
             key = rules.as_key(key)
-        return self._client.add(key.encode(), rules.as_amount(amount))
+        if amount.__class__ is not int or not rules.INT64_MIN <= amount <= rules.INT64_MAX:
+            amount = rules.as_amount(amount)
+        return self._client.add(key.encode(), amount)
 
     def _set(self, key, value):
         self._client.set(key.encode(), value)
