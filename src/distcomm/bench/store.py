@@ -212,8 +212,9 @@ def format_table(results: dict, args) -> str:
             f"{r['master']['p50_us']:>8.1f} us {r['master']['p99_us']:>8.1f} us {r['adds_per_s']:>10,.0f}"
         )
     lines.append("")
-    lines.append("client: a client in another process than the master; master: the master's own client (rank 0)")
-    lines.append("distcomm's same-host clients talk to the server over a Unix socket; 'TCP only' turns that off")
+    lines.append("client: a client in another process than the master; master: the master's own client (rank 0),")
+    lines.append("  which for distcomm calls its server in-process. distcomm's same-host clients use the server's")
+    lines.append("  Unix socket; 'TCP only' keeps them on loopback TCP, as torch's are.")
     return "\n".join(lines)
 
 
