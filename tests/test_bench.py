@@ -20,7 +20,8 @@ import pytest
 from distcomm.bench import collectives, report
 from distcomm.bench.worlds import WorldFailed, run_world
 
-TINY = ["--world", "2", "-b", "8", "-e", "4K", "-f", "16", "--iters", "3", "--warmup", "1", "--timeout", "60"]
+TINY = ["--world", "2", "-b", "8", "-e", "4K", "-f", "16", "--timeout", "60"]
+FEW = ["--iters", "3", "--warmup", "1"]
 
 
 def _bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -42,7 +43,7 @@ def _wrong_columns(fields: list[str]) -> list[str]:
 
 def test_world_of_two_prints_a_checked_table_per_op(tmp_path):
     out = tmp_path / "r.json"
-    result = _bench(*TINY, "--ops", "all", "--json", str(out))
+    result = _bench(*TINY, "--budget", "0.01", "--ops", "all", "--json", str(out))  # automatic counts
     assert result.returncode == 0, result.stdout + result.stderr
     for op in collectives.OPS:
         assert f"\n# {op}" in result.stdout
@@ -54,13 +55,14 @@ def test_world_of_two_prints_a_checked_table_per_op(tmp_path):
     assert data["meta"]["world_size"] == 2
     (rows_json,) = data["runs"].values()
     assert len(rows_json) == len(rows) and all(r["wrong"] == 0 and len(r["ranks"]) == 2 for r in rows_json)
+    assert all(collectives.MIN_ITERS <= r["iters"] <= collectives.MAX_ITERS and r["warmup"] >= 1 for r in rows_json)
 
 
 def test_compare_torch_prints_both_with_speedup_and_plots(tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("matplotlib")
     png = tmp_path / "bench.png"
-    result = _bench(*TINY, "--ops", "all_reduce,all_to_all,barrier", "--compare", "torch", "--plot", str(png))
+    result = _bench(*TINY, *FEW, "--ops", "all_reduce,all_to_all,barrier", "--compare", "torch", "--plot", str(png))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "distcomm/gloo" in result.stdout and "torch/gloo" in result.stdout and "speedup" in result.stdout
     rows = _rows(result.stdout)
@@ -85,18 +87,18 @@ def test_bad_options_are_refused_before_starting_anything(argv, message, capsys)
 def test_plan_rounds_sizes_to_the_world_and_bounds_iterations():
     assert collectives.parse_size("64M") == 64 << 20 and collectives.parse_size("4KiB") == 4096
     assert collectives.sizes(8, 64, 2) == [8, 16, 32, 64]
-    plan = collectives.build_plan(["all_gather", "all_reduce", "barrier"], [8, 16, 32], 4, "float32", None, None, 0.2)
+    plan = collectives.build_plan(["all_gather", "all_reduce", "barrier"], [8, 16, 32], 4, "float32")
     gather = [e for e in plan if e["op"] == "all_gather"]
     assert [e["count"] for e in gather] == [4, 8]  # 8 B is 2 elements: one per rank at least; 16 B repeats it
     assert [e["size"] for e in plan if e["op"] == "all_reduce"] == [8, 16, 32]
     assert [e["count"] for e in plan if e["op"] == "barrier"] == [0]
-    for nbytes in (0, 8, 1 << 20, 256 << 20):
-        warmup, iters = collectives.auto_iters(nbytes, 0.2)
-        assert collectives.MIN_ITERS <= iters <= collectives.MAX_ITERS and warmup >= 1
+    for seconds in (1e-9, 20e-6, 0.06, 10.0):
+        warmup, iters = collectives.auto_counts(seconds, 0.2)
+        assert collectives.MIN_ITERS <= iters <= collectives.MAX_ITERS and 0 <= warmup <= collectives.MAX_WARMUP
 
 
 def test_busbw_uses_the_nccl_tests_factors():
-    stats = [{"mean": 1e-3, "median": 1e-3, "min": 1e-3, "max": 1e-3, "wrong": 0}] * 4
+    stats = [{"mean": 1e-3, "median": 1e-3, "min": 1e-3, "max": 1e-3, "wrong": 0, "warmup": 1, "iters": 1}] * 4
     entry = {"op": "all_reduce", "size": 10**6, "count": 250000, "dtype": "float32", "warmup": 1, "iters": 1}
     row = report.make_row(entry, stats, 4, "median")
     assert row["algbw"] == pytest.approx(1.0) and row["busbw"] == pytest.approx(1.5)
@@ -130,3 +132,39 @@ def test_a_failed_or_hung_world_is_reported_and_killed(target, expected):
     assert not multiprocessing.active_children()  # killed and joined
     if target is _hang:  # each rank named with the last thing it said ("starting" if a loaded machine was slow)
         assert "rank 0: " in str(info.value) and "rank 1: " in str(info.value)
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    kids.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return kids
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGKILL"])
+def test_killing_the_tool_kills_its_world(signum):
+    import signal
+
+    tool = subprocess.Popen([sys.executable, "-m", "distcomm.bench", "--world", "2", "--ops", "all_reduce", "-b", "8",
+                             "-e", "8", "--iters", "100000000", "--warmup", "0"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while len(ranks := _children(tool.pid)) < 2 and time.monotonic() < deadline:  # 2 ranks (+ resource tracker)
+            time.sleep(0.2)
+        assert len(ranks) >= 2
+        tool.send_signal(getattr(signal, signum))
+        tool.wait(30)
+        deadline = time.monotonic() + 10
+        while any(os.path.exists(f"/proc/{pid}") for pid in ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in ranks if os.path.exists(f"/proc/{pid}")]
+    finally:
+        tool.kill()
+        tool.wait()

@@ -19,9 +19,13 @@ How each row is measured, on every rank, with the same buffers throughout:
 3. a barrier, then ``iters`` iterations, each timed alone with ``time.perf_counter``.
 
 The reported time is the slowest rank's median iteration time (``--stat mean`` for the mean, as
-nccl-tests reports); algbw and busbw follow nccl-tests (see ``report.py``). Without ``--iters`` the
-iteration count adapts to the size (about ``--budget`` seconds per row for a gloo-like speed, at
-least 5, at most 1000) so the default run at world 2 takes a couple of minutes. Sizes are whole
+nccl-tests reports); algbw and busbw follow nccl-tests (see ``report.py``). Without ``--iters``,
+rank 0 times one warmup iteration and picks the counts for the row — timed iterations for about
+``--budget`` seconds (at least 5, at most 1000), untimed warmups for a tenth of that (at most 20) —
+and tells the other ranks through the store, so every engine gets the same time per row however
+fast it is, and the default run at world 2 takes a couple of minutes. Iterations are not separated
+by barriers (as in nccl-tests): an op whose data flows one way (broadcast, reduce) may overlap the
+next iteration, so its time is a per-op throughput rather than an isolated latency. Sizes are whole
 buffers, as in nccl-tests: the all_gather output, the reduce_scatter and all_to_all input; they are
 rounded down to a multiple of the world size (at least one element per rank) for those ops, and a
 size that rounds to the previous one is skipped.
@@ -36,7 +40,9 @@ import argparse
 import importlib.util
 import os
 import re
+import signal
 import sys
+import threading
 import time
 from datetime import timedelta
 from typing import Callable
@@ -51,10 +57,9 @@ CHUNKED = ("all_gather", "reduce_scatter", "all_to_all")  # buffers of world_siz
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64")
 MAX_BYTES = 256 << 20
 
-# The automatic iteration count: about BUDGET seconds per row for an op costing LATENCY + size/BANDWIDTH
-# (gloo's cost at world 2 here), clamped to [MIN_ITERS, MAX_ITERS]; a tenth as many warmups.
-LATENCY_S, BANDWIDTH_BPS = 250e-6, 0.5e9
-MIN_ITERS, MAX_ITERS = 5, 1000
+# The automatic counts (see the module docstring): timed iterations clamped to [MIN_ITERS, MAX_ITERS],
+# warmups (after the one that measures) at most MAX_WARMUP.
+MIN_ITERS, MAX_ITERS, MAX_WARMUP = 5, 1000, 20
 
 _PERIOD = 5  # the check pattern repeats every _PERIOD elements: small integers, exact in every dtype
 
@@ -78,16 +83,19 @@ def sizes(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
     return out
 
 
-def auto_iters(nbytes: int, budget: float) -> tuple[int, int]:
-    """(warmup, iters) for a row of ``nbytes`` when the user gave neither."""
-    iters = round(budget / (LATENCY_S + nbytes / BANDWIDTH_BPS))
-    iters = min(MAX_ITERS, max(MIN_ITERS, iters))
-    return max(1, min(50, iters // 10)), iters
+def auto_counts(seconds_per_op: float, budget: float) -> tuple[int, int]:
+    """(more warmups, timed iterations) for an op that took ``seconds_per_op`` once warm."""
+    per_op = max(seconds_per_op, 1e-7)
+    return (min(MAX_WARMUP, round(0.1 * budget / per_op)),
+            min(MAX_ITERS, max(MIN_ITERS, round(budget / per_op))))
 
 
-def build_plan(ops, byte_sizes, world_size: int, dtype: str, iters: int | None, warmup: int | None,
-               budget: float) -> list[dict]:
-    """One entry per (op, size) row: op, size (bytes, after rounding), count (elements), dtype, warmup, iters."""
+def build_plan(ops, byte_sizes, world_size: int, dtype: str, iters: int | None = None,
+               warmup: int | None = None) -> list[dict]:
+    """One entry per (op, size) row: op, size (bytes, after rounding), count (elements), dtype, warmup, iters.
+
+    ``warmup``/``iters`` None: chosen by the ranks at run time (``auto_counts``).
+    """
     itemsize = 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
     plan = []
     for op in ops:
@@ -98,12 +106,8 @@ def build_plan(ops, byte_sizes, world_size: int, dtype: str, iters: int | None, 
             if not counts or count != counts[-1]:
                 counts.append(count)
         for count in counts:
-            auto_warmup, auto_count = auto_iters(count * itemsize, budget)
-            plan.append({
-                "op": op, "size": count * itemsize, "count": count, "dtype": dtype,
-                "warmup": auto_warmup if warmup is None else warmup,
-                "iters": auto_count if iters is None else iters,
-            })
+            plan.append({"op": op, "size": count * itemsize, "count": count, "dtype": dtype,
+                         "warmup": warmup, "iters": iters})
     return plan
 
 
@@ -260,10 +264,31 @@ CASES: dict[str, Callable] = {
 }
 
 
-def _timed(d, run: Callable[[], None], warmup: int, iters: int) -> np.ndarray:
-    """Seconds per iteration: warmups, a barrier so every rank starts together, then each iteration alone."""
-    for _ in range(warmup):
+def _warm_up(run: Callable[[], None], entry: dict, index: int, rank: int, store, budget: float) -> tuple[int, int]:
+    """Run this row's warmups; return (warmups run, timed iterations to run).
+
+    Counts the user gave are used as given. For the others, every rank runs one warmup, rank 0
+    times it, picks the counts (``auto_counts``) and publishes them through the store (outside the
+    data path being measured), so every rank runs the same number of each.
+    """
+    warmup, iters = entry["warmup"], entry["iters"]
+    done = 0
+    if warmup is None or iters is None:
+        start = time.perf_counter()
         run()
+        done = 1
+        key = f"distcomm-bench/counts/{index}"
+        if rank == 0:
+            more, auto = auto_counts(time.perf_counter() - start, budget)
+            store.set(key, f"{1 + more if warmup is None else warmup} {auto if iters is None else iters}")
+        warmup, iters = map(int, store.get(key).split())
+    for _ in range(warmup - done):
+        run()
+    return max(warmup, done), iters
+
+
+def _timed(d, run: Callable[[], None], iters: int) -> np.ndarray:
+    """Seconds per iteration: a barrier so every rank starts together, then each iteration timed alone."""
     d.barrier()
     times = np.empty(iters)
     clock = time.perf_counter
@@ -281,17 +306,20 @@ def rank_main(rank: int, send: Callable, job: dict) -> None:
     else:
         import distcomm as d
     timeout = job["timeout"]
-    store = connect_store(job["library"], job["port"], timeout)
     n = job["world"]
-    d.init_process_group(job["backend"], store=store, rank=rank, world_size=n, timeout=timedelta(seconds=timeout))
+    d.init_process_group(job["backend"], store=connect_store(job["library"], job["port"], timeout), rank=rank,
+                         world_size=n, timeout=timedelta(seconds=timeout))
+    store = connect_store(job["library"], job["port"], timeout)  # the tool's own connection, for _warm_up
     tensors = _Tensors(job["tensor"], job["dtype"])
     for index, entry in enumerate(job["plan"]):
         send(("start", index))
         run, check = CASES[entry["op"]](d, tensors, entry["count"], rank, n)
         wrong = check()
-        times = _timed(d, run, entry["warmup"], entry["iters"])
+        warmup, iters = _warm_up(run, entry, index, rank, store, job["budget"])
+        times = _timed(d, run, iters)
         send(("row", index, {"mean": float(times.mean()), "median": float(np.median(times)),
-                             "min": float(times.min()), "max": float(times.max()), "wrong": wrong}))
+                             "min": float(times.min()), "max": float(times.max()), "wrong": wrong,
+                             "warmup": warmup, "iters": iters}))
         del run, check
     d.destroy_process_group()
 
@@ -316,9 +344,10 @@ def run_engine(job: dict, stat: str, on_row: Callable[[dict], None]) -> list[dic
         return f"{what} {entry['op']} of {entry['size']} B"
 
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **job.get("env", {})}
+    world = run_world(rank_main, n, (dict(job, port=store.port),), env, idle_timeout=job["timeout"],
+                      describe=describe)
     try:
-        for rank, message in run_world(rank_main, n, (dict(job, port=store.port),), env,
-                                       idle_timeout=job["timeout"], describe=describe):
+        for rank, message in world:
             if message[0] != "row":
                 continue
             _, index, stats = message
@@ -332,6 +361,7 @@ def run_engine(job: dict, stat: str, on_row: Callable[[dict], None]) -> list[dic
         exc.rows = rows
         raise
     finally:
+        world.close()  # kills the ranks if we leave early (an exception, SIGTERM)
         close = getattr(store, "close", None)  # torch's TCPStore has no close(): its server lives with the object
         if close is not None:
             close()
@@ -391,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--iters", "-n", type=int, default=None, help="timed iterations per row (default: by size)")
     parser.add_argument("--warmup", "-w", type=int, default=None, help="untimed iterations per row (default: by size)")
     parser.add_argument("--budget", type=float, default=0.2,
-                        help="seconds per row the automatic iteration count aims at, for a gloo-like speed (default 0.2)")
+                        help="seconds of timed iterations per row that the automatic counts aim at (default 0.2)")
     parser.add_argument("--dtype", "-d", choices=DTYPES, default="float32", help="element type (default float32)")
     parser.add_argument("--world", "-p", type=int, default=2, help="number of processes to start (default 2)")
     parser.add_argument("--backend", default="gloo",
@@ -443,7 +473,13 @@ def _distcomm_version() -> str:
     return __version__
 
 
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds through run_world, which kills the ranks
+
+
 def main(argv: list[str] | None = None) -> int:
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.dtype == "bfloat16" and args.compare:
@@ -454,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     plan = build_plan(args.ops, sizes(args.min_bytes, args.max_bytes, args.step_factor), args.world,
-                      args.dtype, args.iters, args.warmup, args.budget)
+                      args.dtype, args.iters, args.warmup)
     engines = [("distcomm", f"distcomm/{args.backend}", args.backend, args.tensor, env)]
     if args.compare == "torch":
         engines.append(("torch", "torch/gloo", "gloo", "torch", {}))
@@ -485,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
             print(report.table_row(row), file=live, flush=True)
 
         job = {"library": library, "backend": backend, "world": args.world, "dtype": args.dtype,
-               "tensor": kind, "plan": plan, "timeout": args.timeout, "env": extra}
+               "tensor": kind, "plan": plan, "timeout": args.timeout, "budget": args.budget, "env": extra}
         try:
             runs[label] = run_engine(job, args.stat, on_row)
         except WorldFailed as exc:

@@ -41,11 +41,13 @@ def make_row(entry: dict, per_rank: Sequence[dict], world_size: int, stat: str) 
     busbw = algbw * BUS_FACTOR[entry["op"]](world_size) if entry["op"] in BUS_FACTOR else math.nan
     return {
         **entry,
+        "warmup": per_rank[0]["warmup"],  # the same on every rank (chosen by rank 0 when automatic)
+        "iters": per_rank[0]["iters"],
         "time_us": seconds * 1e6,
         "algbw": algbw,
         "busbw": busbw,
         "wrong": sum(r["wrong"] for r in per_rank),
-        "ranks": [{k: (v * 1e6 if k in ("mean", "median", "min", "max") else v) for k, v in r.items()}
+        "ranks": [{f"{k}_us": r[k] * 1e6 for k in ("mean", "median", "min", "max")} | {"wrong": r["wrong"]}
                   for r in per_rank],
     }
 

@@ -17,10 +17,13 @@ import contextlib
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import signal
 import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Sequence
+
+from ..multiprocessing.spawn import _set_pdeathsig
 
 _CTX = mp.get_context("spawn")
 _EXIT = "__exit__"
@@ -64,7 +67,10 @@ def _environment(env: dict[str, str]):
                 os.environ[key] = value
 
 
-def _child(target: Callable, rank: int, args: tuple, conn) -> None:
+def _child(target: Callable, rank: int, args: tuple, conn, parent_pid: int) -> None:
+    _set_pdeathsig(signal.SIGKILL)  # a parent killed outright (SIGKILL) takes its world with it
+    if os.getppid() != parent_pid:  # it died before that took effect
+        os._exit(1)
     try:
         target(rank, conn.send, *args)
         conn.send((_EXIT, None))
@@ -86,7 +92,9 @@ def run_world(
 
     Raises WorldFailed when a rank raises or exits without finishing, or when no rank sent anything
     for ``idle_timeout`` seconds; the message names the ranks and, through ``describe``, the last
-    message each of them sent. Every process is killed on the way out, however the caller stops.
+    message each of them sent. Every process is killed on the way out, however the caller stops
+    (close the generator, or let an exception such as SystemExit from a SIGTERM handler through);
+    a parent killed with SIGKILL takes them with it (PR_SET_PDEATHSIG, Linux).
     """
     procs, conns = [], []
     finished = False
@@ -94,7 +102,7 @@ def run_world(
         with _environment(env or {}):
             for rank in range(world_size):
                 parent_conn, child_conn = _CTX.Pipe(duplex=False)
-                proc = _CTX.Process(target=_child, args=(target, rank, tuple(args), child_conn),
+                proc = _CTX.Process(target=_child, args=(target, rank, tuple(args), child_conn, os.getpid()),
                                     daemon=True, name=f"distcomm-bench-rank{rank}")
                 proc.start()
                 child_conn.close()
