@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from distcomm import reduce as R
+from distcomm import reduction as R
 from distcomm.algorithms import reference, select
 from distcomm.dtypes import from_name
 from distcomm.errors import CollectiveMismatchError, DistTimeoutError, PeerLostError

@@ -1,7 +1,7 @@
 """The dtype table: every CPU dtype torch has, its numpy storage, and a one-byte wire code.
 
 bfloat16 has no numpy dtype: it is stored as uint16 and carried by name, so reductions know to
-widen it to float32 (see reduce.py). Everything that needs to know "what dtype is this buffer" asks
+widen it to float32 (see reduction.py). Everything that needs to know "what dtype is this buffer" asks
 this module, never torch or numpy directly.
 """
 

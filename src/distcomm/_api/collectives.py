@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .. import reduce as reduction
+from .. import reduction
 from ..errors import DistBackendError, DistTimeoutError, PeerLostError
 from ..process_group import signature
 from ..types import RedOpType, normalize_op

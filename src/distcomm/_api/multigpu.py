@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import reduce as reduction
+from .. import reduction
 from ..types import RedOpType, normalize_op
 from . import args
 from .collectives import all_gather_into_tensor, all_reduce, broadcast, reduce, reduce_scatter_tensor

@@ -2,7 +2,7 @@
 
 Every algorithm takes a ``Channel`` (group-relative ``ch.rank`` / ``ch.size``; ``isend``, ``irecv``,
 ``send``, ``recv``, ``sendrecv``) and 1-D C-contiguous numpy arrays of the storage dtype, and
-reduces with a ``reducer(acc, x)`` from ``distcomm.reduce``. They know nothing of tensors, groups,
+reduces with a ``reducer(acc, x)`` from ``distcomm.reduction``. They know nothing of tensors, groups,
 dtypes or sockets, so each can be tested alone on the in-process transport.
 
 ==========================  ===================================================================

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import reduce as reduction
+from .. import reduction
 from ..algorithms import select
 from ..dtypes import DType
 from ..transport.base import Channel

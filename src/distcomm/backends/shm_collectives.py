@@ -35,7 +35,7 @@ import os
 
 import numpy as np
 
-from ..reduce import finish, premultiply, reducer
+from ..reduction import finish, premultiply, reducer
 from ..errors import DistBackendError
 from ..types import RedOpType
 from ..transport.base import Channel, TransportError

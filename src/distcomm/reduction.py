@@ -19,7 +19,7 @@ more than 2*11+2 significand bits that double rounding is harmless and the resul
 with torch's (which also computes half arithmetic in float).
 
 Semantics, checked against torch 2.13's gloo backend (a real multi-process all_reduce, see
-tests/test_reduce.py) and against torch's elementwise operators:
+tests/test_reduction.py) and against torch's elementwise operators:
 
 * bool: SUM and MAX are logical or, PRODUCT and MIN logical and, BAND/BOR/BXOR the logical
   and/or/xor — what gloo gives. Results are canonical 0/1 bytes (gloo's SUM stores True + True as

@@ -1,4 +1,4 @@
-"""Reductions (distcomm.reduce): which (op, dtype) pairs work, and bit-exactness against torch.
+"""Reductions (distcomm.reduction): which (op, dtype) pairs work, and bit-exactness against torch.
 
 * every op x dtype either works or raises the documented error, with torch's exception type;
 * reducer() against torch's own elementwise operators on the same inputs (special values included);
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from distcomm import reduce as R
+from distcomm import reduction as R
 from distcomm.dtypes import BY_NAME, from_name
 from distcomm.errors import DistBackendError
 from distcomm.types import ReduceOp, RedOpType
