@@ -531,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
 
     labels = [label for _, label, *_ in engines]
     if len(engines) > 1:
-        print()
+        print(f"\n# speedup = {labels[1]} time / {labels[0]} time (above 1: {labels[0]} is faster)")
         print(report.compare_tables(args.ops, runs[labels[0]], runs[labels[1]], labels))
     print()
     wrong = 0
