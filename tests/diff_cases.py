@@ -810,6 +810,17 @@ def run_cases(rank: int, ws: int, framework: str, backend: str = "gloo", only: l
             except Exception as exc:  # noqa: BLE001 - compared with the other framework
                 results[name] = ("error", _kind(exc), type(exc).__name__, str(exc)[:400])
             times[name] = time.monotonic() - t0
+            # Keep cases apart: distcomm's small sends are buffered (eager), so without this a rank
+            # could run ahead and send the next case's message into this case's any-source receive
+            # (legal; gloo's sends wait for the receiver, so torch would never show it). Only after
+            # a case that worked: gloo reports some errors (AVG on bool) again on the next call of
+            # one rank, which would leave the ranks out of step.
+            if results[name][0] != "ok":
+                continue
+            try:
+                dist.barrier()
+            except Exception as exc:  # noqa: BLE001
+                results[name + "#barrier"] = ("error", _kind(exc), type(exc).__name__, str(exc)[:400])
     dist.destroy_process_group()
     results["__times__"] = times
     results["__total__"] = time.monotonic() - start
