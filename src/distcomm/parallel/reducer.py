@@ -114,7 +114,7 @@ class GradBucket:
 
 
 class _Bucket:
-    __slots__ = ("index", "members", "offsets", "buffer", "views", "pending", "handle", "is_last")
+    __slots__ = ("index", "members", "offsets", "buffer", "array", "views", "pending", "handle", "is_last")
 
     def __init__(self, index: int, members: list[int], params: Sequence[torch.Tensor], is_last: bool):
         self.index = index
@@ -128,6 +128,9 @@ class _Bucket:
         self.views = [
             self.buffer[off:off + params[i].numel()].view(params[i].shape) for i, off in zip(members, self.offsets)
         ]
+        # The numpy view of the buffer (same memory): all_reduce takes it without converting a
+        # tensor each step. bfloat16 has no numpy dtype: the tensor is used then.
+        self.array = None if self.buffer.dtype == torch.bfloat16 else self.buffer.numpy()
         self.pending = len(members)
         self.handle = None  # Work (all_reduce) or Future (comm hook) once launched
         self.is_last = is_last
@@ -212,10 +215,10 @@ class Reducer:
         self.buckets = [
             _Bucket(k, members, params, k == len(bucket_members) - 1) for k, members in enumerate(bucket_members)
         ]
-        self.location = [(0, 0)] * len(params)  # param index -> (bucket, slot)
+        self.slot: list = [None] * len(params)  # param index -> (its bucket, its view in the bucket)
         for b in self.buckets:
-            for slot, i in enumerate(b.members):
-                self.location[i] = (b.index, slot)
+            for i, view in zip(b.members, b.views):
+                self.slot[i] = (b, view)
         self.comm_hook: Callable | None = None
         self.comm_state: Any = None
         self.divide_by_initial_world_size = True
@@ -339,27 +342,27 @@ class Reducer:
         return self._div_factor
 
     def _mark_ready(self, i: int, param: torch.Tensor | None) -> None:
-        """Put parameter i's contribution in its bucket slot (zeros when ``param`` is None)."""
+        """Put parameter i's contribution in its bucket slot (zeros when ``param`` is None).
+
+        No ``torch.no_grad()`` here: gradients and buckets never require grad, and hooks run with
+        grad mode off, so nothing is recorded (and this runs once per parameter per step)."""
         self._ready[i] = True
-        b_index, slot = self.location[i]
-        bucket = self.buckets[b_index]
-        view = bucket.views[slot]
-        with torch.no_grad():
-            grad = None if param is None else param.grad
-            if grad is None:
-                view.zero_()
-            elif self.comm_hook is not None:
-                if not self.grad_as_view or grad.data_ptr() != view.data_ptr():
-                    view.copy_(grad)
-                    if self.grad_as_view:
-                        param.grad = view
-            elif self.grad_as_view:
-                if grad.data_ptr() != view.data_ptr():
-                    view.copy_(grad)
+        bucket, view = self.slot[i]
+        grad = None if param is None else param.grad
+        if grad is None:
+            view.zero_()
+        elif self.comm_hook is not None:
+            if not self.grad_as_view or grad.data_ptr() != view.data_ptr():
+                view.copy_(grad)
+                if self.grad_as_view:
                     param.grad = view
-                view.div_(self._divide_factor())
-            else:
-                torch.mul(grad, 1.0 / self._divide_factor(), out=view)
+        elif self.grad_as_view:
+            if grad.data_ptr() != view.data_ptr():
+                view.copy_(grad)
+                param.grad = view
+            view.div_(self._div_factor or self._divide_factor())
+        else:
+            torch.mul(grad, 1.0 / (self._div_factor or self._divide_factor()), out=view)
         bucket.pending -= 1
         if bucket.pending == 0:
             self._launch_ready_buckets()
@@ -373,13 +376,15 @@ class Reducer:
             if self._next_bucket == last and not final:
                 return
             bucket = self.buckets[self._next_bucket]
-            bucket.handle = self._reduce(bucket.index, bucket.buffer, inline=self._next_bucket == last)
+            data = bucket.array if bucket.array is not None and self.comm_hook is None else bucket.buffer
+            bucket.handle = self._reduce(bucket.index, data, inline=self._next_bucket == last)
             self._next_bucket += 1
         if self._next_bucket == len(self.buckets) and self.find_unused and not self.static_graph:
             if self._used_work is None:
                 self._used_work = all_reduce(self._used, group=self.group, async_op=True)
 
-    def _reduce(self, index: int, buffer: torch.Tensor, inline: bool = False):
+    def _reduce(self, index: int, buffer, inline: bool = False):
+        """Start reducing bucket ``index`` (``buffer``: its tensor, or its numpy view on the default path)."""
         if self.comm_hook is None:
             if inline:
                 all_reduce(buffer, group=self.group)
