@@ -341,10 +341,10 @@ def test_unused_parameter_error_names_parameters_under_debug(world):
         assert f"Parameters which did not receive grad for rank {rank}: a.weight" in debug
 
 
-def test_ddp_on_a_subgroup(world):
-    ws, results = world
-    if ws != 3:
-        pytest.skip("needs a world of 3")
+def test_ddp_on_a_subgroup():
+    from training_helpers import shared_world
+
+    results = shared_world(3, "test_ddp")
     assert "subgroup" not in results[1]
     for rank in (0, 2):
         entry = results[rank]["subgroup"]
