@@ -171,91 +171,71 @@ def _pick(lib, *names):
 
 
 # Each case returns (run, check): ``run()`` does the op once on the row's buffers; ``check()`` fills
-# them with the pattern, runs once, and returns the number of wrong elements on this rank.
-# Rank r's input is ramp(add=r+1), so a SUM over n ranks is ramp(add=n(n+1)/2, scale=n).
+# the inputs with the pattern, runs once, and returns the number of wrong elements on this rank.
+# Buffers start zeroed, so an output the op failed to write is wrong. Rank r's input is
+# ramp(add=r+1), so a SUM over n ranks is ramp(add=n(n+1)/2, scale=n).
+
+
+def _case(t: _Tensors, run: Callable[[], None], fills: list, out=None, expected: Callable | None = None):
+    """(run, check) from the input buffers and their ``values()``, the output buffer and ``expected()``."""
+    def check() -> int:
+        for buf, values in fills:
+            t.fill(buf, values())
+        run()
+        return 0 if out is None else t.wrong(out, expected())
+
+    return run, check
+
+
+def _sum_of_ramps(t: _Tensors, count: int, n: int, offset: int = 0) -> np.ndarray:
+    return t.ramp(count, add=n * (n + 1) // 2, scale=n, offset=offset)
 
 
 def _all_reduce(d, t: _Tensors, count: int, rank: int, n: int):
     buf = t.empty(count)
-
-    def check():
-        t.fill(buf, t.ramp(count, add=rank + 1))
-        d.all_reduce(buf)
-        return t.wrong(buf, t.ramp(count, add=n * (n + 1) // 2, scale=n))
-
-    return (lambda: d.all_reduce(buf)), check
+    return _case(t, lambda: d.all_reduce(buf), [(buf, lambda: t.ramp(count, add=rank + 1))],
+                 buf, lambda: _sum_of_ramps(t, count, n))
 
 
 def _broadcast(d, t: _Tensors, count: int, rank: int, n: int):
     buf = t.empty(count)
-
-    def check():
-        t.fill(buf, t.ramp(count, add=rank + 1))
-        d.broadcast(buf, src=0)
-        return t.wrong(buf, t.ramp(count, add=1))
-
-    return (lambda: d.broadcast(buf, src=0)), check
+    return _case(t, lambda: d.broadcast(buf, src=0), [(buf, lambda: t.ramp(count, add=rank + 1))],
+                 buf, lambda: t.ramp(count, add=1))
 
 
 def _reduce(d, t: _Tensors, count: int, rank: int, n: int):
     buf = t.empty(count)
-
-    def check():
-        t.fill(buf, t.ramp(count, add=rank + 1))
-        d.reduce(buf, dst=0)
-        return t.wrong(buf, t.ramp(count, add=n * (n + 1) // 2, scale=n)) if rank == 0 else 0
-
-    return (lambda: d.reduce(buf, dst=0)), check
+    return _case(t, lambda: d.reduce(buf, dst=0), [(buf, lambda: t.ramp(count, add=rank + 1))],
+                 buf if rank == 0 else None, lambda: _sum_of_ramps(t, count, n))  # only the root's result is defined
 
 
 def _all_gather(d, t: _Tensors, count: int, rank: int, n: int):
     chunk = count // n
     inp, out = t.empty(chunk), t.empty(count)
     gather = _pick(d, "all_gather_single", "all_gather_into_tensor")
-
-    def check():
-        t.fill(inp, t.ramp(chunk, add=rank + 1))
-        t.fill(out, t.ramp(count, add=0, scale=0))
-        gather(out, inp)
-        return t.wrong(out, np.concatenate([t.ramp(chunk, add=src + 1) for src in range(n)]))
-
-    return (lambda: gather(out, inp)), check
+    return _case(t, lambda: gather(out, inp), [(inp, lambda: t.ramp(chunk, add=rank + 1))],
+                 out, lambda: np.concatenate([t.ramp(chunk, add=src + 1) for src in range(n)]))
 
 
 def _reduce_scatter(d, t: _Tensors, count: int, rank: int, n: int):
     chunk = count // n
     inp, out = t.empty(count), t.empty(chunk)
     scatter = _pick(d, "reduce_scatter_single", "reduce_scatter_tensor")
-
-    def check():
-        t.fill(inp, t.ramp(count, add=rank + 1))
-        t.fill(out, t.ramp(chunk, add=0, scale=0))
-        scatter(out, inp)
-        return t.wrong(out, t.ramp(chunk, add=n * (n + 1) // 2, scale=n, offset=rank * chunk))
-
-    return (lambda: scatter(out, inp)), check
+    return _case(t, lambda: scatter(out, inp), [(inp, lambda: t.ramp(count, add=rank + 1))],
+                 out, lambda: _sum_of_ramps(t, chunk, n, offset=rank * chunk))
 
 
 def _all_to_all(d, t: _Tensors, count: int, rank: int, n: int):
     chunk = count // n
     inp, out = t.empty(count), t.empty(count)
     # chunk (from r, to q) holds ramp(add=1 + r*n + q): every (sender, receiver) pair is distinguishable.
-
-    def check():
-        t.fill(inp, np.concatenate([t.ramp(chunk, add=1 + rank * n + dst) for dst in range(n)]))
-        t.fill(out, t.ramp(count, add=0, scale=0))
-        d.all_to_all_single(out, inp)
-        return t.wrong(out, np.concatenate([t.ramp(chunk, add=1 + src * n + rank) for src in range(n)]))
-
-    return (lambda: d.all_to_all_single(out, inp)), check
+    return _case(t, lambda: d.all_to_all_single(out, inp),
+                 [(inp, lambda: np.concatenate([t.ramp(chunk, add=1 + rank * n + dst) for dst in range(n)]))],
+                 out, lambda: np.concatenate([t.ramp(chunk, add=1 + src * n + rank) for src in range(n)]))
 
 
 def _barrier(d, t: _Tensors, count: int, rank: int, n: int):
-    def check():
-        d.barrier()
-        return 0
-
-    return d.barrier, check
+    return _case(t, d.barrier, [])
 
 
 CASES: dict[str, Callable] = {
