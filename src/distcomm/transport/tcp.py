@@ -371,7 +371,7 @@ class TcpTransport(Transport):
             self._driver = None
             if self._cond_waiters:
                 self._done_cond.notify_all()
-            elif self._closed and not self._waiters:
+            elif self._closed and not self._waiters and not self._thread.is_alive():
                 self._close_pollers()
 
     def _poke(self) -> None:
@@ -683,7 +683,11 @@ class TcpTransport(Transport):
                     except OSError:
                         pass
                     p.sock.close()
-            if self._driver is None:  # else the driver closes them when it leaves (_release)
+            # Never close the pollers under a thread still inside epoll_wait on them: closing the
+            # wake pipe can swallow its wake-up and leave that thread asleep for good. The driver
+            # closes them when it leaves (_release); a background thread that did not stop in 10 s
+            # keeps them (a leak, not a hang).
+            if self._driver is None and not self._thread.is_alive():
                 self._close_pollers()
 
     def _close_pollers(self) -> None:
