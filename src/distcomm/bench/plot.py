@@ -30,9 +30,12 @@ def _value_axis(ax) -> None:
     from matplotlib.ticker import FuncFormatter
 
     ax.set_yscale("log")
-    plain = FuncFormatter(lambda y, _: f"{y:g}")
-    ax.yaxis.set_major_formatter(plain)
-    ax.yaxis.set_minor_formatter(FuncFormatter(lambda y, _: f"{y:g}" if f"{y:.1g}"[0] in "25" else ""))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+    low, high = ax.get_ylim()
+    if high / low < 100:  # two decades or less: label the 2s and 5s between the powers of ten too
+        ax.yaxis.set_minor_formatter(FuncFormatter(lambda y, _: f"{y:g}" if f"{y:.1g}"[0] in "25" else ""))
+    else:
+        ax.yaxis.set_minor_formatter(FuncFormatter(lambda y, _: ""))
     ax.tick_params(axis="y", which="both", labelsize=7)
     ax.grid(True, which="minor", alpha=0.15)
 
@@ -64,7 +67,7 @@ def plot(path: str, ops: Sequence[str], runs: dict[str, list[dict]], meta: dict)
                 _value_axis(ax)
             ax.legend(fontsize=8)
     barrier = [f"{label} {r['time_us']:.1f} µs" for label, rows in runs.items() for r in rows if r["op"] == "barrier"]
-    title = (f"distcomm-bench: world size {meta['world_size']}, {meta['dtype']}, "
+    title = (f"distcomm-bench: world size {meta['world_size']}, distcomm backend {meta['backend']}, {meta['dtype']}, "
              f"time = slowest rank's {meta['stat']}\n{machine_line(meta['machine'])}")
     if barrier:
         title += "\nbarrier: " + ", ".join(barrier)
