@@ -391,7 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="nccl-tests-style benchmark of distcomm's collectives (optionally against torch.distributed's gloo). "
                     "time = the slowest rank's median (--stat) time per iteration; algbw = size/time; "
                     "busbw = algbw x the nccl-tests factor of the op.",
-        epilog="Other benchmarks: distcomm-bench store --help.",
+        epilog="Other benchmarks: distcomm-bench store --help, distcomm-bench ddp --help.",
     )
     parser.add_argument("--ops", "-o", type=_op_list, default=list(OPS),
                         help=f"comma-separated ops or 'all' (default: all = {','.join(OPS)})")
