@@ -479,7 +479,7 @@ def test_the_largest_timeout_a_client_can_send(server, good_client):
 
 # -- fuzzing the request handlers: any framed request is answered or refused, the loop never breaks ----
 
-from hypothesis import given, settings  # noqa: E402
+from hypothesis import example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from distcomm.store.tcp.server import _Connection  # noqa: E402
@@ -527,6 +527,7 @@ def _wire(request) -> bytes:
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(_requests, max_size=12))
+@example([p.Wait(0, [b""], 5), p.Set(0, b"", b"")])  # the set answers the wait in the same batch
 def test_any_sequence_of_requests_is_handled(requests):
     server = TCPStoreServer("127.0.0.1", 0, local_socket=False)
     try:

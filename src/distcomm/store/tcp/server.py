@@ -193,6 +193,8 @@ class TCPStoreServer:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # the table and connections: the loop's batch, or one local request
         self._local_ids = itertools.count(-1, -1)  # local connections have no fd: negative keys
+        self._replying_to: _Connection | None = None  # the connection _process() is answering
+        self._replies: list[bytes] = []
         self._handlers = {
             p.Hello: self._on_hello,
             p.Set: self._on_set,
@@ -381,20 +383,18 @@ class TCPStoreServer:
         self._process(conn, data)
 
     def _process(self, conn: _Connection, data: bytes) -> None:
-        """Handle every complete request in ``data`` and send the replies with one send."""
+        """Handle every complete request in ``data`` and send the replies, in order, with one send."""
         proto = conn.proto
         handlers = self._handlers
-        reply = None
+        # a request in this batch may complete one this connection parked earlier: _finish() puts
+        # that reply in line here too, so the hello reply always goes first
+        self._replying_to, self._replies = conn, []
+        replies = self._replies
         try:
             for event in proto.receive_events(data):
                 answer = handlers[event.__class__](conn, event)
                 if answer is not None:
-                    if reply is None:
-                        reply = answer
-                    elif reply.__class__ is list:
-                        reply.append(answer)
-                    else:
-                        reply = [reply, answer]
+                    replies.append(answer)
                 if conn.closing:
                     break
         except p.ProtocolError as exc:
@@ -402,14 +402,16 @@ class TCPStoreServer:
             log.info("TCPStore server: closing %s: %s", conn.peer, exc)
             self._close(conn)
             return
+        finally:
+            self._replying_to = None
         if proto.has_partial_data:
             if conn.partial_deadline is None:
                 self._mark_partial(conn, time.monotonic())
         elif conn.partial_deadline is not None:
             conn.partial_deadline = None
             del self._partial[conn]
-        if reply is not None:
-            self._send(conn, reply if reply.__class__ is bytes else b"".join(reply))
+        if replies:
+            self._send(conn, replies[0] if len(replies) == 1 else b"".join(replies))
 
     def _mark_partial(self, conn: _Connection, now: float) -> None:
         conn.partial_deadline = now + self.idle_timeout
@@ -530,8 +532,11 @@ class TCPStoreServer:
 
     def _finish(self, parked: _Parked, reply: bytes) -> None:
         self._unpark(parked)
-        if parked.conn.fd in self._conns:
-            self._send(parked.conn, reply)
+        conn = parked.conn
+        if conn is self._replying_to:
+            self._replies.append(reply)
+        elif conn.fd in self._conns:
+            self._send(conn, reply)
 
     def _written(self, key: bytes) -> None:
         """``key`` now exists: answer the parked requests it completes."""
