@@ -407,7 +407,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--backend", default="gloo",
                         help="distcomm backend: gloo (distcomm's default CPU engine), tcp, shm when available (default gloo)")
     parser.add_argument("--algo", action="append", default=[], metavar="[OP=]NAME",
-                        help="force a distcomm algorithm (DISTCOMM_ALGO_<OP>), e.g. ring or all_reduce=halving_doubling; repeatable")
+                        help="force a point-to-point algorithm (sets DISTCOMM_ALGO_<OP>; used by backend tcp), e.g. ring or "
+                             "all_reduce=halving_doubling; repeatable. Other DISTCOMM_* variables in the environment "
+                             "reach the ranks too and are shown in the header")
     parser.add_argument("--tensor", choices=("numpy", "torch"), default="numpy",
                         help="buffers distcomm ranks use (default numpy; torch ranks always use torch tensors)")
     parser.add_argument("--compare", choices=("torch",), default=None,
@@ -481,10 +483,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# machine: {report.machine_line(info)}")
     print(f"# time: the slowest rank's {args.stat} over timed iterations (per-iteration perf_counter, "
           f"barrier before timing, same buffers); busbw: nccl-tests factors; #wrong: checked every row")
-    for library, label, _, kind, extra in engines:
+    inherited = {k: v for k, v in os.environ.items() if k.startswith("DISTCOMM_")}  # tuning knobs the ranks inherit
+    for library, label, backend, kind, extra in engines:
         version = info.get("torch") if library == "torch" else _distcomm_version()
-        note = f", {' '.join(f'{k}={v}' for k, v in sorted(extra.items()))}" if extra else ""
+        knobs = {} if library == "torch" else {**inherited, **extra}
+        note = f", {' '.join(f'{k}={v}' for k, v in sorted(knobs.items()))}" if knobs else ""
         print(f"# {label}: {library} {version}, {kind} buffers{note}")
+    if env and args.backend != "tcp":
+        print("# note: --algo sets DISTCOMM_ALGO_<OP>, read by the point-to-point collectives (backend tcp, or any "
+              "backend with DISTCOMM_SHM_COLLECTIVES=0); the shared-memory collectives have their own knobs")
     sys.stdout.flush()
 
     live = sys.stderr if len(engines) > 1 else sys.stdout
@@ -523,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# FAILED {failure.splitlines()[0]}")
 
     meta = {"world_size": args.world, "backend": args.backend, "dtype": args.dtype, "stat": args.stat,
-            "tensor": args.tensor, "algo_env": env, "machine": info, "engines": labels,
+            "tensor": args.tensor, "algo_env": env, "distcomm_env": inherited, "machine": info, "engines": labels,
             "argv": sys.argv[1:] if argv is None else list(argv)}
     if args.json:
         report.write_json(args.json, meta, runs)
