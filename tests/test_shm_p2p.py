@@ -66,6 +66,7 @@ def p2p_body(rank, world):
         assert sources == set(range(1, world))
     else:
         dist.send(np.full(5, rank, np.int32), dst=0)
+    dist.barrier()  # or a rank running ahead could send its next message into the any-source receive
 
     ops = [dist.P2POp(dist.isend, np.full(4, rank, np.float32), nxt),
            dist.P2POp(dist.irecv, buf := np.zeros(4, np.float32), prv)]

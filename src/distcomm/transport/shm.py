@@ -42,10 +42,10 @@ from .shm_group import MAGIC as GROUP_MAGIC
 from .shm_group import GroupShm, init_segment, layout, slot_config
 from .shm_ring import ACKED, MODE_DIRECT, MODE_INLINE, PVM_OK, RECORD, Ring, decode, encode
 from .shm_segment import Segment
-from .shm_wait import Bell, PeerHealth, WaitPolicy, wait_until
+from .shm_wait import Bell, PeerHealth, WaitPolicy, current_cpu, wait_until
 
 WORLD_MAGIC = 0x64636F6D6D73686D  # "dcommshm"
-_W_MAGIC, _W_PID, _W_CLOSED = 0, 1, 2
+_W_MAGIC, _W_PID, _W_CLOSED, _W_CPU = 0, 1, 2, 3  # _W_CPU: 1 + the CPU of the last wait
 _BELL_U32 = 16  # u32 index of the bell (byte 64); its sleeper count follows
 _RINGS_AT = 128
 _DIR_ENTRY = 128  # u64 (group id + 1), then the segment name (NUL-padded)
@@ -158,14 +158,12 @@ class ShmTransport(Transport):
             g: Bell(memoryview(s.buf[:_RINGS_AT]).cast("I"), _BELL_U32, s.address + 4 * _BELL_U32)
             for g, s in segments.items()
         }
-        block = Ring.block_bytes(ring_bytes)
+        self._block = Ring.block_bytes(ring_bytes)
         me = self._index[rank]
-
-        def ring_block(seg: Segment, i: int) -> np.ndarray:
-            return seg.buf[_RINGS_AT + i * block : _RINGS_AT + (i + 1) * block]
-
+        ring_block = self._ring_block
         self._out = {g: Ring(ring_block(segments[rank], self._index[g])) for g in self.local if g != rank}
         self._in = {g: Ring(ring_block(segments[g], me)) for g in self.local if g != rank}
+        self._direct_ok: dict[tuple, bool] = {}
         self._dir_at, _ = _world_layout(len(self.local), ring_bytes)
         self._dir_count = 0
         self.policy = WaitPolicy(len(self.local))
@@ -235,12 +233,35 @@ class ShmTransport(Transport):
                 seg.close()
             raise
 
+    def _ring_block(self, seg: Segment, i: int) -> np.ndarray:
+        """The ring that ``seg``'s owner produces for the local rank of index i."""
+        return seg.buf[_RINGS_AT + i * self._block : _RINGS_AT + (i + 1) * self._block]
+
     # -- helpers for collectives ----------------------------------------------------------------
     def bell_of(self, global_rank: int) -> Bell:
         return self._bells[global_rank]
 
     def is_local(self, global_rank: int) -> bool:
         return global_rank in self._index
+
+    def pid_of(self, global_rank: int) -> int:
+        return self._pids[global_rank]
+
+    def direct_reads_ok(self, ranks) -> bool:
+        """True if every member of ``ranks`` may read every other's memory (process_vm_readv).
+
+        Each rank recorded at connect time, in the rings it consumes, whether it can read their
+        producer; every rank maps every ring, so all members compute the same answer.
+        """
+        key = tuple(ranks)
+        ok = self._direct_ok.get(key)
+        if ok is None:
+            ok = all(
+                Ring(self._ring_block(self._segments[g], self._index[h])).ctl[PVM_OK]
+                for g in ranks for h in ranks if g != h
+            )
+            self._direct_ok[key] = ok
+        return ok
 
     def lost_peers(self, ranks) -> list[int]:
         """Ranks among ``ranks`` whose transport is closed or whose process has exited."""
@@ -265,7 +286,15 @@ class ShmTransport(Transport):
             if lost and not ready():
                 raise self.lost_error(lost)
 
-        wait_until(ready, deadline, self.bell, self.policy, check, on_timeout)
+        wait_until(ready, deadline, self.bell, self.policy, check, on_timeout, self._spin_worthwhile(peers))
+
+    def _spin_worthwhile(self, peers) -> bool:
+        """Record our CPU; False if a peer we wait for last waited on the same CPU (spinning would
+        only delay it). Ranks of one host move between CPUs, so this is asked at every wait."""
+        cpu = current_cpu() + 1
+        ctl = self._ctl
+        ctl[self.rank][_W_CPU] = cpu
+        return not any(ctl[g][_W_CPU] == cpu for g in peers if g != self.rank)
 
     @property
     def collectives(self):
@@ -493,7 +522,8 @@ class ShmTransport(Transport):
                             self._withdraw(req)
                             self._fail(req, err)
 
-            wait_until(lambda: self._test(req), deadline, self.bell, self.policy, check, lambda: self._timed_out(req))
+            wait_until(lambda: self._test(req), deadline, self.bell, self.policy, check, lambda: self._timed_out(req),
+                       self._spin_worthwhile(peers))
         if req.error is not None:
             raise req.error
 

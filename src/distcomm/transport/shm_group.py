@@ -121,6 +121,11 @@ class GroupShm:
                     break
         return self.slots[self.rank][k % self.nslots]
 
+    def wait_consumed(self, k: int, ch) -> None:
+        """Wait until every peer has finished reading round k (and so everything before it)."""
+        if any(c[CONSUMED] < k for c in self._peer_ctl):
+            self._wait_reuse(k, ch)
+
     def _wait_reuse(self, need: int, ch) -> None:
         ctl, peers = self.ctl, self._peers
         mine = ctl[self.rank]
@@ -141,6 +146,21 @@ class GroupShm:
         self.ctl[self.rank][POSTED] = k
         for bell in self._peer_bells:
             bell.ring()
+
+    def advance(self, k: int) -> None:
+        """Set ``posted = k`` without a slot: progress within a collective (see allreduce_readv)."""
+        self.ctl[self.rank][POSTED] = k
+        for bell in self._peer_bells:
+            bell.ring()
+
+    def posted(self, q: int) -> int:
+        return self.ctl[q][POSTED]
+
+    def wait_posted_counter(self, q: int, k: int, ch) -> None:
+        """Wait until member q's ``posted >= k`` (no slot header to check)."""
+        if self.ctl[q][POSTED] < k:
+            c = self.ctl[q]
+            self._wait(lambda: c[POSTED] >= k, ch, POSTED, k, [q])
 
     def wait_posted(self, k: int, ch, nbytes: int | None, peers=None) -> None:
         """Wait until ``peers`` (default: all others) have posted round k; check their headers."""

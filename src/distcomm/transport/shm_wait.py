@@ -37,7 +37,6 @@ _SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98, "ppc64le"
 )
 _FUTEX_WAIT = 0
 _FUTEX_WAKE = 1
-_ETIMEDOUT, _EAGAIN, _EINTR = 110, 11, 4
 
 
 class _Timespec(ctypes.Structure):
@@ -52,6 +51,19 @@ except (OSError, AttributeError):  # pragma: no cover - not Linux/glibc
     _syscall = None
 
 HAVE_FUTEX = _syscall is not None and _SYS_FUTEX is not None
+
+try:
+    _getcpu = _libc.sched_getcpu
+    _getcpu.restype = ctypes.c_int
+    _getcpu.argtypes = []
+except (NameError, AttributeError):  # pragma: no cover
+    _getcpu = None
+
+
+def current_cpu() -> int:
+    """The CPU this thread runs on (-1 if unknown): a waiter whose peer last ran on the same CPU
+    does not spin, since the peer cannot make progress until the waiter lets go of that CPU."""
+    return _getcpu() if _getcpu is not None else -1
 
 
 def futex_wait(address: int, expected: int, timeout: float) -> None:
@@ -122,7 +134,8 @@ class WaitPolicy:
             cpus = os.cpu_count() or 1
         self.oversubscribed = local_ranks > cpus
         self.spin_s = _env_seconds("DISTCOMM_SHM_SPIN_US", 0.0 if self.oversubscribed else 20e-6)
-        self.yield_s = _env_seconds("DISTCOMM_SHM_YIELD_US", 50e-6 if self.oversubscribed else 200e-6)
+        self.yield_s = _env_seconds("DISTCOMM_SHM_YIELD_US", 50e-6 if self.oversubscribed else 100e-6)
+        self.shared_yield_s = _env_seconds("DISTCOMM_SHM_SHARED_YIELD_US", 200e-6)  # when sharing a CPU
         self.slice_s = 0.05  # longest single sleep
         self.check_s = 0.1  # peer health check period while sleeping
 
@@ -139,20 +152,22 @@ def wait_until(
     policy: WaitPolicy,
     check: Callable[[], None],
     on_timeout: Callable[[], BaseException | None],
+    spin: bool = True,
 ) -> None:
     """Return once ``ready()``; past ``deadline`` raise ``on_timeout()`` (or return if it gives
     None: the wait was satisfied after all). ``check()`` deals with dead peers (raises, or settles
-    what was waited for); it runs every ``policy.check_s`` while sleeping and before a timeout."""
+    what was waited for); it runs every ``policy.check_s`` while sleeping and before a timeout.
+    ``spin=False`` skips the spin phase (the awaited peer shares our CPU)."""
     if ready():
         return
     now = time.perf_counter
     start = now()
-    if policy.spin_s:
+    if spin and policy.spin_s:
         end = start + policy.spin_s
         while now() < end:
             if ready():
                 return
-    end = start + policy.spin_s + policy.yield_s
+    end = start + (policy.spin_s + policy.yield_s if spin else policy.shared_yield_s)
     yield_ = os.sched_yield
     while now() < end:
         yield_()
