@@ -5,7 +5,9 @@ its own result against the reference semantics computed with numpy: reductions i
 ((x0 ⊕ x1) ⊕ x2) ..., which is what the shared-memory algorithms compute, so results are compared
 bit for bit. ``DISTCOMM_SHM_SLOT_BYTES=4096`` makes small messages take many rounds (chunking,
 slot reuse, uneven pieces) while staying fast; ``DISTCOMM_SHM_ALLREDUCE_DIRECT_BYTES=256`` sends
-all but the smallest all_reduce through the bandwidth algorithm. Also: async work, two groups on the
+all but the smallest all_reduce through a bandwidth algorithm: through slots when single-copy
+reads are off (``DISTCOMM_SHM_DIRECT=0``), with process_vm_readv from 2 KiB on
+(``DISTCOMM_SHM_READV_BYTES=2048``). Also: async work, two groups on the
 same ranks used at once, subgroups, object collectives, torch tensors with bfloat16, the default
 slot size with messages of a few MiB, and the generic algorithms over the shared-memory rings
 (``DISTCOMM_SHM_COLLECTIVES=0``).
@@ -23,6 +25,9 @@ import pytest
 from harness import run_world
 
 CHUNKY = {"DISTCOMM_SHM_SLOT_BYTES": "4096", "DISTCOMM_SHM_ALLREDUCE_DIRECT_BYTES": "256"}
+# the same through the slot algorithms only (no single-copy reads), and with single-copy reads from 2 KiB
+SLOTS = {**CHUNKY, "DISTCOMM_SHM_DIRECT": "0"}
+READV = {**CHUNKY, "DISTCOMM_SHM_READV_BYTES": "2048"}
 
 
 def _data(rank: int, n: int, dtype, salt: int = 0) -> np.ndarray:
@@ -195,10 +200,10 @@ def world_body(rank, world, backend, salt):
 @pytest.mark.parametrize(
     "backend, world, env",
     [
-        ("shm", 2, CHUNKY),
-        ("shm", 3, CHUNKY),
-        ("shm", 8, CHUNKY),
-        ("gloo", 4, CHUNKY),
+        ("shm", 2, SLOTS),
+        ("shm", 3, READV),
+        ("shm", 8, SLOTS),
+        ("gloo", 4, READV),
         (None, 3, {}),
         ("shm", 4, {"DISTCOMM_SHM_COLLECTIVES": "0", "DISTCOMM_SHM_RING_BYTES": "4096"}),
     ],
@@ -209,7 +214,7 @@ def test_every_collective(backend, world, env):
 
 
 def large_body(rank, world):
-    """The default slot size with messages of a few MiB, both all_reduce algorithms forced."""
+    """The default slot size with messages of a few MiB, every all_reduce algorithm forced."""
     import distcomm as dist
     from distcomm import world as world_state
 
@@ -217,7 +222,7 @@ def large_body(rank, world):
     ops = world_state.default_pg.ops
     n = 3 * (1 << 20) // 4 + 13  # ~3 MiB of float32: several 1 MiB rounds and a ragged end
     parts = [_data(q, n, np.float32, 77) for q in range(world)]
-    for algo in ("slices", "direct"):
+    for algo in ("slices", "direct", "readv"):
         ops.allreduce_algo = algo
         x = parts[rank].copy()
         dist.all_reduce(x)
