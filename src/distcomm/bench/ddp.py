@@ -15,10 +15,10 @@ per-rank batches from the same initial weights:
 - ``torch``: ``torch.nn.parallel.DistributedDataParallel`` on torch's gloo group.
 
 A step is ``zero_grad; loss = f(model(x)); loss.backward(); optimizer.step()`` (SGD). After
-``--warmup`` untimed steps, ``--rounds`` rounds each time ``--steps`` steps of every variant, in
-an order that rotates every round (so a burst of load on this shared machine hits every variant
-alike). A step's time is the slowest rank's (ranks move in lockstep through the all_reduces); the
-table shows the median over all timed steps. The two DDPs see the same data, so their weights must
+``--warmup`` untimed steps of each, the variants take turns one step at a time, in an order that
+rotates every step, so a burst of load on a shared machine hits every variant alike; an untimed
+barrier starts each step on every rank together. A step's time is the slowest rank's; the table
+shows the median over the ``--steps`` timed steps of each variant. The two DDPs see the same data, so their weights must
 end equal: the table says so (``same result``), which checks the numbers being timed.
 
 Models: ``demo-cnn`` is the demo's network (about 22 KB of gradients: one bucket, latency-bound);
@@ -48,8 +48,7 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world", type=int, default=2, help="number of ranks (default 2)")
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {', '.join(MODELS)}")
-    p.add_argument("--steps", type=int, default=30, help="timed steps per variant per round (default 30)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds of every variant (default 3)")
+    p.add_argument("--steps", type=int, default=60, help="timed steps per variant (default 60)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per variant first (default 5)")
     p.add_argument("--batch", type=int, default=64, help="samples per rank per step (default 64)")
     p.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP bucket_cap_mb (default: DDP's 25)")
@@ -121,14 +120,13 @@ def _rank_main(rank: int, send, world: int, dc_port: int, torch_port: int, confi
             for _ in range(config["warmup"]):
                 step(variant)
         times = {v: [] for v in VARIANTS}
-        for rnd in range(config["rounds"]):
-            order = VARIANTS[rnd % len(VARIANTS):] + VARIANTS[:rnd % len(VARIANTS)]
-            for variant in order:
-                distcomm.barrier()
-                for _ in range(config["steps"]):
-                    start = time.perf_counter()
-                    step(variant)
-                    times[variant].append(time.perf_counter() - start)
+        for i in range(config["steps"]):
+            shift = i % len(VARIANTS)
+            for variant in VARIANTS[shift:] + VARIANTS[:shift]:
+                distcomm.barrier()  # every rank starts the step together; not timed
+                start = time.perf_counter()
+                step(variant)
+                times[variant].append(time.perf_counter() - start)
         params = sum(p.numel() for p in models["local"].parameters())
         diff = max(float((a - b).detach().abs().max()) for a, b in
                    zip(models["distcomm"].module.parameters(), models["torch"].module.parameters()))
@@ -151,8 +149,8 @@ def _summarize(per_rank: list[dict]) -> dict:
 
 def _table(rows: list[dict], world: int, config: dict) -> str:
     lines = [
-        f"distcomm-bench ddp: world {world}, batch {config['batch']} per rank, {config['rounds']} rounds x "
-        f"{config['steps']} steps per variant; median step time of the slowest rank",
+        f"distcomm-bench ddp: world {world}, batch {config['batch']} per rank, {config['steps']} steps per variant "
+        "(interleaved); median step time of the slowest rank",
         f"{'model':>9} {'params':>9} {'grads':>10} {'buckets':>7} {'local':>9} {'distcomm':>9} {'torch':>9} "
         f"{'torch/':>9}  same result",
         f"{'':>9} {'':>9} {'':>10} {'':>7} {'(ms)':>9} {'DDP (ms)':>9} {'DDP (ms)':>9} {'distcomm':>9}",
@@ -177,7 +175,7 @@ def main(argv=None) -> int:
     unknown = [m for m in models if m not in MODELS]
     if unknown:
         _parser().error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
-    config = {"models": models, "steps": args.steps, "rounds": args.rounds, "warmup": args.warmup,
+    config = {"models": models, "steps": args.steps, "warmup": args.warmup,
               "batch": args.batch, "bucket_cap_mb": args.bucket_cap_mb, "backend": args.backend}
     dc_store = host_store("distcomm", 120)
     torch_store = host_store("torch", 120)
