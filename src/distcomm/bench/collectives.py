@@ -25,7 +25,8 @@ rank 0 times one warmup iteration and picks the counts for the row — timed ite
 and tells the other ranks through the store, so every engine gets the same time per row however
 fast it is, and the default run at world 2 takes a couple of minutes. Iterations are not separated
 by barriers (as in nccl-tests): an op whose data flows one way (broadcast, reduce) may overlap the
-next iteration, so its time is a per-op throughput rather than an isolated latency. Sizes are whole
+next iteration, so its time is a per-op throughput rather than an isolated latency; ``--sync-each``
+puts an untimed barrier before every iteration to measure that latency instead. Sizes are whole
 buffers, as in nccl-tests: the all_gather output, the reduce_scatter and all_to_all input; they are
 rounded down to a multiple of the world size (at least one element per rank) for those ops, and a
 size that rounds to the previous one is skipped.
@@ -267,12 +268,17 @@ def _warm_up(run: Callable[[], None], entry: dict, index: int, rank: int, store,
     return max(warmup, done), iters
 
 
-def _timed(d, run: Callable[[], None], iters: int) -> np.ndarray:
-    """Seconds per iteration: a barrier so every rank starts together, then each iteration timed alone."""
+def _timed(d, run: Callable[[], None], iters: int, sync_each: bool = False) -> np.ndarray:
+    """Seconds per iteration: a barrier so every rank starts together, then each iteration timed alone.
+
+    ``sync_each``: an untimed barrier before every iteration too, so no iteration overlaps the next.
+    """
     d.barrier()
     times = np.empty(iters)
     clock = time.perf_counter
     for k in range(iters):
+        if sync_each:
+            d.barrier()
         start = clock()
         run()
         times[k] = clock() - start
@@ -296,7 +302,7 @@ def rank_main(rank: int, send: Callable, job: dict) -> None:
         run, check = CASES[entry["op"]](d, tensors, entry["count"], rank, n)
         wrong = check()
         warmup, iters = _warm_up(run, entry, index, rank, store, job["budget"])
-        times = _timed(d, run, iters)
+        times = _timed(d, run, iters, job.get("sync_each", False))
         send(("row", index, {"mean": float(times.mean()), "median": float(np.median(times)),
                              "min": float(times.min()), "max": float(times.max()), "wrong": wrong,
                              "warmup": warmup, "iters": iters}))
@@ -414,6 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="buffers distcomm ranks use (default numpy; torch ranks always use torch tensors)")
     parser.add_argument("--compare", choices=("torch",), default=None,
                         help="also run torch.distributed's gloo backend with the same plan and print both with the speedup")
+    parser.add_argument("--sync-each", action="store_true",
+                        help="untimed barrier before every timed iteration: one-way ops (broadcast, reduce) then report "
+                             "an isolated latency instead of a back-to-back throughput")
     parser.add_argument("--stat", choices=("median", "mean"), default="median",
                         help="per-rank statistic of the iteration times; the row reports its maximum over ranks (default median)")
     parser.add_argument("--plot", metavar="FILE.png", help="draw latency and busbw against size (needs matplotlib)")
@@ -481,8 +490,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# distcomm-bench: world {args.world}, {args.dtype}, ops {','.join(args.ops)}, "
           f"{report.format_bytes(args.min_bytes)} .. {report.format_bytes(args.max_bytes)}")
     print(f"# machine: {report.machine_line(info)}")
+    barrier = "a barrier before every iteration" if args.sync_each else "a barrier before timing"
     print(f"# time: the slowest rank's {args.stat} over timed iterations (per-iteration perf_counter, "
-          f"barrier before timing, same buffers); busbw: nccl-tests factors; #wrong: checked every row")
+          f"{barrier}, same buffers); busbw: nccl-tests factors; #wrong: checked every row")
     inherited = {k: v for k, v in os.environ.items() if k.startswith("DISTCOMM_")}  # tuning knobs the ranks inherit
     for library, label, backend, kind, extra in engines:
         version = info.get("torch") if library == "torch" else _distcomm_version()
@@ -508,7 +518,8 @@ def main(argv: list[str] | None = None) -> int:
             print(report.table_row(row), file=live, flush=True)
 
         job = {"library": library, "backend": backend, "world": args.world, "dtype": args.dtype,
-               "tensor": kind, "plan": plan, "timeout": args.timeout, "budget": args.budget, "env": extra}
+               "tensor": kind, "plan": plan, "timeout": args.timeout, "budget": args.budget, "env": extra,
+               "sync_each": args.sync_each}
         try:
             runs[label] = run_engine(job, args.stat, on_row)
         except WorldFailed as exc:
@@ -530,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# FAILED {failure.splitlines()[0]}")
 
     meta = {"world_size": args.world, "backend": args.backend, "dtype": args.dtype, "stat": args.stat,
-            "tensor": args.tensor, "algo_env": env, "distcomm_env": inherited, "machine": info, "engines": labels,
+            "tensor": args.tensor, "sync_each": args.sync_each, "algo_env": env, "distcomm_env": inherited, "machine": info, "engines": labels,
             "argv": sys.argv[1:] if argv is None else list(argv)}
     if args.json:
         report.write_json(args.json, meta, runs)
