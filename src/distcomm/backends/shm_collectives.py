@@ -222,15 +222,16 @@ def allreduce_readv(ctx, ch: Channel, flat: np.ndarray, red) -> None:
                 else:
                     red(a, x)
             mine[...] = a
-        ctx.advance(k0 + 1 + j)
+        ctx.advance(k0 + 1 + j, wake=j == chunks - 1)
         for q in range(p):  # whatever the peers have finished meanwhile
             while copied[q] < chunks and ctx.posted(q) > k0 + copied[q]:
                 fetch(q)
+    # One wait for everything still missing: under contention every sleep costs a trip through the
+    # scheduler's queue, so peers only wake us for their last chunk.
+    ctx.wait_posted_counter(k0 + chunks, ch)
     for q in range(p):
         while copied[q] < chunks:
-            ctx.wait_posted_counter(q, k0 + 1 + copied[q], ch)
-            while copied[q] < chunks and ctx.posted(q) > k0 + copied[q]:
-                fetch(q)
+            fetch(q)
     ctx.consume(k0 + chunks)
     ctx.wait_consumed(k0 + chunks, ch)
 

@@ -147,20 +147,25 @@ class GroupShm:
         for bell in self._peer_bells:
             bell.ring()
 
-    def advance(self, k: int) -> None:
-        """Set ``posted = k`` without a slot: progress within a collective (see allreduce_readv)."""
+    def advance(self, k: int, wake: bool = True) -> None:
+        """Set ``posted = k`` without a slot: progress within a collective (see allreduce_readv).
+        ``wake=False`` only bumps the peers' bells (a peer about to sleep looks again; one asleep
+        is left alone)."""
         self.ctl[self.rank][POSTED] = k
         for bell in self._peer_bells:
-            bell.ring()
+            if wake:
+                bell.ring()
+            else:
+                bell.bump()
 
     def posted(self, q: int) -> int:
         return self.ctl[q][POSTED]
 
-    def wait_posted_counter(self, q: int, k: int, ch) -> None:
-        """Wait until member q's ``posted >= k`` (no slot header to check)."""
-        if self.ctl[q][POSTED] < k:
-            c = self.ctl[q]
-            self._wait(lambda: c[POSTED] >= k, ch, POSTED, k, [q])
+    def wait_posted_counter(self, k: int, ch) -> None:
+        """Wait until every peer's ``posted >= k`` (no slot header to check)."""
+        if any(c[POSTED] < k for c in self._peer_ctl):
+            peer_ctl = self._peer_ctl
+            self._wait(lambda: all(c[POSTED] >= k for c in peer_ctl), ch, POSTED, k)
 
     def wait_posted(self, k: int, ch, nbytes: int | None, peers=None) -> None:
         """Wait until ``peers`` (default: all others) have posted round k; check their headers."""
