@@ -2,8 +2,8 @@
 
 Rings (wrap-around, partial pushes, discards, record headers), segments (mode 0600, unpredictable
 names, unlink on close / garbage collection, the launcher's cleanup hook), doorbells and futex
-waits, the waiting policy's deadline and health checks, peer health through pidfds, host ids
-single-copy reads, and and single-copy reads (multi-process behaviour is in the other test_shm_* files).
+waits, the waiting policy's deadline and health checks, peer health through pidfds, host ids,
+and single-copy reads. Multi-process behaviour is in the other test_shm_* files.
 """
 
 from __future__ import annotations

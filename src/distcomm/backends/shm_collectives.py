@@ -35,11 +35,11 @@ import os
 
 import numpy as np
 
-from ..reduction import finish, premultiply, reducer
 from ..errors import DistBackendError
-from ..types import RedOpType
+from ..reduction import finish, premultiply, reducer
 from ..transport import shm_direct
 from ..transport.base import Channel, TransportError
+from ..types import RedOpType
 from . import collectives as generic
 
 DIRECT_ALLREDUCE_BYTES = 64 * 1024
