@@ -83,8 +83,6 @@ def _socket_rank(rank: int, port: int, iters: int, q) -> None:
 
 
 def _run(target, args) -> dict:
-    from ..store.tcp.store import TCPStore  # noqa: F401  (import cost outside the timing)
-
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     with socket.socket() as s:

@@ -2,7 +2,8 @@
 
 What it does (the contract is in ``base.py``): frames every message with a 32-byte header
 (``framing.py``), matches arriving messages to posted receives by ``(source, MessageKey)`` in
-arrival order, and checks size and signature. The mesh itself is built by ``mesh.py``.
+arrival order (the rules are in ``matching.py``), and checks size and signature. The mesh itself
+is built by ``mesh.py``; this module is the sockets and the progress engine.
 
 **Copies.** A send goes from the caller's buffer to the kernel (``sendmsg`` of header + payload
 memoryview, no join). A receive that is posted before its message arrives gets the payload read
@@ -16,7 +17,8 @@ receive's buffer.
 **Progress: the waiting thread drives the sockets.** Measured on this 2-vCPU machine, a ping-pong
 whose completions are handed from a progress thread to the waiting thread (Condition) costs
 ~150-190 µs per round trip, spinning on a flag is worse (the spinner steals the core the peer
-needs), while the waiting thread blocking in epoll on the sockets itself costs ~35 µs. So:
+needs), while the waiting thread blocking in epoll on the sockets itself costs ~30-35 µs
+(prototypes, measured side by side; a blocking-socket ping-pong took ~18 µs then). So:
 
 * a thread in ``Request.wait`` takes the *driver* role and runs the event loop (``_fg`` epoll)
   until its request is done; other waiting threads sleep on a Condition and one of them takes
@@ -56,6 +58,7 @@ import numpy as np
 
 from . import framing, mesh
 from .base import ANY_SOURCE, MessageKey, Request, Transport, TransportError
+from .matching import Matcher, Unexpected
 
 _STAGE = 16 << 10  # per-peer read buffer for headers and small payloads
 _SCRATCH = 256 << 10  # where discarded payloads (mismatch, withdrawn receive) are read to
@@ -137,17 +140,6 @@ class TcpRequest(Request):
         return f"<TcpRequest {'send to' if self.is_send else 'recv from'} {self.peer} {_describe(self.key)} {state}>"
 
 
-class _Unexpected:
-    """A message that arrived before its receive was posted."""
-
-    __slots__ = ("src", "key", "signature", "data", "complete", "arrival")
-
-    def __init__(self, src, key, signature, nbytes, arrival):
-        self.src, self.key, self.signature, self.arrival = src, key, signature, arrival
-        self.data = np.empty(nbytes, np.uint8)
-        self.complete = nbytes == 0
-
-
 class _Incoming:
     """The frame whose payload is being read from a peer: into a request, a message, or nowhere."""
 
@@ -206,10 +198,7 @@ class TcpTransport(Transport):
             self._by_fd[p.fd] = p
             self._fg.register(p.fd, _IN)
             self._bg.register(p.fd, _IN)
-        self._posted: dict[tuple[int, MessageKey], deque[TcpRequest]] = {}
-        self._posted_any: dict[MessageKey, deque[TcpRequest]] = {}
-        self._unexpected: dict[tuple[int, MessageKey], deque[_Unexpected]] = {}
-        self._order = 0
+        self._match = Matcher(size)
         self._any_lost: TransportError | None = None  # why any-source receives can no longer work
         if size == 1:
             self._any_lost = TransportError(f"rank {rank} is alone in its world: nobody can send to it")
@@ -270,7 +259,7 @@ class TcpTransport(Transport):
             if self._closed:
                 self._finish(req, self._lost_error(None))
                 return req
-            msg = self._take_unexpected(src, key) if self._unexpected else None
+            msg = self._match.take_unexpected(src, key)
             if msg is not None:
                 self._deliver_unexpected(req, msg)
             elif src == ANY_SOURCE and self._any_lost is not None:
@@ -278,33 +267,10 @@ class TcpTransport(Transport):
             elif src != ANY_SOURCE and p.lost is not None:
                 self._finish(req, p.lost)
             else:
-                self._order += 1
-                req.order = self._order
-                bucket = self._posted_any if src == ANY_SOURCE else self._posted
-                k = key if src == ANY_SOURCE else (src, key)
-                q = bucket.get(k)
-                if q is None:
-                    bucket[k] = q = deque()
-                q.append(req)
+                self._match.post(req)
         return req
 
-    def _take_unexpected(self, src: int, key: MessageKey) -> _Unexpected | None:
-        if src != ANY_SOURCE:
-            q = self._unexpected.get((src, key))
-        else:
-            q = None
-            for s in range(self.size):
-                cand = self._unexpected.get((s, key))
-                if cand and (q is None or cand[0].arrival < q[0].arrival):
-                    q = cand
-        if not q:
-            return None
-        msg = q.popleft()
-        if not q:
-            del self._unexpected[(msg.src, key)]
-        return msg
-
-    def _deliver_unexpected(self, req: TcpRequest, msg: _Unexpected) -> None:
+    def _deliver_unexpected(self, req: TcpRequest, msg: Unexpected) -> None:
         req.source = msg.src
         err = self._mismatch(req, msg.src, msg.signature, msg.data.nbytes)
         if not msg.complete:  # still arriving: redirect the rest of the payload
@@ -366,7 +332,8 @@ class TcpTransport(Transport):
                     self._done_cond.wait(left)
                     self._cond_waiters -= 1
                     continue
-                if self._closed:
+                if self._closed:  # close() failed every request; this is a safety net
+                    self._finish(req, self._lost_error(None))
                     break
                 lock.release()
                 try:
@@ -422,13 +389,7 @@ class TcpTransport(Transport):
             if req.incoming is not None:  # matched and arriving: read the rest to nowhere
                 req.incoming.dest, req.incoming.req = None, None
             else:
-                bucket = self._posted_any if req.peer == ANY_SOURCE else self._posted
-                k = req.key if req.peer == ANY_SOURCE else (req.peer, req.key)
-                q = bucket.get(k)
-                if q is not None and req in q:
-                    q.remove(req)
-                    if not q:
-                        del bucket[k]
+                self._match.withdraw(req)
             what = f"receive {req.view.nbytes} bytes from"
         who = "any rank" if req.peer == ANY_SOURCE else f"rank {req.peer}"
         self._finish(req, TransportError(
@@ -504,7 +465,9 @@ class TcpTransport(Transport):
         means the socket is drained; we stop there instead of paying for one more syscall that
         would only raise EAGAIN (epoll is level-triggered, so nothing is missed).
         """
-        sock, stage, sview = p.sock, p.stage, p.sview
+        stage, sview = p.stage, p.sview
+        match = self._match
+        posted = match.posted
         lo, hi = p.lo, p.hi
         drained = False
         try:
@@ -517,7 +480,7 @@ class TcpTransport(Transport):
                         except framing.FramingError as exc:
                             return self._lose(p, f"protocol error from rank {p.rank}: {exc}")
                         lo += _HDR
-                        q = self._posted.get((p.rank, key)) if not self._posted_any else None
+                        q = posted.get((p.rank, key)) if not match.posted_any else None
                         if q and nbytes <= hi - lo:
                             # the common small-message case inline: a receive is posted, the whole
                             # payload is staged, sizes and signatures agree
@@ -525,7 +488,7 @@ class TcpTransport(Transport):
                             if nbytes == req.view.nbytes and signature == req.signature:
                                 q.popleft()
                                 if not q:
-                                    del self._posted[(p.rank, key)]
+                                    del posted[(p.rank, key)]
                                 req.view[:] = sview[lo: lo + nbytes]
                                 lo += nbytes
                                 req.source, req.nbytes = p.rank, nbytes
@@ -542,17 +505,11 @@ class TcpTransport(Transport):
                             lo, hi = 0, hi - lo
                         if drained:
                             return
-                        want = _STAGE - hi
-                        try:
-                            n = sock.recv_into(sview[hi:], want)
-                        except (BlockingIOError, InterruptedError):
+                        n = self._recv(p, sview[hi:])
+                        if n <= 0:
                             return
-                        except OSError as exc:
-                            return self._lose(p, f"connection to rank {p.rank} failed: {exc}")
-                        if n == 0:
-                            return self._lose(p, None)
+                        drained = n < _STAGE - hi
                         hi += n
-                        drained = n < want
                         continue
                 # the payload of cur: from the stage first, then straight from the socket
                 need = cur.nbytes - cur.got
@@ -565,14 +522,9 @@ class TcpTransport(Transport):
                     if drained:
                         return
                     target = cur.dest[cur.got:] if cur.dest is not None else self._scratch[: min(need, _SCRATCH)]
-                    try:
-                        n = sock.recv_into(target)
-                    except (BlockingIOError, InterruptedError):
+                    n = self._recv(p, target)
+                    if n <= 0:
                         return
-                    except OSError as exc:
-                        return self._lose(p, f"connection to rank {p.rank} failed: {exc}")
-                    if n == 0:
-                        return self._lose(p, None)
                     drained = n < len(target)
                 cur.got += n
                 if cur.got == cur.nbytes:
@@ -581,21 +533,19 @@ class TcpTransport(Transport):
         finally:
             p.lo, p.hi = lo, hi
 
-    def _match_posted(self, src: int, key) -> TcpRequest | None:
-        """The earliest posted receive (from ``src`` or any source) for this message, removed."""
-        q = self._posted.get((src, key))
-        qa = self._posted_any.get(key) if self._posted_any else None
-        if qa and (not q or qa[0].order < q[0].order):
-            req = qa.popleft()
-            if not qa:
-                del self._posted_any[key]
-            return req
-        if q:
-            req = q.popleft()
-            if not q:
-                del self._posted[(src, key)]
-            return req
-        return None
+    def _recv(self, p: _Peer, target) -> int:
+        """recv_into ``target``: the bytes read, 0 when none are there now, -1 when ``p`` is lost."""
+        try:
+            n = p.sock.recv_into(target)
+        except (BlockingIOError, InterruptedError):
+            return 0
+        except OSError as exc:
+            self._lose(p, f"connection to rank {p.rank} failed: {exc}")
+            return -1
+        if n == 0:
+            self._lose(p, None)
+            return -1
+        return n
 
     def _begin_frame(self, p: _Peer, key, signature: int, nbytes: int) -> _Incoming | None:
         """A header arrived: decide where its payload goes. Returns p.cur (None: nothing to read)."""
@@ -605,7 +555,7 @@ class TcpTransport(Transport):
                 p.goodbye = True
             cur = _Incoming(nbytes, None)
         else:
-            req = self._match_posted(src, key) if self._posted or self._posted_any else None
+            req = self._match.take_posted(src, key)
             if req is not None:
                 req.source = src
                 if nbytes != req.view.nbytes or signature != req.signature:
@@ -614,9 +564,7 @@ class TcpTransport(Transport):
                 else:
                     cur = req.incoming = _Incoming(nbytes, req.view, req)
             else:
-                self._order += 1
-                msg = _Unexpected(src, key, signature, nbytes, self._order)
-                self._unexpected.setdefault((src, key), deque()).append(msg)
+                msg = self._match.add_unexpected(src, key, signature, nbytes)
                 cur = _Incoming(nbytes, memoryview(msg.data), None, msg)
         if nbytes:
             p.cur = cur
@@ -644,7 +592,8 @@ class TcpTransport(Transport):
             return
         if why is None:
             why = (f"rank {p.rank} closed its connection to rank {self.rank} (it closed its transport)" if p.goodbye
-                   else f"lost the connection to rank {p.rank} (the process exited or crashed)")
+                   else f"lost the connection to rank {p.rank} (its process exited or crashed, or the network "
+                        "failed)")
         err = p.lost = TransportError(why, peer=p.rank, reason="lost")
         for poller in (self._fg, self._bg):
             try:
@@ -662,18 +611,12 @@ class TcpTransport(Transport):
             if p.cur.req is not None:
                 pending.append(p.cur.req)
             if p.cur.msg is not None:  # half-arrived: it can never be delivered
-                q = self._unexpected.get((p.rank, p.cur.msg.key))
-                q.remove(p.cur.msg)
-                if not q:
-                    del self._unexpected[(p.rank, p.cur.msg.key)]
+                self._match.drop_unexpected(p.cur.msg)
             p.cur = None
-        for k in [k for k in self._posted if k[0] == p.rank]:
-            pending.extend(self._posted.pop(k))
+        pending += self._match.pop_from(p.rank)
         if not p.goodbye or all(q is None or q.lost is not None for q in self._peers):
             self._any_lost = self._any_lost or err
-            for q in self._posted_any.values():
-                pending.extend(q)
-            self._posted_any.clear()
+            pending += self._match.pop_any()
         for req in pending:
             self._finish(req, err)
 
@@ -684,9 +627,7 @@ class TcpTransport(Transport):
                 return
             self._closed = True
             err = self._lost_error(None)
-            pending = [r for q in self._posted.values() for r in q] + [r for q in self._posted_any.values() for r in q]
-            self._posted.clear()
-            self._posted_any.clear()
+            pending = self._match.pop_all()
             for p in self._peers:
                 if p is None or p.lost is not None:
                     continue
@@ -702,7 +643,10 @@ class TcpTransport(Transport):
             for req in pending:
                 self._finish(req, err)
             os.write(self._bg_wake_w, b"x")
-            os.write(self._fg_wake_w, b"x")
+            try:
+                os.write(self._fg_wake_w, b"x")
+            except BlockingIOError:  # already full of wake-ups
+                pass
             self._bg_cond.notify_all()
             self._done_cond.notify_all()
         if threading.current_thread() is not self._thread:
