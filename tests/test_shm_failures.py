@@ -188,9 +188,20 @@ def default_engine_two_hosts_body(rank, world):
         dist.send(np.arange(5.0), dst=3)
     if rank == 3:
         dist.recv(b, src=0)
+    dist.barrier()
+    senders = []
+    if rank == 0:  # any-source receives with senders on this host (1) and on the other (2, 3)
+        for _ in range(3):
+            c = np.zeros(2, np.int32)
+            src = dist.recv(c)
+            assert (c == src).all()
+            senders.append(src)
+    else:
+        dist.send(np.full(2, rank, np.int32), dst=0)
+    dist.barrier()
     transport = type(dist.group.WORLD.transport).__name__
     dist.destroy_process_group()
-    return x[0], int(y[0]), b.tolist(), transport
+    return x[0], int(y[0]), b.tolist(), transport, sorted(senders)
 
 
 def test_default_engine_across_hosts_uses_tcp_between_them():
@@ -200,3 +211,4 @@ def test_default_engine_across_hosts_uses_tcp_between_them():
     assert [r[1] for r in results] == [1, 1, 2, 3]
     assert results[3][2] == [0.0, 1.0, 2.0, 3.0, 4.0]
     assert {r[3] for r in results} == {"HybridTransport"}
+    assert results[0][4] == [1, 2, 3]
