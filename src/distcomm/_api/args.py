@@ -14,6 +14,14 @@ from .. import world
 from ..buffers import Buffer, as_buffer, as_buffers
 from ..errors import DistBackendError
 
+class ArgumentError(DistBackendError, ValueError):
+    """A bad argument that torch's gloo rejects from its C++ checks, with a RuntimeError (wrong list
+    length, sizes that do not fit, dtypes that differ between input and output, an op a dtype does
+    not have) while the same mistake elsewhere in torch is a ValueError. It is both, so an
+    ``except RuntimeError`` written for torch and a natural ``except ValueError`` both catch it.
+    """
+
+
 NOT_INITIALIZED = "Default process group has not been initialized, please make sure to call init_process_group."
 
 
@@ -74,12 +82,12 @@ def tensor_list(objs: Any, op: str, name: str, length: int | None = None, like: 
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{op}: {exc}") from None
     if length is not None and len(bufs) != length:
-        raise ValueError(f"{op}: {name} must have one tensor per rank: expected length {length}, got {len(bufs)}")
+        raise ArgumentError(f"{op}: {name} must have one tensor per rank: expected length {length}, got {len(bufs)}")
     same_dtype(bufs + ([like] if like is not None else []), op)
     if like is not None:
         for i, b in enumerate(bufs):
             if b.count != like.count:
-                raise ValueError(
+                raise ArgumentError(
                     f"{op}: {name}[{i}] has {b.count} elements, expected {like.count} (the size of the input)"
                 )
     return bufs
@@ -88,19 +96,19 @@ def tensor_list(objs: Any, op: str, name: str, length: int | None = None, like: 
 def same_dtype(bufs: Sequence[Buffer], op: str) -> None:
     if len({b.dtype.name for b in bufs}) > 1:
         names = ", ".join(sorted({b.dtype.name for b in bufs}))
-        raise ValueError(f"{op}: Invalid usage of tensors with different dtypes: found {names}")
+        raise ArgumentError(f"{op}: Invalid usage of tensors with different dtypes: found {names}")
 
 
 def split_sizes(sizes: Sequence[int] | None, dim0: int, size: int, op: str, name: str) -> list[int]:
     if sizes is None or len(sizes) == 0:
         if dim0 % size:
-            raise ValueError(f"{op}: the {name} tensor's first dimension ({dim0}) must divide by the group size ({size})")
+            raise ArgumentError(f"{op}: the {name} tensor's first dimension ({dim0}) must divide by the group size ({size})")
         return [dim0 // size] * size
     sizes = [int(s) for s in sizes]
     if len(sizes) != size:
-        raise ValueError(f"{op}: {name}_split_sizes must have one entry per rank ({size}), got {len(sizes)}")
+        raise ArgumentError(f"{op}: {name}_split_sizes must have one entry per rank ({size}), got {len(sizes)}")
     if any(s < 0 for s in sizes) or sum(sizes) != dim0:
-        raise ValueError(f"{op}: {name}_split_sizes {sizes} must be non-negative and sum to {dim0} (the first dimension)")
+        raise ArgumentError(f"{op}: {name}_split_sizes {sizes} must be non-negative and sum to {dim0} (the first dimension)")
     return sizes
 
 

@@ -25,7 +25,10 @@ def _op_code(op) -> int:
 
 def _check_op(op, dtype, name: str):
     op = normalize_op(op)
-    reduction.check_supported(op, dtype, name)
+    try:
+        reduction.check_supported(op, dtype, name)
+    except ValueError as exc:  # complex MIN/MAX/...: torch's all_reduce says ValueError, the rest RuntimeError
+        raise args.ArgumentError(str(exc)) from None
     return op
 
 
@@ -135,7 +138,7 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bo
     inp = args.tensor(input_tensor, "all_gather_into_tensor", "input_tensor")
     args.same_dtype([out, inp], "all_gather_into_tensor")
     if out.count != inp.count * pg.size():
-        raise ValueError(
+        raise args.ArgumentError(
             f"all_gather_into_tensor: output tensor has {out.count} elements, expected "
             f"{inp.count * pg.size()} (input size {inp.count} x world size {pg.size()})"
         )
@@ -217,7 +220,7 @@ def reduce_scatter(output, input_list, op=RedOpType.SUM, group=None, async_op: b
     ins = args.tensor_list(input_list, "reduce_scatter", "input_list", pg.size())
     args.same_dtype(ins + [out], "reduce_scatter")
     if ins[pg.rank()].count != out.count:
-        raise ValueError(
+        raise args.ArgumentError(
             f"reduce_scatter: input_list[{pg.rank()}] has {ins[pg.rank()].count} elements but output has {out.count}"
         )
     op = _check_op(op, out.dtype, "reduce_scatter")
@@ -242,7 +245,7 @@ def reduce_scatter_tensor(output, input, op=RedOpType.SUM, group=None, async_op:
     inp = args.tensor(input, "reduce_scatter_tensor", "input")
     args.same_dtype([out, inp], "reduce_scatter_tensor")
     if inp.count != out.count * pg.size():
-        raise ValueError(
+        raise args.ArgumentError(
             f"reduce_scatter_tensor: input tensor has {inp.count} elements, expected "
             f"{out.count * pg.size()} (output size {out.count} x world size {pg.size()})"
         )

@@ -96,11 +96,13 @@ def _post(op: str, tensor, peer: int | None, group, tag: int, group_peer: int | 
     else:
         peer_rank = args.group_peer(pg, op, peer, group_peer, role)
         if peer_rank == pg.rank():
+            # torch: send() says ValueError, isend/recv/irecv a RuntimeError from gloo: both.
             if sending:
-                raise ValueError(
+                raise args.ArgumentError(
                     "Invalid destination rank: destination rank should not be the same as the rank of the current process."
                 )
-            raise ValueError("Invalid source rank: source rank should not be the same as the rank of the current process.")
+            raise args.ArgumentError(
+                "Invalid source rank: source rank should not be the same as the rank of the current process.")
     key = MessageKey(pg.group_id, KIND_P2P, tag)
     sig = signature("send", buf.dtype.code)
     if sending:
