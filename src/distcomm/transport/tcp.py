@@ -72,7 +72,10 @@ _decode_header = framing.decode_header
 
 def _byte_view(buf, writable: bool) -> memoryview:
     """A flat byte memoryview of a contiguous buffer (numpy array of any dtype, 0-d, empty)."""
-    if isinstance(buf, np.ndarray) and not buf.flags.c_contiguous:
+    if type(buf) is np.ndarray:  # noqa: E721 - the common case first
+        if not buf.flags.c_contiguous:
+            raise ValueError("point-to-point buffers must be C-contiguous")
+    elif isinstance(buf, np.ndarray) and not buf.flags.c_contiguous:
         raise ValueError("point-to-point buffers must be C-contiguous")
     try:
         view = memoryview(buf).cast("B")
@@ -102,10 +105,19 @@ def _advance(parts: list, n: int) -> list:
 
 
 class TcpRequest(Request):
-    """A posted send or receive. The transport fills it in under its lock."""
+    """A posted send or receive. The transport fills it in under its lock.
 
-    __slots__ = ("_t", "is_send", "peer", "key", "signature", "view", "done", "error", "order",
-                 "incoming", "parts", "offset", "total", "source", "nbytes")
+    Rarely changed fields are class-level defaults: a request is created per message, and every
+    attribute set in ``__init__`` is paid on the small-message path.
+    """
+
+    done = False
+    error: TransportError | None = None
+    order = 0  # post order, for matching posted any-source vs specific receives
+    incoming = None  # receives: the _Incoming frame writing into view, once matched
+    parts = None  # sends: what is left to write (header, payload views)
+    offset = 0  # sends: bytes of the frame already written
+    total = 0  # sends: header + payload bytes
 
     def __init__(self, transport: "TcpTransport", is_send: bool, peer: int, key: MessageKey, signature: int, view):
         self._t = transport
@@ -114,15 +126,6 @@ class TcpRequest(Request):
         self.key = key
         self.signature = signature
         self.view = view  # the user's bytes; dropped on completion
-        self.done = False
-        self.error: TransportError | None = None
-        self.order = 0  # post order, for matching posted any-source vs specific receives
-        self.incoming = None  # receives: the _Incoming frame writing into view, once matched
-        self.parts = None  # sends: what is left to write
-        self.offset = 0
-        self.total = 0
-        self.source = -1
-        self.nbytes = 0
 
     def wait(self, deadline: float | None = None) -> None:
         if not self.done:
@@ -259,7 +262,7 @@ class TcpTransport(Transport):
             if self._closed:
                 self._finish(req, self._lost_error(None))
                 return req
-            msg = self._match.take_unexpected(src, key)
+            msg = self._match.take_unexpected(src, key) if self._match.unexpected else None
             if msg is not None:
                 self._deliver_unexpected(req, msg)
             elif src == ANY_SOURCE and self._any_lost is not None:
