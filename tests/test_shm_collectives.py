@@ -27,7 +27,7 @@ from harness import run_world
 CHUNKY = {"DISTCOMM_SHM_SLOT_BYTES": "4096", "DISTCOMM_SHM_ALLREDUCE_DIRECT_BYTES": "256"}
 # the same through the slot algorithms only (no single-copy reads), and with single-copy reads from 2 KiB
 SLOTS = {**CHUNKY, "DISTCOMM_SHM_DIRECT": "0"}
-READV = {**CHUNKY, "DISTCOMM_SHM_READV_BYTES": "2048"}
+READV = {**CHUNKY, "DISTCOMM_SHM_READV_BYTES": "2048", "DISTCOMM_SHM_ALLREDUCE_READV_BYTES": "2048"}
 
 
 def _data(rank: int, n: int, dtype, salt: int = 0) -> np.ndarray:
