@@ -25,6 +25,7 @@ import os
 import numpy as np
 
 from .base import TransportError
+from .shm_wait import fence
 
 MAGIC = 0x64636F6D6D677270  # "dcommgrp"
 
@@ -32,7 +33,8 @@ MAGIC = 0x64636F6D6D677270  # "dcommgrp"
 _H_MAGIC, _H_GID, _H_SIZE, _H_SLOT_BYTES, _H_NSLOTS = 0, 1, 2, 3, 4
 POSTED = 8  # byte 64: own cache line
 CONSUMED = 16  # byte 128
-REUSING = 20  # byte 160: 1 while this member waits for peers' CONSUMED (to reuse a slot)
+REUSING = 20  # byte 160: k while this member waits for every peer's CONSUMED >= k (else 0)
+AWAITING = 21  # byte 168: k while this member waits for every peer's POSTED >= k (else 0)
 _OPENED_AT = 192  # one byte per member: "I have mapped this segment"
 SLOT_HEADER = 64
 # u64 indexes into a slot header
@@ -129,14 +131,16 @@ class GroupShm:
     def _wait_reuse(self, need: int, ch) -> None:
         ctl, peers = self.ctl, self._peers
         mine = ctl[self.rank]
-        mine[REUSING] = 1  # ask consumers to wake us (see consume)
+        mine[REUSING] = need  # consumers wake us when the last of them gets there (see consume)
+        fence()
         try:
             self._wait(lambda: all(ctl[q][CONSUMED] >= need for q in peers), ch, CONSUMED, need)
         finally:
             mine[REUSING] = 0
 
     def post(self, k: int, ch, nbytes: int, extra: int = 0) -> None:
-        """Publish my slot of round k (its header first, then the counter), and ring the peers."""
+        """Publish my slot of round k (its header first, then the counter), and wake the peers
+        that this completes (see _notify)."""
         h = self.headers[self.rank][k % self.nslots]
         h[S_SEQ] = ch.key.seq
         h[S_SIG] = ch.signature
@@ -144,7 +148,30 @@ class GroupShm:
         h[S_EXTRA] = extra
         h[S_ROUND] = k
         self.ctl[self.rank][POSTED] = k
+        self._notify(AWAITING, POSTED)
+
+    def _notify(self, flag: int, counter: int) -> None:
+        """After moving ``counter``: bump every peer's bell, and wake a sleeping peer only if it
+        waits for something else (``flag`` 0) or if what it waits for (every other member's
+        ``counter`` >= its ``flag``) is now complete. With p ranks waiting on each other, p - 1
+        of every p posts would otherwise wake sleepers for nothing: each a system call for the
+        poster and a trip through the scheduler for the sleeper.
+
+        Lost wake-ups: the waiter stores its flag, fences, then checks; the poster stores its
+        counter, bumps the bell, fences, then reads flags and counters. Whichever fences last sees
+        both stores; a waiter that still goes to sleep finds the bell moved and returns at once.
+        """
         for bell in self._peer_bells:
+            bell.bump()
+        fence()
+        ctl = self.ctl
+        size = self.size
+        for q, bell in zip(self._peers, self._peer_bells):
+            if not bell.sleeping():
+                continue
+            want = ctl[q][flag]
+            if want and not all(ctl[x][counter] >= want for x in range(size) if x != q):
+                continue
             bell.ring()
 
     def advance(self, k: int, wake: bool = True) -> None:
@@ -172,10 +199,15 @@ class GroupShm:
         ctl = self.ctl
         if peers is None:
             peers = self._peers
-            ready = all(c[POSTED] >= k for c in self._peer_ctl)
-        else:
-            ready = all(ctl[q][POSTED] >= k for q in peers)
-        if not ready:
+            if not all(c[POSTED] >= k for c in self._peer_ctl):
+                mine = ctl[self.rank]
+                mine[AWAITING] = k  # the last poster wakes us (see _notify)
+                fence()
+                try:
+                    self._wait(lambda: all(ctl[q][POSTED] >= k for q in peers), ch, POSTED, k, peers)
+                finally:
+                    mine[AWAITING] = 0
+        elif not all(ctl[q][POSTED] >= k for q in peers):
             self._wait(lambda: all(ctl[q][POSTED] >= k for q in peers), ch, POSTED, k, peers)
         slot = k % self.nslots
         seq, sig = ch.key.seq, ch.signature
@@ -217,18 +249,10 @@ class GroupShm:
         return self.slots[q][k % self.nslots]
 
     def consume(self, k: int) -> None:
-        """Done reading round k: peers may reuse their slots of round k.
-
-        Peers' bells are bumped, but only a peer waiting to reuse a slot is woken: one asleep
-        waiting for data has no use for this news, and waking it costs both sides a system call.
-        """
-        ctl = self.ctl
-        ctl[self.rank][CONSUMED] = k
-        for q, bell in zip(self._peers, self._peer_bells):
-            if ctl[q][REUSING]:
-                bell.ring()
-            else:
-                bell.bump()
+        """Done reading round k: peers may reuse their slots of round k (a peer waiting for that
+        is woken when the last of us gets there; see _notify)."""
+        self.ctl[self.rank][CONSUMED] = k
+        self._notify(REUSING, CONSUMED)
 
     # -- waiting and health -------------------------------------------------------------------
     def _wait(self, ready, ch, counter: int, value: int, peers=None) -> None:

@@ -60,6 +60,19 @@ except (NameError, AttributeError):  # pragma: no cover
     _getcpu = None
 
 
+_fence_lock = threading.Lock()
+
+
+def fence() -> None:
+    """A full memory barrier (a locked instruction: taking an uncontended lock).
+
+    Needed where a rank stores a flag and then reads another's (store, fence, load on both
+    sides): without it each could read the other's old value, and a wake-up be lost.
+    """
+    _fence_lock.acquire()
+    _fence_lock.release()
+
+
 def current_cpu() -> int:
     """The CPU this thread runs on (-1 if unknown): a waiter whose peer last ran on the same CPU
     does not spin, since the peer cannot make progress until the waiter lets go of that CPU."""
@@ -110,6 +123,9 @@ class Bell:
 
     def value(self) -> int:
         return self.words[self.index]
+
+    def sleeping(self) -> bool:
+        return self.words[self.index + 1] != 0
 
     def sleep(self, seen: int, timeout: float) -> None:
         """Sleep until rung (the bell moved from ``seen``) or ``timeout``; marks us a sleeper."""
