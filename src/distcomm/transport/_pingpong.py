@@ -56,7 +56,12 @@ def _socket_rank(rank: int, port: int, iters: int, q) -> None:
         ls = socket.create_server(("127.0.0.1", port))
         s, _ = ls.accept()
     else:
-        s = socket.create_connection(("127.0.0.1", port))
+        for _ in range(500):  # rank 0 may not be listening yet
+            try:
+                s = socket.create_connection(("127.0.0.1", port))
+                break
+            except ConnectionRefusedError:
+                time.sleep(0.01)
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     msg, buf, times = struct.pack("<Q", 1) * 5, bytearray(40), []
     for _ in range(iters):
