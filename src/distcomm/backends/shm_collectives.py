@@ -75,6 +75,17 @@ def _view(raw: np.ndarray, dtype, count: int, start: int = 0) -> np.ndarray:
     return raw[start : start + count * item].view(dtype)
 
 
+def _split_mismatch(ch: Channel, q: int, sent: int, expected: int) -> TransportError:
+    """Group rank q sends this rank ``sent`` elements of an all_to_all where it expects ``expected``."""
+    who = "this rank sends itself" if q == ch.rank else f"rank {ch.ranks[q]} sends this rank"
+    return TransportError(
+        f"all_to_all: {who} {sent} elements, this rank expects {expected} (input_split_sizes and "
+        "output_split_sizes disagree)",
+        peer=ch.ranks[q],
+        reason="mismatch",
+    )
+
+
 def _offsets(counts) -> list[int]:
     out = [0]
     for c in counts:
@@ -373,19 +384,11 @@ def all_to_all_readv(ctx, ch: Channel, send: np.ndarray, send_counts, recv: np.n
     for q in range(p):
         n = recv_counts[q]
         if q == r:
-            if send_counts[r] != n:
-                raise TransportError(f"all_to_all: this rank sends itself {send_counts[r]} elements but expects {n}",
-                                     peer=ch.ranks[r], reason="mismatch")
             recv[ro[r] : ro[r] + n] = send[so[r] : so[r] + n]
             continue
         theirs = ctx.data(q, k)[: 16 * p].view(np.int64)
         if int(theirs[p + r]) != n:
-            raise TransportError(
-                f"all_to_all: rank {ch.ranks[q]} sends this rank {int(theirs[p + r])} elements, this rank expects "
-                f"{n} (its input_split_sizes disagree with this rank's output_split_sizes)",
-                peer=ch.ranks[q],
-                reason="mismatch",
-            )
+            raise _split_mismatch(ch, q, int(theirs[p + r]), n)
         if n:
             shm_direct.read(ctx.transport.pid_of(ch.ranks[q]), ctx.extra(q, k) + int(theirs[r]) * item, recv[ro[q] : ro[q] + n])
     ctx.consume(k)
@@ -488,12 +491,6 @@ def all_to_all(ctx, ch: Channel, send: np.ndarray, send_counts, recv: np.ndarray
     per = max(1, (ctx.slot_bytes - head) // p // item)
     so, ro = _offsets(send_counts), _offsets(recv_counts)
     need = max(1, -(-max(list(send_counts) + list(recv_counts) + [0]) // per))
-    if send_counts[r] != recv_counts[r]:
-        raise TransportError(
-            f"all_to_all: this rank sends itself {send_counts[r]} elements but expects {recv_counts[r]}",
-            peer=ch.ranks[r],
-            reason="mismatch",
-        )
     rounds = None
     j = 0
     while True:
@@ -517,12 +514,7 @@ def all_to_all(ctx, ch: Channel, send: np.ndarray, send_counts, recv: np.ndarray
                 continue
             sent = int(ctx.data(q, k)[8 * r : 8 * r + 8].view(np.int64)[0])
             if sent != n:
-                raise TransportError(
-                    f"all_to_all: rank {ch.ranks[q]} sends this rank {sent} elements in round {j}, this rank "
-                    f"expects {n} (its input_split_sizes disagree with this rank's output_split_sizes)",
-                    peer=ch.ranks[q],
-                    reason="mismatch",
-                )
+                raise _split_mismatch(ch, q, j * per + sent, j * per + n)
             if n:
                 recv[ro[q] + lo : ro[q] + lo + n] = _view(ctx.data(q, k), dt, n, head + r * per * item)
         ctx.consume(k)
@@ -692,6 +684,8 @@ class ShmCollectives:
         ctx = self._context(ch)
         if ctx is None:
             return generic.all_to_all(ch, send, send_counts, recv, recv_counts)
+        if send_counts[ch.rank] != recv_counts[ch.rank]:
+            raise ch.translate(_split_mismatch(ch, ch.rank, send_counts[ch.rank], recv_counts[ch.rank]), None)
         if 16 * ch.size <= ctx.slot_bytes and self._readv(ch, send.nbytes, self.alltoall_algo):
             self._run(ctx, ch, all_to_all_readv, send, list(send_counts), recv, list(recv_counts))
         else:
