@@ -33,7 +33,8 @@ needs), while the waiting thread blocking in epoll on the sockets itself costs ~
 
 Sends first try a non-blocking ``sendmsg`` from the caller when the peer's queue is empty (lowest
 latency; a small message is complete before ``isend`` returns); whatever the kernel does not take
-is queued and written by whichever thread drives. Sends are eager: they complete once in the kernel.
+is queued and written by whichever thread drives, at most ``_SEND_CHUNK`` per syscall. Sends are
+eager: they complete once in the kernel.
 
 **Errors.** ``wait`` past its deadline withdraws the request (a late message then waits as
 unexpected for the next matching receive; a frame already partly on the wire is finished from the
@@ -62,6 +63,11 @@ from .matching import Matcher, Unexpected
 
 _STAGE = 16 << 10  # per-peer read buffer for headers and small payloads
 _SCRATCH = 256 << 10  # where discarded payloads (mismatch, withdrawn receive) are read to
+# At most this much per sendmsg: the driving thread then alternates between a peer's outgoing and
+# incoming streams in finer steps, so both directions of an exchange keep moving and the bytes are
+# still in cache when the peer copies them out. Measured (64 MiB both ways at once, loopback):
+# ~3.2 GB/s total with 2 MiB steps, ~3.0 with 1 MiB, ~2.5 uncapped (noisy, shared machine).
+_SEND_CHUNK = 2 << 20
 _PARK_S = 0.002  # background thread's recheck period while a thread drives (see module doc)
 _IN = select.EPOLLIN
 _OUT = select.EPOLLOUT
@@ -90,6 +96,12 @@ def _describe(key) -> str:
     group, kind, seq = key
     what = {0: "collective #", 1: "tag "}.get(kind, f"kind {kind} #")
     return f"group {group} {what}{seq}"
+
+
+def _first(parts: list, n: int) -> list:
+    """The first ``n`` bytes of ``parts`` (views, no copy)."""
+    head = parts[0]
+    return [head[:n]] if len(head) >= n else [head, parts[1][: n - len(head)]]
 
 
 def _advance(parts: list, n: int) -> list:
@@ -238,7 +250,9 @@ class TcpTransport(Transport):
                 return req
             if not p.sendq:  # the direct attempt: a small message completes right here
                 try:
-                    n = p.sock.sendmsg(req.parts, (), _NOSIGNAL)
+                    parts = req.parts
+                    n = p.sock.sendmsg(_first(parts, _SEND_CHUNK) if req.total > _SEND_CHUNK else parts,
+                                       (), _NOSIGNAL)
                 except (BlockingIOError, InterruptedError):
                     n = 0
                 except OSError as exc:
@@ -437,7 +451,9 @@ class TcpTransport(Transport):
         while q:
             req = q[0]
             try:
-                n = p.sock.sendmsg(req.parts, (), _NOSIGNAL)
+                parts = req.parts
+                n = p.sock.sendmsg(_first(parts, _SEND_CHUNK) if req.total - req.offset > _SEND_CHUNK else parts,
+                                   (), _NOSIGNAL)
             except (BlockingIOError, InterruptedError):
                 n = 0
             except OSError as exc:
