@@ -538,3 +538,34 @@ def test_matcher_withdraw_and_failures():
     msg = m.add_unexpected(1, K, 0, 8)
     m.drop_unexpected(msg)
     assert m.unexpected == {}
+
+
+def test_mesh_through_torch_tcpstore():
+    """The mesh needs only torch's Store interface: set, get, wait(keys, timedelta), and .host."""
+    torch_dist = pytest.importorskip("torch.distributed")
+    from harness import free_port
+
+    port, out, errors = free_port(), [None, None], []
+
+    def rank(r):
+        try:
+            store = torch_dist.TCPStore("127.0.0.1", port, 2, r == 0, wait_for_workers=False)
+            out[r] = (store, TcpTransport.connect(store, r, 2, 20.0, prefix="torchstore"))
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    try:
+        assert not errors, errors
+        (_, a), (_, b) = out
+        got = np.zeros(5)
+        wait_all(a.isend(1, np.arange(5.0), K), b.irecv(0, got, K))
+        assert list(got) == [0.0, 1.0, 2.0, 3.0, 4.0]
+    finally:
+        for item in out:
+            if item is not None:
+                item[1].close()
