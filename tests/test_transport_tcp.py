@@ -357,6 +357,23 @@ def test_mesh_refuses_stray_connections():
             s.close()
 
 
+def test_mesh_with_wildcard_listener_publishes_a_reachable_address(monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    store, out = HashStore(), {}
+    th = threading.Thread(target=lambda: out.setdefault(1, TcpTransport.connect(store, 1, 2, 20.0, host="0.0.0.0")))
+    th.start()
+    out[0] = TcpTransport.connect(store, 0, 2, 20.0, host="127.0.0.1")
+    th.join(30)
+    try:
+        assert mesh.decode_address(store.get("tcp/addr/1"))[0] == "127.0.0.1"
+        got = np.zeros(2)
+        wait_all(out[0].isend(1, np.ones(2), K), out[1].irecv(0, got, K))
+        assert list(got) == [1.0, 1.0]
+    finally:
+        for t in out.values():
+            t.close()
+
+
 def test_mesh_names_missing_ranks():
     from distcomm.errors import DistNetworkError
 

@@ -98,13 +98,15 @@ def connect_mesh(store, rank: int, size: int, timeout: float, host: str | None =
     if size == 1:
         return {}
     bind_host = listen_host(store, host)
+    # asked for the wildcard: listen everywhere, but publish an address peers can reach
+    publish_host = bind_host if bind_host not in _WILDCARD else listen_host(store)
     family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
     socks: dict[int, socket.socket] = {}
     try:
         listener.bind((bind_host, 0))
         listener.listen(size)
-        store.set(f"{prefix}/addr/{rank}", encode_address(bind_host, listener.getsockname()[1]))
+        store.set(f"{prefix}/addr/{rank}", encode_address(publish_host, listener.getsockname()[1]))
         if rank == 0:
             store.set(f"{prefix}/token", os.urandom(framing.TOKEN_BYTES))
         keys = [f"{prefix}/addr/{q}" for q in range(rank + 1, size)] + [f"{prefix}/token"]
