@@ -166,6 +166,11 @@ TORCH_SKIPPED = {
                                               "timeout, then the process dies with SIGSEGV"),
     "rank/recv_from_self": ("RuntimeError", "gloo: RuntimeError 'Pair is not connected', then the crash"),
     "rank/isend_to_self": ("RuntimeError", "gloo: RuntimeError 'Pair is not connected', then the crash"),
+    # gloo fails AVG on bool/integers after the communication, in the division; its next barrier
+    # re-raises that error on rank 0 alone (the ranks go out of step)
+    "op/avg_bool": ("RuntimeError", "RuntimeError \"result type Float can't be cast to the desired output "
+                                    "type Bool\", and later again from rank 0's next barrier"),
+    "op/avg_int64": ("RuntimeError", "as op/avg_bool (distcomm supports it: see DELIBERATE)"),
 }
 
 
@@ -325,9 +330,9 @@ def _third_party(dist, rank, ws, out):
     g_tcp = dist.new_group(backend="tcp")
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t, group=g)
-    # (str(): a Backend of a name registered here would not unpickle in the parent)
-    out["third_party_info"] = {"backend": str(dist.get_backend(g)), "world_backend": str(dist.get_backend()),
-                               "tcp_backend": str(dist.get_backend(g_tcp)), "sum": t.item(),
+    # get_backend(g) as it is: the parent, which never registered "wrapped_tcp", unpickles it
+    out["third_party_info"] = {"backend": dist.get_backend(g), "world_backend": dist.get_backend(),
+                               "tcp_backend": dist.get_backend(g_tcp), "sum": t.item(),
                                "sends": made[0].sends if made else 0}
 
 

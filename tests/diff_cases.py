@@ -274,7 +274,13 @@ def cases(ws: int) -> list[Case]:
                 t = ctx.inp((3, 5), dtype, kind_for(op))
                 r = ctx.dist.all_reduce(t, op=ctx.reduce_op(op, dtype))
                 return {"ret": r, "t": t}
-            add(f"all_reduce/{op}/{dtype}", f, numpy=dtype != "bfloat16", op=op, dtype=dtype, shape=(3, 5))
+            skip = None
+            if op == "AVG" and family(dtype) in ("bool", "int") and dtype != "int16":
+                # gloo fails these after the communication, in the division, and its next barrier
+                # re-raises that error on rank 0 alone, putting the ranks out of step; observed:
+                skip = f"RuntimeError: result type Float can't be cast to the desired output type ({dtype})"
+            add(f"all_reduce/{op}/{dtype}", f, numpy=dtype != "bfloat16", op=op, dtype=dtype, shape=(3, 5),
+                torch_skip=skip)
 
     for dtype, n in [("float32", 40000), ("int64", 20000), ("bfloat16", 40000), ("float64", 5)]:
         def f(ctx, dtype=dtype, n=n):
@@ -801,6 +807,11 @@ def run_cases(rank: int, ws: int, framework: str, backend: str = "gloo", only: l
         if only is not None and case.name not in only:
             continue
         modes = [False] + ([True] if framework == "distcomm" and case.numpy else [])
+        skip = (case.meta or {}).get("torch_skip")
+        if framework == "torch" and skip:
+            kind, message = skip.split(": ", 1)
+            results[case.name] = ("error", kind, "not run on torch", message)
+            continue
         for numpy_mode in modes:
             name = case.name + ("@np" if numpy_mode else "")
             ctx = Ctx(dist, framework, rank, ws, numpy_mode, case.key)

@@ -153,6 +153,13 @@ def test_backend_names():
         dist.Backend("no-such-backend")
 
 
+def test_backend_pickles_as_its_name():
+    import pickle
+
+    assert pickle.loads(pickle.dumps(dist.Backend("GLOO"))) == "gloo"
+    # (a name registered only in the pickling process: see test_third_party_engine_in_a_real_world)
+
+
 def test_availability_and_launch_queries(monkeypatch):
     assert dist.is_available() is True
     assert dist.is_gloo_available() is True  # "gloo" is distcomm's default engine: it runs here

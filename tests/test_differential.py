@@ -27,6 +27,9 @@ Deliberate differences checked as distcomm's own semantics:
 from __future__ import annotations
 
 import functools
+import os
+import pickle
+import re
 
 import numpy as np
 import pytest
@@ -51,6 +54,9 @@ def world_results(ws: int):
         per_rank = run_world(dc.run_plans, ws, args=(plans,), timeout=WORLD_TIMEOUT)
     except Exception as exc:  # noqa: BLE001 - every case of this world reports it
         return exc
+    if os.environ.get("DIFF_DUMP"):  # for a post-mortem: DIFF_DUMP=/tmp/dir pytest ...
+        with open(os.path.join(os.environ["DIFF_DUMP"], f"world{ws}.pkl"), "wb") as f:
+            pickle.dump(per_rank, f)
     return per_rank
 
 
@@ -87,6 +93,21 @@ def test_differential(ws, engine, name, case):
         if problem:
             problems.append(f"rank {rank}: {problem}")
     assert not problems, f"{name} at world size {ws} on distcomm:{engine}:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+def test_oracle_stayed_in_step(ws):
+    """torch's own run had no timeouts or lost connections: otherwise every case after the first
+    would differ for a reason that is not distcomm's (this names the first)."""
+    results = world_results(ws)
+    if isinstance(results, Exception):
+        raise AssertionError(f"the world of {ws} failed: {results}")
+    for rank in range(ws):
+        side = results[rank]["torch:gloo"]
+        assert not isinstance(side, str), side
+        broken = [(name, v[3]) for name, v in side.items() if not name.startswith("__") and v[0] == "error"
+                  and re.search(r"[Tt]imeout|[Tt]imed out|[Cc]losed|closure|#barrier", v[3] + name)]
+        assert not broken, f"rank {rank}: torch's run went out of step at {broken[0]}"
 
 
 # -- comparison --------------------------------------------------------------------------------------
