@@ -78,6 +78,11 @@ class Backend(str):
             )
         return str.__new__(cls, value)
 
+    def __reduce__(self):
+        # Unpickle as the plain name: a process where a third-party name was never registered
+        # (a parent receiving get_backend() from a worker) could not rebuild a Backend of it.
+        return (str, (str(self),))
+
     @classmethod
     def register_backend(cls, name: str, func: EngineFactory, extended_api: bool = False, devices=None) -> None:
         """Register a third-party engine under ``name`` (also reachable as ``Backend.NAME``).
