@@ -236,6 +236,7 @@ def scenarios(rank: int, ws: int) -> dict[str, Any]:
     out["overlapping_groups"] = _guard(lambda: _overlapping_groups(dist, rank, ws))
     out["multigpu"] = _guard(lambda: _multigpu(dist, rank, ws))
     out["profiler_events"] = _profiled_names(dist)
+    out["extensions"] = _guard(lambda: _extensions(dist, rank, ws))
 
     # monitored_barrier: the last rank never arrives
     g = _group(dist, 30)
@@ -457,3 +458,40 @@ def killed_peer(rank: int, ws: int, kill_rank: int) -> dict[str, Any]:
     dist.all_reduce(t, group=g_alive)
     out["survivors_sum"] = float(t[0])
     return out
+
+
+def _extensions(dist, rank, ws):
+    """What distcomm does where torch 2.13's gloo refuses: recv_object_list from any source,
+    non-contiguous tensors in send/recv ("input tensor has to be contiguous" in torch), and a
+    point-to-point Work's future ("Work::getFuture not implemented")."""
+    import torch
+
+    # recv_object_list(src=None): torch raises ValueError "Must specify global_rank or group_rank"
+    if rank == 1:
+        dist.send_object_list([{"from": 1}, "x" * 100], dst=0)
+    elif rank == 0:
+        got = [None, None]
+        sender = dist.recv_object_list(got, src=None)
+        assert sender == 1 and got == [{"from": 1}, "x" * 100], (sender, got)
+    dist.barrier()
+    # non-contiguous send and receive (a (4, 3) view each): the strided elements travel, the
+    # rest of the receiving tensor stays as it was
+    if rank == 0:
+        src = torch.arange(24.0).reshape(4, 6)
+        dist.send(src[:, ::2], dst=1)
+    elif rank == 1:
+        base = torch.full((6, 8), -1.0)
+        view = base.t()[::2, :][:4, :3]
+        dist.recv(view, src=0)
+        expect = torch.full((6, 8), -1.0)
+        expect.t()[::2, :][:4, :3] = torch.arange(24.0).reshape(4, 6)[:, ::2]
+        assert torch.equal(base, expect), base
+    dist.barrier()
+    # a point-to-point Work's future holds the received tensor
+    if rank == 0:
+        dist.isend(torch.tensor([5.0, 6.0]), dst=1).wait()
+    elif rank == 1:
+        t = torch.zeros(2)
+        value = dist.irecv(t, src=0).get_future().wait()
+        assert isinstance(value, list) and torch.equal(value[0], torch.tensor([5.0, 6.0])), value
+    dist.barrier()

@@ -371,6 +371,13 @@ def test_multigpu_functions_against_numpy():
         assert r == "ok", r
 
 
+def test_what_distcomm_adds_to_gloo():
+    """recv_object_list from any source, non-contiguous send/recv, p2p futures (see _extensions)."""
+    for rank in range(WS):
+        r = scenario_world()[rank]["extensions"]
+        assert r == "ok", r
+
+
 def test_profiler_trace_shows_all_reduce():
     for rank in range(WS):
         names = scenario_world()[rank]["profiler_events"]
