@@ -838,14 +838,32 @@ def run_cases(rank: int, ws: int, framework: str, backend: str = "gloo", only: l
     return results
 
 
+# Engine variants: a backend name, plus environment variables set while it runs. The "tcp/..."
+# variants force the generic engine's other algorithms (algorithms/select.py), so every one of
+# them meets torch's results on the real transport, not only the default choice per size.
+ENGINE_VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
+    "gloo": ("gloo", {}),
+    "tcp": ("tcp", {}),
+    "tcp/ring": ("tcp", {"DISTCOMM_ALGO_ALLREDUCE": "ring", "DISTCOMM_ALGO_ALLGATHER": "ring",
+                         "DISTCOMM_ALGO_BROADCAST": "scatter_allgather"}),
+    "tcp/halving_doubling": ("tcp", {"DISTCOMM_ALGO_ALLREDUCE": "halving_doubling",
+                                     "DISTCOMM_ALGO_ALLGATHER": "bruck", "DISTCOMM_ALGO_BROADCAST": "binomial"}),
+}
+
+
 def run_plans(rank: int, ws: int, plans: list[tuple[str, str, int]], only: list[str] | None = None):
-    """One world, several runs: ``plans`` is [(framework, backend, master port)], run in order in
-    the same processes (torch is imported once). A plan whose init fails is recorded as such."""
+    """One world, several runs: ``plans`` is [(framework, engine variant, master port)], run in
+    order in the same processes (torch is imported once). A plan whose init fails is recorded."""
     out = {}
-    for framework, backend, port in plans:
+    for framework, variant, port in plans:
+        backend, env = ENGINE_VARIANTS[variant] if framework == "distcomm" else (variant, {})
         os.environ["MASTER_PORT"] = str(port)
+        os.environ.update(env)
         try:
-            out[f"{framework}:{backend}"] = run_cases(rank, ws, framework, backend, only)
+            out[f"{framework}:{variant}"] = run_cases(rank, ws, framework, backend, only)
         except Exception as exc:  # noqa: BLE001
-            out[f"{framework}:{backend}"] = f"{type(exc).__name__}: {exc}"
+            out[f"{framework}:{variant}"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            for key in env:
+                os.environ.pop(key, None)
     return out

@@ -1,8 +1,9 @@
 """Differential tests: the same scripted cases through torch.distributed (gloo) and distcomm.
 
-For each world size (2, 3, 4) one world of processes runs every case of tests/diff_cases.py three
-times in a row — torch.distributed on gloo (the oracle, torch==2.13.0), then distcomm with backend
-"gloo" (its default engine) and with backend "tcp" — so torch is imported once per process. The
+For each world size (2, 3, 4) one world of processes runs every case of tests/diff_cases.py
+several times in a row — torch.distributed on gloo (the oracle, torch==2.13.0), then distcomm with
+backend "gloo" (its default engine), with backend "tcp", and with "tcp" forced onto its other
+algorithms (diff_cases.ENGINE_VARIANTS) — so torch is imported once per process. The
 parent compares the outputs case by case and rank by rank; each (world size, engine, case) is its
 own test item, so a failure names the case, the rank and the first differing element.
 
@@ -39,7 +40,7 @@ import diff_cases as dc
 from harness import free_port, run_world
 
 WORLD_SIZES = [2, 3, 4]
-ENGINES = ["gloo", "tcp"]  # distcomm backends compared with torch's gloo
+ENGINES = list(dc.ENGINE_VARIANTS)  # distcomm backends (and forced algorithms) compared with gloo
 WORLD_TIMEOUT = 420  # seconds for a whole world (every case, three frameworks); generous: shared machine
 
 # (world size, engine, case) -> reason, for distcomm bugs owned by others (see the report);
