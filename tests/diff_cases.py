@@ -282,7 +282,8 @@ def cases(ws: int) -> list[Case]:
             add(f"all_reduce/{op}/{dtype}", f, numpy=dtype != "bfloat16", op=op, dtype=dtype, shape=(3, 5),
                 torch_skip=skip)
 
-    for dtype, n in [("float32", 40000), ("int64", 20000), ("bfloat16", 40000), ("float64", 5)]:
+    for dtype, n in [("float32", 40000), ("int64", 20000), ("bfloat16", 40000), ("float64", 5),
+                     ("float32", 400_000), ("int32", 300_001)]:
         def f(ctx, dtype=dtype, n=n):
             t = ctx.inp(n, dtype)
             ctx.dist.all_reduce(t)
@@ -340,12 +341,13 @@ def cases(ws: int) -> list[Case]:
                 return {"ret": r, "t": t, "before": before, "root": ctx.rank == dst}
             add(f"reduce/dst{dst}/{op}/{dtype}", f, kind="reduce", dst=dst, op=op, dtype=dtype)
 
-    def f(ctx):
-        t = ctx.inp(40000, "float32")
-        before = ctx.clone(t)
-        ctx.dist.reduce(t, dst=ctx.ws - 1)
-        return {"ret": None, "t": t, "before": before, "root": ctx.rank == ctx.ws - 1}
-    add("reduce/size40000", f, kind="reduce")
+    for n in (40000, 400_000):
+        def f(ctx, n=n):
+            t = ctx.inp(n, "float32")
+            before = ctx.clone(t)
+            ctx.dist.reduce(t, dst=ctx.ws - 1)
+            return {"ret": None, "t": t, "before": before, "root": ctx.rank == ctx.ws - 1}
+        add(f"reduce/size{n}", f, kind="reduce")
 
     # all_gather
     for dtype in ["float32", "int64", "bool", "bfloat16", "complex64", "int8"]:
@@ -356,12 +358,13 @@ def cases(ws: int) -> list[Case]:
             return {"ret": r, "outs": outs}
         add(f"all_gather/{dtype}", f, numpy=dtype != "bfloat16")
 
-    def f(ctx):
-        t = ctx.inp(20000, "float32")
-        outs = [ctx.zeros(20000) for _ in range(ctx.ws)]
-        ctx.dist.all_gather(outs, t)
-        return outs
-    add("all_gather/size20000", f)
+    for n in (20000, 300_000):
+        def f(ctx, n=n):
+            t = ctx.inp(n, "float32")
+            outs = [ctx.zeros(n) for _ in range(ctx.ws)]
+            ctx.dist.all_gather(outs, t)
+            return outs
+        add(f"all_gather/size{n}", f)
 
     def f(ctx):
         t = ctx.inp((3, 2), "float32")
@@ -447,12 +450,13 @@ def cases(ws: int) -> list[Case]:
                     return {"ret": r, "out": out, "inp": inp}
                 add(f"{fname}/{layout}/{op}/{dtype}", f)
 
-    def f(ctx):
-        t = ctx.inp(30000 * ctx.ws, "float32")
-        out = ctx.zeros(30000)
-        ctx.dist.reduce_scatter_tensor(out, t)
-        return out
-    add("reduce_scatter_tensor/size30000", f)
+    for n in (30000, 300_000):
+        def f(ctx, n=n):
+            t = ctx.inp(n * ctx.ws, "float32")
+            out = ctx.zeros(n)
+            ctx.dist.reduce_scatter_tensor(out, t)
+            return out
+        add(f"reduce_scatter_tensor/size{n}", f)
 
     # all_to_all (list form; gloo needs equal sizes)
     for dtype in ["float32", "int64", "complex64"]:
@@ -487,6 +491,15 @@ def cases(ws: int) -> list[Case]:
         ctx.dist.all_to_all_single(out, inp, out_splits, in_splits)
         return out
     add("all_to_all_single/uneven", f)
+
+    def f(ctx):  # large and uneven: 30_000-row blocks of 3 float64, scaled by the split
+        in_splits = [30_000 * _a2a_split(ctx.rank, j) for j in range(ctx.ws)]
+        out_splits = [30_000 * _a2a_split(j, ctx.rank) for j in range(ctx.ws)]
+        inp = ctx.inp((sum(in_splits), 3), "float64")
+        out = ctx.zeros((sum(out_splits), 3), "float64")
+        ctx.dist.all_to_all_single(out, inp, out_splits, in_splits)
+        return out
+    add("all_to_all_single/uneven_large", f)
 
     def f(ctx):
         inp = ctx.zeros((0, 2))
