@@ -264,3 +264,35 @@ def torch_body(rank, world):
 
 def test_torch_tensors_bfloat16_and_non_contiguous():
     assert run_world(torch_body, 2, env=CHUNKY, timeout=120) == ["ok"] * 2
+
+
+def a2a_straddle_body(rank, world):
+    """all_to_all_single with uneven splits where only some ranks send enough for single-copy
+    reads (DISTCOMM_SHM_READV_BYTES=2048): the ranks must still agree on one algorithm."""
+    import distcomm as dist
+
+    dist.init_process_group("shm")
+
+    def split(src, dst):  # rank 0 sends 600 floats to each peer (2400 B), the others 1 + src + dst
+        return 600 if src == 0 else 1 + src + dst
+
+    for salt in range(3):  # several calls in a row: the slot rounds stay in step afterwards
+        send_counts = [split(rank, q) for q in range(world)]
+        recv_counts = [split(q, rank) for q in range(world)]
+        inp = _data(rank, sum(send_counts), np.float64, 90 + salt)
+        out = np.full(sum(recv_counts), -1.0)
+        dist.all_to_all_single(out, inp, recv_counts, send_counts)
+        want = []
+        for q in range(world):
+            theirs = _data(q, sum(split(q, d) for d in range(world)), np.float64, 90 + salt)
+            start = sum(split(q, d) for d in range(rank))
+            want.append(theirs[start : start + split(q, rank)])
+        _check("all_to_all_single straddling the single-copy threshold", out, np.concatenate(want))
+    dist.destroy_process_group()
+    return "ok"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_all_to_all_ranks_disagreeing_on_single_copy(world):
+    env = {"DISTCOMM_SHM_READV_BYTES": "2048", "DISTCOMM_SHM_SLOT_BYTES": "4096"}
+    assert run_world(a2a_straddle_body, world, env=env, timeout=120) == ["ok"] * world

@@ -369,32 +369,6 @@ def reduce_scatter_readv(ctx, ch: Channel, scratch: np.ndarray, out: np.ndarray,
     ctx.wait_consumed(k, ch)
 
 
-def all_to_all_readv(ctx, ch: Channel, send: np.ndarray, send_counts, recv: np.ndarray, recv_counts) -> None:
-    """Each rank copies what every peer sends it straight from the peer's send buffer (the slot
-    carries each sender's offsets and counts, checked against the receiver's)."""
-    p, r = ctx.size, ctx.rank
-    item = send.itemsize
-    so, ro = _offsets(send_counts), _offsets(recv_counts)
-    k = ctx.next_round()
-    table = ctx.acquire(k, ch)[: 16 * p].view(np.int64)
-    table[:p] = so[:p]
-    table[p:] = send_counts
-    ctx.post(k, ch, 0, extra=send.ctypes.data)
-    ctx.wait_posted(k, ch, 0)
-    for q in range(p):
-        n = recv_counts[q]
-        if q == r:
-            recv[ro[r] : ro[r] + n] = send[so[r] : so[r] + n]
-            continue
-        theirs = ctx.data(q, k)[: 16 * p].view(np.int64)
-        if int(theirs[p + r]) != n:
-            raise _split_mismatch(ch, q, int(theirs[p + r]), n)
-        if n:
-            shm_direct.read(ctx.transport.pid_of(ch.ranks[q]), ctx.extra(q, k) + int(theirs[r]) * item, recv[ro[q] : ro[q] + n])
-    ctx.consume(k)
-    ctx.wait_consumed(k, ch)
-
-
 def gather_blocks(ctx, ch: Channel, send: np.ndarray, out: np.ndarray, root: int | None) -> None:
     """Rank q's ``send`` into block q of ``out`` on the root (every rank if None: all_gather).
 
@@ -482,12 +456,31 @@ def reduce_scatter(ctx, ch: Channel, scratch: np.ndarray, out: np.ndarray, count
             return
 
 
-def all_to_all(ctx, ch: Channel, send: np.ndarray, send_counts, recv: np.ndarray, recv_counts) -> None:
-    """Each round, one piece per destination (its length first, checked by the reader)."""
+def _a2a_head(p: int) -> int:
+    """Bytes before the data in an all_to_all slot: p lengths, then (round 0 only) p offsets, p
+    counts, and the sender's rounds needed, single-copy vote and buffer address."""
+    return (8 * (3 * p + 3) + 63) // 64 * 64
+
+
+def a2a_fits(slot_bytes: int, p: int, item: int) -> bool:
+    """Whether an all_to_all of ``item``-byte elements fits a slot (one element per destination)."""
+    return _a2a_head(p) + p * item <= slot_bytes
+
+
+def all_to_all(ctx, ch: Channel, send: np.ndarray, send_counts, recv: np.ndarray, recv_counts,
+               single_copy: bool = False) -> None:
+    """Each round, one piece per destination (its length first, checked by the reader); or, when
+    any rank asks for it (``single_copy``), every rank copies what each peer sends it straight from
+    the peer's send buffer.
+
+    With uneven splits ranks send different amounts, so they can disagree on whether the message is
+    large enough for single-copy reads. Round 0 therefore carries every rank's vote along with its
+    offsets, counts and buffer address: all ranks see all votes and switch (or not) together.
+    """
     p, r = ctx.size, ctx.rank
     dt = send.dtype
     item = dt.itemsize
-    head = (8 * p + 63) // 64 * 64
+    head = _a2a_head(p)
     per = max(1, (ctx.slot_bytes - head) // p // item)
     so, ro = _offsets(send_counts), _offsets(recv_counts)
     need = max(1, -(-max(list(send_counts) + list(recv_counts) + [0]) // per))
@@ -497,16 +490,26 @@ def all_to_all(ctx, ch: Channel, send: np.ndarray, send_counts, recv: np.ndarray
         lo = j * per
         k = ctx.next_round()
         slot = ctx.acquire(k, ch)
-        lengths = slot[: 8 * p].view(np.int64)
+        words = slot[:head].view(np.int64)
         for q in range(p):
             n = min(per, max(0, send_counts[q] - lo))
-            lengths[q] = n
-            if q != r and n:
+            words[q] = n
+            if q != r and n and not single_copy:  # a single-copy voter knows the pieces go unread
                 _view(slot, dt, n, head + q * per * item)[...] = send[so[q] + lo : so[q] + lo + n]
-        ctx.post(k, ch, 0, extra=need)
+        if j == 0:
+            words[p : 2 * p] = so[:p]
+            words[2 * p : 3 * p] = send_counts
+            words[3 * p : 3 * p + 3] = (need, int(single_copy), send.ctypes.data)
+        ctx.post(k, ch, 0)
         ctx.wait_posted(k, ch, None)
         if rounds is None:
-            rounds = max([need] + [ctx.extra(q, k) for q in range(p) if q != r])
+            tables = [ctx.data(q, k)[:head].view(np.int64) for q in range(p)]
+            if any(t[3 * p + 1] for t in tables):
+                _all_to_all_read_peers(ctx, ch, tables, send, so[r], recv, ro, recv_counts)
+                ctx.consume(k)
+                ctx.wait_consumed(k, ch)  # no send buffer may change before every reader is done
+                return
+            rounds = max(int(t[3 * p]) for t in tables)
         for q in range(p):
             n = min(per, max(0, recv_counts[q] - lo))
             if q == r:
@@ -521,6 +524,24 @@ def all_to_all(ctx, ch: Channel, send: np.ndarray, send_counts, recv: np.ndarray
         j += 1
         if j >= rounds:
             return
+
+
+def _all_to_all_read_peers(ctx, ch: Channel, tables, send, my_offset: int, recv, ro, recv_counts) -> None:
+    """all_to_all's single-copy path: rank q's piece for this rank, from q's send buffer."""
+    p, r = ctx.size, ctx.rank
+    item = send.itemsize
+    for q in range(p):
+        n = recv_counts[q]
+        if q == r:
+            recv[ro[r] : ro[r] + n] = send[my_offset : my_offset + n]
+            continue
+        t = tables[q]
+        sent = int(t[2 * p + r])
+        if sent != n:
+            raise _split_mismatch(ch, q, sent, n)
+        if n:
+            address = int(t[3 * p + 2]) + int(t[p + r]) * item
+            shm_direct.read(ctx.transport.pid_of(ch.ranks[q]), address, recv[ro[q] : ro[q] + n])
 
 
 def barrier(ctx, ch: Channel) -> None:
@@ -686,10 +707,11 @@ class ShmCollectives:
             return generic.all_to_all(ch, send, send_counts, recv, recv_counts)
         if send_counts[ch.rank] != recv_counts[ch.rank]:
             raise ch.translate(_split_mismatch(ch, ch.rank, send_counts[ch.rank], recv_counts[ch.rank]), None)
-        if 16 * ch.size <= ctx.slot_bytes and self._readv(ch, send.nbytes, self.alltoall_algo):
-            self._run(ctx, ch, all_to_all_readv, send, list(send_counts), recv, list(recv_counts))
-        else:
-            self._run(ctx, ch, all_to_all, send, list(send_counts), recv, list(recv_counts))
+        if not a2a_fits(ctx.slot_bytes, ch.size, send.itemsize):
+            return generic.all_to_all(ch, send, send_counts, recv, recv_counts)
+        # Ranks may disagree on this vote (uneven splits); all_to_all settles it in its first round.
+        single_copy = self._readv(ch, send.nbytes, self.alltoall_algo)
+        self._run(ctx, ch, all_to_all, send, list(send_counts), recv, list(recv_counts), single_copy)
 
     def barrier(self, ch: Channel) -> None:
         ctx = self._context(ch)
