@@ -205,6 +205,20 @@ def test_integer_overflow_wraps_silently():
         assert np.isinf(acc[0])
 
 
+def test_reducers_restore_the_callers_error_state():
+    """The reducers silence float warnings only while they run (and also when a reduction fails)."""
+    with np.errstate(over="raise", invalid="warn"):
+        before = np.geterr()
+        acc = np.array([3e38], np.float32)
+        R.reducer("sum", from_name("float32"))(acc, acc.copy())
+        assert np.geterr() == before
+        with pytest.raises(ValueError):  # a shape mismatch raises inside the quiet section
+            R.reducer("sum", from_name("float64"))(np.zeros(2), np.zeros(3))
+        assert np.geterr() == before
+        with pytest.raises(FloatingPointError):
+            np.multiply(np.float32(3e38), np.float32(10))
+
+
 # -- PREMUL_SUM and AVG ----------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype_name", [d for d in ALL_DTYPES if d != "bool" and not d.startswith("uint") or d == "uint8"])
 @pytest.mark.parametrize("factor", [2.5, -0.3, 3])

@@ -41,17 +41,23 @@ def signature(op: str, dtype_code: int = 0, reduce_code: int = 0) -> int:
     return (OPCODES[op] << 16) | ((dtype_code & 0xFF) << 8) | (reduce_code & 0xFF)
 
 
-def _profiler_scope(name: str):
-    """A torch.profiler record_function scope when torch is loaded and a profiler is on."""
+def _profiling():
+    """torch when it is loaded and a profiler is on (so calls should be recorded), else None."""
     torch = sys.modules.get("torch")
     if torch is None:
-        return nullcontext()
+        return None
     try:
         if not torch.autograd.profiler._is_profiler_enabled:
-            return nullcontext()
+            return None
     except AttributeError:
         pass
-    return torch.profiler.record_function(name)
+    return torch
+
+
+def _profiler_scope(name: str):
+    """A torch.profiler record_function scope when torch is loaded and a profiler is on."""
+    torch = _profiling()
+    return nullcontext() if torch is None else torch.profiler.record_function(name)
 
 
 class _Task:
@@ -68,13 +74,16 @@ class OrderedExecutor:
     def __init__(self, name: str):
         self.name = name
         self._queue: collections.deque[_Task] = collections.deque()
-        self._cv = threading.Condition()
+        # A plain lock (not the default RLock): the inline path takes it twice per call. Only the
+        # worker thread ever waits on the condition, so it is notified only once it exists.
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
         self._busy = False  # a task (queued or inline) is running
         self._thread: threading.Thread | None = None
         self._closed = False
 
     def run(self, op: str, fn: Callable[[], Any], async_op: bool, result: Any = None) -> Work | None:
-        with self._cv:
+        with self._lock:  # the lock itself, not the condition: a C-level context manager
             if self._closed:
                 raise RuntimeError(f"{op}: the process group {self.name!r} has been destroyed")
             inline = not async_op and not self._busy and not self._queue
@@ -84,9 +93,10 @@ class OrderedExecutor:
             try:
                 fn()
             finally:
-                with self._cv:
+                with self._lock:
                     self._busy = False
-                    self._cv.notify_all()
+                    if self._thread is not None:
+                        self._cv.notify_all()
             return None
         work = Work(op, result)
         with self._cv:
@@ -173,6 +183,15 @@ class ProcessGroup:
         self.seq = 0
         self.executor = OrderedExecutor(name)
 
+    @property
+    def timeout(self) -> timedelta:
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, value: timedelta) -> None:
+        self._timeout = value
+        self._timeout_s = value.total_seconds()  # read by every call: converted once
+
     # torch's ProcessGroup exposes these as methods
     def rank(self) -> int:
         return self._rank
@@ -195,7 +214,7 @@ class ProcessGroup:
         return self.seq
 
     def channel(self, op: str, seq: int, sig: int, timeout: timedelta | None = None) -> Channel:
-        seconds = (timeout or self.timeout).total_seconds()
+        seconds = self._timeout_s if timeout is None else timeout.total_seconds()
         return Channel(
             self.transport,
             self.ranks,
@@ -224,6 +243,9 @@ class ProcessGroup:
         sig = signature(op) if sig is None else sig
 
         def run() -> None:
+            if _profiling() is None:
+                body(self.channel(op, seq, sig, timeout))
+                return
             with _profiler_scope(f"distcomm:{op}"):
                 body(self.channel(op, seq, sig, timeout))
 
