@@ -63,7 +63,9 @@ def test_compare_torch_prints_both_with_speedup_and_plots(tmp_path):
     pytest.importorskip("torch")
     png = tmp_path / "bench.png"
     plot = ["--plot", str(png)] if importlib.util.find_spec("matplotlib") else []  # the optional 'bench' extra
-    result = _bench(*TINY, *FEW, "--ops", "all_reduce,all_to_all,barrier", "--compare", "torch", *plot)
+    md = tmp_path / "bench.md"
+    result = _bench(*TINY, *FEW, "--ops", "all_reduce,all_to_all,barrier", "--compare", "torch", *plot,
+                    "--markdown", str(md))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "distcomm/gloo" in result.stdout and "torch/gloo" in result.stdout and "speedup" in result.stdout
     rows = _rows(result.stdout)
@@ -72,6 +74,13 @@ def test_compare_torch_prints_both_with_speedup_and_plots(tmp_path):
     assert all(float(fields[11]) > 0 for fields in rows)
     if plot:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the Markdown tables: the machine, then per op a header and one row per size with the speedup
+    text = md.read_text()
+    assert "CPUs" in text.splitlines()[0] and "world size 2" in text.splitlines()[0]
+    table_rows = [line for line in text.splitlines() if line.startswith("| ") and "time" not in line]
+    assert len(table_rows) == len(rows), text
+    speedups = [float(line.rstrip(" |").rsplit("|", 1)[1].strip().rstrip("x")) for line in table_rows]
+    assert speedups == pytest.approx([float(fields[11]) for fields in rows], rel=0.01, abs=0.01)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -427,6 +427,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="per-rank statistic of the iteration times; the row reports its maximum over ranks (default median)")
     parser.add_argument("--plot", metavar="FILE.png", help="draw latency and busbw against size (needs matplotlib)")
     parser.add_argument("--json", metavar="FILE", help="write the raw results, with per-rank statistics")
+    parser.add_argument("--markdown", metavar="FILE", help="write the tables as Markdown (machine and settings included)")
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds a world may go without finishing a row before it is killed (default 300)")
     return parser
@@ -546,6 +547,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         report.write_json(args.json, meta, runs)
         print(f"# results written to {args.json}")
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(report.markdown_tables(args.ops, runs, meta))
+        print(f"# Markdown tables written to {args.markdown}")
     if args.plot:
         from .plot import plot
 

@@ -151,6 +151,49 @@ def speedup_summary(op: str, ratios: Sequence[float]) -> str:
     return f"# {op}: speedup geometric mean {geo:.2f}x, min {min(ratios):.2f}x, max {max(ratios):.2f}x"
 
 
+def _md_time(row: dict | None) -> str:
+    return "n/a" if row is None else f"{row['time_us']:.1f}" if row["time_us"] >= 100 else f"{row['time_us']:.2f}"
+
+
+def _md_bw(row: dict | None) -> str:
+    return "" if row is None or math.isnan(row["busbw"]) else f"{row['busbw']:.2f}"
+
+
+def markdown_tables(ops: Sequence[str], runs: dict[str, list[dict]], meta: dict) -> str:
+    """The results as Markdown (for a README): one table per op, a column pair per engine, the
+    speedup of the first engine over the second when there are two; the machine and settings first."""
+    labels = list(runs)
+    info = meta.get("machine", {})
+    lines = [
+        f"world size {meta['world_size']}, {meta['dtype']}, backend {meta['backend']}, {meta['stat']} of each "
+        f"rank's iterations, slowest rank; measured on {machine_line(info) if info else 'an unknown machine'}"
+        + (f", torch {info['torch']}" if "torch" in info else ""),
+        "",
+    ]
+    by_label = {label: _by_key(rows) for label, rows in runs.items()}
+    for op in ops:
+        keys = sorted({k for rows in by_label.values() for k in rows if k[0] == op}, key=lambda k: k[1])
+        if not keys:
+            continue
+        head = ["size"] + [f"{label} time (µs)" for label in labels]
+        if op != "barrier":
+            head += [f"{label} busbw (GB/s)" for label in labels]
+        if len(labels) == 2:
+            head.append("speedup")
+        lines += [f"**{op_title(op)[2:]}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for key in keys:
+            rows = [by_label[label].get(key) for label in labels]
+            cells = [format_bytes(key[1]) if op != "barrier" else "-"] + [_md_time(r) for r in rows]
+            if op != "barrier":
+                cells += [_md_bw(r) for r in rows]
+            if len(labels) == 2:
+                ratio = speedup(rows[0], rows[1])
+                cells.append("" if math.isnan(ratio) else f"{ratio:.2f}x")
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def wrong_total(rows: Iterable[dict]) -> int:
     return sum(r["wrong"] for r in rows)
 
