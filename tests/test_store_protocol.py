@@ -35,6 +35,14 @@ REQUESTS = [
     (p.MultiSet(11, [b"a"], [b"b"]), frame(23, "0b", "0b000000", U32_1, U32_1, "61", U32_1, U32_1, "62")),
     (p.ListKeys(12), frame(5, "0c", "0c000000")),
     (p.Join(0xFFFFFFFF), frame(5, "0d", "ffffffff")),
+    # version 2: queues and barrier
+    (p.QueuePush(13, b"q", b"item"), frame(14, "0e", "0d000000", U32_1, "71", "6974656d")),
+    (p.QueuePush(13, b"q", b""), frame(10, "0e", "0d000000", U32_1, "71")),
+    (p.QueuePop(14, b"q", 300_000), frame(14, "0f", "0e000000", "e093040000000000", "71")),
+    (p.QueuePop(14, b"q", 0), frame(14, "0f", "0e000000", "0000000000000000", "71")),  # block=False
+    (p.QueueLen(15, b"qq"), frame(7, "10", "0f000000", "7171")),
+    (p.Barrier(16, b"b", 3, 250), frame(22, "11", "10000000", "0300000000000000", "fa00000000000000", "62")),
+    (p.Barrier(17, b"", 2**63 - 1, 2**64 - 1), frame(21, "11", "11000000", "ffffffffffffff7f", "ffffffffffffffff")),
 ]
 
 RESPONSES = [
@@ -49,23 +57,23 @@ RESPONSES = [
     (p.Error(13, p.ERROR_NOT_AN_INTEGER, b"no"), frame(8, "86", "0d000000", "01", "6e6f")),
 ]
 
-HELLO = b"DCKV\x01\x00\x00\x00"
-HELLO_OK = b"DCKV\x01\x00\x00\x00\x00\x00"  # no local address
-HELLO_OK_LOCAL = b"DCKV\x01\x00\x00\x00\x04\x00\x00abc"
-HELLO_REFUSED = b"DCKV\x01\x00\x01\x00\x00\x00"
+HELLO = b"DCKV\x02\x00\x00\x00"  # version 2: version 1 plus queues and barrier
+HELLO_OK = b"DCKV\x02\x00\x00\x00\x00\x00"  # no local address
+HELLO_OK_LOCAL = b"DCKV\x02\x00\x00\x00\x04\x00\x00abc"
+HELLO_REFUSED = b"DCKV\x02\x00\x01\x00\x00\x00"
 
 
 def _server(max_frame_size: int = p.DEFAULT_MAX_FRAME_SIZE) -> p.ServerProtocol:
     proto = p.ServerProtocol(max_frame_size)
     proto.receive_data(HELLO)
-    assert proto.next_event() == p.Hello(1)
+    assert proto.next_event() == p.Hello(2)
     return proto
 
 
 def _client() -> p.ClientProtocol:
     proto = p.ClientProtocol()
     proto.receive_data(HELLO_OK)
-    assert proto.next_event() == p.HelloReply(1, p.HELLO_STATUS_OK)
+    assert proto.next_event() == p.HelloReply(2, p.HELLO_STATUS_OK)
     return proto
 
 
@@ -74,9 +82,9 @@ def _client() -> p.ClientProtocol:
 
 def test_hello_bytes():
     assert p.ClientProtocol.send(p.Hello()) == HELLO
-    assert p.ServerProtocol.send(p.HelloReply(1, p.HELLO_STATUS_OK)) == HELLO_OK
-    assert p.ServerProtocol.send(p.HelloReply(1, p.HELLO_STATUS_UNSUPPORTED_VERSION)) == HELLO_REFUSED
-    assert p.ServerProtocol.send(p.HelloReply(1, p.HELLO_STATUS_OK, b"\0abc")) == HELLO_OK_LOCAL
+    assert p.ServerProtocol.send(p.HelloReply(2, p.HELLO_STATUS_OK)) == HELLO_OK
+    assert p.ServerProtocol.send(p.HelloReply(2, p.HELLO_STATUS_UNSUPPORTED_VERSION)) == HELLO_REFUSED
+    assert p.ServerProtocol.send(p.HelloReply(2, p.HELLO_STATUS_OK, b"\0abc")) == HELLO_OK_LOCAL
 
 
 def test_hello_reply_with_a_local_address_arriving_in_pieces():
@@ -84,7 +92,7 @@ def test_hello_reply_with_a_local_address_arriving_in_pieces():
     events = []
     for i in range(len(HELLO_OK_LOCAL)):
         events += client.receive_events(HELLO_OK_LOCAL[i : i + 1])
-    assert events == [p.HelloReply(1, p.HELLO_STATUS_OK, b"\0abc")]
+    assert events == [p.HelloReply(2, p.HELLO_STATUS_OK, b"\0abc")]
     assert not client.has_partial_data
 
 
@@ -139,7 +147,7 @@ def test_byte_by_byte_gives_the_same_events():
     events = []
     for i in range(len(HELLO + stream)):
         events += server.receive_events((HELLO + stream)[i : i + 1])
-    assert events == [p.Hello(1)] + [event for event, _ in REQUESTS]
+    assert events == [p.Hello(2)] + [event for event, _ in REQUESTS]
     assert not server.has_partial_data
 
 
@@ -160,7 +168,7 @@ def test_partial_data_tracks_the_hello_and_frames():
     server.receive_data(HELLO[:3])
     assert server.next_event() is p.NEED_DATA and server.has_partial_data
     server.receive_data(HELLO[3:])
-    assert server.next_event() == p.Hello(1)
+    assert server.next_event() == p.Hello(2)
     assert not server.has_partial_data
     server.receive_data(REQUESTS[0][1][:4])
     assert server.next_event() is p.NEED_DATA and server.has_partial_data
@@ -182,11 +190,12 @@ def test_wrong_magic_is_reported_at_the_first_wrong_byte():
         server.next_event()
 
 
-def test_unsupported_version_is_parsed_then_refused():
+@pytest.mark.parametrize("version", [1, 3])  # 1: before queues and barrier, whose opcodes it would not know
+def test_unsupported_version_is_parsed_then_refused(version):
     server = p.ServerProtocol()
-    server.receive_data(b"DCKV\x02\x00\x00\x00")
+    server.receive_data(b"DCKV" + bytes([version]) + b"\x00\x00\x00")
     hello = server.next_event()
-    assert hello == p.Hello(2)
+    assert hello == p.Hello(version)
     assert server.send(server.reply_to(hello)) == HELLO_REFUSED
 
 
@@ -212,6 +221,9 @@ def test_a_huge_length_prefix_in_a_batch_is_refused():
         (frame(5, "80", "01000000"), "unknown opcode 0x80"),  # a response sent to the server
         (frame(13, "01", U32_1, "ff000000", "6b6b6b6b"), "needs 255 bytes"),  # key length past the frame
         (frame(9, "02", U32_1, "00000000"), "cannot hold timeout_ms"),
+        (frame(12, "0f", U32_1, "00000000000071"), "QueuePop frame: 7 bytes cannot hold timeout_ms"),
+        (frame(18, "11", U32_1, "0300000000000000", "fa000000", "62"), "Barrier frame: 13 bytes cannot hold"),
+        (frame(9, "0e", U32_1, "05000000"), "needs 5 bytes"),  # QueuePush key length past the frame
         (frame(17, "05", U32_1, "0000000000000000", "ffffffff"), "count 4294967295 cannot fit"),
         (frame(15, "06", U32_1, U32_1, "00000000", "zz".encode().hex()), "unexpected bytes"),
     ],

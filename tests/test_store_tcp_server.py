@@ -118,9 +118,9 @@ def test_wrong_version_gets_a_refusal_naming_our_version_then_close(server, good
 
 
 def test_wrong_version_client_error_names_both_versions(server, monkeypatch):
-    newer_server = staticmethod(lambda hello: p.HelloReply(2, p.HELLO_STATUS_UNSUPPORTED_VERSION))
+    newer_server = staticmethod(lambda hello: p.HelloReply(3, p.HELLO_STATUS_UNSUPPORTED_VERSION))
     monkeypatch.setattr(p.ServerProtocol, "reply_to", newer_server)
-    with pytest.raises(DistNetworkError, match="speaks protocol version 2 and refused this client's version 1"):
+    with pytest.raises(DistNetworkError, match="speaks protocol version 3 and refused this client's version 2"):
         TCPStoreClient("127.0.0.1", server.port, timeout=5)
 
 

@@ -66,6 +66,7 @@ from .errors import (
     DistStoreTimeoutError,
     DistTimeoutError,
     PeerLostError,
+    QueueEmptyError,
 )
 from .process_group import ProcessGroup
 from .rendezvous import register_rendezvous_handler, rendezvous
@@ -83,8 +84,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Backend", "CollectiveMismatchError", "DistBackendError", "DistError", "DistNetworkError",
     "DistStoreError", "DistStoreTimeoutError", "DistTimeoutError", "FileStore", "Future", "GroupMember",
-    "HashStore", "P2POp", "PeerLostError", "PrefixStore", "ProcessGroup", "ReduceOp", "Store", "TCPStore",
-    "Work", "all_gather", "all_gather_into_tensor", "all_gather_multigpu", "all_gather_object",
+    "HashStore", "P2POp", "PeerLostError", "PrefixStore", "ProcessGroup", "QueueEmptyError", "ReduceOp",
+    "Store", "TCPStore", "Work", "all_gather", "all_gather_into_tensor", "all_gather_multigpu", "all_gather_object",
     "all_gather_single", "all_reduce", "all_reduce_multigpu", "all_to_all", "all_to_all_single", "barrier",
     "batch_isend_irecv", "broadcast", "broadcast_multigpu", "broadcast_object_list", "default_pg_timeout",
     "destroy_process_group", "gather", "gather_object", "get_backend", "get_global_rank", "get_group_rank",

@@ -33,6 +33,10 @@ class DistStoreTimeoutError(DistStoreError):
     """A store get/wait did not see its keys before the timeout."""
 
 
+class QueueEmptyError(DistStoreError):
+    """``Store.queue_pop(key, block=False)`` found the queue empty (torch.distributed.QueueEmptyError)."""
+
+
 class DistTimeoutError(DistBackendError):
     """A collective or point-to-point operation did not finish before the group's timeout."""
 
@@ -63,6 +67,7 @@ __all__ = [
     "DistNetworkError",
     "DistStoreError",
     "DistStoreTimeoutError",
+    "QueueEmptyError",
     "DistTimeoutError",
     "CollectiveMismatchError",
     "PeerLostError",

@@ -7,13 +7,17 @@ implements on already-checked arguments. A store therefore never repeats validat
 store rejects a bad argument with the same error.
 
 A subclass implements ``_set _get _add _compare_set _wait _check _num_keys _delete_key _append
-_multi_get _multi_set _list_keys``. ``timeout`` is in seconds in those methods.
+_multi_get _multi_set _list_keys``, and for queues ``_queue_push _queue_pop _queue_len`` (without
+them the queue methods raise NotImplementedError, as torch's base Store does). ``timeout`` is in
+seconds in those methods. ``barrier`` has a default built on ``_add _set _wait`` (torch's own
+default, with its key names); TCPStore replaces it with one request. ``clone`` is per store.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
 
+from ..errors import DistStoreTimeoutError
 from . import rules
 
 
@@ -101,6 +105,50 @@ class Store:
         """True: append, multi_get, multi_set and list_keys are implemented natively."""
         return True
 
+    # -- queues -----------------------------------------------------------------------------------
+
+    def queue_push(self, key: str, value) -> None:
+        """Pushes a value into the specified queue.
+
+        Using the same key for queues and set/get operations may result in unexpected behavior:
+        a queue is kept apart from the keys (get(), list_keys(), num_keys() and delete_key() do not
+        see it), but check() and wait() see a non-empty queue as a present key. wait() with queues
+        will only wake one waiting worker rather than all: each push releases at most one wait()
+        blocked on that queue, after any blocked queue_pop(), which takes the item first.
+        """
+        self._queue_push(rules.as_key(key), rules.as_value(value))
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        """Pops a value from the specified queue or waits until timeout if the queue is empty.
+
+        Items come out in the order they were pushed, each to exactly one caller. If block is
+        False, a QueueEmptyError is raised if the queue is empty; otherwise the call waits up to
+        the store timeout and then raises DistStoreTimeoutError.
+        """
+        return self._queue_pop(rules.as_key(key), rules.as_block(block), self._timeout_s)
+
+    def queue_len(self, key: str) -> int:
+        """Returns the length of the specified queue (0 if the queue doesn't exist)."""
+        return self._queue_len(rules.as_key(key))
+
+    # -- barrier, clone -----------------------------------------------------------------------------
+
+    def barrier(self, key: str, world_size: int, timeout: timedelta | None = None) -> None:
+        """Blocks until ``world_size`` workers have called barrier with the same ``key``.
+
+        If ``timeout`` is not specified, the store's default timeout is used. A key serves one
+        barrier: once ``world_size`` workers have arrived, later calls with it return at once.
+        """
+        seconds = self._timeout_s if timeout is None else rules.timeout_seconds(timeout)
+        self._barrier(rules.as_key(key), rules.as_world_size(world_size), seconds)
+
+    def clone(self) -> "Store":
+        """Clones the store and returns a new object that points to the same underlying store.
+
+        The returned store can be used concurrently with the original object, e.g. one per thread.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not implement clone()")
+
     # -- lifetime -------------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -149,3 +197,28 @@ class Store:
 
     def _list_keys(self) -> list[str]:
         raise NotImplementedError
+
+    def _queue_push(self, key: str, value: bytes) -> None:
+        raise NotImplementedError("queue support is not implemented.")  # torch's text
+
+    def _queue_pop(self, key: str, block: bool, timeout: float) -> bytes:
+        raise NotImplementedError("queue support is not implemented.")
+
+    def _queue_len(self, key: str) -> int:
+        raise NotImplementedError("queue support is not implemented.")
+
+    def _barrier(self, key: str, world_size: int, timeout: float) -> None:
+        """torch's default barrier: count arrivals at ``<key>/num_members``; the last to arrive sets
+        ``<key>/last_member``, which everyone waits for. Kept key for key, so a job mixing torch and
+        distcomm stores' helpers sees the same keys."""
+        arrived_key, released_key = key + "/num_members", key + "/last_member"
+        if self._add(arrived_key, 1) == world_size:
+            self._set(released_key, b"1")
+        try:
+            self._wait([released_key], timeout)
+        except DistStoreTimeoutError:
+            try:
+                arrived = int(self._get(arrived_key, 0))
+            except (DistStoreTimeoutError, ValueError):
+                arrived = None
+            raise rules.barrier_timeout_error(key, world_size, timeout, arrived, where=repr(self)) from None

@@ -18,6 +18,20 @@ File layout::
              D delete  key
              J join    key = member id, value JSON {host, boot_id, pid, start_time}
              L leave   key = member id
+             Q push    key = queue name, value = the item appended to that queue
+             P pop     key = queue name (its oldest item is removed)
+
+Queues. torch's FileStore has none (its queue methods raise NotImplementedError); nothing about a
+file prevents them, so this one has them: a push and a pop are records like a set, and a pop is
+decided under the exclusive lock like add(), so each item goes to exactly one popper in any
+process. What a file cannot do is hand a wake-up to one chosen process: a blocked queue_pop()
+polls like get() (so poppers in several processes are served in no particular order), and a
+wait() on a queue returns, in every waiting process, once the queue is non-empty — where
+HashStore and TCPStore wake one wait() per push, as torch documents.
+
+Clones. ``clone()`` gives another FileStore object over the same open file (a view: its own
+closed flag, the original's membership); closing a clone closes only the clone, closing the
+original leaves the store for all its clones too, as a TCPStore master's server does.
 
 Who uses the file, and when it is removed. Each FileStore instance appends a JOIN when it opens the
 file and a LEAVE when it is closed (``close()``, garbage collection, or interpreter exit). As in
@@ -47,6 +61,8 @@ import struct
 import threading
 import time
 import uuid
+from datetime import timedelta
+from collections import deque
 from multiprocessing.util import Finalize
 
 from ..errors import DistStoreError
@@ -55,7 +71,7 @@ from .base import Store
 
 MAGIC = b"DCFSTOR1"
 _RECORD_HEAD = struct.Struct("<BII")
-_HEADER, _SET, _DELETE, _JOIN, _LEAVE = b"HSDJL"
+_HEADER, _SET, _DELETE, _JOIN, _LEAVE, _QUEUE_PUSH, _QUEUE_POP = b"HSDJLQP"
 _HEADER_KEY = b"distcomm-filestore"
 _POLL_FIRST = 0.001
 _POLL_MAX = 0.01
@@ -112,6 +128,7 @@ class _Log:
 
     def __init__(self):
         self.values: dict[str, bytes] = {}
+        self.queues: dict[str, deque] = {}  # non-empty queues only
         self.members: dict[bytes, dict] = {}  # joined and not yet left
         self.joined = 0
         self.left = 0
@@ -147,6 +164,20 @@ class _Log:
                 self.values[key.decode("utf-8")] = value
             elif kind == _DELETE:
                 self.values.pop(key.decode("utf-8"), None)
+            elif kind == _QUEUE_PUSH:
+                name = key.decode("utf-8")
+                queue = self.queues.get(name)
+                if queue is None:
+                    self.queues[name] = deque((value,))
+                else:
+                    queue.append(value)
+            elif kind == _QUEUE_POP:
+                name = key.decode("utf-8")
+                queue = self.queues.get(name)
+                if queue:
+                    queue.popleft()
+                    if not queue:
+                        del self.queues[name]
             elif kind == _JOIN:
                 self.members[key] = json.loads(value)
                 self.joined += 1
@@ -184,6 +215,8 @@ class FileStore(Store):
         self._fd, self._log = self._open_and_join()
         # multiprocessing's Finalize also runs in multiprocessing children, which exit without atexit hooks
         self._finalizer = Finalize(self, _leave, (self._fd, self.path, self._member_id, self._world_size), exitpriority=10)
+        self._origin: FileStore | None = None  # for a clone: the store whose open file it shares
+        self._clone_closed = False
 
     def __repr__(self) -> str:
         return f"FileStore({self.path!r})"
@@ -237,9 +270,28 @@ class FileStore(Store):
             )
 
     def close(self) -> None:
-        """Leave the store; the last user removes the file. Idempotent."""
+        """Leave the store; the last user removes the file. Idempotent. (A clone closes only itself.)"""
+        if self._origin is not None:
+            self._clone_closed = True
+            return
         with self._lock:
             self._finalizer()
+
+    def clone(self) -> "FileStore":
+        """Another FileStore object over this one's open file, e.g. for another thread.
+
+        It shares this store's membership (it is not another user towards ``world_size``) and keeps
+        this store's timeout (torch's clone opens the path anew with the default timeout). Closing
+        the clone closes only the clone; closing this store closes its clones too.
+        """
+        self._check_open()
+        twin = FileStore.__new__(FileStore)
+        Store.__init__(twin, timedelta(seconds=self._timeout_s))
+        twin.path, twin._world_size, twin._member_id = self.path, self._world_size, self._member_id
+        twin._lock, twin._fd, twin._log, twin._finalizer = self._lock, self._fd, self._log, self._finalizer
+        twin._origin = self._origin or self  # keeps the original, whose collection would leave the store, alive
+        twin._clone_closed = False
+        return twin
 
     # -- reading and writing --------------------------------------------------------------------------
 
@@ -275,18 +327,19 @@ class FileStore(Store):
             return read(self._log.values)
 
     def _check_open(self) -> None:
-        if not self._finalizer.still_active():
+        if self._clone_closed or not self._finalizer.still_active():
             raise DistStoreError(f"FileStore {self.path} is closed")
 
-    def _await(self, operation: str, keys: list[str], timeout: float) -> dict:
+    def _await(self, operation: str, keys: list[str], timeout: float, see_queues: bool = False) -> dict:
+        """Poll until every key is set (or, with ``see_queues``, is a non-empty queue); the values."""
         deadline = time.monotonic() + timeout
         interval = _POLL_FIRST
         while True:
             with self._lock:
                 self._check_open()
                 self._refresh()
-                values = self._log.values
-                missing = [k for k in keys if k not in values]
+                values, queues = self._log.values, self._log.queues
+                missing = [k for k in keys if k not in values and not (see_queues and k in queues)]
                 if not missing:
                     return values
             remaining = deadline - time.monotonic()
@@ -318,10 +371,11 @@ class FileStore(Store):
         return self._mutate(decide)
 
     def _wait(self, keys, timeout):
-        self._await("wait", keys, timeout)
+        self._await("wait", keys, timeout, see_queues=True)
 
     def _check(self, keys):
-        return self._read(lambda values: all(k in values for k in keys))
+        queues = self._log.queues
+        return self._read(lambda values: all(k in values or k in queues for k in keys))
 
     def _num_keys(self):
         # torch's FileStore counts its reference-count key; ours is the membership record: + 1
@@ -344,6 +398,37 @@ class FileStore(Store):
 
     def _list_keys(self):
         return self._read(list)
+
+    def _queue_push(self, key, value):
+        self._mutate(lambda values: (_record(_QUEUE_PUSH, key.encode(), value), None))
+
+    def _queue_pop(self, key, block, timeout):
+        queues = self._log.queues
+
+        def take(values):
+            queue = queues.get(key)
+            return (_record(_QUEUE_POP, key.encode()), queue[0]) if queue else (b"", None)
+
+        deadline = time.monotonic() + timeout
+        interval = _POLL_FIRST
+        while True:
+            # only an fstat and a look at our copy while nothing changed; the exclusive lock only
+            # when our copy shows an item, which take() re-checks on the file's current contents
+            if self._read(lambda values: key in queues):
+                value = self._mutate(take)
+                if value is not None:
+                    return value
+            if not block:
+                raise rules.queue_empty_error()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise rules.queue_timeout_error(key, timeout, where=repr(self))
+            time.sleep(min(interval, remaining))
+            interval = min(interval * 2, _POLL_MAX)
+
+    def _queue_len(self, key):
+        queues = self._log.queues
+        return self._read(lambda values: len(queues.get(key, ())))
 
 
 def _read_from(fd: int, offset: int) -> bytes:

@@ -5,6 +5,9 @@ shared store, so the wrapper must add nothing but the prefix. It calls the under
 methods (so any Store works underneath, including another PrefixStore) and shares its timeout, as
 torch's does: ``set_timeout`` on the prefix store changes the underlying store's timeout.
 ``num_keys`` counts the whole underlying store, as in torch; ``list_keys`` lists only this prefix.
+Queue names are prefixed like keys. ``barrier`` is the base class's (torch's PrefixStore does not
+forward it either), so it leaves ``<key>/num_members`` and ``<key>/last_member`` under the prefix
+whatever the underlying store. ``clone`` wraps a clone of the underlying store.
 """
 
 from __future__ import annotations
@@ -52,6 +55,10 @@ class PrefixStore(Store):
     def _timeout_s(self) -> float:  # the base class reads the default timeout from here
         return rules.timeout_seconds(self._store.timeout)
 
+    def clone(self) -> "PrefixStore":
+        """A PrefixStore with the same prefix over a clone of the underlying store."""
+        return PrefixStore(self._prefix[:-1], self._store.clone())
+
     def _k(self, key: str) -> str:
         return self._prefix + key
 
@@ -91,3 +98,12 @@ class PrefixStore(Store):
     def _list_keys(self):
         n = len(self._prefix)
         return [k[n:] for k in self._store.list_keys() if k.startswith(self._prefix)]
+
+    def _queue_push(self, key, value):
+        self._store.queue_push(self._k(key), value)
+
+    def _queue_pop(self, key, block, timeout):
+        return self._store.queue_pop(self._k(key), block)
+
+    def _queue_len(self, key):
+        return self._store.queue_len(self._k(key))

@@ -17,6 +17,15 @@ must not differ between them. Each rule below was checked against torch 2.13's s
 * timeouts are ``timedelta`` at the API; a timeout of zero means "check once, do not wait" (as
   TCPStore does; torch's HashStore instead waits forever, which no caller wants by accident), and a
   negative timeout is a ValueError.
+* queues (``queue_push/queue_pop/queue_len``) live beside the keys, not among them: a queue is not
+  listed, counted, deleted or read by get() (torch's HashStore agrees; its TCPStore's get() of a
+  queue name returns b"" — an accident of its server). check() and wait() do see a non-empty queue
+  as a present key (torch documents this). ``queue_pop(block=False)`` on an empty queue raises
+  QueueEmptyError("queue is empty"); a blocking pop waits up to the store timeout and then raises
+  DistStoreTimeoutError (torch: DistStoreError "wait timeout").
+* ``barrier(key, world_size)``: ``world_size`` must be at least 1 (torch's stores disagree on 0 and
+  negatives: its TCPStore returns at once, its HashStore times out); a barrier key is used once —
+  a later call with the same key returns at once, in every torch store and here.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ import re
 from datetime import timedelta
 from typing import Iterable
 
-from ..errors import DistStoreTimeoutError
+from ..errors import DistStoreTimeoutError, QueueEmptyError
 
 INT64_MIN = -(1 << 63)
 INT64_MAX = (1 << 63) - 1
@@ -66,6 +75,30 @@ def as_amount(amount) -> int:
     if not INT64_MIN <= amount <= INT64_MAX:
         raise OverflowError(f"add() amount {amount} does not fit in a signed 64-bit integer")
     return amount
+
+
+def as_block(block) -> bool:
+    """queue_pop's ``block``: a bool (or an int, or None meaning False, as torch's binding converts)."""
+    if block is None:
+        return False
+    if isinstance(block, bool):
+        return block
+    try:
+        return bool(operator.index(block))
+    except TypeError:
+        raise TypeError(f"queue_pop() block is a bool, got {type(block).__name__}: {block!r}") from None
+
+
+def as_world_size(world_size) -> int:
+    try:
+        world_size = operator.index(world_size)
+    except TypeError:
+        raise TypeError(f"barrier() world_size is an int, got {type(world_size).__name__}: {world_size!r}") from None
+    if world_size < 1:
+        raise ValueError(f"barrier() world_size must be at least 1, got {world_size}")
+    if world_size > INT64_MAX:
+        raise OverflowError(f"barrier() world_size {world_size} does not fit in a signed 64-bit integer")
+    return world_size
 
 
 def wrap_int64(value: int) -> int:
@@ -150,4 +183,30 @@ def timeout_error(
     if where:
         text += f" in {where}"
     text += "; the process that sets them may have failed or be slow (raise the store timeout if it is only slow)"
+    return DistStoreTimeoutError(text)
+
+
+def queue_empty_error() -> QueueEmptyError:
+    return QueueEmptyError("queue is empty")  # torch's text, word for word
+
+
+def queue_timeout_error(key: str, seconds: float, where: str = "") -> DistStoreTimeoutError:
+    """The error of a blocking queue_pop() that found nothing in time."""
+    text = f"queue_pop: timed out after {format_seconds(seconds)} waiting for an item in queue {key!r}"
+    if where:
+        text += f" in {where}"
+    text += "; nothing was pushed meanwhile (or other poppers took every item). Raise the store timeout, or pop with block=False"
+    return DistStoreTimeoutError(text)
+
+
+def barrier_timeout_error(
+    key: str, world_size: int, seconds: float, arrived: int | None = None, where: str = ""
+) -> DistStoreTimeoutError:
+    """The error of a barrier() that not enough workers reached in time."""
+    text = f"barrier: timed out after {format_seconds(seconds)} at key {key!r} waiting for world_size={world_size} workers"
+    if arrived is not None:
+        text += f" ({arrived} arrived)"
+    if where:
+        text += f" in {where}"
+    text += "; a worker may have failed, be slow, or use another key or world_size"
     return DistStoreTimeoutError(text)

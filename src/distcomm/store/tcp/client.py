@@ -301,6 +301,49 @@ class TCPStoreClient:
     def list_keys(self) -> list[bytes]:
         return self._call("list_keys", p.ListKeys(0)).values
 
+    def queue_push(self, key: bytes, value: bytes) -> None:
+        """One send and no reply, like set()."""
+        with self._lock:
+            self._next_id = request_id = (self._next_id + 1) & 0xFFFFFFFF
+            sock = self._sock
+            if sock is None:
+                raise DistNetworkError(f"queue_push: this TCPStore client's connection to {self.where} is closed")
+            try:
+                sock.sendall(p.encode(p.QueuePush(request_id, key, value)))
+            except OSError as exc:
+                self._broken("queue_push", str(exc) or type(exc).__name__)
+
+    def queue_pop(self, key: str, block: bool, timeout: float) -> bytes:
+        """The server takes the item for us (parked until one is pushed); timeout 0 on the wire = do not wait."""
+        wait = timeout if block else 0.0
+        request = p.QueuePop(0, key.encode(), _milliseconds(wait))
+        with self._lock:
+            self._next_id = request.request_id = (self._next_id + 1) & 0xFFFFFFFF
+            response = self._exchange("queue_pop", p.encode(request), request.request_id, wait + reply_grace(wait))
+        if response.__class__ is p.Value:
+            return response.value
+        if response.__class__ is p.TimedOut and not block:
+            raise rules.queue_empty_error()
+        if response is None or response.__class__ is p.TimedOut:
+            raise rules.queue_timeout_error(key, timeout, where=f"TCPStore {self.where}")
+        return self._checked("queue_pop", response).value
+
+    def queue_len(self, key: bytes) -> int:
+        return self._call("queue_len", p.QueueLen(0, key)).value
+
+    def barrier(self, key: str, world_size: int, timeout: float) -> None:
+        request = p.Barrier(0, key.encode(), world_size, _milliseconds(timeout))
+        with self._lock:
+            self._next_id = request.request_id = (self._next_id + 1) & 0xFFFFFFFF
+            response = self._exchange("barrier", p.encode(request), request.request_id, timeout + reply_grace(timeout))
+        if response is None or response.__class__ is p.TimedOut:
+            try:  # how many arrived, for the message
+                arrived = int(self.get(key, 0.0))
+            except (DistStoreError, ValueError):
+                arrived = None
+            raise rules.barrier_timeout_error(key, world_size, timeout, arrived, where=f"TCPStore {self.where}")
+        self._checked("barrier", response)
+
     def join(self) -> int:
         return self._call("join", p.Join(0)).value
 

@@ -16,15 +16,21 @@ Wire format (all integers little-endian)::
 
 Requests carry the ``request_id`` the client chose; the response echoes it. A client that gave up
 on a blocking request (its own deadline passed) therefore recognises the late answer and drops it:
-the stream can never be read out of step. Blocking requests (GET, WAIT, MULTI_GET) also carry the
-client's timeout, so the server answers TIMED_OUT itself instead of holding the request forever.
+the stream can never be read out of step. Blocking requests (GET, WAIT, MULTI_GET, QUEUE_POP,
+BARRIER) also carry the client's timeout, so the server answers TIMED_OUT itself instead of holding
+the request forever. A QUEUE_POP with timeout 0 is the non-blocking pop: VALUE, or TIMED_OUT at
+once when the queue is empty (the client turns that into QueueEmptyError). A BARRIER carries the
+world size and is answered OK when that many arrivals have been counted at its key.
+
+Version 2 added QUEUE_PUSH, QUEUE_POP, QUEUE_LEN and BARRIER; a version-1 peer would close the
+connection on them as unknown opcodes, so the handshake refuses mixed versions instead.
 
 ``local_address`` in the hello reply names a Unix socket of the same server (Linux abstract
 namespace, with a random part only this handshake reveals). A client on the same host that can
 connect to it moves there and drops the TCP connection: same protocol, about a third less kernel
 time per request than loopback TCP. A client elsewhere cannot reach it and stays on TCP.
 
-SET has no response (as in torch's TCPStore): it cannot fail, and every later request on the same
+SET and QUEUE_PUSH have no response (as in torch's TCPStore): they cannot fail, and every later request on the same
 connection is handled after it, so a client learns nothing from an acknowledgement except the
 round trip it cost. A set() is therefore one send, and a set() followed by a get() one round trip.
 
@@ -40,7 +46,7 @@ from dataclasses import dataclass
 from typing import Union
 
 MAGIC = b"DCKV"
-VERSION = 1
+VERSION = 2
 DEFAULT_MAX_FRAME_SIZE = 1 << 30  # 1 GiB: larger than any sane store value, far below 2^40
 
 HELLO_STATUS_OK = 0
@@ -341,6 +347,63 @@ class Join(_Frame):
 
 
 @dataclass(slots=True)
+class QueuePush(Set):
+    """Append ``value`` to the queue ``key``; no response, like SET."""
+
+    OPCODE = 0x0E
+
+
+@dataclass(slots=True)
+class QueuePop(_Frame):
+    """Take the oldest item of queue ``key``, waiting up to ``timeout_ms`` (0: do not wait)."""
+
+    request_id: int
+    key: bytes
+    timeout_ms: int
+    OPCODE = 0x0F
+
+    def payload(self) -> bytes:
+        return _U64.pack(self.timeout_ms) + self.key
+
+    @classmethod
+    def parse(cls, data, start, end, request_id):
+        if end - start < 8:
+            raise ProtocolError(f"{cls.__name__} frame: {end - start} bytes cannot hold timeout_ms")
+        return cls(request_id, data[start + 8 : end], _U64.unpack_from(data, start)[0])
+
+
+@dataclass(slots=True)
+class QueueLen(DeleteKey):
+    OPCODE = 0x10
+
+    @staticmethod
+    def parse(data, start, end, request_id):
+        return QueueLen(request_id, data[start:end])
+
+
+@dataclass(slots=True)
+class Barrier(_Frame):
+    """Count one arrival at ``key``; answered once ``world_size`` have arrived, or at ``timeout_ms``."""
+
+    request_id: int
+    key: bytes
+    world_size: int
+    timeout_ms: int
+    OPCODE = 0x11
+
+    def payload(self) -> bytes:
+        return _I64.pack(self.world_size) + _U64.pack(self.timeout_ms) + self.key
+
+    @staticmethod
+    def parse(data, start, end, request_id):
+        if end - start < 16:
+            raise ProtocolError(f"Barrier frame: {end - start} bytes cannot hold world_size and timeout_ms")
+        world_size = _I64.unpack_from(data, start)[0]
+        timeout_ms = _U64.unpack_from(data, start + 8)[0]
+        return Barrier(request_id, data[start + 16 : end], world_size, timeout_ms)
+
+
+@dataclass(slots=True)
 class Ok(_Frame):
     request_id: int
     OPCODE = 0x80
@@ -445,7 +508,10 @@ class Error(_Frame):
         return Error(request_id, data[start], data[start + 1 : end])
 
 
-REQUESTS = (Set, Get, Add, CompareSet, Wait, Check, NumKeys, DeleteKey, Append, MultiGet, MultiSet, ListKeys, Join)
+REQUESTS = (
+    Set, Get, Add, CompareSet, Wait, Check, NumKeys, DeleteKey, Append, MultiGet, MultiSet, ListKeys, Join,
+    QueuePush, QueuePop, QueueLen, Barrier,
+)
 RESPONSES = (Ok, Value, Integer, Bool, Values, TimedOut, Error)
 Request = Union[REQUESTS]
 Response = Union[RESPONSES]

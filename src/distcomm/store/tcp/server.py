@@ -13,6 +13,15 @@ each missing key and in a deadline heap — and answered by the write that compl
 TIMED_OUT when the deadline the client sent passes. Nothing polls. Responses carry the request id,
 so a client that gave up early just ignores a late answer.
 
+Queues and barriers park the same way, in a line per name, oldest first. A QUEUE_PUSH hands its
+item straight to the oldest parked QUEUE_POP (so an item is never in the queue while a pop waits,
+and never goes to two pops); with no pop waiting it stays in the queue and releases at most one
+WAIT parked on that queue name (torch: "wait with queues will only wake one waiting worker"). A
+WAIT whose deadline finds its keys present (a queue filled while another WAIT got the wake-up) is
+answered OK, not TIMED_OUT. A BARRIER counts its arrival in the key's value, like ADD; the arrival
+that reaches the world size answers every BARRIER parked on that key. A connection that closes
+takes its parked requests out of every line, so a push never goes to a pop nobody will read.
+
 What protects the server: each connection has its own ServerProtocol (which checks every length
 before buffering for it); a protocol error closes only that connection. A connection that has not
 finished its hello, or has part of a frame buffered, for longer than ``idle_timeout`` seconds is
@@ -139,13 +148,14 @@ class _Connection:
 
 
 class _Parked:
-    """A blocking request waiting for keys."""
+    """A blocking request waiting for keys (GET/WAIT/MULTI_GET), or in a line (QUEUE_POP, BARRIER)."""
 
-    __slots__ = ("conn", "request", "keys", "missing", "deadline", "done")
+    __slots__ = ("conn", "request", "keys", "missing", "deadline", "done", "line")
 
-    def __init__(self, conn, request, keys, missing, deadline):
+    def __init__(self, conn, request, keys, missing, deadline, line=None):
         self.conn, self.request, self.keys, self.missing, self.deadline = conn, request, keys, missing, deadline
         self.done = False
+        self.line = line  # (registry, key): the line this request waits in, if any
 
     def __lt__(self, other):  # heap ties
         return id(self) < id(other)
@@ -180,6 +190,8 @@ class TCPStoreServer:
         self.stats = {"accepted": 0, "protocol_errors": 0, "idle_closed": 0, "accept_fd_exhausted": 0}
         self._joined_changed = threading.Condition()
         self._waiting: dict[bytes, list[_Parked]] = {}
+        self._poppers: dict[bytes, list[_Parked]] = {}  # parked QUEUE_POPs per queue, oldest first
+        self._barriers: dict[bytes, list[_Parked]] = {}  # parked BARRIERs per key
         self._deadlines: list = []
         self._conns: dict[int, _Connection] = {}
         self._partial: dict[_Connection, float] = {}
@@ -210,6 +222,10 @@ class TCPStoreServer:
             p.MultiSet: self._on_multi_set,
             p.ListKeys: self._on_list_keys,
             p.Join: self._on_join,
+            p.QueuePush: self._on_queue_push,
+            p.QueuePop: self._on_queue_pop,
+            p.QueueLen: self._on_queue_len,
+            p.Barrier: self._on_barrier,
         }
 
     def __repr__(self) -> str:
@@ -459,8 +475,7 @@ class TCPStoreServer:
         while deadlines and deadlines[0][0] <= now:
             _, parked = heapq.heappop(deadlines)
             if not parked.done:
-                missing = self.table.missing(parked.keys)
-                self._finish(parked, p.encode(p.TimedOut(parked.request.request_id, missing)))
+                self._finish(parked, self._at_deadline(parked))
         if self._partial and now >= self._next_sweep:
             self._next_sweep = now + min(self.idle_timeout / 4, 1.0)
             expired = [conn for conn, deadline in self._partial.items() if deadline <= now]
@@ -506,13 +521,17 @@ class TCPStoreServer:
 
     # -- parking ------------------------------------------------------------------------------------
 
-    def _park(self, conn: _Connection, request, keys: list, missing: list, timeout_ms: int):
-        """Answer later: when every key in ``missing`` is written, or at the deadline."""
+    def _park(self, conn: _Connection, request, keys: list, missing: list, timeout_ms: int, line=None):
+        """Answer later: when every key in ``missing`` is written, or (in ``line``, a (registry, key)
+        pair) when its turn comes; or at the deadline."""
         if timeout_ms == 0:
-            return p.encode(p.TimedOut(request.request_id, missing))
-        parked = _Parked(conn, request, keys, set(missing), time.monotonic() + timeout_ms / 1000.0)
+            return p.encode(p.TimedOut(request.request_id, missing or keys))
+        parked = _Parked(conn, request, keys, set(missing), time.monotonic() + timeout_ms / 1000.0, line)
         for key in parked.missing:
             self._waiting.setdefault(key, []).append(parked)
+        if line is not None:
+            registry, key = line
+            registry.setdefault(key, []).append(parked)
         heapq.heappush(self._deadlines, (parked.deadline, parked))
         conn.parked.add(parked)
         return None
@@ -520,6 +539,16 @@ class TCPStoreServer:
     def _unpark(self, parked: _Parked) -> None:
         parked.done = True
         parked.conn.parked.discard(parked)
+        if parked.line is not None:
+            registry, key = parked.line
+            line = registry.get(key)
+            if line is not None:
+                try:
+                    line.remove(parked)
+                except ValueError:
+                    pass
+                if not line:
+                    del registry[key]
         for key in parked.missing:
             waiters = self._waiting.get(key)
             if waiters is not None:
@@ -547,13 +576,29 @@ class TCPStoreServer:
             parked.missing.discard(key)
             if parked.missing or parked.done:
                 continue
-            still_missing = self.table.missing(parked.keys)  # a key may have been deleted meanwhile
+            still_missing = self._still_missing(parked)  # a key may have been deleted meanwhile
             if still_missing:
                 parked.missing.update(still_missing)
                 for k in still_missing:
                     self._waiting.setdefault(k, []).append(parked)
                 continue
             self._finish(parked, self._completed(parked.request))
+
+    def _still_missing(self, parked: _Parked) -> list:
+        """The keys ``parked`` still lacks; a WAIT (not GET/MULTI_GET) takes a non-empty queue as present."""
+        if parked.request.__class__ is p.Wait:
+            return self.table.absent(parked.keys)
+        return self.table.missing(parked.keys)
+
+    def _at_deadline(self, parked: _Parked) -> bytes:
+        request = parked.request
+        kind = request.__class__
+        if kind is p.QueuePop or kind is p.Barrier:
+            return p.encode(p.TimedOut(request.request_id, [request.key]))
+        missing = self._still_missing(parked)
+        if not missing:  # a WAIT on a queue another WAIT was woken for: its condition holds
+            return self._completed(request)
+        return p.encode(p.TimedOut(request.request_id, missing))
 
     def _completed(self, request) -> bytes:
         values = self.table.values
@@ -601,13 +646,13 @@ class TCPStoreServer:
         return p.encode_value(req.request_id, returned)
 
     def _on_wait(self, conn, req):
-        missing = self.table.missing(req.keys)
+        missing = self.table.absent(req.keys)
         if not missing:
             return p.encode_ok(req.request_id)
         return self._park(conn, req, req.keys, missing, req.timeout_ms)
 
     def _on_check(self, conn, req):
-        return p.encode_bool(req.request_id, not self.table.missing(req.keys))
+        return p.encode_bool(req.request_id, not self.table.absent(req.keys))
 
     def _on_num_keys(self, conn, req):
         return p.encode_integer(req.request_id, len(self.table) + (1 if self.joined else 0))
@@ -646,3 +691,60 @@ class TCPStoreServer:
             self.joined += 1
             self._joined_changed.notify_all()
         return p.encode_integer(req.request_id, self.joined)
+
+    def _on_queue_push(self, conn, req):  # no reply, like SET
+        poppers = self._poppers.get(req.key)
+        if poppers:
+            parked = poppers[0]  # the oldest parked pop takes the item; _finish() takes it out of line
+            self._finish(parked, p.encode_value(parked.request.request_id, req.value))
+            return None
+        self.table.queue_push(req.key, req.value)
+        if self._waiting:
+            self._wake_one_wait(req.key)
+        return None
+
+    def _wake_one_wait(self, key: bytes) -> None:
+        """The queue ``key`` has an item now: release the oldest WAIT parked on it, only that one."""
+        waiters = self._waiting.get(key)
+        if not waiters:
+            return
+        for parked in waiters:
+            if parked.request.__class__ is p.Wait and not parked.done:
+                break
+        else:
+            return  # only GET/MULTI_GET, which wait for the key to be set, not for a queue
+        waiters.remove(parked)
+        if not waiters:
+            del self._waiting[key]
+        parked.missing.discard(key)
+        if parked.missing:
+            return
+        still_missing = self._still_missing(parked)
+        if still_missing:
+            parked.missing.update(still_missing)
+            for k in still_missing:
+                self._waiting.setdefault(k, []).append(parked)
+            return
+        self._finish(parked, p.encode_ok(parked.request.request_id))
+
+    def _on_queue_pop(self, conn, req):
+        value = self.table.queue_pop(req.key)
+        if value is not None:
+            return p.encode_value(req.request_id, value)
+        return self._park(conn, req, [req.key], [], req.timeout_ms, line=(self._poppers, req.key))
+
+    def _on_queue_len(self, conn, req):
+        return p.encode_integer(req.request_id, self.table.queue_len(req.key))
+
+    def _on_barrier(self, conn, req):
+        try:
+            arrived = self.table.add(req.key, 1)
+        except ValueError as exc:
+            return p.encode(p.Error(req.request_id, p.ERROR_NOT_AN_INTEGER, str(exc).encode("utf-8")))
+        if self._waiting:
+            self._written(req.key)  # the counter is a key: a get/wait on it sees the count
+        if arrived < req.world_size:
+            return self._park(conn, req, [req.key], [], req.timeout_ms, line=(self._barriers, req.key))
+        for parked in list(self._barriers.get(req.key, ())):
+            self._finish(parked, p.encode_ok(parked.request.request_id))
+        return p.encode_ok(req.request_id)

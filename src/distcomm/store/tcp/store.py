@@ -230,3 +230,17 @@ class TCPStore(Store):
 
     def _list_keys(self):
         return [k.decode("utf-8", "replace") for k in self._client.list_keys()]
+
+    def _queue_push(self, key, value):
+        self._client.queue_push(key.encode(), value)
+
+    def _queue_pop(self, key, block, timeout):
+        return self._client.queue_pop(key, block, timeout)
+
+    def _queue_len(self, key):
+        return self._client.queue_len(key.encode())
+
+    def _barrier(self, key, world_size, timeout):
+        """One request: the server counts the arrival in ``key``'s value (as torch's TCPStore does, so
+        get(key) reads the count) and answers when ``world_size`` have arrived."""
+        self._client.barrier(key, world_size, timeout)
