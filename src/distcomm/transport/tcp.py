@@ -219,6 +219,7 @@ class TcpTransport(Transport):
             self._any_lost = TransportError(f"rank {rank} is alone in its world: nobody can send to it")
         self._scratch = memoryview(bytearray(_SCRATCH))
         self._waiters = 0  # threads inside _wait
+        self._drives = 0  # calls of _wait so far: the background thread keeps off while it grows
         self._cond_waiters = 0  # of which sleeping on _done_cond
         self._driver: int | None = None  # thread ident that owns the _fg loop
         self._closed = False
@@ -336,6 +337,7 @@ class TcpTransport(Transport):
         lock = self._lock
         lock.acquire()
         self._waiters += 1
+        self._drives += 1
         try:
             while not req.done:
                 left = None if deadline is None else deadline - time.monotonic()
@@ -433,9 +435,14 @@ class TcpTransport(Transport):
 
     def _background(self) -> None:
         lock = self._lock
+        seen = -1
         while True:
             with lock:
-                while self._waiters and not self._closed:
+                # park while a thread drives, and for one more period after any thread drove: a
+                # caller running collectives back to back waits again within microseconds, and
+                # taking its messages here would cost two thread hand-offs per message
+                while not self._closed and (self._waiters or self._drives != seen):
+                    seen = self._drives
                     self._bg_cond.wait(_PARK_S)
                 if self._closed:
                     return
@@ -443,7 +450,7 @@ class TcpTransport(Transport):
             with lock:
                 if self._closed:
                     return
-                if not self._waiters:  # else a waiting thread drives: leave the events to it
+                if not self._waiters and self._drives == seen:  # else leave them to the caller
                     self._handle(events)
 
     def _write(self, p: _Peer) -> None:
