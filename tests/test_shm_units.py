@@ -240,3 +240,123 @@ def test_direct_read_of_own_memory_and_probe():
     assert not shm_direct.probe(os.getpid(), src.ctypes.data + 8, 0)  # the word there is 1, not 0
     with pytest.raises(OSError):
         shm_direct.read(os.getpid(), 8, out)  # an unmapped address
+
+
+# -- group rounds: who gets woken ------------------------------------------------------------------
+class _Members:
+    """``p`` members' GroupShm views of one group, in this process, over plain memory: member q's
+    ``wait_for`` runs ``during_wait[q]`` (the test's moves while q is waiting) instead of waiting."""
+
+    def __init__(self, p: int, nslots: int = 4):
+        from distcomm.transport import shm_group
+
+        slot = 4096
+        _, total = shm_group.layout(p, slot, nslots)
+        members = self
+
+        class Seg:
+            def __init__(self):
+                self.buf = np.zeros(total, np.uint8)
+
+        class Transport:
+            def __init__(self, q):
+                self.q = q
+
+            def bell_of(self, g):
+                return members.bells[g]
+
+            def wait_for(self, ready, deadline, peers, on_timeout):
+                members.waits.append(self.q)
+                members.during_wait.pop(self.q)()
+                assert ready()
+
+        class Ch:
+            def __init__(self, r):
+                self.rank, self.ranks, self.size = r, list(range(p)), p
+                self.key, self.signature, self.deadline = MessageKey(7, KIND_COLLECTIVE, 1), 99, None
+
+        segs = [Seg() for _ in range(p)]
+        for s in segs:
+            shm_group.init_segment(s.buf, 7, p, slot, nslots)
+        self.bell_mem = np.zeros(2 * p, np.uint32)
+        words = memoryview(self.bell_mem).cast("B").cast("I")
+        self.bells = [Bell(words, 2 * q, self.bell_mem.ctypes.data + 8 * q) for q in range(p)]
+        self.ctx = [shm_group.GroupShm(Transport(q), 7, list(range(p)), q, segs, slot, nslots) for q in range(p)]
+        self.ch = [Ch(q) for q in range(p)]
+        self.waits: list[int] = []
+        self.during_wait: dict = {}
+        self.bell_mem[:] = 0  # setup rang everyone's bell
+
+    def rung(self) -> list[int]:
+        """Members whose bell moved since the last call."""
+        out = [q for q in range(len(self.bells)) if self.bells[q].value()]
+        self.bell_mem[::2] = 0
+        return out
+
+    def post(self, q: int, k: int) -> None:
+        self.ctx[q].post(k, self.ch[q], 8)
+
+
+def test_only_the_last_poster_rings_a_member_waiting_for_all():
+    m = _Members(3)
+
+    def meanwhile():
+        m.post(1, 1)
+        assert m.rung() == []  # rank 2 has not posted: waking rank 0 would be for nothing
+        m.post(2, 1)
+        assert m.rung() == [0]
+
+    m.post(0, 1)
+    m.during_wait[0] = meanwhile
+    m.ctx[0].wait_posted(1, m.ch[0], 8)
+    assert m.waits == [0] and m.during_wait == {}
+    m.post(1, 2)
+    assert m.rung() == []  # nobody waits any more
+
+
+def test_a_member_waiting_for_one_root_is_rung_by_the_root_alone():
+    m = _Members(3)
+
+    def meanwhile():
+        m.post(2, 1)
+        assert m.rung() == []
+        m.post(0, 1)
+        assert m.rung() == [1]
+
+    m.during_wait[1] = meanwhile
+    m.ctx[1].wait_posted(1, m.ch[1], 8, [0])
+    assert m.waits == [1]
+
+
+def test_slot_reuse_waits_for_every_reader_and_the_last_one_rings():
+    m = _Members(3, nslots=2)
+    for k in (1, 2):
+        for q in range(3):
+            m.post(q, k)
+    m.ctx[1].consume(2)
+    m.ctx[2].consume(1)
+    m.ctx[0].acquire(3, m.ch[0])  # round 3 reuses round 1's slot: both peers are done with it
+    assert m.waits == []
+    m.rung()
+
+    def meanwhile():
+        m.ctx[2].consume(1)
+        assert m.rung() == []
+        m.ctx[2].consume(2)
+        assert m.rung() == [0]
+
+    m.during_wait[0] = meanwhile
+    m.ctx[0].acquire(4, m.ch[0])  # round 2's slot: rank 2 has not read it yet
+    assert m.waits == [0]
+    m.ctx[0].acquire(4, m.ch[0])
+    m.ctx[0].acquire(3, m.ch[0])
+    assert m.waits == [0]  # known done: no second wait
+
+
+def test_a_mismatched_header_is_still_noticed():
+    m = _Members(2)
+    m.post(0, 1)
+    m.ch[1].signature = 100
+    m.post(1, 1)
+    with pytest.raises(TransportError, match="rank 0 is running another collective"):
+        m.ctx[1].wait_posted(1, m.ch[1], 8)

@@ -124,12 +124,13 @@ def reduce_direct(ctx, ch: Channel, flat: np.ndarray, red, root: int | None) -> 
 
 def allreduce_small(ctx, ch: Channel, flat: np.ndarray, red) -> None:
     """The latency path: the whole message in one slot; every rank reduces all p copies."""
-    k = ctx.next_round()
+    k = ctx.round = ctx.round + 1
     n = flat.nbytes
-    ctx.acquire(k, ch)[:n] = flat.view(np.uint8)
+    views = ctx.views(k, flat.dtype, flat.size)  # cached typed views: no slicing per call
+    ctx.acquire(k, ch)
+    views[ctx.rank][...] = flat
     ctx.post(k, ch, n)
     ctx.wait_posted(k, ch, n)
-    views = ctx.views(k, flat.dtype, flat.size)
     if ctx.rank:
         flat[...] = views[0]
     for v in views[1:]:
@@ -562,6 +563,7 @@ class ShmCollectives:
 
     def __init__(self, transport):
         self.transport = transport
+        self._groups = transport._groups  # gid -> GroupShm, for the latency path (see _context)
         self.allreduce_algo = _algo_env("ALLREDUCE", ("direct", "slices", "readv"))
         self.direct_bytes = int(os.environ.get("DISTCOMM_SHM_ALLREDUCE_DIRECT_BYTES", DIRECT_ALLREDUCE_BYTES))
         self._reducers: dict = {}
@@ -620,10 +622,20 @@ class ShmCollectives:
 
     # The signatures below are those of backends/collectives.py.
     def all_reduce(self, ch: Channel, flat: np.ndarray, dtype, op) -> None:
+        # The latency path first: a group already set up and healthy, a plain op, one slot.
+        ctx = self._groups.get(ch.key.group)
+        plain = type(op) is RedOpType  # no factor to apply first; only AVG needs finishing
+        if ctx is not None and not ctx.broken and plain and self.allreduce_algo is None:
+            n = flat.nbytes
+            if n <= self.direct_bytes and n <= ctx.slot_bytes:
+                red = self._reducers.get((op, dtype.name)) or self._reducer(op, dtype)
+                self._run(ctx, ch, allreduce_small, flat, red)
+                if op is RedOpType.AVG:
+                    finish(op, flat, ch.size, dtype)
+                return
         ctx = self._context(ch)
         if ctx is None:
             return generic.all_reduce(ch, flat, dtype, op)
-        plain = type(op) is RedOpType  # no factor to apply first; only AVG needs finishing
         if not plain:
             premultiply(op, flat, dtype)
         red = self._reducer(op, dtype)

@@ -34,7 +34,9 @@ _H_MAGIC, _H_GID, _H_SIZE, _H_SLOT_BYTES, _H_NSLOTS = 0, 1, 2, 3, 4
 POSTED = 8  # byte 64: own cache line
 CONSUMED = 16  # byte 128
 REUSING = 20  # byte 160: k while this member waits for every peer's CONSUMED >= k (else 0)
-AWAITING = 21  # byte 168: k while this member waits for every peer's POSTED >= k (else 0)
+AWAITING = 21  # byte 168: k while this member waits for peers' POSTED >= k (else 0)
+AWAIT_FROM = 22  # byte 176: which peers AWAITING means: 0 all others, q + 1 member q, AWAIT_ANY some
+AWAIT_ANY = 1 << 63
 _OPENED_AT = 192  # one byte per member: "I have mapped this segment"
 SLOT_HEADER = 64
 # u64 indexes into a slot header
@@ -103,7 +105,14 @@ class GroupShm:
         self._peers = [q for q in range(self.size) if q != rank]
         self._peer_bells = [transport.bell_of(ranks[q]) for q in self._peers]
         self._peer_ctl = [self.ctl[q] for q in self._peers]
+        self._peer_info = [(q, self.ctl[q], bell) for q, bell in zip(self._peers, self._peer_bells)]
+        self._others = [[x for x in range(self.size) if x != q] for q in range(self.size)]
+        self._mine = self.ctl[rank]
+        self._my_headers = self.headers[rank]
+        self._my_slots = self.slots[rank]
+        self._consumed_floor = 0  # a lower bound of every peer's CONSUMED (acquire's cache)
         self._views: dict = {}
+        self._views_dtype = self._views_count = self._views_last = None
         for q in self._peers:  # tell each owner we have mapped its segment
             segments[q].buf[_OPENED_AT + rank] = 1
             transport.bell_of(ranks[q]).ring()
@@ -116,22 +125,25 @@ class GroupShm:
     def acquire(self, k: int, ch) -> np.ndarray:
         """My slot for round k (uint8, slot_bytes), once every peer has read its previous use."""
         need = k - self.nslots
-        if need > 0:
-            for c in self._peer_ctl:
-                if c[CONSUMED] < need:
-                    self._wait_reuse(need, ch)
-                    break
-        return self.slots[self.rank][k % self.nslots]
+        if need > self._consumed_floor:  # the floor only rises: most rounds read no counter at all
+            floor = min(c[CONSUMED] for c in self._peer_ctl)
+            if floor < need:
+                self._wait_reuse(need, ch)
+                floor = min(c[CONSUMED] for c in self._peer_ctl)
+            self._consumed_floor = floor
+        return self._my_slots[k % self.nslots]
 
     def wait_consumed(self, k: int, ch) -> None:
         """Wait until every peer has finished reading round k (and so everything before it)."""
-        if any(c[CONSUMED] < k for c in self._peer_ctl):
-            self._wait_reuse(k, ch)
+        for c in self._peer_ctl:
+            if c[CONSUMED] < k:
+                self._wait_reuse(k, ch)
+                return
 
     def _wait_reuse(self, need: int, ch) -> None:
         ctl, peers = self.ctl, self._peers
-        mine = ctl[self.rank]
-        mine[REUSING] = need  # consumers wake us when the last of them gets there (see consume)
+        mine = self._mine
+        mine[REUSING] = need  # the consumer that completes this wakes us (see consume)
         fence()
         try:
             self._wait(lambda: all(ctl[q][CONSUMED] >= need for q in peers), ch, CONSUMED, need)
@@ -140,81 +152,92 @@ class GroupShm:
 
     def post(self, k: int, ch, nbytes: int, extra: int = 0) -> None:
         """Publish my slot of round k (its header first, then the counter), and wake the peers
-        that this completes (see _notify)."""
-        h = self.headers[self.rank][k % self.nslots]
+        whose wait this completes (see _wake_posters)."""
+        h = self._my_headers[k % self.nslots]
         h[S_SEQ] = ch.key.seq
         h[S_SIG] = ch.signature
         h[S_NBYTES] = nbytes
         h[S_EXTRA] = extra
         h[S_ROUND] = k
-        self.ctl[self.rank][POSTED] = k
-        self._notify(AWAITING, POSTED)
+        self._mine[POSTED] = k
+        self._wake_posted()
 
-    def _notify(self, flag: int, counter: int) -> None:
-        """After moving ``counter``: bump every peer's bell, and wake a sleeping peer only if it
-        waits for something else (``flag`` 0) or if what it waits for (every other member's
-        ``counter`` >= its ``flag``) is now complete. With p ranks waiting on each other, p - 1
-        of every p posts would otherwise wake sleepers for nothing: each a system call for the
-        poster and a trip through the scheduler for the sleeper.
+    def _wake_posted(self) -> None:
+        """After moving my ``posted``: ring the bell of every peer whose wait for posts (its
+        ``AWAITING``/``AWAIT_FROM``) is now complete; nobody else is disturbed.
 
-        Lost wake-ups: the waiter stores its flag, fences, then checks; the poster stores its
-        counter, bumps the bell, fences, then reads flags and counters. Whichever fences last sees
-        both stores; a waiter that still goes to sleep finds the bell moved and returns at once.
+        No lost wake-ups (Dekker's pattern): a waiter stores its flag, fences, then checks the
+        counters; a poster stores its counter, fences, then reads the flags. Whichever fences
+        last sees the other's store: either the waiter finds the counter moved, or the poster
+        finds the flag and rings (bumping the bell first, so a waiter between its last check and
+        its futex sleep returns at once). With p ranks waiting on each other, only the last
+        poster rings anyone; a waiter still spinning or yielding costs the poster no system call.
         """
-        for bell in self._peer_bells:
-            bell.bump()
         fence()
         ctl = self.ctl
-        size = self.size
-        for q, bell in zip(self._peers, self._peer_bells):
-            if not bell.sleeping():
-                continue
-            want = ctl[q][flag]
-            if want and not all(ctl[x][counter] >= want for x in range(size) if x != q):
-                continue
-            bell.ring()
+        for q, c, bell in self._peer_info:
+            want = c[AWAITING]
+            if want:
+                src = c[AWAIT_FROM]
+                if src == 0:
+                    if all(ctl[x][POSTED] >= want for x in self._others[q]):
+                        bell.ring()
+                elif src == AWAIT_ANY or ctl[src - 1][POSTED] >= want:
+                    bell.ring()
 
     def advance(self, k: int, wake: bool = True) -> None:
         """Set ``posted = k`` without a slot: progress within a collective (see allreduce_readv).
-        ``wake=False`` only bumps the peers' bells (a peer about to sleep looks again; one asleep
-        is left alone)."""
-        self.ctl[self.rank][POSTED] = k
-        for bell in self._peer_bells:
-            if wake:
-                bell.ring()
-            else:
-                bell.bump()
+        ``wake=False``: no peer waits for ``k`` itself (they poll ``posted``, and wait only for a
+        later value), so nobody needs a look."""
+        self._mine[POSTED] = k
+        if wake:
+            self._wake_posted()
 
     def posted(self, q: int) -> int:
         return self.ctl[q][POSTED]
 
     def wait_posted_counter(self, k: int, ch) -> None:
         """Wait until every peer's ``posted >= k`` (no slot header to check)."""
-        if any(c[POSTED] < k for c in self._peer_ctl):
-            peer_ctl = self._peer_ctl
-            self._wait(lambda: all(c[POSTED] >= k for c in peer_ctl), ch, POSTED, k)
+        for c in self._peer_ctl:
+            if c[POSTED] < k:
+                self._wait_posts(k, ch, self._peers, 0)
+                return
 
     def wait_posted(self, k: int, ch, nbytes: int | None, peers=None) -> None:
         """Wait until ``peers`` (default: all others) have posted round k; check their headers."""
         ctl = self.ctl
         if peers is None:
             peers = self._peers
-            if not all(c[POSTED] >= k for c in self._peer_ctl):
-                mine = ctl[self.rank]
-                mine[AWAITING] = k  # the last poster wakes us (see _notify)
-                fence()
-                try:
-                    self._wait(lambda: all(ctl[q][POSTED] >= k for q in peers), ch, POSTED, k, peers)
-                finally:
-                    mine[AWAITING] = 0
-        elif not all(ctl[q][POSTED] >= k for q in peers):
-            self._wait(lambda: all(ctl[q][POSTED] >= k for q in peers), ch, POSTED, k, peers)
+            for c in self._peer_ctl:
+                if c[POSTED] < k:
+                    self._wait_posts(k, ch, peers, 0)
+                    break
+        else:
+            for q in peers:
+                if ctl[q][POSTED] < k:
+                    src = peers[0] + 1 if len(peers) == 1 else 0 if len(peers) == self.size - 1 else AWAIT_ANY
+                    self._wait_posts(k, ch, peers, src)
+                    break
         slot = k % self.nslots
         seq, sig = ch.key.seq, ch.signature
+        headers = self.headers
         for q in peers:
-            h = self.headers[q][slot]
+            h = headers[q][slot]
             if h[S_ROUND] != k or h[S_SEQ] != seq or h[S_SIG] != sig or (nbytes is not None and h[S_NBYTES] != nbytes):
                 raise self._mismatch(q, k, h, ch, nbytes)
+
+    def _wait_posts(self, k: int, ch, peers, src: int) -> None:
+        """Wait until every member of ``peers`` has ``posted >= k``; ``src`` says whom to a poster
+        (0: all others, q + 1: member q alone, AWAIT_ANY: some others; see _wake_posted)."""
+        ctl = self.ctl
+        mine = self._mine
+        mine[AWAIT_FROM] = src
+        mine[AWAITING] = k  # after AWAIT_FROM: a poster that sees this flag sees whom it names
+        fence()
+        try:
+            self._wait(lambda: all(ctl[q][POSTED] >= k for q in peers), ch, POSTED, k, peers)
+        finally:
+            mine[AWAITING] = 0
 
     def _mismatch(self, q: int, k: int, h, ch, nbytes: int | None) -> TransportError:
         return TransportError(
@@ -231,15 +254,21 @@ class GroupShm:
 
     def views(self, k: int, dtype: np.dtype, count: int) -> list[np.ndarray]:
         """Every member's slot of round k as ``count`` elements of ``dtype`` (cached: the latency
-        path reuses the same few views call after call)."""
-        key = (k % self.nslots, dtype, count)
-        views = self._views.get(key)
-        if views is None:
-            if len(self._views) >= 256:
+        path reuses the same few views call after call; the last dtype and count are looked up
+        without hashing anything)."""
+        if dtype is self._views_dtype and count == self._views_count:
+            return self._views_last[k % self.nslots]
+        key = (dtype, count)
+        per_slot = self._views.get(key)
+        if per_slot is None:
+            if len(self._views) >= 64:
                 self._views.clear()
             nbytes = count * dtype.itemsize
-            views = self._views[key] = [self.slots[q][key[0]][:nbytes].view(dtype) for q in range(self.size)]
-        return views
+            per_slot = self._views[key] = [
+                [self.slots[q][s][:nbytes].view(dtype) for q in range(self.size)] for s in range(self.nslots)
+            ]
+        self._views_dtype, self._views_count, self._views_last = dtype, count, per_slot
+        return per_slot[k % self.nslots]
 
     def extra(self, q: int, k: int) -> int:
         return self.headers[q][k % self.nslots][S_EXTRA]
@@ -249,10 +278,15 @@ class GroupShm:
         return self.slots[q][k % self.nslots]
 
     def consume(self, k: int) -> None:
-        """Done reading round k: peers may reuse their slots of round k (a peer waiting for that
-        is woken when the last of us gets there; see _notify)."""
-        self.ctl[self.rank][CONSUMED] = k
-        self._notify(REUSING, CONSUMED)
+        """Done reading round k: peers may reuse their slots of round k. A peer waiting for that
+        (its ``REUSING``) is rung by the consumer that completes its wait (as in _wake_posted)."""
+        self._mine[CONSUMED] = k
+        fence()
+        ctl = self.ctl
+        for q, c, bell in self._peer_info:
+            need = c[REUSING]
+            if need and all(ctl[x][CONSUMED] >= need for x in self._others[q]):
+                bell.ring()
 
     # -- waiting and health -------------------------------------------------------------------
     def _wait(self, ready, ch, counter: int, value: int, peers=None) -> None:
