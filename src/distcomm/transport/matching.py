@@ -32,12 +32,16 @@ from .base import ANY_SOURCE
 class Unexpected:
     """A message that arrived before its receive was posted: its bytes, complete or still arriving."""
 
-    __slots__ = ("src", "key", "signature", "data", "complete", "arrival")
+    __slots__ = ("src", "key", "signature", "nbytes", "data", "complete", "arrival")
 
-    def __init__(self, src: int, key, signature: int, nbytes: int, arrival: int):
-        self.src, self.key, self.signature, self.arrival = src, key, signature, arrival
-        self.data = np.empty(nbytes, np.uint8)  # exactly its size, allocated once the header arrived
-        self.complete = nbytes == 0
+    def __init__(self, src: int, key, signature: int, nbytes: int, arrival: int, data=None):
+        self.src, self.key, self.signature, self.nbytes, self.arrival = src, key, signature, nbytes, arrival
+        if data is None:  # still to arrive: a buffer of exactly its size, once the header is known
+            self.data = np.empty(nbytes, np.uint8)
+            self.complete = nbytes == 0
+        else:  # it came whole (a small message): its bytes as they are
+            self.data = data
+            self.complete = True
 
 
 class Matcher:
@@ -83,6 +87,16 @@ class Matcher:
             table[k] = q = deque()
         q.append(req)
 
+    def post_from(self, req, k: tuple) -> None:
+        """``post`` for a receive naming its source, ``k == (req.peer, req.key)`` (the hot path)."""
+        self._counter += 1
+        req.order = self._counter
+        q = self.posted.get(k)
+        if q is None:
+            self.posted[k] = deque((req,))
+        else:
+            q.append(req)
+
     def withdraw(self, req) -> bool:
         """Remove a posted receive that has not matched yet; False if it is not posted."""
         table, k = (self.posted_any, req.key) if req.peer == ANY_SOURCE else (self.posted, (req.peer, req.key))
@@ -110,9 +124,10 @@ class Matcher:
             del table[k]
         return req
 
-    def add_unexpected(self, src: int, key, signature: int, nbytes: int) -> Unexpected:
+    def add_unexpected(self, src: int, key, signature: int, nbytes: int, data=None) -> Unexpected:
+        """Keep a message nobody has asked for: still arriving, or (``data``) already whole."""
         self._counter += 1
-        msg = Unexpected(src, key, signature, nbytes, self._counter)
+        msg = Unexpected(src, key, signature, nbytes, self._counter, data)
         q = self.unexpected.get((src, key))
         if q is None:
             self.unexpected[(src, key)] = q = deque()

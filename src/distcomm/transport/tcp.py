@@ -74,6 +74,14 @@ _OUT = select.EPOLLOUT
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
 _HDR = framing.HEADER_SIZE
 _decode_header = framing.decode_header
+_encode_header = framing.encode_header
+_unpack_header = framing._HEADER_UNPACK  # the hot path checks fields inline (same rules as decode_header)
+_MAGIC, _VERSION, _MAX_NBYTES = framing.FRAME_MAGIC, framing.VERSION, framing.MAX_NBYTES
+_new_tuple = tuple.__new__
+_KIND_CONTROL = framing.KIND_CONTROL
+_ndarray = np.ndarray
+_get_ident = threading.get_ident
+_monotonic = time.monotonic
 
 
 def _byte_view(buf, writable: bool) -> memoryview:
@@ -90,6 +98,11 @@ def _byte_view(buf, writable: bool) -> memoryview:
     if writable and view.readonly:
         raise ValueError("receive buffer is read-only")
     return view
+
+
+def _flat(view) -> memoryview:
+    """``view`` (a contiguous numpy array or a byte memoryview) as a byte memoryview, for slicing."""
+    return view if type(view) is memoryview else _byte_view(view, writable=False)  # noqa: E721
 
 
 def _describe(key) -> str:
@@ -239,45 +252,60 @@ class TcpTransport(Transport):
         return self._peers[int(q)]
 
     def isend(self, dst: int, data, key: MessageKey, signature: int = 0) -> TcpRequest:
-        view = _byte_view(data, writable=False)
-        header = framing.encode_header(key, signature, view.nbytes)
+        if type(data) is _ndarray and data.flags.c_contiguous:  # noqa: E721 - the common case first
+            view = data  # sendmsg takes the array itself; a byte view is made only if it is queued
+            nbytes = data.nbytes
+        else:
+            view = _byte_view(data, writable=False)
+            nbytes = view.nbytes
+        header = _encode_header(key, signature, nbytes)
         req = TcpRequest(self, True, dst, key, signature, view)
-        req.parts = [header, view] if view.nbytes else [header]
-        req.total = _HDR + view.nbytes
+        total = req.total = _HDR + nbytes
         with self._lock:
-            p = self._peer(dst, "send to")
+            p = self._peers[dst] if type(dst) is int and 0 <= dst < self.size else None  # noqa: E721
+            if p is None:
+                p = self._peer(dst, "send to")
             if self._closed or p.lost is not None:
                 self._finish(req, self._lost_error(p))
                 return req
             if not p.sendq:  # the direct attempt: a small message completes right here
                 try:
-                    parts = req.parts
-                    n = p.sock.sendmsg(_first(parts, _SEND_CHUNK) if req.total > _SEND_CHUNK else parts,
-                                       (), _NOSIGNAL)
+                    if total <= _SEND_CHUNK:
+                        n = p.sock.sendmsg((header, view) if nbytes else (header,), (), _NOSIGNAL)
+                    else:
+                        n = p.sock.sendmsg((header, _flat(view)[: _SEND_CHUNK - _HDR]), (), _NOSIGNAL)
                 except (BlockingIOError, InterruptedError):
                     n = 0
                 except OSError as exc:
                     self._lose(p, f"sending to rank {p.rank} failed: {exc}")
                     self._finish(req, p.lost)
                     return req
-                if n == req.total:
-                    req.done, req.view, req.parts = True, None, None  # nobody can be waiting on it yet
+                if n == total:
+                    req.done, req.view = True, None  # nobody can be waiting on it yet
                     return req
-                req.offset, req.parts = n, _advance(req.parts, n)
+                req.offset, req.parts = n, _advance([header, _flat(view)] if nbytes else [header], n)
                 self._set_out(p, True)
+            else:
+                req.parts = [header, _flat(view)] if nbytes else [header]
             p.sendq.append(req)
         return req
 
     def irecv(self, src: int, out, key: MessageKey, signature: int = 0) -> TcpRequest:
         view = _byte_view(out, writable=True)
         req = TcpRequest(self, False, src, key, signature, view)
+        match = self._match
         with self._lock:
             if src != ANY_SOURCE:
-                p = self._peer(src, "receive from")
+                p = self._peers[src] if type(src) is int and 0 <= src < self.size else None  # noqa: E721
+                if p is None:
+                    p = self._peer(src, "receive from")
+                if p.lost is None and not match.unexpected and not self._closed:  # the common case
+                    match.post_from(req, (src, key))
+                    return req
             if self._closed:
                 self._finish(req, self._lost_error(None))
                 return req
-            msg = self._match.take_unexpected(src, key) if self._match.unexpected else None
+            msg = match.take_unexpected(src, key) if match.unexpected else None
             if msg is not None:
                 self._deliver_unexpected(req, msg)
             elif src == ANY_SOURCE and self._any_lost is not None:
@@ -285,12 +313,12 @@ class TcpTransport(Transport):
             elif src != ANY_SOURCE and p.lost is not None:
                 self._finish(req, p.lost)
             else:
-                self._match.post(req)
+                match.post(req)
         return req
 
     def _deliver_unexpected(self, req: TcpRequest, msg: Unexpected) -> None:
         req.source = msg.src
-        err = self._mismatch(req, msg.src, msg.signature, msg.data.nbytes)
+        err = self._mismatch(req, msg.src, msg.signature, msg.nbytes)
         if not msg.complete:  # still arriving: redirect the rest of the payload
             cur = self._peers[msg.src].cur
             cur.msg = None
@@ -300,8 +328,8 @@ class TcpTransport(Transport):
                 return
             cur.dest = None
         elif err is None:
-            req.view[:] = memoryview(msg.data)
-            req.nbytes = msg.data.nbytes
+            req.view[:] = msg.data
+            req.nbytes = msg.nbytes
         self._finish(req, err)
 
     def _mismatch(self, req: TcpRequest, src: int, signature: int, nbytes: int) -> TransportError | None:
@@ -333,12 +361,31 @@ class TcpTransport(Transport):
         The lock is held throughout except inside epoll and Condition.wait: this is the hot path
         of every small message, so it takes the lock twice per loop turn, not more.
         """
-        me = threading.get_ident()
+        me = _get_ident()
         lock = self._lock
         lock.acquire()
         self._waiters += 1
         self._drives += 1
         try:
+            if self._driver is None and not self._closed:
+                # the common case (nobody else drives) without the general loop's bookkeeping; a
+                # deadline that runs out or a close() leaves the rest to the general loop below
+                self._driver = me
+                poll, handle = self._fg.poll, self._handle
+                timeout = -1
+                while not req.done:
+                    if deadline is not None:
+                        timeout = deadline - _monotonic()
+                        if timeout <= 0:
+                            break
+                    lock.release()
+                    try:
+                        events = poll(timeout)
+                    finally:
+                        lock.acquire()
+                    if self._closed:
+                        break
+                    handle(events)
             while not req.done:
                 left = None if deadline is None else deadline - time.monotonic()
                 if self._driver is None:
@@ -365,7 +412,8 @@ class TcpTransport(Transport):
                     self._withdraw(req)
         finally:
             self._waiters -= 1
-            self._release(me)
+            if self._driver == me:
+                self._release(me)
             lock.release()
 
     def _release(self, me: int) -> None:
@@ -491,7 +539,7 @@ class TcpTransport(Transport):
         means the socket is drained; we stop there instead of paying for one more syscall that
         would only raise EAGAIN (epoll is level-triggered, so nothing is missed).
         """
-        stage, sview = p.stage, p.sview
+        stage, sview, sock, src = p.stage, p.sview, p.sock, p.rank
         match = self._match
         posted = match.posted
         lo, hi = p.lo, p.hi
@@ -501,24 +549,35 @@ class TcpTransport(Transport):
                 cur = p.cur
                 if cur is None:
                     if hi - lo >= _HDR:
-                        try:
-                            key, signature, nbytes = _decode_header(stage, lo)
-                        except framing.FramingError as exc:
-                            return self._lose(p, f"protocol error from rank {p.rank}: {exc}")
+                        magic, version, kind, group, seq, signature, reserved, nbytes = _unpack_header(stage, lo)
+                        if magic != _MAGIC or version != _VERSION or reserved or nbytes > _MAX_NBYTES:
+                            try:  # framing says what is wrong with it
+                                _decode_header(stage, lo)
+                            except framing.FramingError as exc:
+                                return self._lose(p, f"protocol error from rank {p.rank}: {exc}")
+                        key = _new_tuple(MessageKey, (group, kind, seq))
                         lo += _HDR
-                        q = posted.get((p.rank, key)) if not match.posted_any else None
-                        if q and nbytes <= hi - lo:
-                            # the common small-message case inline: a receive is posted, the whole
-                            # payload is staged, sizes and signatures agree
-                            req = q[0]
+                        if nbytes <= hi - lo and not match.posted_any and kind != _KIND_CONTROL:
+                            # the common small-message cases inline: the whole payload is staged
+                            # and no any-source receive could claim it
+                            k = (src, key)
+                            q = posted.get(k)
+                            if not q:  # unexpected: keep a copy of its bytes
+                                match.add_unexpected(src, key, signature, nbytes, sview[lo: lo + nbytes].tobytes())
+                                lo += nbytes
+                                continue
+                            req = q[0]  # posted: sizes and signatures agree?
                             if nbytes == req.view.nbytes and signature == req.signature:
                                 q.popleft()
                                 if not q:
-                                    del posted[(p.rank, key)]
+                                    del posted[k]
                                 req.view[:] = sview[lo: lo + nbytes]
                                 lo += nbytes
-                                req.source, req.nbytes = p.rank, nbytes
-                                self._finish(req)
+                                # _finish inlined: whoever runs _read drives (or nobody waits), so
+                                # there is no driver to kick
+                                req.source, req.nbytes, req.done, req.view = src, nbytes, True, None
+                                if self._cond_waiters:
+                                    self._done_cond.notify_all()
                                 continue
                         cur = self._begin_frame(p, key, signature, nbytes)
                         if cur is None:
@@ -531,9 +590,14 @@ class TcpTransport(Transport):
                             lo, hi = 0, hi - lo
                         if drained:
                             return
-                        n = self._recv(p, sview[hi:])
-                        if n <= 0:
+                        try:  # _recv inlined
+                            n = sock.recv_into(sview[hi:])
+                        except (BlockingIOError, InterruptedError):
                             return
+                        except OSError as exc:
+                            return self._lose(p, f"connection to rank {src} failed: {exc}")
+                        if n == 0:
+                            return self._lose(p, None)
                         drained = n < _STAGE - hi
                         hi += n
                         continue
