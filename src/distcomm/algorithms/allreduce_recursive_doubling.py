@@ -27,6 +27,15 @@ from ._blocks import Fold, Reducer
 def allreduce_recursive_doubling(ch: Channel, buf: np.ndarray, reduce: Reducer) -> None:
     """Reduce ``buf`` across the group in place; every rank ends with the same result."""
     p, r = ch.size, ch.rank
+    if p == 2:  # one exchange; the general code below does the same with more bookkeeping
+        other = np.empty_like(buf)
+        ch.sendrecv(1 - r, buf, 1 - r, other)
+        if r == 0:
+            reduce(buf, other)  # lower rank's value first
+        else:
+            reduce(other, buf)
+            buf[...] = other
+        return
     if p == 1:
         return
     fold = Fold(r, p)
