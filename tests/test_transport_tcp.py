@@ -26,6 +26,7 @@ from harness import run_world
 from distcomm.store import HashStore
 from distcomm.transport import framing, mesh
 from distcomm.transport.base import ANY_SOURCE, KIND_COLLECTIVE, KIND_P2P, MessageKey, TransportError
+from distcomm.transport import tcp as tcp_module
 from distcomm.transport.tcp import TcpTransport
 
 K = MessageKey(1, KIND_COLLECTIVE, 7)
@@ -302,6 +303,66 @@ def test_background_progress_without_wait():
         assert s.test()
 
 
+def _drive_once(a, b, tag):
+    """One small exchange that both transports wait for: each has "driven" its event loop."""
+    key = MessageKey(2, KIND_P2P, tag)
+    ra, rb = a.irecv(1, np.zeros(1), key), b.irecv(0, np.zeros(1), key)
+    sa, sb = a.isend(1, np.ones(1), key), b.isend(0, np.ones(1), key)
+    wait_all(ra, rb, sa, sb)
+
+
+def test_background_thread_leaves_small_messages_to_a_busy_caller(monkeypatch):
+    # With an endless park period the background thread never wakes by itself: a small message
+    # must then stay in the socket until the caller asks (no thread hand-off on the latency path)
+    monkeypatch.setattr(tcp_module, "_PARK_S", 3600.0)
+    with local_world(2) as (a, b):
+        _drive_once(a, b, 0)
+        a.isend(1, pattern(100), K).wait(soon())
+        time.sleep(0.2)
+        assert not b._match.unexpected  # not read behind the caller's back
+        out = np.zeros(100, np.uint8)
+        wait_all(b.irecv(0, out, K))
+        assert np.array_equal(out, pattern(100))
+
+
+def test_background_thread_reads_small_messages_of_an_idle_caller():
+    with local_world(2) as (a, b):
+        _drive_once(a, b, 0)
+        a.isend(1, pattern(100), K).wait(soon())
+        deadline = soon()
+        while not b._match.unexpected and time.monotonic() < deadline:  # b never calls in
+            time.sleep(0.001)
+        assert b._match.unexpected  # its background thread read it, once the caller was idle
+        msg = next(iter(b._match.unexpected.values()))[0]
+        assert msg.complete and bytes(msg.data) == pattern(100).tobytes()
+
+
+def test_bulk_transfers_move_in_the_background_while_the_caller_is_busy(monkeypatch):
+    # Endless park period: only the "bulk" rule can wake the background threads
+    monkeypatch.setattr(tcp_module, "_PARK_S", 3600.0)
+    with local_world(2) as (a, b):
+        _drive_once(a, b, 0)
+        data = pattern(32 * MiB)
+        s = a.isend(1, data, K)  # a never waits: its background thread pushes the rest
+        out = np.zeros_like(data)
+        wait_all(b.irecv(0, out, K))
+        assert np.array_equal(out, data)
+        deadline = soon()
+        while not s.done and time.monotonic() < deadline:  # its last bytes may still be leaving
+            time.sleep(0.001)
+        assert s.done and s.error is None
+        # and the receiving side: b posts a large receive and never waits on it
+        _drive_once(a, b, 1)
+        out2 = np.zeros_like(data)
+        r = b.irecv(0, out2, K)
+        wait_all(a.isend(1, data[::-1].copy(), K))  # completes only if b's background thread reads
+        deadline = soon()
+        while not r.done and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert r.done and r.error is None
+        assert np.array_equal(out2, data[::-1])
+
+
 def test_several_threads_waiting_at_once():
     with local_world(2) as (a, b):
         outs = [np.zeros(1000, np.uint8) for _ in range(6)]
@@ -539,6 +600,17 @@ def test_matcher_unexpected_in_arrival_order():
     assert m.take_unexpected(ANY_SOURCE, MessageKey(9, 0, 0)) is None
     assert m.take_unexpected(2, K) is c
     assert m.unexpected == {}
+
+
+def test_matcher_keeps_whole_small_messages_as_given():
+    from distcomm.transport.matching import Matcher
+
+    m = Matcher(3)
+    whole = m.add_unexpected(1, K, 5, 3, b"abc")  # arrived whole: its bytes as they are
+    arriving = m.add_unexpected(1, K, 5, 4)  # still arriving: a buffer of its size
+    assert whole.complete and whole.nbytes == 3 and whole.data == b"abc"
+    assert not arriving.complete and arriving.nbytes == 4 and arriving.data.nbytes == 4
+    assert m.take_unexpected(1, K) is whole and m.take_unexpected(ANY_SOURCE, K) is arriving
 
 
 def test_matcher_withdraw_and_failures():

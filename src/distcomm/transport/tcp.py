@@ -69,6 +69,10 @@ _SCRATCH = 256 << 10  # where discarded payloads (mismatch, withdrawn receive) a
 # ~3.2 GB/s total with 2 MiB steps, ~3.0 with 1 MiB, ~2.5 uncapped (noisy, shared machine).
 _SEND_CHUNK = 2 << 20
 _PARK_S = 0.002  # background thread's recheck period while a thread drives (see module doc)
+# A receive at least this large (or any send the kernel did not take at once) is a "bulk" transfer
+# that the background thread moves while the caller is busy elsewhere (see _background). Larger
+# than _STAGE, so the small-message paths in _read never complete one.
+_BULK = 64 << 10
 _IN = select.EPOLLIN
 _OUT = select.EPOLLOUT
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
@@ -143,6 +147,7 @@ class TcpRequest(Request):
     parts = None  # sends: what is left to write (header, payload views)
     offset = 0  # sends: bytes of the frame already written
     total = 0  # sends: header + payload bytes
+    bulk = False  # counted in TcpTransport._bulk until done
 
     def __init__(self, transport: "TcpTransport", is_send: bool, peer: int, key: MessageKey, signature: int, view):
         self._t = transport
@@ -233,6 +238,7 @@ class TcpTransport(Transport):
         self._scratch = memoryview(bytearray(_SCRATCH))
         self._waiters = 0  # threads inside _wait
         self._drives = 0  # calls of _wait so far: the background thread keeps off while it grows
+        self._bulk = 0  # pending large transfers (queued sends, posted receives >= _BULK bytes)
         self._cond_waiters = 0  # of which sleeping on _done_cond
         self._driver: int | None = None  # thread ident that owns the _fg loop
         self._closed = False
@@ -288,6 +294,7 @@ class TcpTransport(Transport):
             else:
                 req.parts = [header, _flat(view)] if nbytes else [header]
             p.sendq.append(req)
+            self._add_bulk(req)
         return req
 
     def irecv(self, src: int, out, key: MessageKey, signature: int = 0) -> TcpRequest:
@@ -301,6 +308,8 @@ class TcpTransport(Transport):
                     p = self._peer(src, "receive from")
                 if p.lost is None and not match.unexpected and not self._closed:  # the common case
                     match.post_from(req, (src, key))
+                    if view.nbytes >= _BULK:
+                        self._add_bulk(req)
                     return req
             if self._closed:
                 self._finish(req, self._lost_error(None))
@@ -314,6 +323,8 @@ class TcpTransport(Transport):
                 self._finish(req, p.lost)
             else:
                 match.post(req)
+                if view.nbytes >= _BULK:
+                    self._add_bulk(req)
         return req
 
     def _deliver_unexpected(self, req: TcpRequest, msg: Unexpected) -> None:
@@ -345,10 +356,19 @@ class TcpTransport(Transport):
                               " (the ranks disagree about this operation)", peer=src, reason="mismatch")
 
     # -- completion, waiting ---------------------------------------------------------------------
+    def _add_bulk(self, req: TcpRequest) -> None:
+        """A large transfer is pending: the background thread moves it whenever nobody waits."""
+        req.bulk = True
+        self._bulk += 1
+        if not self._waiters:
+            self._bg_cond.notify()
+
     def _finish(self, req: TcpRequest, error: TransportError | None = None) -> None:
         if req.done:
             return
         req.error, req.done, req.view, req.incoming = error, True, None, None
+        if req.bulk:
+            self._bulk -= 1
         if self._cond_waiters:
             self._done_cond.notify_all()
         if self._driver is not None and not self._kicked and self._driver != threading.get_ident():
@@ -414,6 +434,8 @@ class TcpTransport(Transport):
             self._waiters -= 1
             if self._driver == me:
                 self._release(me)
+            if self._bulk and not self._waiters:  # large transfers left pending: keep them moving
+                self._bg_cond.notify()
             lock.release()
 
     def _release(self, me: int) -> None:
@@ -486,10 +508,12 @@ class TcpTransport(Transport):
         seen = -1
         while True:
             with lock:
-                # park while a thread drives, and for one more period after any thread drove: a
-                # caller running collectives back to back waits again within microseconds, and
-                # taking its messages here would cost two thread hand-offs per message
-                while not self._closed and (self._waiters or self._drives != seen):
+                # Park while a thread drives, and for one more period after any thread drove
+                # unless a large transfer is pending: a caller running small collectives back to
+                # back waits again within microseconds, and taking its messages here would cost two
+                # thread hand-offs per message; a large transfer left pending while the caller
+                # computes (e.g. reduces the previous block) should move meanwhile.
+                while not self._closed and (self._waiters or (self._drives != seen and not self._bulk)):
                     seen = self._drives
                     self._bg_cond.wait(_PARK_S)
                 if self._closed:
@@ -498,7 +522,7 @@ class TcpTransport(Transport):
             with lock:
                 if self._closed:
                     return
-                if not self._waiters and self._drives == seen:  # else leave them to the caller
+                if not self._waiters and (self._drives == seen or self._bulk):  # else leave them to the caller
                     self._handle(events)
 
     def _write(self, p: _Peer) -> None:
