@@ -10,7 +10,7 @@ from datetime import timedelta
 
 import pytest
 
-from distcomm.errors import DistStoreError, DistStoreTimeoutError
+from distcomm.errors import DistError, DistStoreError, DistStoreTimeoutError, QueueEmptyError
 from store_kinds import KINDS
 
 SHORT = timedelta(milliseconds=50)
@@ -263,3 +263,272 @@ def test_wait_and_multi_get_block_until_all_keys_are_set(opened, store):
     store.wait(["k1", "k2"])
     assert store.multi_get(["k1", "k2"]) == [b"1", b"2"]
     thread.join()
+
+
+# -- queues ---------------------------------------------------------------------------------------
+
+
+def test_queue_is_first_in_first_out_with_bytes_and_str(store):
+    assert store.queue_len("q") == 0  # a queue that does not exist is empty
+    store.queue_push("q", "text")
+    store.queue_push("q", b"\x00\xff")
+    store.queue_push("q", "")
+    store.queue_push("q", "h\u00e9")
+    assert store.queue_len("q") == 4
+    popped = [store.queue_pop("q"), store.queue_pop("q", False), store.queue_pop("q", block=True), store.queue_pop("q")]
+    assert popped == [b"text", b"\x00\xff", b"", "h\u00e9".encode()]
+    assert all(type(v) is bytes for v in popped)
+    assert store.queue_len("q") == 0
+
+
+def test_queue_pop_without_blocking_on_an_empty_queue_raises_queue_empty_error(store):
+    import distcomm
+
+    for block in (False, None, 0):  # torch's binding takes None and 0 as False
+        with pytest.raises(QueueEmptyError) as info:
+            store.queue_pop("never-pushed", block)
+        assert str(info.value) == "queue is empty"
+    assert isinstance(info.value, DistStoreError) and isinstance(info.value, RuntimeError)
+    assert not isinstance(info.value, DistStoreTimeoutError)
+    assert distcomm.QueueEmptyError is QueueEmptyError
+    store.queue_push("q", "x")
+    store.queue_pop("q")
+    with pytest.raises(QueueEmptyError):
+        store.queue_pop("q", block=False)
+
+
+def test_blocking_queue_pop_times_out_after_the_store_timeout(store):
+    store.set_timeout(SHORT)
+    with pytest.raises(DistStoreTimeoutError) as info:
+        store.queue_pop("empty-queue")
+    assert not isinstance(info.value, QueueEmptyError)
+    assert "empty-queue" in str(info.value) and "50 ms" in str(info.value)
+    store.set_timeout(timedelta(0))  # zero: look once
+    with pytest.raises(DistStoreTimeoutError):
+        store.queue_pop("empty-queue")
+    store.queue_push("empty-queue", "late")  # the pops that gave up took nothing with them
+    assert store.queue_pop("empty-queue") == b"late"
+
+
+def test_queues_are_kept_apart_from_keys(opened, store):
+    base = store.num_keys()
+    store.set("k", "value")
+    store.queue_push("k", "item")
+    store.queue_push("only-a-queue", "item")
+    assert store.get("k") == b"value"
+    assert store.list_keys() == ["k"]
+    assert store.num_keys() == base + 1
+    assert store.delete_key("only-a-queue") is opened.kind.endswith("file")  # FileStore: True regardless
+    assert store.delete_key("k") is True
+    assert store.queue_len("k") == 1 and store.queue_len("only-a-queue") == 1
+    store.set_timeout(SHORT)
+    with pytest.raises(DistStoreTimeoutError):
+        store.get("only-a-queue")  # get() waits for a set, not for a queue
+    with pytest.raises(DistStoreTimeoutError):
+        store.multi_get(["only-a-queue"])
+    assert store.queue_pop("k") == b"item"
+
+
+def test_check_and_wait_see_a_non_empty_queue(store):
+    store.queue_push("q", "x")
+    assert store.check(["q"]) is True
+    store.wait(["q"], SHORT)
+    store.set("k", "1")
+    store.wait(["q", "k"], SHORT)
+    store.queue_pop("q")
+    assert store.check(["q"]) is False
+    with pytest.raises(DistStoreTimeoutError):
+        store.wait(["q"], SHORT)
+
+
+def test_queue_argument_types(store):
+    with pytest.raises(TypeError):
+        store.queue_push("q", 3)
+    with pytest.raises(TypeError):
+        store.queue_push(b"q", "v")
+    with pytest.raises(TypeError):
+        store.queue_pop(b"q")
+    with pytest.raises(TypeError):
+        store.queue_pop("q", "yes")
+    with pytest.raises(TypeError):
+        store.queue_len(1)
+
+
+def test_blocking_pop_is_released_by_a_push_from_another_thread(opened, store):
+    store.set_timeout(timedelta(seconds=20))
+    peer = opened.peer()
+
+    def push_later():
+        time.sleep(0.05)
+        peer.queue_push("jobs", "job-1")
+
+    thread = threading.Thread(target=push_later)
+    thread.start()
+    assert store.queue_pop("jobs") == b"job-1"
+    thread.join()
+    assert store.queue_len("jobs") == 0
+
+
+def test_concurrent_poppers_get_every_item_exactly_once(opened, store):
+    poppers, per_popper = 3, 20
+    handles = [opened.peer() for _ in range(poppers)]
+    for handle in handles:
+        handle.set_timeout(timedelta(seconds=30))
+    got: list[list[bytes]] = [[] for _ in range(poppers)]
+
+    def pop_until_stop(i):
+        while (item := handles[i].queue_pop("work")) != b"stop":
+            got[i].append(item)
+
+    threads = [threading.Thread(target=pop_until_stop, args=(i,)) for i in range(poppers)]
+    for thread in threads:
+        thread.start()  # most of them block before the first push
+    items = [f"item-{n}".encode() for n in range(poppers * per_popper)]
+    for item in items:
+        store.queue_push("work", item)
+    for _ in range(poppers):
+        store.queue_push("work", "stop")
+    for thread in threads:
+        thread.join(60)
+        assert not thread.is_alive()
+    popped = [item for one in got for item in one]
+    assert sorted(popped) == sorted(items)  # none lost, none twice
+    for one in got:  # and each popper saw its items in push order
+        assert one == sorted(one, key=items.index)
+    assert store.queue_len("work") == 0
+
+
+def _waiters(opened, count, key, timeout):
+    """``count`` threads blocked in wait([key]) on their own handles; (threads, finished flags)."""
+    finished = [threading.Event() for _ in range(count)]
+    handles = [opened.peer() for _ in range(count)]
+
+    def wait(i):
+        handles[i].wait([key], timeout)
+        finished[i].set()
+
+    threads = [threading.Thread(target=wait, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    return threads, finished
+
+
+def _first_to_finish(finished, limit=30.0):
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        done = [i for i, event in enumerate(finished) if event.is_set()]
+        if done:
+            return done
+        time.sleep(0.005)
+    raise AssertionError("no waiter returned")
+
+
+def test_a_push_wakes_one_wait_on_the_queue(opened, store):
+    """torch: "wait with queues will only wake one waiting worker rather than all"."""
+    # on a HashStore, wait() blocks on the same object; everywhere else each waiter has its own handle
+    threads, finished = _waiters(opened, 2, "q", timedelta(seconds=60))
+    time.sleep(0.5)  # both are blocked before the push (one that starts later would find the item at once)
+    store.queue_push("q", "one")
+    if opened.kind.endswith("file"):  # a FileStore polls: every wait() sees the queue (see file.py)
+        assert all(event.wait(30) for event in finished)
+    else:
+        woken = _first_to_finish(finished)
+        assert len(woken) == 1
+        still_waiting = 1 - woken[0]
+        assert not finished[still_waiting].wait(0.3)  # a wrong "wake all" would have released it too
+        store.queue_push("q", "two")  # the next push wakes the other one
+        assert finished[still_waiting].wait(30)
+    for thread in threads:
+        thread.join(30)
+        assert not thread.is_alive()
+
+
+# -- barrier --------------------------------------------------------------------------------------
+
+
+def test_barrier_of_one_returns_and_a_used_key_returns_at_once(store):
+    store.barrier("b", 1)
+    store.barrier("b", 1)
+    store.barrier("b", 3, SHORT)  # the key's barrier has been passed: later callers do not wait
+    store.barrier("b2", 1, timedelta(seconds=5))
+
+
+def test_barrier_timeout_names_key_world_size_and_arrivals(store):
+    store.set_timeout(SHORT)
+    with pytest.raises(DistStoreTimeoutError) as info:
+        store.barrier("lonely", 2)
+    text = str(info.value)
+    assert "lonely" in text and "world_size=2" in text and "(1 arrived)" in text and "50 ms" in text
+    with pytest.raises(DistStoreTimeoutError) as info:
+        store.barrier("other", 5, timedelta(milliseconds=20))
+    assert "20 ms" in str(info.value)
+
+
+def test_barrier_releases_all_threads_when_the_last_arrives(opened, store):
+    world_size = 3
+    handles = [store] + [opened.peer() for _ in range(world_size - 1)]
+    errors = []
+
+    def arrive(handle):
+        try:
+            handle.barrier("start", world_size, timedelta(seconds=30))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=arrive, args=(h,)) for h in handles]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+        assert not thread.is_alive()
+    assert errors == []
+
+
+def test_barrier_argument_errors(store):
+    with pytest.raises(ValueError, match="at least 1"):
+        store.barrier("b", 0)
+    with pytest.raises(ValueError):
+        store.barrier("b", -1)
+    with pytest.raises(TypeError):
+        store.barrier("b", "2")
+    with pytest.raises(TypeError):
+        store.barrier(b"b", 1)
+    with pytest.raises(ValueError):
+        store.barrier("b", 1, timedelta(seconds=-1))
+    assert store.list_keys() == []  # refused before anything was counted
+
+
+# -- clone ------------------------------------------------------------------------------------------
+
+
+def test_clone_sees_the_same_keys_and_queues(store):
+    twin = store.clone()
+    assert type(twin) is type(store)
+    assert twin.timeout == store.timeout
+    twin.set("from-twin", "1")
+    store.queue_push("q", "x")
+    assert store.get("from-twin") == b"1"
+    assert twin.queue_pop("q") == b"x"
+    assert twin.list_keys() == store.list_keys() == ["from-twin"]
+
+
+def test_a_thread_blocked_on_a_clone_is_released_through_the_original(store):
+    twin = store.clone()
+    twin.set_timeout(timedelta(seconds=20))
+    result = []
+    thread = threading.Thread(target=lambda: result.append(twin.get("late")))
+    thread.start()
+    time.sleep(0.05)
+    store.set("late", "v")
+    thread.join(30)
+    assert result == [b"v"]
+
+
+def test_closing_a_clone_leaves_the_original_usable(opened, store):
+    twin = store.clone()
+    twin.close()
+    store.set("after", "1")
+    assert store.get("after") == b"1"
+    if opened.kind in ("file", "tcp-master", "tcp-client"):  # a clone of its own (HashStore returns itself)
+        with pytest.raises(DistError, match="closed"):
+            twin.set("x", "1")

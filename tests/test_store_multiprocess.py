@@ -1,6 +1,7 @@
 """Stores across processes (tests/harness.py worlds, each with a hard deadline): an exact total from
-16 processes doing 1000 add() each on TCPStore and on FileStore, and blocking get/wait/multi_get
-released by a set from another process, through the env:// rendezvous."""
+16 processes doing 1000 add() each on TCPStore and on FileStore, blocking get/wait/multi_get
+released by a set from another process, through the env:// rendezvous, and several processes
+popping one queue, blocking and not, with every pushed item popped exactly once."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import time
 from datetime import timedelta
 
+from distcomm.errors import QueueEmptyError
 from distcomm.rendezvous import rendezvous
 from distcomm.store import FileStore, TCPStore
 from harness import run_world
@@ -75,3 +77,54 @@ def test_blocking_get_and_wait_are_released_by_another_process(tmp_path):
     assert values == [b"a", b"b"]
     assert file_value == b"file value"
     assert waited > 0.1  # it really blocked (no timing bound: the machine is shared)
+
+
+QUEUE_ITEMS = 300
+
+
+def _pop_until_stop(store, block: bool) -> list[int]:
+    got = []
+    while True:
+        try:
+            item = store.queue_pop("work", block)
+        except QueueEmptyError:  # only without blocking: try again shortly
+            time.sleep(0.001)
+            continue
+        if item == b"stop":
+            return got
+        got.append(int(item))
+
+
+def _one_queue_many_poppers(rank: int, world_size: int, file_path: str) -> list[list[int]]:
+    tcp = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, rank == 0,
+                   timeout=timedelta(seconds=60))
+    shared_file = FileStore(file_path, world_size)
+    shared_file.set_timeout(timedelta(seconds=60))
+    popped = []
+    for store in (tcp, shared_file):
+        store.barrier("poppers ready", world_size)
+        if rank == 0:
+            for n in range(QUEUE_ITEMS):
+                store.queue_push("work", str(n))
+            for _ in range(world_size - 1):
+                store.queue_push("work", "stop")  # one per popper, after every item: FIFO brings it last
+            popped.append([])
+        else:
+            popped.append(_pop_until_stop(store, block=rank % 2 == 1))  # odd ranks block, even ranks poll
+        store.barrier("all popped", world_size)
+        assert store.queue_len("work") == 0
+    if rank == 0:  # the master's server must outlive every other rank's last request
+        tcp.wait([f"gone/{r}" for r in range(1, world_size)])
+    else:
+        tcp.set(f"gone/{rank}", "1")
+    shared_file.close()
+    return popped
+
+
+def test_processes_popping_one_queue_get_every_item_exactly_once(tmp_path):
+    results = run_world(_one_queue_many_poppers, 4, args=(str(tmp_path / "queue-file"),), timeout=120)
+    for store_index in (0, 1):  # TCPStore, FileStore
+        popped = [item for rank_results in results for item in rank_results[store_index]]
+        assert sorted(popped) == list(range(QUEUE_ITEMS))  # none lost, none twice
+        for rank_results in results:
+            assert rank_results[store_index] == sorted(rank_results[store_index])  # each popper: push order

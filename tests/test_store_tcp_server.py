@@ -514,6 +514,11 @@ _requests = st.one_of(
     st.builds(p.Check, st.integers(0, 9), st.lists(st.binary(max_size=4), max_size=3)),
     st.builds(p.NumKeys, st.integers(0, 9)),
     st.builds(p.ListKeys, st.integers(0, 9)),
+    st.builds(p.QueuePush, st.integers(0, 9), st.binary(max_size=4), st.binary(max_size=4)),
+    st.builds(p.QueuePop, st.integers(0, 9), st.binary(max_size=4), st.sampled_from([0, 5, 2**64 - 1])),
+    st.builds(p.QueueLen, st.integers(0, 9), st.binary(max_size=4)),
+    st.builds(p.Barrier, st.integers(0, 9), st.binary(max_size=4), st.integers(-(2**63), 2**63 - 1),
+              st.sampled_from([0, 5, 2**64 - 1])),
 )
 
 
@@ -528,6 +533,8 @@ def _wire(request) -> bytes:
 @settings(max_examples=60, deadline=None)
 @given(st.lists(_requests, max_size=12))
 @example([p.Wait(0, [b""], 5), p.Set(0, b"", b"")])  # the set answers the wait in the same batch
+@example([p.QueuePop(0, b"q", 5), p.QueuePush(1, b"q", b"x")])  # the push answers the pop in the same batch
+@example([p.Set(0, b"b", b"text"), p.Barrier(1, b"b", 2, 5)])  # a barrier on a non-integer key: refused
 def test_any_sequence_of_requests_is_handled(requests):
     server = TCPStoreServer("127.0.0.1", 0, local_socket=False)
     try:
@@ -542,3 +549,112 @@ def test_any_sequence_of_requests_is_handled(requests):
         assert all(isinstance(r, p.RESPONSES) for r in replies[1:])
     finally:
         server.stop()  # never started: closes its sockets in this thread
+
+
+# -- queues and barriers, on the server's handlers directly (no loop, no timing) -------------------------
+
+
+class _FakeClient:
+    """A connection to ``server`` driven by hand: requests in, the replies it got since last asked."""
+
+    _fds = iter(range(10**6, 10**7))
+
+    def __init__(self, server):
+        self.server = server
+        self.sock = _FakeSocket()
+        self.conn = _Connection(self.sock, "fake", 1 << 20, False, fd=next(self._fds))
+        server._conns[self.conn.fd] = self.conn
+        self.proto = p.ClientProtocol()
+        self.server._process(self.conn, HELLO)
+        self._seen = 0
+        assert isinstance(self.replies()[0], p.HelloReply)
+
+    def send(self, *requests) -> None:
+        self.server._process(self.conn, b"".join(p.encode(r) for r in requests))
+
+    def replies(self) -> list:
+        new, self._seen = bytes(self.sock.sent[self._seen :]), len(self.sock.sent)
+        return self.proto.receive_events(new)
+
+
+@pytest.fixture
+def bare_server():
+    server = TCPStoreServer("127.0.0.1", 0, local_socket=False)
+    yield server
+    server.stop()  # never started: closes its sockets in this thread
+
+
+LONG = 3_600_000  # ms: only _expire() (called by hand) ends these waits
+
+
+def test_a_push_goes_to_the_oldest_parked_pop_then_wakes_one_wait(bare_server):
+    pop1, pop2, wait1, wait2, pusher = (_FakeClient(bare_server) for _ in range(5))
+    pop1.send(p.QueuePop(1, b"q", LONG))
+    pop2.send(p.QueuePop(2, b"q", LONG))
+    wait1.send(p.Wait(3, [b"q"], LONG))
+    wait2.send(p.Wait(4, [b"q"], LONG))
+    assert pop1.replies() == pop2.replies() == wait1.replies() == wait2.replies() == []
+    pusher.send(p.QueuePush(5, b"q", b"1"), p.QueuePush(6, b"q", b"2"))  # no replies: like SET
+    assert pop1.replies() == [p.Value(1, b"1")] and pop2.replies() == [p.Value(2, b"2")]
+    assert wait1.replies() == wait2.replies() == []  # the pops took both items: the queue stayed empty
+    pusher.send(p.QueuePush(7, b"q", b"3"))
+    assert wait1.replies() == [p.Ok(3)]
+    assert wait2.replies() == []  # one wait per push
+    pusher.send(p.QueueLen(8, b"q"), p.Check(9, [b"q"]))
+    assert pusher.replies() == [p.Integer(8, 1), p.Bool(9, True)]
+    bare_server._expire(time.monotonic() + 2 * LONG / 1000)
+    assert wait2.replies() == [p.Ok(4)]  # its deadline found the queue non-empty: no timeout
+    pusher.send(p.QueuePop(10, b"q", 0), p.QueuePop(11, b"q", 0))
+    assert pusher.replies() == [p.Value(10, b"3"), p.TimedOut(11, [b"q"])]  # timeout 0: the non-blocking pop
+
+
+def test_a_set_releases_every_wait_on_the_name_but_no_pop(bare_server):
+    waiter, popper, writer = (_FakeClient(bare_server) for _ in range(3))
+    waiter.send(p.Wait(1, [b"q"], LONG), p.Get(2, b"q", LONG))
+    popper.send(p.QueuePop(3, b"q", LONG))
+    writer.send(p.Set(4, b"q", b"v"))
+    assert waiter.replies() == [p.Ok(1), p.Value(2, b"v")]
+    assert popper.replies() == []
+    writer.send(p.QueuePush(5, b"q", b"item"))
+    assert popper.replies() == [p.Value(3, b"item")]
+
+
+def test_a_parked_pop_that_times_out_or_disconnects_takes_no_item(bare_server):
+    expires, leaves, pusher = (_FakeClient(bare_server) for _ in range(3))
+    expires.send(p.QueuePop(1, b"q", 5))
+    leaves.send(p.QueuePop(2, b"q", LONG))
+    bare_server._expire(time.monotonic() + 1)
+    assert expires.replies() == [p.TimedOut(1, [b"q"])]
+    bare_server._close(leaves.conn)
+    pusher.send(p.QueuePush(3, b"q", b"kept"), p.QueueLen(4, b"q"))
+    assert pusher.replies() == [p.Integer(4, 1)]
+    assert bare_server._poppers == {} and bare_server._waiting == {}
+
+
+def test_barrier_counts_in_its_key_and_releases_everyone_at_the_world_size(bare_server):
+    a, b, c, late, other = (_FakeClient(bare_server) for _ in range(5))
+    a.send(p.Barrier(1, b"b", 3, LONG))
+    b.send(p.Barrier(2, b"b", 3, LONG))
+    assert a.replies() == b.replies() == []
+    other.send(p.Get(3, b"b", 0))
+    assert other.replies() == [p.Value(3, b"2")]  # the arrivals, as torch's TCPStore keeps them
+    c.send(p.Barrier(4, b"b", 3, LONG))
+    assert c.replies() == [p.Ok(4)] and a.replies() == [p.Ok(1)] and b.replies() == [p.Ok(2)]
+    late.send(p.Barrier(5, b"b", 3, 0))
+    assert late.replies() == [p.Ok(5)]  # a passed barrier does not hold later callers
+    other.send(p.Barrier(6, b"c", 2, 5))
+    bare_server._expire(time.monotonic() + 1)
+    assert other.replies() == [p.TimedOut(6, [b"c"])]
+    other.send(p.Set(7, b"text", b"x"), p.Barrier(8, b"text", 2, LONG))
+    (refused,) = other.replies()
+    assert refused.__class__ is p.Error and refused.code == p.ERROR_NOT_AN_INTEGER
+    assert bare_server._barriers == {}
+
+
+def test_queue_and_barrier_over_a_real_connection(server):
+    store = TCPStore("127.0.0.1", server.port, timeout=timedelta(seconds=10))
+    store.queue_push("q", "x")
+    assert store.queue_len("q") == 1 and store.queue_pop("q", block=False) == b"x"
+    store.barrier("b", 1)
+    assert server.table.values[b"b"] == b"1"
+    store.close()
