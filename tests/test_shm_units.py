@@ -360,3 +360,15 @@ def test_a_mismatched_header_is_still_noticed():
     m.post(1, 1)
     with pytest.raises(TransportError, match="rank 0 is running another collective"):
         m.ctx[1].wait_posted(1, m.ch[1], 8)
+
+
+def test_slot_memoryviews_alias_the_slots_of_their_round():
+    m = _Members(2, nslots=2)
+    ctx = m.ctx[0]
+    for k in (1, 2, 3):
+        ctx.words(1, k)[0] = 1000 + k
+        ctx.raw(1, k)[8:10] = b"\x07\x09"
+    assert int(ctx.data(1, 1)[:8].view(np.int64)[0]) == 1003  # round 3 reuses round 1's slot
+    assert int(ctx.data(1, 2)[:8].view(np.int64)[0]) == 1002
+    assert bytes(m.ctx[1].data(1, 3)[8:10]) == b"\x07\x09"  # the owner sees the same memory
+    assert ctx.words(0, 1)[0] == 0  # another member's slot is untouched

@@ -477,50 +477,64 @@ def all_to_all(ctx, ch: Channel, send: np.ndarray, send_counts, recv: np.ndarray
     With uneven splits ranks send different amounts, so they can disagree on whether the message is
     large enough for single-copy reads. Round 0 therefore carries every rank's vote along with its
     offsets, counts and buffer address: all ranks see all votes and switch (or not) together.
+
+    Slots are read and written through cached memoryviews (``ctx.raw``/``ctx.words``): a small
+    all_to_all is p tiny copies each way, where numpy's per-call overhead would dominate.
     """
     p, r = ctx.size, ctx.rank
-    dt = send.dtype
-    item = dt.itemsize
+    item = send.itemsize
     head = _a2a_head(p)
     per = max(1, (ctx.slot_bytes - head) // p // item)
     so, ro = _offsets(send_counts), _offsets(recv_counts)
     need = max(1, -(-max(list(send_counts) + list(recv_counts) + [0]) // per))
+    sb = memoryview(send.view(np.uint8))
+    rb = memoryview(recv.view(np.uint8))
     rounds = None
     j = 0
     while True:
         lo = j * per
         k = ctx.next_round()
-        slot = ctx.acquire(k, ch)
-        words = slot[:head].view(np.int64)
+        ctx.acquire(k, ch)
+        words, out = ctx.words(r, k), ctx.raw(r, k)
         for q in range(p):
             n = min(per, max(0, send_counts[q] - lo))
             words[q] = n
             if q != r and n and not single_copy:  # a single-copy voter knows the pieces go unread
-                _view(slot, dt, n, head + q * per * item)[...] = send[so[q] + lo : so[q] + lo + n]
+                at = head + q * per * item
+                src = (so[q] + lo) * item
+                out[at : at + n * item] = sb[src : src + n * item]
         if j == 0:
-            words[p : 2 * p] = so[:p]
-            words[2 * p : 3 * p] = send_counts
-            words[3 * p : 3 * p + 3] = (need, int(single_copy), send.ctypes.data)
+            for q in range(p):
+                words[p + q] = so[q]
+                words[2 * p + q] = send_counts[q]
+            words[3 * p] = need
+            words[3 * p + 1] = int(single_copy)
+            # The address is only read by single-copy readers, which need direct reads allowed
+            # (the same answer on every rank): skip computing it otherwise.
+            words[3 * p + 2] = send.ctypes.data if ctx.transport.direct_reads_ok(ch.ranks) else 0
         ctx.post(k, ch, 0)
         ctx.wait_posted(k, ch, None)
         if rounds is None:
-            tables = [ctx.data(q, k)[:head].view(np.int64) for q in range(p)]
+            tables = [ctx.words(q, k) for q in range(p)]
             if any(t[3 * p + 1] for t in tables):
                 _all_to_all_read_peers(ctx, ch, tables, send, so[r], recv, ro, recv_counts)
                 ctx.consume(k)
                 ctx.wait_consumed(k, ch)  # no send buffer may change before every reader is done
                 return
-            rounds = max(int(t[3 * p]) for t in tables)
+            rounds = max(t[3 * p] for t in tables)
         for q in range(p):
             n = min(per, max(0, recv_counts[q] - lo))
             if q == r:
-                recv[ro[r] + lo : ro[r] + lo + n] = send[so[r] + lo : so[r] + lo + n]
+                if n:
+                    dst, src = (ro[r] + lo) * item, (so[r] + lo) * item
+                    rb[dst : dst + n * item] = sb[src : src + n * item]
                 continue
-            sent = int(ctx.data(q, k)[8 * r : 8 * r + 8].view(np.int64)[0])
+            sent = ctx.words(q, k)[r]
             if sent != n:
                 raise _split_mismatch(ch, q, j * per + sent, j * per + n)
             if n:
-                recv[ro[q] + lo : ro[q] + lo + n] = _view(ctx.data(q, k), dt, n, head + r * per * item)
+                dst, at = (ro[q] + lo) * item, head + r * per * item
+                rb[dst : dst + n * item] = ctx.raw(q, k)[at : at + n * item]
         ctx.consume(k)
         j += 1
         if j >= rounds:
