@@ -147,3 +147,37 @@ def test_magic_is_at_the_start(tmp_path):
     with open(path, "rb") as f:
         assert f.read(len(MAGIC)) == MAGIC
     store.close()
+
+
+def test_a_clone_shares_the_membership_of_the_store_it_was_cloned_from(tmp_path):
+    path = str(tmp_path / "fs")
+    first = FileStore(path, 2)
+    twin = first.clone()  # not a second user: world_size=2 still has room for one
+    second = FileStore(path, 2)
+    twin.set("k", "v")
+    assert second.get("k") == b"v"
+    twin.close()  # a clone's close is not a leave
+    assert first.get("k") == b"v"
+    another = first.clone()
+    first.close()  # the original leaves, for its clones too
+    with pytest.raises(DistStoreError, match="closed"):
+        another.get("k")
+    assert os.path.exists(path)
+    second.close()
+    assert not os.path.exists(path)
+
+
+def test_queue_records_are_read_by_every_user_and_pops_are_not_repeated(tmp_path):
+    path = str(tmp_path / "fs")
+    a, b = FileStore(path), FileStore(path)
+    a.queue_push("q", "1")
+    a.queue_push("q", b"\x00two")
+    assert b.queue_len("q") == 2
+    assert b.queue_pop("q") == b"1"
+    assert a.queue_pop("q", block=False) == b"\x00two"  # a's copy showed "1" first: it reads b's pop before taking
+    assert a.queue_len("q") == b.queue_len("q") == 0
+    a.queue_push("q", "3")
+    c = FileStore(path)  # a new user replays the whole log: pushes and pops
+    assert c.queue_len("q") == 1 and c.queue_pop("q") == b"3"
+    for store in (a, b, c):
+        store.close()

@@ -195,7 +195,10 @@ def queue_timeout_error(key: str, seconds: float, where: str = "") -> DistStoreT
     text = f"queue_pop: timed out after {format_seconds(seconds)} waiting for an item in queue {key!r}"
     if where:
         text += f" in {where}"
-    text += "; nothing was pushed meanwhile (or other poppers took every item). Raise the store timeout, or pop with block=False"
+    text += (
+        "; nothing was pushed meanwhile (or other poppers took every item). "
+        "Raise the store timeout, or pop with block=False"
+    )
     return DistStoreTimeoutError(text)
 
 
@@ -203,7 +206,8 @@ def barrier_timeout_error(
     key: str, world_size: int, seconds: float, arrived: int | None = None, where: str = ""
 ) -> DistStoreTimeoutError:
     """The error of a barrier() that not enough workers reached in time."""
-    text = f"barrier: timed out after {format_seconds(seconds)} at key {key!r} waiting for world_size={world_size} workers"
+    text = f"barrier: timed out after {format_seconds(seconds)} at key {key!r}"
+    text += f" waiting for world_size={world_size} workers"
     if arrived is not None:
         text += f" ({arrived} arrived)"
     if where:

@@ -7,6 +7,10 @@ client of it — its requests are the same protocol frames, handled by the same 
 order, and its client counts towards ``world_size`` — but its connection is in-process (local.py):
 a function call instead of two system calls and two thread hand-offs per request.
 
+Queues and ``barrier`` are requests of their own (protocol version 2): a blocking queue_pop() and a
+barrier() wait parked on the server, like a get(), and the server hands each pushed item to exactly
+one pop. ``clone()`` opens another connection, so one thread can block while another writes.
+
 ``multi_tenant=True`` masters on the same host:port in one process share one server and therefore
 one key space, as torch's do; the server stops when the last of them closes. ``wait_for_workers``
 with a ``world_size`` makes every store send a JOIN on creation, and the master block until
