@@ -15,7 +15,8 @@ whole output for all_gather/gather, the whole input for scatter/reduce_scatter/a
 Default rule, and why (α ≈ 10-20 µs per message for Python over loopback TCP, β ≈ 0.3 ns/B at
 ~3.5 GB/s, plus the reduction at a few GB/s; see the cost in each module's docstring):
 
-* all_reduce: recursive doubling up to ``allreduce_small_bytes`` (64 KiB). It has the fewest
+* all_reduce: recursive doubling up to ``allreduce_small_bytes`` (64 KiB; 256 KiB for two ranks,
+  ``allreduce_small_bytes_2ranks``, measured, see THRESHOLDS). It has the fewest
   rounds (log2 p) but moves n per round; the ring / halving-doubling move 2n(p-1)/p in total and
   reduce only n(p-1)/p. At p = 2 recursive doubling costs α + nβ + nγ against 2α + nβ + nγ/2 for
   halving-doubling, a crossover near n = 2α/γ ≈ 64-150 KiB; at larger p it comes earlier in rounds
@@ -77,6 +78,12 @@ ALGORITHMS: dict[str, dict[str, Callable]] = {
 
 THRESHOLDS: dict[str, int] = {
     "allreduce_small_bytes": 64 * 1024,
+    # Two ranks, tcp engine, loopback (distcomm-bench --algo all_reduce=..., two runs each, shared
+    # 2-vCPU machine; µs, recursive doubling / halving-doubling):
+    #   128 KiB 295/364, 325/448   256 KiB 260/452, 349/365, 500/581, 477/384
+    #   512 KiB 353/444, 443/462, 844/749, 705/437   1 MiB 781/682, 786/713, 1741/1137, 1812/639
+    # Recursive doubling wins to 256 KiB (mostly), halving-doubling from 512 KiB.
+    "allreduce_small_bytes_2ranks": 256 * 1024,
     "broadcast_large_bytes": 512 * 1024,
     "allgather_small_bytes": 64 * 1024,
 }
@@ -157,7 +164,7 @@ def _requested(key: str, op_name: str) -> str | None:
 
 def _default(key: str, nbytes: int, world_size: int) -> str:
     if key == "allreduce":
-        if nbytes <= threshold("allreduce_small_bytes"):
+        if nbytes <= threshold("allreduce_small_bytes_2ranks" if world_size == 2 else "allreduce_small_bytes"):
             return "recursive_doubling"
         return "halving_doubling" if world_size & (world_size - 1) == 0 else "ring"
     if key == "broadcast":
