@@ -3,7 +3,8 @@
     python -m distcomm.transport._pingpong [--iters 2000] [--big-iters 10]
 
 Why a script and not a test: timings on a shared 2-core machine are noise-prone, so they are
-reported, never asserted. Prints the median and best round trip for 8 B, and the round-trip time
+reported, never asserted. Prints the median and best round trip for 8 B (and for an 8 B exchange, both ranks sending at
+once, which is a two-rank all_reduce's traffic), and the round-trip time
 and one-direction bandwidth for a 64 MiB ping-pong (2 x 64 MiB moved per round trip), next to a
 plain blocking-socket ping-pong (the floor Python sockets can reach here) for scale.
 """
@@ -46,6 +47,17 @@ def _transport_rank(rank: int, port: int, iters: int, big_iters: int, q) -> None
                 t.isend(peer, out, KEY).wait()
             times.append(time.perf_counter() - t0)
         results[label] = times[-n:]
+    # the exchange (both ranks send at once, then wait): a two-rank all_reduce's whole traffic
+    times = []
+    for i in range(iters + max(2, iters // 20)):
+        key = MessageKey(0, 0, i + 1)
+        t0 = time.perf_counter()
+        r = t.irecv(peer, small_in, key)
+        s = t.isend(peer, small, key)
+        r.wait()
+        s.wait()
+        times.append(time.perf_counter() - t0)
+    results["exchange"] = times[-iters:]
     t.close()
     q.put((rank, results))
 
@@ -114,6 +126,8 @@ def main(argv=None) -> None:
     print(f"{'':28}{'median':>8} {'best':>8}  (round trip, µs)")
     print(f"{'blocking socket, 40 B':28}{us(floor, statistics.median)} {us(floor, min)}")
     print(f"{'TcpTransport, 8 B':28}{us(res['8B'], statistics.median)} {us(res['8B'], min)}")
+    print(f"{'TcpTransport, 8 B exchange':28}{us(res['exchange'], statistics.median)} {us(res['exchange'], min)}"
+          "  (both send at once: one two-rank all_reduce)")
     print(f"blocking socket, 64 MiB: {2 * (64 << 20) / statistics.median(floor64) / 1e9:.2f} GB/s one way")
     big = res["64MiB"]
     med = statistics.median(big)
