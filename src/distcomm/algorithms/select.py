@@ -80,9 +80,9 @@ THRESHOLDS: dict[str, int] = {
     "allreduce_small_bytes": 64 * 1024,
     # Two ranks, tcp engine, loopback (distcomm-bench --algo all_reduce=..., two runs each, shared
     # 2-vCPU machine; µs, recursive doubling / halving-doubling):
-    #   128 KiB 295/364, 325/448   256 KiB 260/452, 349/365, 500/581, 477/384
-    #   512 KiB 353/444, 443/462, 844/749, 705/437   1 MiB 781/682, 786/713, 1741/1137, 1812/639
-    # Recursive doubling wins to 256 KiB (mostly), halving-doubling from 512 KiB.
+    #   64 KiB 293/396, 215/331   128 KiB 303/388, 268/370   256 KiB 358/492, 363/475
+    #   512 KiB 792/661, 784/668   1 MiB 1833/1143, 1790/1044   2 MiB 4004/2759, 3842/3802
+    # Recursive doubling wins to 256 KiB, halving-doubling from 512 KiB.
     "allreduce_small_bytes_2ranks": 256 * 1024,
     "broadcast_large_bytes": 512 * 1024,
     "allgather_small_bytes": 64 * 1024,
