@@ -14,6 +14,11 @@ Bundled schemes:
 
 ``rank``/``world_size`` given as arguments are merged into the URL query; giving them both ways is
 an error (torch asserts the same).
+
+Authentication: env:// and tcp:// build their TCPStore with the ordinary constructor, which reads
+DISTCOMM_AUTH_KEY_FILE / DISTCOMM_AUTH_KEY (store/tcp/auth.py): with a key set in every process,
+rank 0's store requires it of every client and the clients require rank 0's store to prove it.
+file:// has no server to authenticate; the file system's permissions protect it.
 """
 
 from __future__ import annotations

@@ -29,6 +29,11 @@ What the launcher does
   SIGHUP and SIGQUIT sent to the launcher are forwarded to the workers (each runs in its own
   session, with every process it starts); a second signal skips the grace period. Workers die with
   the launcher even if it is killed with SIGKILL (PR_SET_PDEATHSIG, Linux).
+- Authentication: with ``DISTCOMM_AUTH_KEY_FILE`` (a ``chmod 600`` file holding the key) or
+  ``DISTCOMM_AUTH_KEY`` set for ``distcomm-run``, the job store requires that key of every client
+  and proves it to them (mutual HMAC challenge-response; the key never crosses the wire). The
+  workers inherit the variable, so nothing else is needed; a process without the key, or with
+  another, is refused. Set it for the launcher of every node.
 - After each round (success, failure, restart, or a signal to the launcher) the cleanup hooks run
   (``distcomm._launcher.cleanup``): the shared-memory transport's hook unlinks the segments that
   killed workers of that round left in /dev/shm (named ``distcomm-<run_id>-<attempt>-...``).
@@ -55,6 +60,8 @@ TORCHELASTIC_RUN_ID              the run id (``--rdzv-id``, or made up by node r
                                  ``is_torchelastic_launched()`` checks it; name per-run resources
                                  (shared-memory segments) with it
 TORCHELASTIC_ERROR_FILE          where torch's ``@record`` may write its error JSON (read if present)
+DISTCOMM_AUTH_KEY_FILE,          inherited unchanged from the launcher's environment: the job
+DISTCOMM_AUTH_KEY                store's key (see Authentication above)
 OMP_NUM_THREADS                  ``1`` when unset and more than one worker runs on the node (a
                                  one-line notice says so)
 ===============================  ==================================================================

@@ -4,6 +4,10 @@ This is the only module that names a TCPStore class, so the launcher has one dep
 store package and none on torch. The launcher only uses ``add``, ``set`` and ``get`` (every wait is
 a poll of a counter with ``add(key, 0)``), so a signal reaches the launcher promptly and a lost
 store shows up as an exception on the next poll.
+
+Authentication needs nothing here: TCPStore reads DISTCOMM_AUTH_KEY_FILE / DISTCOMM_AUTH_KEY, so
+the store this launcher hosts requires the key when the launcher was given one, and the workers,
+which inherit the launcher's environment, present it. An authentication error is not retried.
 """
 
 from __future__ import annotations
@@ -20,6 +24,12 @@ def _tcp_store_class():
     from distcomm.store import TCPStore
 
     return TCPStore
+
+
+def _is_auth_error(exc: BaseException) -> bool:
+    from distcomm.store.tcp.auth import DistStoreAuthError
+
+    return isinstance(exc, DistStoreAuthError)
 
 
 def _port_in_use(port: int) -> bool:
@@ -66,6 +76,8 @@ def connect_store(addr: str, port: int, timeout: float):
         try:
             return TCPStore(addr, port, None, False, timedelta(seconds=max(1.0, min(timeout, 30.0))))
         except Exception as exc:
+            if _is_auth_error(exc):  # a key does not change by waiting
+                raise LaunchError(f"cannot use the job store at {addr}:{port}: {exc}") from exc
             if time.monotonic() >= deadline:
                 raise LaunchError(
                     f"cannot reach the job store at {addr}:{port} (hosted by the --node-rank 0 "

@@ -16,6 +16,11 @@ arrives, so the connection stays usable.
 Connecting retries with exponential backoff and jitter until the store timeout: the master may not
 be listening yet when workers start, and a thousand workers must not retry in lockstep. A client on
 the server's host then moves to the server's Unix socket if the handshake offers one (protocol.py).
+
+With ``auth_key`` the client demands mutual authentication (protocol.py): it proves it holds the
+key, and sends no request until the server has proven it too — on the Unix socket again, as on
+TCP. A server that cannot (no key, another key, an older distcomm) is refused with
+DistStoreAuthError at once, without retrying: waiting does not change a key.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import time
 from ...errors import DistNetworkError, DistStoreError
 from .. import rules
 from . import protocol as p
+from .auth import AUTH_KEY_ENV, AUTH_KEY_FILE_ENV, DistStoreAuthError
 from .server import local_socket_enabled
 
 _RECV_SIZE = 1 << 16
@@ -52,43 +58,98 @@ class _Refused(Exception):
     """The peer answered, but not as a compatible distcomm TCPStore server; retrying will not help."""
 
 
-def _handshake(sock: socket.socket, proto: p.ClientProtocol, where: str) -> p.HelloReply:
-    sock.sendall(proto.send(p.Hello(p.VERSION)))
+def _handshake(sock, proto: p.ClientProtocol, where: str, auth_key: bytes | None = None):
+    """Hello (and, with ``auth_key``, the mutual proof); the server's final reply, which holds its local address."""
+    if auth_key is None:
+        sock.sendall(proto.send(p.Hello(p.VERSION)))
+        reply = _handshake_reply(sock, proto, where)
+        if reply.__class__ is not p.HelloReply or reply.status != p.HELLO_STATUS_OK:
+            raise _refusal(reply, where, False)
+        return reply
+    auth = p.ClientAuth(auth_key)
+    sock.sendall(proto.send(auth.hello()))
+    challenge = _handshake_reply(sock, proto, where)
+    if challenge.__class__ is not p.AuthChallenge:
+        raise _refusal(challenge, where, True)
+    sock.sendall(proto.send(auth.proof(challenge)))
+    accepted = _handshake_reply(sock, proto, where)
+    if accepted.__class__ is not p.AuthAccepted:
+        raise _refusal(accepted, where, True)
+    if not auth.server_proved(accepted):
+        raise _authentication_failed(where)
+    return accepted
+
+
+def _handshake_reply(sock, proto: p.ClientProtocol, where: str):
     while True:
         try:
             event = proto.next_event()
         except p.ProtocolError as exc:
             raise _Refused(f"{where} is not a distcomm TCPStore server ({exc})") from None
         if event is not p.NEED_DATA:
-            break
+            return event
         data = sock.recv(4096)
         if not data:
             raise ConnectionResetError(errno.ECONNRESET, "server closed the connection during the handshake")
         proto.receive_data(data)
-    if event.status != p.HELLO_STATUS_OK:
-        raise _Refused(
+
+
+_KEY_VARIABLES = f"{AUTH_KEY_FILE_ENV} / {AUTH_KEY_ENV}"
+
+
+def _authentication_failed(where: str) -> DistStoreAuthError:
+    return DistStoreAuthError(
+        f"authentication failed with the TCPStore server at {where}: this process and the server hold different "
+        f"keys. {_KEY_VARIABLES} must give every process of the job the same key."
+    )
+
+
+def _refusal(event, where: str, authenticating: bool) -> Exception:
+    """The error for a handshake reply that is not the one this client needed."""
+    status = getattr(event, "status", None)
+    if status == p.HELLO_STATUS_UNSUPPORTED_VERSION:
+        return _Refused(
             f"the TCPStore server at {where} speaks protocol version {event.version} and refused this client's "
             f"version {p.VERSION}; run the same distcomm version on every rank"
         )
-    return event
+    if status == p.HELLO_STATUS_AUTH_REQUIRED:
+        return DistStoreAuthError(
+            f"the TCPStore server at {where} requires authentication, and this process has no key: set "
+            f"{_KEY_VARIABLES} for it as the job's other processes do."
+        )
+    if status == p.HELLO_STATUS_AUTH_FAILED:
+        return _authentication_failed(where)
+    if authenticating and status in (p.HELLO_STATUS_AUTH_UNAVAILABLE, p.HELLO_STATUS_OK):
+        return DistStoreAuthError(
+            f"this process has an authentication key (from {_KEY_VARIABLES}), so it demands that the TCPStore "
+            f"server at {where} authenticate too, but that server does not (it was started without a key, or by "
+            f"an older distcomm); refusing to use it. Give the process that hosts the store the same key, or "
+            f"unset the key here."
+        )
+    return _Refused(f"{where} answered the handshake with {event!r}, which this client did not ask for")
 
 
-def _move_to_local_socket(address: bytes, timeout: float, max_frame_size: int):
-    """Connect to the server's same-host Unix socket; None if it cannot be reached from here."""
+def _move_to_local_socket(address: bytes, timeout: float, max_frame_size: int, auth_key: bytes | None):
+    """Connect to the server's same-host Unix socket; None if it cannot be reached from here.
+
+    The connection authenticates again (same key, fresh nonces): the server treats it like any other.
+    """
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(timeout)
         sock.connect(address)
         proto = p.ClientProtocol(max_frame_size)
-        _handshake(sock, proto, "the server's local socket")
-    except (OSError, _Refused):
+        _handshake(sock, proto, "the server's local socket", auth_key)
+    except (OSError, _Refused, DistStoreAuthError):  # stay on the TCP connection, authenticated already
         sock.close()
         return None
     sock.settimeout(None)
     return sock, proto
 
 
-def connect(host: str, port: int, timeout: float, max_frame_size: int) -> tuple[socket.socket, p.ClientProtocol]:
+def connect(
+    host: str, port: int, timeout: float, max_frame_size: int, auth_key: bytes | None = None
+) -> tuple[socket.socket, p.ClientProtocol]:
     """A handshaken connection to ``host``:``port``, retrying until ``timeout`` seconds have passed."""
     where = f"{host}:{port}"
     deadline = time.monotonic() + timeout
@@ -102,9 +163,10 @@ def connect(host: str, port: int, timeout: float, max_frame_size: int) -> tuple[
             sock = socket.create_connection((host, port), timeout=max(remaining, 0.01))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             proto = p.ClientProtocol(max_frame_size)
-            reply = _handshake(sock, proto, where)
+            reply = _handshake(sock, proto, where, auth_key)
             if reply.local_address and local_socket_enabled():
-                local = _move_to_local_socket(reply.local_address, min(max(remaining, 0.01), 5.0), max_frame_size)
+                timeout_local = min(max(remaining, 0.01), 5.0)
+                local = _move_to_local_socket(reply.local_address, timeout_local, max_frame_size, auth_key)
                 if local is not None:
                     sock.close()
                     return local
@@ -113,6 +175,9 @@ def connect(host: str, port: int, timeout: float, max_frame_size: int) -> tuple[
         except _Refused as exc:
             sock.close()
             raise DistNetworkError(str(exc)) from None
+        except DistStoreAuthError:
+            sock.close()
+            raise
         except OSError as exc:
             if sock is not None:
                 sock.close()
@@ -137,16 +202,33 @@ class TCPStoreClient:
     """A connection to a TCPStore server; every method is one request and its response."""
 
     def __init__(
-        self, host: str, port: int, timeout: float, max_frame_size: int = p.DEFAULT_MAX_FRAME_SIZE, *, local=None
+        self,
+        host: str,
+        port: int,
+        timeout: float,
+        max_frame_size: int = p.DEFAULT_MAX_FRAME_SIZE,
+        *,
+        local=None,
+        auth_key: bytes | None = None,
     ):
-        """Connect to ``host``:``port``; or, with ``local`` (a server's ``connect_local()``), use that."""
+        """Connect to ``host``:``port``; or, with ``local`` (a server's ``connect_local()``), use that.
+
+        With ``auth_key``, server and client prove to each other that they hold that key.
+        """
         self.host, self.port = host, port
         self.where = f"{host}:{port}"
         if local is None:
-            self._sock, self._proto = connect(host, port, timeout, max_frame_size)
+            self._sock, self._proto = connect(host, port, timeout, max_frame_size, auth_key)
         else:
             self._sock, self._proto = local, p.ClientProtocol(max_frame_size)
-            _handshake(local, self._proto, self.where)
+            try:
+                _handshake(local, self._proto, self.where, auth_key)
+            except _Refused as exc:
+                local.close()
+                raise DistNetworkError(str(exc)) from None
+            except BaseException:
+                local.close()
+                raise
         self._lock = threading.Lock()
         self._next_id = 0
         self._rcvtimeo = -1.0

@@ -37,10 +37,42 @@ round trip it cost. A set() is therefore one send, and a set() followed by a get
 A frame's length is checked against ``max_frame_size`` as soon as its eight bytes arrive, before
 anything is buffered for it; every field length and list count is checked against the bytes left
 in its frame before it is read. Nothing is ever allocated from an unchecked length.
+
+Authentication (opt-in: a process holding a key, see auth.py). Everything after the TCPStore rests
+on the store: peers find each other's addresses and session tokens there, so whoever can talk to
+the store can join the job. With a key, client and server each prove they hold it, and neither
+ever sends it: HMAC-SHA256 under the key over the handshake transcript, which carries a fresh
+random nonce from each side (a recorded proof is worth nothing on another connection) and a label
+per direction (a server's proof cannot be reflected back as a client's)::
+
+    auth hello      client -> server   b"DCKV" | u16 version | u16 flags (bit 0: AUTH) | 32 bytes Nc
+    challenge       server -> client   b"DCKV" | u16 version | u16 status 3 | u16 32 | 32 bytes Ns
+    client proof    client -> server   32 bytes HMAC(key, b"distcomm-store client\\0" | T)
+    accepted        server -> client   b"DCKV" | u16 version | u16 status 4 | u16 32+n
+                                       | 32 bytes HMAC(key, b"distcomm-store server\\0" | T | u16 n | address)
+                                       | n bytes local_address
+    T (transcript)  = the auth hello's 40 bytes | Ns
+
+The client proves first, so a peer that merely reaches the port learns nothing computed from the
+key (only Ns); the server's proof covers the local address it reveals. The client sends no request
+before it has checked the server's proof: a process posing as the store gets nothing either.
+Every other outcome is a hello reply with an empty body, after which the server closes:
+status 2 (the server requires authentication, the hello offered none), 5 (the client's proof was
+wrong), 6 (the client asked for authentication, the server has no key). Without a key on either
+side the hello and its reply are byte for byte those above, so VERSION stays 2: a pre-auth server
+ignores the flag and answers status 0, which an authenticating client refuses (it demanded proof),
+and a pre-auth client gets status 2 and stops with a refusal.
+
+Until a connection has authenticated, the server's protocol yields nothing but the hello and the
+proof, both of fixed size: bytes beyond them are a protocol error (a client never sends a request
+before the handshake ends), bytes after a refusal are discarded, and no frame is ever parsed.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
 import struct
 from dataclasses import dataclass
 from typing import Union
@@ -51,6 +83,15 @@ DEFAULT_MAX_FRAME_SIZE = 1 << 30  # 1 GiB: larger than any sane store value, far
 
 HELLO_STATUS_OK = 0
 HELLO_STATUS_UNSUPPORTED_VERSION = 1
+HELLO_STATUS_AUTH_REQUIRED = 2  # the server holds a key; the hello offered no authentication
+HELLO_STATUS_AUTH_CHALLENGE = 3  # body: the server's nonce (an AuthChallenge event)
+HELLO_STATUS_AUTH_ACCEPTED = 4  # body: the server's proof, then local_address (an AuthAccepted event)
+HELLO_STATUS_AUTH_FAILED = 5  # the client's proof was wrong
+HELLO_STATUS_AUTH_UNAVAILABLE = 6  # the client asked for authentication; the server holds no key
+
+HELLO_FLAG_AUTH = 0x0001  # the hello carries a client nonce: the client holds a key and demands proof
+NONCE_SIZE = 32
+PROOF_SIZE = 32  # an HMAC-SHA256 digest
 
 # Error codes carried by an Error response.
 ERROR_NOT_AN_INTEGER = 1  # add() on a value that is not a decimal integer (torch raises ValueError)
@@ -66,6 +107,7 @@ _U8 = struct.Struct("<B")
 _U16 = struct.Struct("<H")
 _HEAD_AFTER_LENGTH = 5  # opcode + request_id
 HELLO_SIZE = _HELLO.size
+AUTH_HELLO_SIZE = HELLO_SIZE + NONCE_SIZE  # the largest message a client sends before it is authenticated
 
 
 class ProtocolError(Exception):
@@ -149,13 +191,90 @@ def _items(items) -> bytes:
 @dataclass(slots=True)
 class Hello:
     version: int = VERSION
+    client_nonce: bytes = b""  # empty: no authentication offered; else NONCE_SIZE bytes (flag AUTH)
 
 
 @dataclass(slots=True)
 class HelloReply:
+    """The hello's answer: OK (no authentication), or a refusal (any other status; the server closes)."""
+
     version: int = VERSION
     status: int = HELLO_STATUS_OK
     local_address: bytes = b""
+
+
+@dataclass(slots=True)
+class AuthChallenge:
+    """The server's answer to an authenticating hello: its nonce; the client's proof comes next."""
+
+    version: int
+    server_nonce: bytes
+
+
+@dataclass(slots=True)
+class AuthProof:
+    """The client's proof that it holds the key (PROOF_SIZE bytes, nothing else on the wire)."""
+
+    proof: bytes
+
+
+@dataclass(slots=True)
+class AuthAccepted:
+    """The client's proof was right: the server's own proof, and the local address (now revealed)."""
+
+    version: int
+    server_proof: bytes
+    local_address: bytes = b""
+
+
+# ---------------------------------------------------------------------------------------------
+# Authentication: the proofs, pure functions of the key and the two nonces
+# ---------------------------------------------------------------------------------------------
+
+_CLIENT_PROOF_LABEL = b"distcomm-store client\0"
+_SERVER_PROOF_LABEL = b"distcomm-store server\0"
+
+
+def _transcript(client_nonce: bytes, server_nonce: bytes) -> bytes:
+    """The authenticating hello's exact bytes, then the server's nonce."""
+    return _HELLO.pack(MAGIC, VERSION, HELLO_FLAG_AUTH) + client_nonce + server_nonce
+
+
+def client_proof(key: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
+    return hmac.new(key, _CLIENT_PROOF_LABEL + _transcript(client_nonce, server_nonce), hashlib.sha256).digest()
+
+
+def server_proof(key: bytes, client_nonce: bytes, server_nonce: bytes, local_address: bytes) -> bytes:
+    message = _SERVER_PROOF_LABEL + _transcript(client_nonce, server_nonce) + _U16.pack(len(local_address))
+    return hmac.new(key, message + local_address, hashlib.sha256).digest()
+
+
+class ClientAuth:
+    """The client's half of the handshake: its nonce, its proof, the check of the server's proof.
+
+    ``nonce`` is for tests (exact bytes); by default each handshake draws a fresh one.
+    """
+
+    def __init__(self, key: bytes, nonce: bytes | None = None):
+        if not key:
+            raise ValueError("an authentication key must not be empty")
+        self._key = bytes(key)
+        self.nonce = os.urandom(NONCE_SIZE) if nonce is None else nonce
+        self._server_nonce: bytes | None = None
+
+    def hello(self) -> Hello:
+        return Hello(VERSION, self.nonce)
+
+    def proof(self, challenge: AuthChallenge) -> AuthProof:
+        self._server_nonce = challenge.server_nonce
+        return AuthProof(client_proof(self._key, self.nonce, challenge.server_nonce))
+
+    def server_proved(self, accepted: AuthAccepted) -> bool:
+        """Whether the server's proof is right (constant-time); False before a challenge was answered."""
+        if self._server_nonce is None:
+            return False
+        expected = server_proof(self._key, self.nonce, self._server_nonce, accepted.local_address)
+        return hmac.compare_digest(accepted.server_proof, expected)
 
 
 class _Frame:
@@ -541,7 +660,6 @@ class _Connection:
     """
 
     _parsers: dict = {}
-    _hello_has_address = False
 
     def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE):
         self.max_frame_size = max_frame_size
@@ -660,70 +778,207 @@ class _Connection:
         if length < _HEAD_AFTER_LENGTH:
             raise ProtocolError(f"frame length {length} is shorter than a frame head ({_HEAD_AFTER_LENGTH} bytes)")
 
-    def _next_hello(self):
-        self._gather(0)
-        buffer = self._buffer
+    def _check_magic(self) -> None:
         # A wrong magic is reported as soon as the bytes received so far differ from it.
-        prefix = buffer[: len(MAGIC)]
+        prefix = self._buffer[self._pos : self._pos + len(MAGIC)]
         if prefix != MAGIC[: len(prefix)]:
             raise ProtocolError(f"bad magic {prefix!r}: expected {MAGIC!r} (is this a distcomm TCPStore peer?)")
-        if len(buffer) < HELLO_SIZE:
-            return NEED_DATA
-        _, version, word = _HELLO.unpack_from(buffer, 0)
-        end, address = HELLO_SIZE, b""
-        if self._hello_has_address:
-            if len(buffer) < end + 2:
-                return NEED_DATA
-            end += 2 + _U16.unpack_from(buffer, end)[0]
-            if len(buffer) < end:
-                return NEED_DATA
-            address = buffer[HELLO_SIZE + 2 : end]
-        self._pos = end
-        self._hello_done = True
-        return self._hello_event(version, word, address)
+
+
+# The server's handshake phases (frames follow once _hello_done is set).
+_HELLO_PHASE = "hello"
+_AWAIT_PROOF = "await proof"  # challenge due or sent: exactly PROOF_SIZE bytes may come next
+_PROOF_RECEIVED = "proof received"  # the proof is being judged (reply_to_proof): nothing may come
+_REFUSED = "refused"  # the reply refuses the client; whatever else it sends is dropped unread
+_AUTHENTICATED = "authenticated"  # frames (as after a plain hello to a server without a key)
 
 
 class ServerProtocol(_Connection):
-    """The server's side of one connection: Hello and requests in, HelloReply and responses out."""
+    """The server's side of one connection: Hello (and AuthProof) and requests in; HelloReply
+    (AuthChallenge, AuthAccepted) and responses out.
+
+    With ``auth_key`` the connection yields no request until the client has proven it holds the
+    key; ``server_nonce`` is for tests (exact bytes), by default each connection draws its own.
+    """
 
     _parsers = _REQUEST_PARSERS
-    _hello_has_address = False
 
-    @staticmethod
-    def _hello_event(version: int, flags: int, address: bytes) -> Hello:
-        return Hello(version)
+    def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE, auth_key: bytes | None = None,
+                 server_nonce: bytes | None = None):
+        super().__init__(max_frame_size)
+        self._auth_key = auth_key or None
+        self._server_nonce = server_nonce
+        self._client_nonce = b""
+        self._phase = _HELLO_PHASE
+
+    @property
+    def authenticated(self) -> bool:
+        """True once requests may flow: after an accepted proof, or after a plain hello to a keyless server."""
+        return self._hello_done
+
+    def _next_hello(self):
+        phase = self._phase
+        if phase is _HELLO_PHASE:
+            self._gather(0)
+            self._check_magic()
+            buffer = self._buffer
+            if len(buffer) < HELLO_SIZE:
+                return NEED_DATA
+            _, version, flags = _HELLO.unpack_from(buffer, 0)
+            end, nonce = HELLO_SIZE, b""
+            if flags & HELLO_FLAG_AUTH:
+                end = AUTH_HELLO_SIZE
+                if len(buffer) < end:
+                    return NEED_DATA
+                nonce = buffer[HELLO_SIZE:end]
+            self._pos = end
+            hello = Hello(version, nonce)
+            # decided here, not when the reply is built: the bytes after the hello in this very
+            # batch must already be treated as what they are (frames, a proof, or to be dropped)
+            status = self._hello_status(hello)
+            if status == HELLO_STATUS_OK:
+                self._hello_done = True
+            elif status == HELLO_STATUS_AUTH_CHALLENGE:
+                self._client_nonce = nonce
+                if self._server_nonce is None:
+                    self._server_nonce = os.urandom(NONCE_SIZE)
+                self._phase = _AWAIT_PROOF
+            else:
+                self._phase = _REFUSED
+            return hello
+        self._gather(0)
+        buffered = len(self._buffer) - self._pos
+        if phase is _AWAIT_PROOF:
+            if buffered > PROOF_SIZE:
+                raise ProtocolError(
+                    f"{buffered} bytes where the {PROOF_SIZE}-byte authentication proof was due: a client sends "
+                    f"nothing else before the server has answered its proof"
+                )
+            if buffered < PROOF_SIZE:
+                return NEED_DATA
+            self._pos = len(self._buffer)
+            self._phase = _PROOF_RECEIVED
+            return AuthProof(self._buffer[-PROOF_SIZE:])
+        if phase is _PROOF_RECEIVED and buffered:
+            raise ProtocolError("bytes after the authentication proof, before the server answered it")
+        self._buffer, self._pos = b"", 0  # _REFUSED: dropped unread
+        return NEED_DATA
+
+    def _hello_status(self, hello: Hello) -> int:
+        """OK (requests may follow), AUTH_CHALLENGE, or the status of a refusal."""
+        if hello.version != VERSION:
+            return HELLO_STATUS_UNSUPPORTED_VERSION
+        if self._auth_key is None:
+            return HELLO_STATUS_AUTH_UNAVAILABLE if hello.client_nonce else HELLO_STATUS_OK
+        return HELLO_STATUS_AUTH_CHALLENGE if hello.client_nonce else HELLO_STATUS_AUTH_REQUIRED
 
     @staticmethod
     def reply_to(hello: Hello) -> HelloReply:
+        """The version policy alone (see reply_to_hello for the whole answer)."""
         status = HELLO_STATUS_OK if hello.version == VERSION else HELLO_STATUS_UNSUPPORTED_VERSION
         return HelloReply(VERSION, status)
 
+    def reply_to_hello(self, hello: Hello):
+        """The answer to ``hello``: HelloReply OK (the caller may add its local address), an
+        AuthChallenge, or a refusal (HelloReply with another status: close after sending it)."""
+        reply = self.reply_to(hello)
+        if reply.status != HELLO_STATUS_OK:
+            self._refuse()
+            return reply
+        status = self._hello_status(hello)
+        if status == HELLO_STATUS_OK:
+            return reply
+        if status == HELLO_STATUS_AUTH_CHALLENGE:
+            return AuthChallenge(VERSION, self._server_nonce)
+        self._refuse()
+        return HelloReply(VERSION, status)
+
+    def reply_to_proof(self, proof: AuthProof, local_address: bytes = b""):
+        """AuthAccepted (requests may follow; ``local_address`` is revealed, under the server's proof)
+        or HelloReply AUTH_FAILED (close after sending it). Compared in constant time."""
+        if self._phase is not _PROOF_RECEIVED:
+            raise ProtocolError(f"an authentication proof in phase {self._phase!r}")
+        key = self._auth_key
+        expected = client_proof(key, self._client_nonce, self._server_nonce)
+        if not hmac.compare_digest(proof.proof, expected):
+            self._refuse()
+            return HelloReply(VERSION, HELLO_STATUS_AUTH_FAILED)
+        self._phase = _AUTHENTICATED
+        self._hello_done = True
+        return AuthAccepted(VERSION, server_proof(key, self._client_nonce, self._server_nonce, local_address),
+                            local_address)
+
+    def _refuse(self) -> None:
+        self._phase = _REFUSED
+        self._hello_done = False
+        self._buffer, self._pos = b"", 0
+        self._chunks.clear()
+        self._pending = 0
+
     @staticmethod
     def send(event) -> bytes:
-        if type(event) is HelloReply:
+        kind = type(event)
+        if kind is HelloReply:
             address = event.local_address
             return _HELLO.pack(MAGIC, event.version, event.status) + _U16.pack(len(address)) + address
+        if kind is AuthChallenge:
+            if len(event.server_nonce) != NONCE_SIZE:
+                raise ValueError(f"a server nonce is {NONCE_SIZE} bytes, not {len(event.server_nonce)}")
+            return _HELLO.pack(MAGIC, event.version, HELLO_STATUS_AUTH_CHALLENGE) + _U16.pack(NONCE_SIZE) + \
+                event.server_nonce
+        if kind is AuthAccepted:
+            body = event.server_proof + event.local_address
+            if len(event.server_proof) != PROOF_SIZE:
+                raise ValueError(f"a server proof is {PROOF_SIZE} bytes, not {len(event.server_proof)}")
+            return _HELLO.pack(MAGIC, event.version, HELLO_STATUS_AUTH_ACCEPTED) + _U16.pack(len(body)) + body
         if not isinstance(event, RESPONSES):
-            raise TypeError(f"a server sends HelloReply or responses, not {type(event).__name__}")
+            raise TypeError(f"a server sends HelloReply, AuthChallenge, AuthAccepted or responses, not {kind.__name__}")
         return encode(event)
 
 
 class ClientProtocol(_Connection):
-    """The client's side: Hello and requests out, HelloReply and responses in."""
+    """The client's side: Hello (and AuthProof) and requests out; HelloReply (AuthChallenge,
+    AuthAccepted) and responses in. An AuthChallenge keeps it in the handshake: another reply follows."""
 
     _parsers = _RESPONSE_PARSERS
-    _hello_has_address = True
 
-    @staticmethod
-    def _hello_event(version: int, status: int, address: bytes) -> HelloReply:
-        return HelloReply(version, status, address)
+    def _next_hello(self):
+        self._gather(0)
+        self._check_magic()
+        buffer = self._buffer
+        if len(buffer) < HELLO_SIZE + 2:
+            return NEED_DATA
+        _, version, status = _HELLO.unpack_from(buffer, 0)
+        end = HELLO_SIZE + 2 + _U16.unpack_from(buffer, HELLO_SIZE)[0]
+        if len(buffer) < end:
+            return NEED_DATA
+        body = buffer[HELLO_SIZE + 2 : end]
+        self._pos = end
+        if status == HELLO_STATUS_AUTH_CHALLENGE:
+            if len(body) != NONCE_SIZE:
+                raise ProtocolError(f"authentication challenge: a {len(body)}-byte nonce, not {NONCE_SIZE}")
+            return AuthChallenge(version, body)  # the handshake goes on: _hello_done stays False
+        self._hello_done = True
+        if status == HELLO_STATUS_AUTH_ACCEPTED:
+            if len(body) < PROOF_SIZE:
+                raise ProtocolError(f"authentication accepted: a {len(body)}-byte body cannot hold the server's proof")
+            return AuthAccepted(version, body[:PROOF_SIZE], body[PROOF_SIZE:])
+        return HelloReply(version, status, body)
 
     @staticmethod
     def send(event) -> bytes:
-        if type(event) is Hello:
-            return _HELLO.pack(MAGIC, event.version, 0)
+        kind = type(event)
+        if kind is Hello:
+            nonce = event.client_nonce
+            if nonce and len(nonce) != NONCE_SIZE:
+                raise ValueError(f"a client nonce is {NONCE_SIZE} bytes, not {len(nonce)}")
+            return _HELLO.pack(MAGIC, event.version, HELLO_FLAG_AUTH if nonce else 0) + nonce
+        if kind is AuthProof:
+            if len(event.proof) != PROOF_SIZE:
+                raise ValueError(f"a proof is {PROOF_SIZE} bytes, not {len(event.proof)}")
+            return event.proof
         if not isinstance(event, REQUESTS):
-            raise TypeError(f"a client sends Hello or requests, not {type(event).__name__}")
+            raise TypeError(f"a client sends Hello, AuthProof or requests, not {kind.__name__}")
         return encode(event)
 
 

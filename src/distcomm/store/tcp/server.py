@@ -37,6 +37,15 @@ that name in the TCP handshake (see protocol.py): clients on the same host move 
 the kernel about a third less per request than loopback TCP. The socket is reachable only from this
 host's network namespace, by a client that was already accepted over TCP. ``local_socket=False``
 (or DISTCOMM_STORE_LOCAL_SOCKET=0) turns it off.
+
+Authentication (``auth_key``; TCPStore passes the key from DISTCOMM_AUTH_KEY_FILE/DISTCOMM_AUTH_KEY,
+see auth.py): every connection — TCP, the Unix socket, and the master's in-process one alike, so
+there is no path around it — must prove it holds the key before any request is parsed (protocol.py
+holds the handshake and refuses everything else), and the Unix socket's name is revealed only in
+the answer to a correct proof. Until then the server reads at most AUTH_HELLO_SIZE bytes at a time
+from the connection, a wrong proof or a refused hello gets its refusal and the connection closed,
+and a handshake not finished within ``idle_timeout`` (the handshake timeout) is closed like any
+unfinished hello. ``stats["auth_refused"]`` counts connections refused for authentication.
 """
 
 from __future__ import annotations
@@ -133,12 +142,15 @@ def open_local_listener(port: int, backlog: int) -> socket.socket | None:
 
 
 class _Connection:
-    __slots__ = ("sock", "fd", "proto", "out", "partial_deadline", "parked", "closing", "peer", "local")
+    __slots__ = ("sock", "fd", "proto", "out", "partial_deadline", "parked", "closing", "peer", "local", "recv_size")
 
-    def __init__(self, sock, peer, max_frame_size: int, local: bool, fd: int | None = None):
+    def __init__(self, sock, peer, max_frame_size: int, local: bool, fd: int | None = None,
+                 auth_key: bytes | None = None):
         self.sock = sock
         self.fd = sock.fileno() if fd is None else fd
-        self.proto = p.ServerProtocol(max_frame_size)
+        self.proto = p.ServerProtocol(max_frame_size, auth_key)
+        # until it has authenticated, a connection is read no more than its handshake's fixed size
+        self.recv_size = _RECV_SIZE if auth_key is None else p.AUTH_HELLO_SIZE
         self.out = bytearray()  # responses the socket did not take yet
         self.partial_deadline: float | None = None
         self.parked: set = set()
@@ -173,7 +185,9 @@ class TCPStoreServer:
         max_frame_size: int = p.DEFAULT_MAX_FRAME_SIZE,
         backlog: int = DEFAULT_BACKLOG,
         local_socket: bool | None = None,
+        auth_key: bytes | None = None,
     ):
+        self.auth_key = bytes(auth_key) if auth_key else None
         self.open_file_limit = raise_open_file_limit()[0]
         self._listener = open_listener(host, port, backlog)
         self.host = host
@@ -187,7 +201,7 @@ class TCPStoreServer:
         self.max_frame_size = max_frame_size
         self.table = KeyTable()
         self.joined = 0
-        self.stats = {"accepted": 0, "protocol_errors": 0, "idle_closed": 0, "accept_fd_exhausted": 0}
+        self.stats = {"accepted": 0, "protocol_errors": 0, "idle_closed": 0, "accept_fd_exhausted": 0, "auth_refused": 0}
         self._joined_changed = threading.Condition()
         self._waiting: dict[bytes, list[_Parked]] = {}
         self._poppers: dict[bytes, list[_Parked]] = {}  # parked QUEUE_POPs per queue, oldest first
@@ -209,6 +223,7 @@ class TCPStoreServer:
         self._replies: list[bytes] = []
         self._handlers = {
             p.Hello: self._on_hello,
+            p.AuthProof: self._on_auth_proof,
             p.Set: self._on_set,
             p.Get: self._on_get,
             p.Add: self._on_add,
@@ -270,7 +285,7 @@ class TCPStoreServer:
         write that completes it or at its deadline.
         """
         local = LocalSocket(self)
-        conn = _Connection(local, "local", self.max_frame_size, True, fd=next(self._local_ids))
+        conn = _Connection(local, "local", self.max_frame_size, True, fd=next(self._local_ids), auth_key=self.auth_key)
         local.conn = conn
         with self._lock:
             self._conns[conn.fd] = conn
@@ -363,7 +378,7 @@ class TCPStoreServer:
             sock.setblocking(False)
             if not local:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Connection(sock, peer, self.max_frame_size, local)
+            conn = _Connection(sock, peer, self.max_frame_size, local, auth_key=self.auth_key)
             self._conns[conn.fd] = conn
             self._poller.register(conn.fd)
             self._mark_partial(conn, time.monotonic())
@@ -387,7 +402,7 @@ class TCPStoreServer:
 
     def _read(self, conn: _Connection) -> None:
         try:
-            data = conn.sock.recv(_RECV_SIZE)
+            data = conn.sock.recv(conn.recv_size)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
@@ -612,12 +627,33 @@ class TCPStoreServer:
     # -- requests: each returns the reply's bytes, or None (parked, or SET, which has no reply) -----
 
     def _on_hello(self, conn, hello):
-        reply = conn.proto.reply_to(hello)
-        if reply.status != p.HELLO_STATUS_OK:
-            conn.closing = True  # after the reply, which tells the client which version we speak
-        elif not conn.local:
-            reply.local_address = self.local_address
+        reply = conn.proto.reply_to_hello(hello)  # decides version and authentication
+        if reply.__class__ is p.HelloReply:
+            if reply.status != p.HELLO_STATUS_OK:
+                conn.closing = True  # after the reply, which tells the client why
+                if reply.status != p.HELLO_STATUS_UNSUPPORTED_VERSION:
+                    self._auth_refused(conn, reply.status)
+            elif not conn.local:
+                reply.local_address = self.local_address
         return conn.proto.send(reply)
+
+    def _on_auth_proof(self, conn, proof):
+        reply = conn.proto.reply_to_proof(proof, b"" if conn.local else self.local_address)
+        if reply.__class__ is p.AuthAccepted:
+            conn.recv_size = _RECV_SIZE
+        else:
+            conn.closing = True
+            self._auth_refused(conn, reply.status)
+        return conn.proto.send(reply)
+
+    def _auth_refused(self, conn, status: int) -> None:
+        self.stats["auth_refused"] += 1
+        reason = {
+            p.HELLO_STATUS_AUTH_REQUIRED: "offered no authentication",
+            p.HELLO_STATUS_AUTH_FAILED: "failed authentication (wrong key)",
+            p.HELLO_STATUS_AUTH_UNAVAILABLE: "asked for authentication, which this server has no key for",
+        }.get(status, f"refused with status {status}")
+        log.info("TCPStore server on port %d: refused %s: it %s", self.port, conn.peer, reason)
 
     def _on_set(self, conn, req):  # no reply: see protocol.py
         self.table.values[req.key] = req.value

@@ -15,6 +15,12 @@ one pop. ``clone()`` opens another connection, so one thread can block while ano
 one key space, as torch's do; the server stops when the last of them closes. ``wait_for_workers``
 with a ``world_size`` makes every store send a JOIN on creation, and the master block until
 ``world_size`` stores joined (the master's own included), failing with "k/N clients joined".
+
+Authentication: when DISTCOMM_AUTH_KEY_FILE or DISTCOMM_AUTH_KEY is set (auth.py), the key is read
+once, here, before anything listens or connects: a master's server then requires it of every
+client, and every client (the master's in-process one and clones included) demands that the server
+prove it holds it too. Whoever builds a TCPStore — the constructor, env:// and tcp:// rendezvous,
+distcomm-run's launcher and its workers, which inherit its environment — gets the same behaviour.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from ...errors import DistStoreError
 from .. import rules
 from ..base import Store
 from . import protocol as p
+from .auth import key_from_environment
 from .client import TCPStoreClient
 from .server import TCPStoreServer
 
@@ -82,6 +89,10 @@ class TCPStore(Store):
     on an unfinished hello or frame, default 60), ``max_frame_size`` (bytes, default 1 GiB; also the
     limit a client accepts), ``backlog`` (listen backlog, default 4096), ``local_socket`` (offer the
     same-host Unix socket; default on, off with DISTCOMM_STORE_LOCAL_SOCKET=0).
+
+    With DISTCOMM_AUTH_KEY_FILE (a file only its owner can read) or DISTCOMM_AUTH_KEY set, the
+    server and every client authenticate each other with that key; a store without the key, or with
+    another, is refused with DistStoreAuthError (a DistStoreError).
     """
 
     def __init__(
@@ -108,15 +119,24 @@ class TCPStore(Store):
             raise ValueError("world_size must be positive (or None/-1 for a non-fixed number of stores)")
         if not is_master and port == 0:
             raise ValueError("a TCPStore client needs the master's port; port=0 only means 'pick one' on the master")
+        if "auth_key" in server_options:
+            raise TypeError("TCPStore takes its key from DISTCOMM_AUTH_KEY_FILE or DISTCOMM_AUTH_KEY, not auth_key=")
+        self._auth_key = key_from_environment()  # before listening: a bad key file fails here
         self._host = host_name
         self._world_size = world_size
-        self._server = _shared_servers.acquire(host_name, port, multi_tenant, **server_options) if is_master else None
+        self._server = (
+            _shared_servers.acquire(host_name, port, multi_tenant, auth_key=self._auth_key, **server_options)
+            if is_master
+            else None
+        )
         self._port = self._server.port if self._server is not None else port
         max_frame_size = server_options.get("max_frame_size", p.DEFAULT_MAX_FRAME_SIZE)
         try:
             # the master talks to its own server in-process (see local.py); everyone else over the network
             local = self._server.connect_local() if self._server is not None else None
-            self._client = TCPStoreClient(host_name, self._port, self._timeout_s, max_frame_size, local=local)
+            self._client = TCPStoreClient(
+                host_name, self._port, self._timeout_s, max_frame_size, local=local, auth_key=self._auth_key
+            )
         except BaseException:
             if self._server is not None:
                 _shared_servers.release(self._server)
@@ -146,8 +166,9 @@ class TCPStore(Store):
         store = TCPStore.__new__(TCPStore)
         Store.__init__(store, timedelta(seconds=self._timeout_s))
         store._host, store._port, store._world_size, store._server = self._host, self._port, None, None
+        store._auth_key = self._auth_key
         local = self._server.connect_local() if self._server is not None else None
-        store._client = TCPStoreClient(self._client.host, self._port, self._timeout_s, local=local)
+        store._client = TCPStoreClient(self._client.host, self._port, self._timeout_s, local=local, auth_key=self._auth_key)
         store._finalizer = weakref.finalize(store, _release, store._client, None)
         return store
 
