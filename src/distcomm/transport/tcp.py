@@ -36,8 +36,8 @@ needs), while the waiting thread blocking in epoll on the sockets itself costs ~
   microseconds, and its next message, read here, would cost two thread hand-offs (measured,
   2 ranks, 8-byte all_reduce: ~5% of messages used to be read by this thread, and the caller's
   own sendmsg then waited for the GIL). Bulk transfers are what it is worth waking up for: it is
-  notified when one is posted and the caller is not waiting, and moves it while the caller
-  computes.
+  notified when the last waiter leaves one pending, or when one of ``_BULK`` bytes or more is
+  posted while nobody waits, and moves it while the caller computes.
 
 Sends first try a non-blocking ``sendmsg`` from the caller when the peer's queue is empty (lowest
 latency; a small message is complete before ``isend`` returns); whatever the kernel does not take
@@ -78,12 +78,13 @@ _SCRATCH = 256 << 10  # where discarded payloads (mismatch, withdrawn receive) a
 _SEND_CHUNK = 2 << 20
 _PARK_S = 0.002  # background thread's recheck period while a thread drives (see module doc)
 # A receive at least this large (or any send the kernel did not take at once) is a "bulk" transfer
-# that the background thread moves while the caller is busy elsewhere (see _background). Larger
-# than _STAGE, so the small-message paths in _read never complete one. Waking the background
-# thread costs a thread hand-off, worth it only for long transfers: measured (2 ranks, all_reduce,
-# median µs, 3 runs each) with 64 KiB: 249-312 at 64 KiB and 322-407 at 256 KiB; with 1 MiB:
-# 125-170 and 167-250; 16 MiB all_reduce the same either way (~10-13 ms).
-_BULK = 1 << 20
+# that the background thread moves while the caller is busy elsewhere (see _background); posting
+# one this large (send or receive) also wakes it at once. Larger than _STAGE, so the small-message
+# paths in _read never complete one. A wake-up costs a thread hand-off, worth it only for long
+# transfers: measured (2 ranks, median µs, 3 runs each) all_reduce with 64 KiB: 249-312 at 64 KiB
+# and 322-407 at 256 KiB, with 1 MiB: 125-170 and 167-250; all_to_all of 2 MiB (1 MiB messages)
+# with 1 MiB: 1.5-1.9 ms, never: 1.1-1.5 ms; 16 MiB all_reduce and all_to_all the same either way.
+_BULK = 4 << 20
 _IN = select.EPOLLIN
 _OUT = select.EPOLLOUT
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
@@ -305,7 +306,7 @@ class TcpTransport(Transport):
             else:
                 req.parts = [header, _flat(view)] if nbytes else [header]
             p.sendq.append(req)
-            self._add_bulk(req)
+            self._add_bulk(req, total >= _BULK)
         return req
 
     def irecv(self, src: int, out, key: MessageKey, signature: int = 0) -> TcpRequest:
@@ -323,7 +324,7 @@ class TcpTransport(Transport):
                     if not unexpected:  # not here yet: post it
                         match.post_from(req, k)
                         if view.nbytes >= _BULK:
-                            self._add_bulk(req)
+                            self._add_bulk(req, True)
                         return req
                     q = unexpected.get(k)
                     if q:  # already here: whole, and the sizes and signatures agree?
@@ -349,7 +350,7 @@ class TcpTransport(Transport):
             else:
                 match.post(req)
                 if view.nbytes >= _BULK:
-                    self._add_bulk(req)
+                    self._add_bulk(req, True)
         return req
 
     def _deliver_unexpected(self, req: TcpRequest, msg: Unexpected) -> None:
@@ -381,11 +382,15 @@ class TcpTransport(Transport):
                               " (the ranks disagree about this operation)", peer=src, reason="mismatch")
 
     # -- completion, waiting ---------------------------------------------------------------------
-    def _add_bulk(self, req: TcpRequest) -> None:
-        """A large transfer is pending: the background thread moves it whenever nobody waits."""
+    def _add_bulk(self, req: TcpRequest, wake: bool) -> None:
+        """A large transfer is pending: the background thread moves it whenever nobody waits.
+
+        ``wake``: start at once rather than at the next park period's end (or when the caller
+        stops waiting); only for transfers long enough to pay for the thread hand-off.
+        """
         req.bulk = True
         self._bulk += 1
-        if not self._waiters:
+        if wake and not self._waiters:
             self._bg_cond.notify()
 
     def _finish(self, req: TcpRequest, error: TransportError | None = None) -> None:
