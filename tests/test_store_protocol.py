@@ -290,3 +290,180 @@ def test_server_parser_never_fails_otherwise(chunks, cut):
                 assert isinstance(event, p.REQUESTS)
     except p.ProtocolError:
         pass
+
+
+# -- authentication (opt-in): the handshake on bytes alone ------------------------------------------
+#
+# Fixed nonces and key make every message exact. The proofs are spelled out here from their
+# definition (HMAC-SHA256 under the key, over a label, the authenticating hello's bytes and the
+# server's nonce; the server's also over the address it reveals), not taken from the module.
+
+import hashlib  # noqa: E402
+import hmac  # noqa: E402
+
+KEY = b"the job's key"
+NC = bytes(range(32))  # the client's nonce
+NS = bytes(range(100, 132))  # the server's nonce
+AUTH_HELLO = b"DCKV\x02\x00\x01\x00" + NC  # flags bit 0: the client holds a key and demands proof
+CHALLENGE = b"DCKV\x02\x00\x03\x00\x20\x00" + NS  # status 3, a 32-byte body: the server's nonce
+CLIENT_PROOF = hmac.new(KEY, b"distcomm-store client\0" + AUTH_HELLO + NS, hashlib.sha256).digest()
+SERVER_PROOF = hmac.new(KEY, b"distcomm-store server\0" + AUTH_HELLO + NS + b"\x04\x00\0abc", hashlib.sha256).digest()
+ACCEPTED = b"DCKV\x02\x00\x04\x00\x24\x00" + SERVER_PROOF + b"\0abc"  # status 4: proof, then the address
+AUTH_REQUIRED = b"DCKV\x02\x00\x02\x00\x00\x00"  # a key-holding server, a hello without one
+AUTH_FAILED = b"DCKV\x02\x00\x05\x00\x00\x00"  # a wrong proof
+AUTH_UNAVAILABLE = b"DCKV\x02\x00\x06\x00\x00\x00"  # an authenticating client, a server without a key
+
+
+def _auth_server() -> p.ServerProtocol:
+    return p.ServerProtocol(auth_key=KEY, server_nonce=NS)
+
+
+def test_auth_message_bytes():
+    auth = p.ClientAuth(KEY, nonce=NC)
+    assert p.ClientProtocol.send(auth.hello()) == AUTH_HELLO
+    assert p.ServerProtocol.send(p.AuthChallenge(2, NS)) == CHALLENGE
+    assert p.ClientProtocol.send(auth.proof(p.AuthChallenge(2, NS))) == CLIENT_PROOF  # 32 bytes, nothing else
+    assert p.ServerProtocol.send(p.AuthAccepted(2, SERVER_PROOF, b"\0abc")) == ACCEPTED
+    assert p.ServerProtocol.send(p.HelloReply(2, p.HELLO_STATUS_AUTH_REQUIRED)) == AUTH_REQUIRED
+    assert p.ServerProtocol.send(p.HelloReply(2, p.HELLO_STATUS_AUTH_FAILED)) == AUTH_FAILED
+    assert p.ServerProtocol.send(p.HelloReply(2, p.HELLO_STATUS_AUTH_UNAVAILABLE)) == AUTH_UNAVAILABLE
+    assert p.client_proof(KEY, NC, NS) == CLIENT_PROOF
+    assert p.server_proof(KEY, NC, NS, b"\0abc") == SERVER_PROOF
+    assert len(AUTH_HELLO) == p.AUTH_HELLO_SIZE == 40 and len(CLIENT_PROOF) == p.PROOF_SIZE
+
+
+def test_auth_handshake_from_hello_to_the_first_request():
+    server, client, auth = _auth_server(), p.ClientProtocol(), p.ClientAuth(KEY, nonce=NC)
+    assert server.receive_events(AUTH_HELLO) == [p.Hello(2, NC)]
+    assert server.send(server.reply_to_hello(p.Hello(2, NC))) == CHALLENGE
+    assert client.receive_events(CHALLENGE) == [p.AuthChallenge(2, NS)]
+    assert client.has_partial_data  # still in the handshake: another reply follows
+    assert not server.authenticated and server.has_partial_data  # the handshake timeout still runs
+    assert server.receive_events(CLIENT_PROOF) == [p.AuthProof(CLIENT_PROOF)]
+    accepted = server.reply_to_proof(p.AuthProof(CLIENT_PROOF), b"\0abc")
+    assert server.send(accepted) == ACCEPTED
+    assert server.authenticated and not server.has_partial_data
+    assert client.receive_events(ACCEPTED) == [p.AuthAccepted(2, SERVER_PROOF, b"\0abc")]
+    assert auth.proof(p.AuthChallenge(2, NS)).proof == CLIENT_PROOF
+    assert auth.server_proved(p.AuthAccepted(2, SERVER_PROOF, b"\0abc"))
+    set_wire = REQUESTS[0][1]
+    assert server.receive_events(set_wire) == [REQUESTS[0][0]]  # requests flow only now
+    assert client.receive_events(RESPONSES[0][1]) == [RESPONSES[0][0]]
+
+
+def test_auth_handshake_byte_by_byte():
+    server = _auth_server()
+    events = []
+    for i in range(len(AUTH_HELLO)):
+        events += server.receive_events(AUTH_HELLO[i : i + 1])
+    assert events == [p.Hello(2, NC)]
+    server.reply_to_hello(events[0])
+    for i in range(len(CLIENT_PROOF)):
+        events += server.receive_events(CLIENT_PROOF[i : i + 1])
+    assert events[1:] == [p.AuthProof(CLIENT_PROOF)]
+    client, replies = p.ClientProtocol(), []
+    for i, byte in enumerate(CHALLENGE + ACCEPTED):
+        replies += client.receive_events(bytes([byte]))
+    assert replies == [p.AuthChallenge(2, NS), p.AuthAccepted(2, SERVER_PROOF, b"\0abc")]
+
+
+def test_the_server_proof_is_checked_and_binds_the_revealed_address():
+    auth = p.ClientAuth(KEY, nonce=NC)
+    assert not auth.server_proved(p.AuthAccepted(2, SERVER_PROOF, b"\0abc"))  # no challenge answered yet
+    auth.proof(p.AuthChallenge(2, NS))
+    assert auth.server_proved(p.AuthAccepted(2, SERVER_PROOF, b"\0abc"))
+    assert not auth.server_proved(p.AuthAccepted(2, SERVER_PROOF, b"\0abd"))  # another address
+    assert not auth.server_proved(p.AuthAccepted(2, bytes(32), b"\0abc"))
+    other = p.ClientAuth(b"another key", nonce=NC)
+    other.proof(p.AuthChallenge(2, NS))
+    assert not other.server_proved(p.AuthAccepted(2, SERVER_PROOF, b"\0abc"))
+    # the two directions differ: a server's proof cannot be reflected back as a client's
+    assert p.server_proof(KEY, NC, NS, b"") != p.client_proof(KEY, NC, NS)
+
+
+UNAUTHENTICATED_REQUESTS = b"".join(wire for _, wire in REQUESTS)
+
+
+@pytest.mark.parametrize(
+    "server_key, hello, reply",
+    [
+        (KEY, HELLO, AUTH_REQUIRED),  # a client without a key
+        (None, AUTH_HELLO, AUTH_UNAVAILABLE),  # a client demanding proof from a server without a key
+    ],
+    ids=["no key on the client", "no key on the server"],
+)
+def test_a_refused_hello_is_answered_and_nothing_after_it_is_parsed(server_key, hello, reply):
+    server = p.ServerProtocol(auth_key=server_key, server_nonce=NS)
+    events = server.receive_events(hello + UNAUTHENTICATED_REQUESTS)
+    assert events == [p.Hello(2, hello[8:])]  # the requests were dropped unread
+    assert server.send(server.reply_to_hello(events[0])) == reply
+    assert server.receive_events(UNAUTHENTICATED_REQUESTS) == []
+    assert not server.authenticated
+
+
+def test_a_wrong_proof_is_refused_and_nothing_after_it_is_parsed():
+    server = _auth_server()
+    (hello,) = server.receive_events(AUTH_HELLO)
+    server.reply_to_hello(hello)
+    wrong = p.client_proof(b"another key", NC, NS)
+    assert server.receive_events(wrong) == [p.AuthProof(wrong)]
+    assert server.send(server.reply_to_proof(p.AuthProof(wrong), b"\0abc")) == AUTH_FAILED
+    assert server.receive_events(UNAUTHENTICATED_REQUESTS) == [] and not server.authenticated
+
+
+@pytest.mark.parametrize(
+    "after_hello",
+    [
+        CLIENT_PROOF + REQUESTS[0][1],  # even a right proof: a client waits for the server's before requesting
+        UNAUTHENTICATED_REQUESTS,  # requests instead of a proof
+        bytes(33),
+    ],
+)
+def test_bytes_beyond_the_fixed_size_handshake_are_a_protocol_error(after_hello):
+    server = _auth_server()
+    with pytest.raises(p.ProtocolError, match="authentication proof"):
+        server.receive_events(AUTH_HELLO + after_hello)
+
+
+def test_bytes_after_the_proof_before_its_answer_are_a_protocol_error():
+    server = _auth_server()
+    assert server.receive_events(AUTH_HELLO + CLIENT_PROOF) == [p.Hello(2, NC), p.AuthProof(CLIENT_PROOF)]
+    with pytest.raises(p.ProtocolError, match="before the server answered"):
+        server.receive_events(REQUESTS[0][1])
+
+
+def test_a_plain_hello_to_a_keyless_server_is_unchanged_by_the_auth_support():
+    server = p.ServerProtocol(auth_key=None)
+    assert server.receive_events(HELLO) == [p.Hello(2)]
+    assert server.send(server.reply_to_hello(p.Hello(2))) == HELLO_OK
+    assert server.authenticated
+
+
+@pytest.mark.parametrize(
+    "wire, message",
+    [
+        (b"DCKV\x02\x00\x03\x00\x1f\x00" + NS[:31], "31-byte nonce"),
+        (b"DCKV\x02\x00\x04\x00\x1f\x00" + SERVER_PROOF[:31], "cannot hold the server's proof"),
+    ],
+)
+def test_malformed_auth_replies_raise_protocol_error(wire, message):
+    with pytest.raises(p.ProtocolError, match=message):
+        p.ClientProtocol().receive_events(wire)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(framed | st.binary(max_size=40), max_size=6), st.integers(1, 7), st.booleans())
+def test_a_key_holding_server_parses_no_request_before_a_right_proof(chunks, cut, with_nonce):
+    server = _auth_server()
+    stream = (AUTH_HELLO if with_nonce else HELLO) + b"".join(chunks)
+    try:
+        for i in range(0, len(stream), cut):
+            for event in server.receive_events(stream[i : i + cut]):
+                assert isinstance(event, (p.Hello, p.AuthProof))
+                if isinstance(event, p.Hello):
+                    server.reply_to_hello(event)
+                else:
+                    assert server.reply_to_proof(event).status == p.HELLO_STATUS_AUTH_FAILED
+    except p.ProtocolError:
+        pass
+    assert not server.authenticated
