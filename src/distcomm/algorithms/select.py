@@ -104,6 +104,7 @@ def _op_key(op_name: str) -> str:
 # os.environ keeps its contents in a plain dict (``_data``, encoded names) that every change through
 # os.environ (including pytest's monkeypatch.setenv) writes through, so looking names up there,
 # pre-encoded, is exact and ~30 ns. Where that detail is missing, fall back to os.environ.get.
+_ENVIRON = os.environ
 _ENV_DATA = getattr(os.environ, "_data", None)
 _ENV_ENCODE = getattr(os.environ, "encodekey", None)
 _ENV_DECODE = getattr(os.environ, "decodevalue", None)
@@ -121,7 +122,7 @@ class _Var:
         self.encoded = _ENV_ENCODE(name) if _ENV_DATA is not None else None
 
     def get(self) -> str | None:
-        if _ENV_DATA is None:
+        if _ENV_DATA is None or os.environ is not _ENVIRON:  # (a test may swap os.environ itself)
             return os.environ.get(self.name)
         value = _ENV_DATA.get(self.encoded)
         return None if value is None else _ENV_DECODE(value)
