@@ -446,3 +446,18 @@ def test_two_processes_init_process_group_and_all_gather_object_with_a_key(key_f
     expected = [{"rank": 0, "payload": ("", 0)}, {"rank": 1, "payload": ("x", 1)}]
     assert [gathered for gathered, _ in results] == [expected, expected]
     assert results[0][1] is None and "requires authentication" in results[1][1]
+
+
+def test_the_unix_socket_requires_authentication_too(master):
+    address = master._server.local_address
+    assert address  # offered (to authenticated clients) on this host
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(address)
+    sock.sendall(p.ClientProtocol.send(p.Hello()) + p.encode_set(1, b"stolen", b"x"))
+    proto = p.ClientProtocol()
+    while (event := proto.next_event()) is p.NEED_DATA:
+        proto.receive_data(sock.recv(4096))
+    assert event == p.HelloReply(p.VERSION, p.HELLO_STATUS_AUTH_REQUIRED)
+    assert _closed(sock)
+    assert not master.check(["stolen"])

@@ -7,7 +7,7 @@ wrong version, a 2^40 length prefix, garbage in a frame) are decided here, once,
 
 Wire format (all integers little-endian)::
 
-    hello        client -> server   b"DCKV" | u16 version | u16 flags (0)
+    hello        client -> server   b"DCKV" | u16 version | u16 flags (0; bit 0: see Authentication)
     hello reply  server -> client   b"DCKV" | u16 version | u16 status (0 ok, 1 unsupported version)
                                     | u16 n | n bytes local_address (may be empty)
     frame        both ways          u64 length | u8 opcode | u32 request_id | fields   (length counts
@@ -38,9 +38,9 @@ A frame's length is checked against ``max_frame_size`` as soon as its eight byte
 anything is buffered for it; every field length and list count is checked against the bytes left
 in its frame before it is read. Nothing is ever allocated from an unchecked length.
 
-Authentication (opt-in: a process holding a key, see auth.py). Everything after the TCPStore rests
-on the store: peers find each other's addresses and session tokens there, so whoever can talk to
-the store can join the job. With a key, client and server each prove they hold it, and neither
+Authentication (opt-in: a process holding a key, see auth.py). Everything a job trusts is found
+through its store — peers' addresses, the transport's session token — so whoever can talk to the
+store can join the job. With a key, client and server each prove they hold it, and neither
 ever sends it: HMAC-SHA256 under the key over the handshake transcript, which carries a fresh
 random nonce from each side (a recorded proof is worth nothing on another connection) and a label
 per direction (a server's proof cannot be reflected back as a client's)::
@@ -683,7 +683,8 @@ class _Connection:
 
     @property
     def has_partial_data(self) -> bool:
-        """True while bytes are buffered that do not yet form a complete hello or frame."""
+        """True while bytes are buffered that do not yet form a complete hello or frame, or while the
+        handshake (hello, and authentication if any) is unfinished: the server's idle timer runs."""
         return self._pos < len(self._buffer) or self._pending > 0 or not self._hello_done
 
     def _gather(self, needed: int) -> bool:

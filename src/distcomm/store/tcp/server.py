@@ -201,7 +201,9 @@ class TCPStoreServer:
         self.max_frame_size = max_frame_size
         self.table = KeyTable()
         self.joined = 0
-        self.stats = {"accepted": 0, "protocol_errors": 0, "idle_closed": 0, "accept_fd_exhausted": 0, "auth_refused": 0}
+        self.stats = {
+            "accepted": 0, "protocol_errors": 0, "idle_closed": 0, "accept_fd_exhausted": 0, "auth_refused": 0,
+        }
         self._joined_changed = threading.Condition()
         self._waiting: dict[bytes, list[_Parked]] = {}
         self._poppers: dict[bytes, list[_Parked]] = {}  # parked QUEUE_POPs per queue, oldest first

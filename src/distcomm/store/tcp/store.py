@@ -168,7 +168,9 @@ class TCPStore(Store):
         store._host, store._port, store._world_size, store._server = self._host, self._port, None, None
         store._auth_key = self._auth_key
         local = self._server.connect_local() if self._server is not None else None
-        store._client = TCPStoreClient(self._client.host, self._port, self._timeout_s, local=local, auth_key=self._auth_key)
+        store._client = TCPStoreClient(
+            self._client.host, self._port, self._timeout_s, local=local, auth_key=self._auth_key
+        )
         store._finalizer = weakref.finalize(store, _release, store._client, None)
         return store
 
