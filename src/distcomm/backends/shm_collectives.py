@@ -29,8 +29,8 @@ Algorithms (bytes are per rank, n the message, p the group size):
   and reduces its own); all_to_all (one piece per destination, with its length, checked by the
   reader); barrier (one round with no data).
 * Single copy, from ``DISTCOMM_SHM_READV_BYTES`` (4 MiB) on, where allowed: broadcast (each rank
-  reads the root's buffer), all_gather (each reads the peers' blocks), reduce (the root reduces
-  from every buffer), reduce_scatter (each reduces its block from every input), all_to_all (each
+  reads the root's buffer), all_gather (each reads the peers' blocks), reduce (each rank reduces a
+  share of every chunk from all buffers, the root collects the shares), reduce_scatter (each reduces its block from every input), all_to_all (each
   reads its pieces from the senders' buffers). One round to publish addresses, one wait at the
   end so that no buffer changes before every reader is done.
 
@@ -333,23 +333,37 @@ def _reduce_from_peers(ctx, out: np.ndarray, lo: int, own: np.ndarray | None, ba
 
 
 def reduce_readv(ctx, ch: Channel, flat: np.ndarray, red, root: int) -> None:
-    """The root reduces straight from every member's buffer; the others only publish theirs."""
+    """Every rank reduces a share of each chunk straight from all members' buffers into its slot;
+    the root copies the shares into its buffer. The work is spread over the group: the root alone
+    reading and reducing every buffer ran at half gloo's speed with 4 ranks on 2 cores. Memory stays
+    bounded by the slots; non-root buffers are never written."""
+    p, r = ctx.size, ctx.rank
+    dt, nbytes = flat.dtype, flat.nbytes
+    share = max(1, ctx.slot_bytes // dt.itemsize)  # elements one rank reduces per chunk
     k = ctx.next_round()
     ctx.acquire(k, ch)
-    ctx.post(k, ch, flat.nbytes, extra=flat.ctypes.data)
-    if ctx.rank == root:
-        ctx.wait_posted(k, ch, flat.nbytes)
-        base = [ctx.extra(q, k) for q in range(ctx.size)]
-        per = max(1, ctx.slot_bytes // flat.itemsize)
-        acc = np.empty(min(per, flat.size), flat.dtype)
-        tmp = np.empty_like(acc)
-        for lo in range(0, flat.size, per):
-            chunk = flat[lo : lo + per]
-            a = acc[: chunk.size]
-            _reduce_from_peers(ctx, a, lo, chunk, base, red, tmp)
-            chunk[...] = a
+    ctx.post(k, ch, nbytes, extra=flat.ctypes.data)
+    ctx.wait_posted(k, ch, nbytes)
+    base = [ctx.extra(q, k) for q in range(p)]
     ctx.consume(k)
-    ctx.wait_consumed(k, ch)  # the root has read every buffer
+    tmp = np.empty(min(share, flat.size), dt)
+    for lo in range(0, flat.size, share * p):
+        hi = min(lo + share * p, flat.size)
+        k = ctx.next_round()
+        slot = ctx.acquire(k, ch)
+        a, b = min(lo + r * share, hi), min(lo + (r + 1) * share, hi)
+        if b > a:
+            _reduce_from_peers(ctx, _view(slot, dt, b - a), a, flat[a:b], base, red, tmp)
+        ctx.post(k, ch, nbytes)
+        if r == root:
+            # Every member has posted this chunk, so nobody reads our part of it any more.
+            ctx.wait_posted(k, ch, nbytes)
+            for q in range(p):
+                qa, qb = min(lo + q * share, hi), min(lo + (q + 1) * share, hi)
+                if qb > qa:
+                    flat[qa:qb] = _view(ctx.data(q, k), dt, qb - qa)
+        ctx.consume(k)
+    ctx.wait_consumed(k, ch)  # every member has read every buffer: they may change now
 
 
 def reduce_scatter_readv(ctx, ch: Channel, scratch: np.ndarray, out: np.ndarray, counts, red) -> None:
