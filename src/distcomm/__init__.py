@@ -62,6 +62,7 @@ from .errors import (
     DistBackendError,
     DistError,
     DistNetworkError,
+    DistStoreAuthError,
     DistStoreError,
     DistStoreTimeoutError,
     DistTimeoutError,
@@ -83,7 +84,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Backend", "CollectiveMismatchError", "DistBackendError", "DistError", "DistNetworkError",
-    "DistStoreError", "DistStoreTimeoutError", "DistTimeoutError", "FileStore", "Future", "GroupMember",
+    "DistStoreAuthError", "DistStoreError", "DistStoreTimeoutError", "DistTimeoutError", "FileStore", "Future", "GroupMember",
     "HashStore", "P2POp", "PeerLostError", "PrefixStore", "ProcessGroup", "QueueEmptyError", "ReduceOp",
     "Store", "TCPStore", "Work", "all_gather", "all_gather_into_tensor", "all_gather_multigpu", "all_gather_object",
     "all_gather_single", "all_reduce", "all_reduce_multigpu", "all_to_all", "all_to_all_single", "barrier",

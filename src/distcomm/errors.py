@@ -33,6 +33,12 @@ class DistStoreTimeoutError(DistStoreError):
     """A store get/wait did not see its keys before the timeout."""
 
 
+class DistStoreAuthError(DistStoreError):
+    """TCPStore authentication failed or is misconfigured (a key missing on one side, different keys,
+    or a key file that others can read). Retrying does not help; the message says what to change.
+    distcomm's own: torch's TCPStore has no authentication."""
+
+
 class QueueEmptyError(DistStoreError):
     """``Store.queue_pop(key, block=False)`` found the queue empty (torch.distributed.QueueEmptyError)."""
 

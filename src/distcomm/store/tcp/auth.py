@@ -31,16 +31,11 @@ from __future__ import annotations
 import os
 import stat
 
-from ...errors import DistStoreError
+from ...errors import DistStoreAuthError  # noqa: F401 - re-exported: the store modules raise it from here
 
 AUTH_KEY_ENV = "DISTCOMM_AUTH_KEY"
 AUTH_KEY_FILE_ENV = "DISTCOMM_AUTH_KEY_FILE"
 MAX_KEY_FILE_SIZE = 4096  # far more than any key needs; checked before reading
-
-
-class DistStoreAuthError(DistStoreError):
-    """TCPStore authentication failed or is misconfigured (a key missing on one side, different keys,
-    or a key file that others can read). Retrying does not help; the message says what to change."""
 
 
 def key_from_environment(environ=None) -> bytes | None:
