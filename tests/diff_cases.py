@@ -23,8 +23,10 @@ With ``numpy=True`` a case also runs on distcomm with numpy arrays in place of t
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import os
+import re
 import time
 import warnings
 import zlib
@@ -764,7 +766,8 @@ def cases(ws: int) -> list[Case]:
         if ctx.ws % 2 == 0:
             cur, allg = d.new_subgroups(group_size=2)
         else:
-            cur, allg = d.new_subgroups_by_enumeration([[0, 2], [1]])
+            # every rank in one subgroup (a rank in none would run the world's all_reduce alone)
+            cur, allg = d.new_subgroups_by_enumeration([[0, 2], [1]] + ([list(range(3, ctx.ws))] if ctx.ws > 3 else []))
         res = {"n": len(allg), "rank": d.get_rank(cur), "size": d.get_world_size(cur),
                "ranks": d.get_process_group_ranks(cur)}
         t = ctx.inp(3, "int64")
@@ -806,12 +809,32 @@ def _kind(exc: BaseException) -> str:
     return type(exc).__name__
 
 
-def run_cases(rank: int, ws: int, framework: str, backend: str = "gloo", only: list[str] | None = None) -> dict[str, Any]:
-    """Run every case (or those in ``only``) on this rank with ``framework``; return the outputs."""
+def run_cases(rank: int, ws: int, framework: str, backend: str = "gloo", only: list[str] | None = None,
+              numpy: bool = True) -> dict[str, Any]:
+    """Run every case (or those in ``only``) on this rank with ``framework``; return the outputs.
+    ``numpy=False``: no "@np" runs.
+
+    On distcomm, ``results["__algos__"]`` counts the calls of each shared-memory algorithm
+    (``_AlgoCounter``), so the parent can check that a forced variant ran what it claims."""
     import torch  # noqa: F401 - the cases use tensors on both frameworks
 
     warnings.simplefilter("ignore")
     dist = importlib.import_module("torch.distributed" if framework == "torch" else "distcomm")
+    counter = _AlgoCounter() if framework == "distcomm" else None
+    if counter is not None:
+        counter.install()
+    try:
+        results = _run_cases(dist, rank, ws, framework, backend, only, numpy)
+    finally:
+        if counter is not None:
+            counter.remove()
+    if counter is not None:
+        results["__algos__"] = dict(counter.counts)
+    return results
+
+
+def _run_cases(dist, rank: int, ws: int, framework: str, backend: str, only: list[str] | None,
+               numpy: bool) -> dict[str, Any]:
     dist.init_process_group(backend, timeout=timedelta(seconds=TIMEOUT_S))
     results: dict[str, Any] = {}
     times: dict[str, float] = {}
@@ -819,7 +842,7 @@ def run_cases(rank: int, ws: int, framework: str, backend: str = "gloo", only: l
     for case in cases(ws):
         if only is not None and case.name not in only:
             continue
-        modes = [False] + ([True] if framework == "distcomm" and case.numpy else [])
+        modes = [False] + ([True] if framework == "distcomm" and case.numpy and numpy else [])
         skip = (case.meta or {}).get("torch_skip")
         if framework == "torch" and skip:
             kind, message = skip.split(": ", 1)
@@ -853,7 +876,11 @@ def run_cases(rank: int, ws: int, framework: str, backend: str = "gloo", only: l
 
 # Engine variants: a backend name, plus environment variables set while it runs. The "tcp/..."
 # variants force the generic engine's other algorithms (algorithms/select.py), so every one of
-# them meets torch's results on the real transport, not only the default choice per size.
+# them meets torch's results on the real transport, not only the default choice per size. The
+# "shm/..." variants do the same for the shared-memory collectives (backends/shm_collectives.py):
+# those variables are read when a process group's transport first builds its ShmCollectives, i.e.
+# once per init_process_group, so each plan gets its own choice (test_shm_variants_ran checks it).
+_SHM_OPS = ("BROADCAST", "ALLGATHER", "REDUCE", "REDUCESCATTER", "ALLTOALL")
 ENGINE_VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
     "gloo": ("gloo", {}),
     "tcp": ("tcp", {}),
@@ -861,22 +888,159 @@ ENGINE_VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
                          "DISTCOMM_ALGO_BROADCAST": "scatter_allgather"}),
     "tcp/halving_doubling": ("tcp", {"DISTCOMM_ALGO_ALLREDUCE": "halving_doubling",
                                      "DISTCOMM_ALGO_ALLGATHER": "bruck", "DISTCOMM_ALGO_BROADCAST": "binomial"}),
+    # shared memory, default choice by size: all_reduce "direct" up to 64 KiB, "slices" above;
+    # slots below 4 MiB for the others, single-copy reads above (the 300k cases at world size 4).
+    "shm": ("shm", {}),
+    # single-copy reads (process_vm_readv) for every op that has them, small messages included.
+    "shm/readv": ("shm", {"DISTCOMM_SHM_ALGO_ALLREDUCE": "readv",
+                          **{f"DISTCOMM_SHM_ALGO_{op}": "readv" for op in _SHM_OPS}}),
+    # all_reduce by slices even on a few elements (slices of zero elements on some ranks), the
+    # others through slots, in slots of 8 KiB, two of them: every large case takes tens to hundreds
+    # of rounds, reusing each slot again and again.
+    "shm/slices": ("shm", {"DISTCOMM_SHM_ALGO_ALLREDUCE": "slices",
+                           **{f"DISTCOMM_SHM_ALGO_{op}": "slots" for op in _SHM_OPS},
+                           "DISTCOMM_SHM_SLOT_BYTES": "8192", "DISTCOMM_SHM_SLOTS": "2"}),
+    # all_reduce "direct" at every size: past one slot (1 MiB) it is reduce_direct in chunks
+    # (all_reduce cases only: VARIANT_CASES).
+    "shm/direct": ("shm", {"DISTCOMM_SHM_ALGO_ALLREDUCE": "direct",
+                           **{f"DISTCOMM_SHM_ALGO_{op}": "slots" for op in _SHM_OPS}}),
+}
+
+# Variants that run only some cases (on the others they would repeat another variant's run).
+VARIANT_CASES: dict[str, Callable[[str], bool]] = {
+    "shm/direct": lambda name: name.startswith("all_reduce/"),
 }
 
 
-def run_plans(rank: int, ws: int, plans: list[tuple[str, str, int]], only: list[str] | None = None):
+def variant_runs(variant: str, name: str) -> bool:
+    """Whether the distcomm engine variant ``variant`` runs the case ``name``."""
+    keep = VARIANT_CASES.get(variant)
+    return keep is None or keep(name)
+
+
+class _AlgoCounter:
+    """Counts calls of backends/shm_collectives.py's algorithms (its module-level functions taking
+    ``ctx`` first) while installed. ShmCollectives calls them through the module's globals, so
+    replacing them there sees every call; ``remove`` puts the originals back."""
+
+    MODULE = "distcomm.backends.shm_collectives"
+
+    def __init__(self):
+        self.counts: dict[str, int] = {}
+        self.saved: dict[str, Callable] = {}
+
+    def install(self) -> None:
+        import functools
+        import inspect
+
+        mod = importlib.import_module(self.MODULE)
+        for name, fn in list(vars(mod).items()):
+            if not (inspect.isfunction(fn) and fn.__module__ == mod.__name__):
+                continue
+            params = list(inspect.signature(fn).parameters)
+            if not params or params[0] != "ctx":
+                continue
+            self.saved[name] = fn
+
+            def counted(*args, _fn=fn, _name=name, **kwargs):
+                self.counts[_name] = self.counts.get(_name, 0) + 1
+                return _fn(*args, **kwargs)
+
+            setattr(mod, name, functools.wraps(fn)(counted))
+
+    def remove(self) -> None:
+        mod = importlib.import_module(self.MODULE)
+        for name, fn in self.saved.items():
+            setattr(mod, name, fn)
+        self.saved.clear()
+
+
+def reduced_cases(ws: int) -> list[str]:
+    """The cases run at the large world sizes (5-8): every case, except that rooted cases run with
+    the last rank as root only (rank 0 is the root of several other cases), and all_reduce's
+    op x dtype table on LARGE_WORLD_DTYPES only (the sizes, non-contiguous, empty and scalar cases
+    stay), without the 2.13 aliases all_gather_single / reduce_scatter_single."""
+    keep = []
+    for case in cases(ws):
+        parts = case.name.split("/")
+        rooted = [p for p in parts if re.fullmatch(r"(src|dst)\d+", p)]
+        if rooted and int(rooted[0][3:]) != ws - 1:
+            continue
+        if parts[0] == "all_reduce" and len(parts) == 3 and parts[1] in OPS and parts[2] not in LARGE_WORLD_DTYPES:
+            continue
+        if parts[0] in ("all_gather_single", "reduce_scatter_single"):  # aliases, run at 2-4
+            continue
+        keep.append(case.name)
+    return keep
+
+
+LARGE_WORLD_DTYPES = ("bool", "int32", "bfloat16", "complex64")
+
+
+def run_worlds(rank: int, nprocs: int, worlds: list[tuple[int, list[tuple[str, str, int]], bool]], barrier,
+               wait_s: float) -> dict[int, Any]:
+    """Several worlds, one after the other, in the same ``nprocs`` processes (torch is imported
+    once, not once per world). For each (world size, plans, reduced) the ranks below the world
+    size run ``run_plans`` — with ``reduced``, on ``reduced_cases`` and without the "@np" runs
+    (numpy buffers do not depend on the world size) — while the others wait; then all meet at
+    ``barrier`` (a multiprocessing Barrier of ``nprocs``; a rank that fails breaks it, so the
+    others stop too) before the next world. Returns {world size: run_plans' result}."""
+    out: dict[int, Any] = {}
+    try:
+        for ws, plans, reduced in worlds:
+            if rank < ws:
+                os.environ["WORLD_SIZE"] = os.environ["LOCAL_WORLD_SIZE"] = str(ws)
+                out[ws] = run_plans(rank, ws, plans, reduced_cases(ws) if reduced else None, numpy=not reduced)
+            barrier.wait(wait_s)
+    except BaseException:
+        barrier.abort()
+        raise
+    return out
+
+
+def run_plans(rank: int, ws: int, plans: list[tuple[str, str, int]], only: list[str] | None = None,
+              numpy: bool = True):
     """One world, several runs: ``plans`` is [(framework, engine variant, master port)], run in
     order in the same processes (torch is imported once). A plan whose init fails is recorded."""
     out = {}
+    intern = _Interner()
     for framework, variant, port in plans:
         backend, env = ENGINE_VARIANTS[variant] if framework == "distcomm" else (variant, {})
         os.environ["MASTER_PORT"] = str(port)
         os.environ.update(env)
+        names = only
+        if framework == "distcomm" and variant in VARIANT_CASES:
+            names = [c.name for c in cases(ws) if (only is None or c.name in only) and variant_runs(variant, c.name)]
         try:
-            out[f"{framework}:{variant}"] = run_cases(rank, ws, framework, backend, only)
+            out[f"{framework}:{variant}"] = intern(run_cases(rank, ws, framework, backend, names, numpy))
         except Exception as exc:  # noqa: BLE001
             out[f"{framework}:{variant}"] = f"{type(exc).__name__}: {exc}"
         finally:
             for key in env:
                 os.environ.pop(key, None)
     return out
+
+
+class _Interner:
+    """Replaces every array of a result by the first equal one seen (same dtype, shape and bytes),
+    so the runs of one rank, which mostly agree, share their arrays: pickle sends a shared array
+    once, and the parent holds it once (without this, the worlds' results of 8 variants of every
+    large case take gigabytes in the parent)."""
+
+    def __init__(self):
+        self.pool: dict[tuple, np.ndarray] = {}
+
+    def __call__(self, x):
+        if isinstance(x, np.ndarray):
+            if x.nbytes < 1024 or x.dtype.hasobject:
+                return x
+            flat = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+            key = (x.dtype.str, x.shape, hashlib.blake2b(flat, digest_size=20).digest())
+            return self.pool.setdefault(key, x)
+        if isinstance(x, list):
+            return [self(i) for i in x]
+        if isinstance(x, tuple):
+            return tuple(self(i) for i in x)
+        if isinstance(x, dict):
+            return {k: self(v) for k, v in x.items()}
+        return x

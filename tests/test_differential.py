@@ -2,10 +2,20 @@
 
 For each world size (2, 3, 4) one world of processes runs every case of tests/diff_cases.py
 several times in a row — torch.distributed on gloo (the oracle, torch==2.13.0), then distcomm with
-backend "gloo" (its default engine), with backend "tcp", and with "tcp" forced onto its other
-algorithms (diff_cases.ENGINE_VARIANTS) — so torch is imported once per process. The
-parent compares the outputs case by case and rank by rank; each (world size, engine, case) is its
-own test item, so a failure names the case, the rank and the first differing element.
+backend "gloo" (its default engine: shared memory on one host), with backend "tcp", with "tcp"
+forced onto its other algorithms, with backend "shm", and with "shm" forced onto each of its
+algorithms (diff_cases.ENGINE_VARIANTS) — so torch is imported once per process. The parent
+compares the outputs case by case and rank by rank; each (world size, engine, case) is its own
+test item (the case on tensors and on numpy arrays), so a failure names the case, the rank and the
+first differing element.
+
+World sizes 5 to 8 (oversubscribed on a small machine) run the shared-memory engines only, on a
+reduced set of cases (diff_cases.reduced_cases: rooted cases with the last rank as root,
+all_reduce's op table on four dtypes, no aliases), against torch as well; the "shm/direct" variant
+runs the all_reduce cases only (diff_cases.VARIANT_CASES). One spawn of 8 processes runs all
+seven worlds in turn (diff_cases.run_worlds), so torch is imported once per process.
+test_shm_variants_ran checks, from counters kept in every rank, that each forced variant really
+ran the algorithms it names (the variables are read at init_process_group, per plan).
 
 Where torch's gloo cannot run a case, distcomm is compared with a reference computed here from the
 same deterministic inputs (torch's elementwise operators, not distcomm's code):
@@ -28,9 +38,12 @@ Deliberate differences checked as distcomm's own semantics:
 from __future__ import annotations
 
 import functools
+import multiprocessing as mp
 import os
 import pickle
+import random
 import re
+import socket
 
 import numpy as np
 import pytest
@@ -39,64 +52,128 @@ import torch
 import diff_cases as dc
 from harness import free_port, run_world
 
-WORLD_SIZES = [2, 3, 4]
+WORLD_SIZES = [2, 3, 4]  # every case on every engine variant
 ENGINES = list(dc.ENGINE_VARIANTS)  # distcomm backends (and forced algorithms) compared with gloo
-WORLD_TIMEOUT = 420  # seconds for a whole world (every case, three frameworks); generous: shared machine
+LARGE_WORLD_SIZES = [5, 6, 7, 8]  # reduced cases (diff_cases.reduced_cases), no "@np" runs
+# the default engine and "shm" by size (direct, slices, slots, single-copy past 4 MiB), and
+# single-copy everywhere; the forced slots and small slots stay at 2-4 (hundreds of lockstep rounds
+# are slow on 8 ranks sharing 2 cores)
+LARGE_ENGINES = ["gloo", "shm", "shm/readv"]
+WORLD_TIMEOUT = 420  # seconds for one world (every plan); generous: shared machine
+TOTAL_TIMEOUT = 480  # seconds for all the worlds, one after the other in one spawn (about 2 min normally)
 
 # (world size, engine, case) -> reason, for distcomm bugs owned by others (see the report);
 # strict, so a fix makes the test fail until the entry is removed.
 XFAIL: dict[tuple, str] = {}
 
 
-@functools.lru_cache(maxsize=None)
-def world_results(ws: int):
-    plans = [("torch", "gloo", free_port())] + [("distcomm", e, free_port()) for e in ENGINES]
+_handed_out: set[int] = set()
+
+
+def plan_port() -> int:
+    """A master port for one plan: free now, and below the kernel's ephemeral range, so that none
+    of the thousands of connections made before the plan runs (minutes later, in a long spawn) can
+    take it as its local port (free_port's ports are ephemeral ones: a rank 0 that found its port
+    taken would leave the other ranks connected to someone else's store, and the worlds out of step)."""
     try:
-        per_rank = run_world(dc.run_plans, ws, args=(plans,), timeout=WORLD_TIMEOUT)
-    except Exception as exc:  # noqa: BLE001 - every case of this world reports it
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return free_port()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        if port in _handed_out:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    return free_port()
+
+
+def world_results(ws: int):
+    """The per-rank results of the world of ``ws`` (a list by rank), or the exception of the run."""
+    results = all_world_results()
+    return results if isinstance(results, Exception) else results[ws]
+
+
+@functools.lru_cache(maxsize=None)
+def all_world_results():
+    """{world size: per-rank results} for every world, or the exception of the spawn.
+
+    One spawn of 8 processes runs the worlds one after the other (diff_cases.run_worlds), the ranks
+    above a world's size waiting: starting processes and importing torch is paid once, not once per
+    world (on 2 cores, 8 torch imports take longer than running a world)."""
+    nprocs = max(WORLD_SIZES + LARGE_WORLD_SIZES)
+    worlds = []
+    for ws in WORLD_SIZES + LARGE_WORLD_SIZES:
+        engines = ENGINES if ws in WORLD_SIZES else LARGE_ENGINES
+        plans = [("torch", "gloo", plan_port())] + [("distcomm", e, plan_port()) for e in engines]
+        worlds.append((ws, plans, ws in LARGE_WORLD_SIZES))
+    barrier = mp.get_context("spawn").Barrier(nprocs)
+    try:
+        per_rank = run_world(dc.run_worlds, nprocs, args=(worlds, barrier, WORLD_TIMEOUT), timeout=TOTAL_TIMEOUT)
+    except Exception as exc:  # noqa: BLE001 - every case reports it
         return exc
+    results = {ws: [per_rank[rank][ws] for rank in range(ws)] for ws, _, _ in worlds}
     if os.environ.get("DIFF_DUMP"):  # for a post-mortem: DIFF_DUMP=/tmp/dir pytest ...
-        with open(os.path.join(os.environ["DIFF_DUMP"], f"world{ws}.pkl"), "wb") as f:
-            pickle.dump(per_rank, f)
-    return per_rank
+        for ws, per in results.items():
+            with open(os.path.join(os.environ["DIFF_DUMP"], f"world{ws}.pkl"), "wb") as f:
+                pickle.dump(per, f)
+    return results
+
+
+def _worlds():
+    """(world size, engines, cases, with the "@np" runs) of every world the test runs."""
+    for ws in WORLD_SIZES:
+        yield ws, ENGINES, dc.cases(ws), True
+    for ws in LARGE_WORLD_SIZES:
+        only = set(dc.reduced_cases(ws))
+        yield ws, LARGE_ENGINES, [c for c in dc.cases(ws) if c.name in only], False
 
 
 def _items():
-    for ws in WORLD_SIZES:
-        for case in dc.cases(ws):
-            names = [case.name] + ([case.name + "@np"] if case.numpy else [])
-            for engine in ENGINES:
-                for name in names:
-                    marks = []
-                    reason = XFAIL.get((ws, engine, name)) or XFAIL.get((None, engine, name)) or XFAIL.get(
-                        (None, None, name))
-                    if reason:
-                        marks.append(pytest.mark.xfail(strict=True, reason=reason))
-                    yield pytest.param(ws, engine, name, case, id=f"ws{ws}-{engine}-{name}", marks=marks)
+    """One item per (world size, engine, case): it checks the case's run on tensors and, where the
+    world has them, its "@np" run on numpy arrays."""
+    for ws, engines, cases, numpy in _worlds():
+        for case in cases:
+            names = (case.name,) + ((case.name + "@np",) if case.numpy and numpy else ())
+            for engine in engines:
+                if not dc.variant_runs(engine, case.name):
+                    continue
+                reason = next((r for n in names for r in (XFAIL.get((ws, engine, n)), XFAIL.get((None, engine, n)),
+                                                          XFAIL.get((None, None, n))) if r), None)
+                marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+                yield pytest.param(ws, engine, names, case, id=f"ws{ws}-{engine}-{case.name}", marks=marks)
 
 
-@pytest.mark.parametrize("ws,engine,name,case", list(_items()))
-def test_differential(ws, engine, name, case):
+@pytest.mark.parametrize("ws,engine,names,case", list(_items()))
+def test_differential(ws, engine, names, case):
     results = world_results(ws)
     if isinstance(results, Exception):
         raise AssertionError(f"the world of {ws} failed: {results}")
     problems = []
-    for rank in range(ws):
-        torch_side = results[rank]["torch:gloo"]
-        ours_side = results[rank][f"distcomm:{engine}"]
-        if isinstance(torch_side, str):
-            raise AssertionError(f"torch's run failed on rank {rank}: {torch_side}")
-        if isinstance(ours_side, str):
-            raise AssertionError(f"distcomm's run ({engine}) failed on rank {rank}: {ours_side}")
-        expected = torch_side[case.name]
-        got = ours_side[name]
-        problem = compare(case, ws, rank, expected, got)
-        if problem:
-            problems.append(f"rank {rank}: {problem}")
-    assert not problems, f"{name} at world size {ws} on distcomm:{engine}:\n" + "\n".join(problems)
+    for name in names:
+        for rank in range(ws):
+            torch_side = results[rank]["torch:gloo"]
+            ours_side = results[rank][f"distcomm:{engine}"]
+            if isinstance(torch_side, str):
+                raise AssertionError(f"torch's run failed on rank {rank}: {torch_side}")
+            if isinstance(ours_side, str):
+                raise AssertionError(f"distcomm's run ({engine}) failed on rank {rank}: {ours_side}")
+            expected = torch_side[case.name]
+            got = ours_side[name]
+            problem = compare(case, ws, rank, expected, got)
+            if problem:
+                problems.append(f"{name}, rank {rank}: {problem}")
+    assert not problems, f"{case.name} at world size {ws} on distcomm:{engine}:\n" + "\n".join(problems)
 
 
-@pytest.mark.parametrize("ws", WORLD_SIZES)
+@pytest.mark.parametrize("ws", WORLD_SIZES + LARGE_WORLD_SIZES)
 def test_oracle_stayed_in_step(ws):
     """torch's own run had no timeouts or lost connections: otherwise every case after the first
     would differ for a reason that is not distcomm's (this names the first)."""
@@ -109,6 +186,52 @@ def test_oracle_stayed_in_step(ws):
         broken = [(name, v[3]) for name, v in side.items() if not name.startswith("__") and v[0] == "error"
                   and re.search(r"[Tt]imeout|[Tt]imed out|[Cc]losed|closure|#barrier", v[3] + name)]
         assert not broken, f"rank {rank}: torch's run went out of step at {broken[0]}"
+
+
+# Which shared-memory algorithms (backends/shm_collectives.py's functions) each variant must run and
+# must not run, in every rank: a forced choice that did not take effect (a variable read at the
+# wrong time, single-copy reads refused by the OS) would otherwise quietly compare the default.
+_A2A_SINGLE_COPY = ("_all_to_all_read_peers", "all_to_all_readv")  # either name, as the module evolves
+SHM_VARIANT_ALGOS: dict[str, tuple[set, set]] = {
+    "shm/readv": ({"allreduce_readv", "broadcast_readv", "allgather_readv", "reduce_readv", "reduce_scatter_readv",
+                   "a2a-single-copy", "gather_blocks", "scatter", "barrier"},
+                  {"allreduce_small", "allreduce_slices", "reduce_direct", "broadcast", "reduce_scatter"}),
+    "shm/slices": ({"allreduce_slices", "broadcast", "reduce_direct", "gather_blocks", "scatter", "reduce_scatter",
+                    "all_to_all", "barrier"},
+                   {"allreduce_small", "allreduce_readv", "broadcast_readv", "allgather_readv", "reduce_readv",
+                    "reduce_scatter_readv", "a2a-single-copy"}),
+    "shm/direct": ({"allreduce_small", "reduce_direct"},  # all_reduce cases only (diff_cases.VARIANT_CASES)
+                   {"allreduce_slices", "allreduce_readv", "broadcast_readv", "allgather_readv", "reduce_readv",
+                    "reduce_scatter_readv", "a2a-single-copy"}),
+    # by size: direct and slices for all_reduce; from world size 4 on the 300k all_gather and
+    # reduce_scatter_tensor cases pass 4 MiB and take single-copy reads (added below)
+    "shm": ({"allreduce_small", "allreduce_slices", "broadcast", "reduce_direct", "gather_blocks", "scatter",
+             "reduce_scatter", "all_to_all", "barrier"}, {"allreduce_readv", "broadcast_readv"}),
+}
+SHM_VARIANT_ALGOS["gloo"] = SHM_VARIANT_ALGOS["shm"]  # the default engine on one host
+
+
+@pytest.mark.parametrize("ws,engine", [(ws, e) for ws, engines, _, _ in _worlds() for e in engines])
+def test_shm_variants_ran(ws, engine):
+    results = world_results(ws)
+    if isinstance(results, Exception):
+        raise AssertionError(f"the world of {ws} failed: {results}")
+    for rank in range(ws):
+        side = results[rank][f"distcomm:{engine}"]
+        if isinstance(side, str):
+            raise AssertionError(f"distcomm's run ({engine}) failed on rank {rank}: {side}")
+        ran = set(side["__algos__"])
+        if any(name in ran for name in _A2A_SINGLE_COPY):
+            ran.add("a2a-single-copy")
+        if engine.startswith("tcp"):
+            assert not ran, f"rank {rank}: the tcp engine ran shared-memory algorithms: {sorted(ran)}"
+            continue
+        must, must_not = SHM_VARIANT_ALGOS[engine]
+        if engine in ("shm", "gloo") and ws >= 4:
+            must = must | {"allgather_readv", "reduce_scatter_readv"}
+        assert must <= ran and not (must_not & ran), (
+            f"rank {rank}, {engine}: missing {sorted(must - ran)}, unexpected {sorted(must_not & ran)} "
+            f"(ran: {side['__algos__']}); if single-copy reads are missing, is process_vm_readv allowed here?")
 
 
 # -- comparison --------------------------------------------------------------------------------------
