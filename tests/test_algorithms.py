@@ -10,6 +10,7 @@ a separate test uses random floats and checks every rank ends bit-identical.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import numpy as np
@@ -25,7 +26,7 @@ from distcomm.transport.base import Channel, MessageKey
 from distcomm.transport.inproc import run_threads
 from distcomm.types import RedOpType
 
-ALLREDUCE = ["ring", "recursive_doubling", "halving_doubling"]
+ALLREDUCE = ["ring", "ring_pipelined", "recursive_doubling", "halving_doubling"]
 BROADCAST = ["binomial", "scatter_allgather"]
 ALLGATHER = ["ring", "bruck"]
 WORLDS = range(1, 9)
@@ -98,6 +99,24 @@ def assert_all_pairs_same(results) -> None:
 
 def check_allreduce(algo: str, p: int, count: int, dtype_name: str, op, seed: int = 0) -> None:
     fn = select.choose("allreduce", 0, p, algo=algo)
+    dtype = from_name(dtype_name)
+    reduce = R.reducer(op, dtype)
+
+    def body(rank, mk):
+        x = make_input(dtype_name, count, rank, seed)
+        got, want = x.copy(), x.copy()
+        fn(mk("all_reduce"), got, reduce)
+        reference.allreduce(mk("all_reduce"), want, reduce)
+        return got, want
+
+    results = run(p, body)
+    for got, want in results:
+        assert_same(got, want)
+        assert_same(got, results[0][0])
+
+
+def check_allreduce_fn(fn, p: int, count: int, dtype_name: str, op, seed: int = 0) -> None:
+    """check_allreduce for a function (e.g. an algorithm with non-default parameters)."""
     dtype = from_name(dtype_name)
     reduce = R.reducer(op, dtype)
 
@@ -392,11 +411,69 @@ def test_barrier_waits_for_everyone(p):
     run(p, body)
 
 
+# -- the pipelined ring with small segments: many segments per block, blocks that are not multiples
+# of the segment, windows smaller and larger than the number of segments ------------------------------
+@pytest.mark.parametrize("p", WORLDS)
+@pytest.mark.parametrize("segment_bytes,window", [(4, 1), (8, 2), (12, 3), (4, 8), (1 << 20, 4)])
+def test_allreduce_ring_pipelined_segments(p, segment_bytes, window):
+    from distcomm.algorithms.allreduce_ring_pipelined import allreduce_ring_pipelined
+
+    fn = functools.partial(allreduce_ring_pipelined, segment_bytes=segment_bytes, window=window)
+    for count in sorted({0, 1, max(p - 1, 0), 2 * p + 1, 13, 101, 1009}):
+        check_allreduce_fn(fn, p, count, "int32", RedOpType.SUM)
+    check_allreduce_fn(fn, p, 257, "bfloat16", RedOpType.SUM, seed=1)
+    check_allreduce_fn(fn, p, 50, "uint8", RedOpType.PRODUCT, seed=2)
+
+
+@pytest.mark.parametrize("p", [2, 3, 5])
+def test_allreduce_ring_pipelined_random_floats_bit_identical(p):
+    """Segments change nothing about the order of reduction: the same bits as the plain ring."""
+    from distcomm.algorithms.allreduce_ring_pipelined import allreduce_ring_pipelined
+
+    reduce = R.reducer(RedOpType.SUM, from_name("float32"))
+    count = 4099
+
+    def body(rank, mk):
+        x = np.random.default_rng([7, rank]).standard_normal(count).astype(np.float32)
+        a, b = x.copy(), x.copy()
+        allreduce_ring_pipelined(mk("all_reduce"), a, reduce, segment_bytes=256, window=3)
+        select.choose("allreduce", 0, p, algo="ring")(mk("all_reduce"), b, reduce)
+        return a, b
+
+    results = run(p, body)
+    for a, b in results:
+        assert_same(a, b)
+        assert_same(a, results[0][0])
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_allreduce_ring_pipelined_count_mismatch_with_equal_segments(p):
+    """Counts 4·seg and 6·seg per block give segments of equal size: the count message catches it."""
+    from distcomm.algorithms.allreduce_ring_pipelined import allreduce_ring_pipelined
+
+    reduce = R.reducer(RedOpType.SUM, from_name("float32"))
+
+    def body(rank, mk):
+        count = p * (6 if rank == p - 1 else 4)
+        allreduce_ring_pipelined(mk("all_reduce", timeout=5.0), np.ones(count, np.float32), reduce,
+                                 segment_bytes=4, window=2)
+
+    start = time.monotonic()
+    results = run_threads_exc(p, body)
+    assert time.monotonic() - start < 4.0, "ranks waited out their deadline instead of failing"
+    assert any(isinstance(e, CollectiveMismatchError) for e in results), results
+    for e in results:
+        assert e is None or isinstance(e, (CollectiveMismatchError, PeerLostError)), repr(e)
+    mismatch = next(e for e in results if isinstance(e, CollectiveMismatchError))
+    assert "all_reduce" in str(mismatch) and "peer rank" in str(mismatch)
+
+
 # -- disagreement between ranks: an error, never a hang or silent corruption ------------------------
 MISMATCH_CASES = [
     ("allreduce", "ring"),
     ("allreduce", "recursive_doubling"),
     ("allreduce", "halving_doubling"),
+    ("allreduce", "ring_pipelined"),
     ("broadcast", "binomial"),
     ("broadcast", "scatter_allgather"),
     ("reduce", "binomial"),
@@ -465,10 +542,14 @@ def test_select_defaults_and_overrides(monkeypatch):
     from distcomm.algorithms.allreduce_halving_doubling import allreduce_halving_doubling
     from distcomm.algorithms.allreduce_recursive_doubling import allreduce_recursive_doubling
     from distcomm.algorithms.allreduce_ring import allreduce_ring
+    from distcomm.algorithms.allreduce_ring_pipelined import allreduce_ring_pipelined
 
     assert select.choose("all_reduce", 8, 4) is allreduce_recursive_doubling
     assert select.choose("allreduce", 1 << 20, 4) is allreduce_halving_doubling
     assert select.choose("allreduce", 1 << 20, 6) is allreduce_ring
+    assert select.choose("allreduce", 1 << 20, 2) is allreduce_halving_doubling
+    assert select.choose("allreduce", 64 << 20, 2) is allreduce_ring_pipelined
+    assert select.choose("allreduce", 64 << 20, 4) is allreduce_halving_doubling
     assert select.choose("allreduce", 8, 4, algo="ring") is allreduce_ring
     monkeypatch.setenv("DISTCOMM_ALGO_ALLREDUCE", "ring")
     assert select.choose("all_reduce", 8, 4) is allreduce_ring
