@@ -1,7 +1,7 @@
 # The two commands the README promises. Each installs what it needs first.
 PYTHON ?= python3
 
-.PHONY: demo test install bench
+.PHONY: demo test install bench bench-readme
 
 install:
 	$(PYTHON) -m pip install -q -e '.[test]'
@@ -14,3 +14,11 @@ test: install
 
 bench: install
 	$(PYTHON) -m distcomm.bench --compare torch
+
+# The README's plots and tables: every op, 8 B to 64 MiB, against torch gloo, at world sizes 2 and 4
+# (default engine), and the TCP engine at world size 2. Run it on an otherwise idle machine.
+bench-readme: install
+	mkdir -p docs/bench
+	$(PYTHON) -m distcomm.bench --world 2 --compare torch -e 64M --plot docs/bench/world2.png --markdown docs/bench/world2.md --json docs/bench/world2.json
+	$(PYTHON) -m distcomm.bench --world 4 --compare torch -e 64M --plot docs/bench/world4.png --markdown docs/bench/world4.md --json docs/bench/world4.json
+	$(PYTHON) -m distcomm.bench --world 2 --backend tcp --ops all_reduce,broadcast,all_gather,all_to_all --compare torch -e 64M --plot docs/bench/tcp-world2.png --markdown docs/bench/tcp-world2.md
