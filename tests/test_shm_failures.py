@@ -212,3 +212,41 @@ def test_default_engine_across_hosts_uses_tcp_between_them():
     assert results[3][2] == [0.0, 1.0, 2.0, 3.0, 4.0]
     assert {r[3] for r in results} == {"HybridTransport"}
     assert results[0][4] == [1, 2, 3]
+
+
+def _mapped_shm_segments() -> int:
+    """How many distcomm shared-memory mappings this process has (names unlinked or not)."""
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if "/distcomm-" in line)
+
+
+def group_churn_body(rank, world):
+    """Create, use and destroy many subgroups: each one's shared memory is let go at its destroy,
+    not only when the whole world is destroyed."""
+    import numpy as np
+
+    import distcomm as dist
+
+    dist.init_process_group("gloo")
+    x = np.ones(4, np.float32)
+    dist.all_reduce(x)
+    baseline = _mapped_shm_segments()
+    peak = baseline
+    for i in range(12):
+        g = dist.new_group(list(range(world)))
+        y = np.full(1000, float(i), np.float32)
+        dist.all_reduce(y, group=g)
+        assert y[0] == i * world
+        peak = max(peak, _mapped_shm_segments())
+        dist.destroy_process_group(g)
+        dist.barrier()  # every member has released the group before the next one is made
+    after = _mapped_shm_segments()
+    dist.destroy_process_group()
+    # each live group maps one segment per member; 12 groups kept alive would be 12 * world more
+    assert peak > baseline, (baseline, peak)  # a group's memory really was mapped while in use
+    assert after == baseline, f"{after - baseline} group mappings left after destroying every group"
+    return "ok"
+
+
+def test_destroying_a_group_frees_its_shared_memory():
+    assert run_world(group_churn_body, 3, timeout=120) == ["ok"] * 3

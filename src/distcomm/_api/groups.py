@@ -149,6 +149,10 @@ def destroy_process_group(group: Any = None) -> None:
         engine = group.engine
         if group.transport is not world.transports.get(engine):
             group.transport.close()
+        else:  # the world's transport stays; the group's own shared memory can go now
+            release = getattr(group.transport, "release_group", None)
+            if release is not None:
+                release(group.group_id)
 
 
 def new_group(

@@ -175,6 +175,11 @@ class HybridTransport(Transport):
             return (self.shm if len(self._local) == self.size else self.tcp).irecv(src, out, key, signature)
         return self._route(src).irecv(src, out, key, signature)
 
+    def release_group(self, gid: int) -> None:
+        """Free group ``gid``'s shared memory (see ShmTransport.release_group)."""
+        if self.shm is not None:
+            self.shm.release_group(gid)
+
     def close(self) -> None:
         try:
             if self.shm is not None:

@@ -326,6 +326,15 @@ class ShmTransport(Transport):
             self._groups[gid] = ctx
         return ctx
 
+    def release_group(self, gid: int) -> None:
+        """Let go of group ``gid``'s shared memory (destroy_process_group of that group). Peers keep
+        their own mappings of our segment until they release the group too; the names were unlinked
+        at setup, so the memory goes when the last member has let go."""
+        with self._groups_lock:
+            ctx = self._groups.pop(gid, None)
+        if ctx is not None:
+            ctx.close()
+
     def _open_group(self, gid: int, ranks: list[int], rank: int, deadline: float | None) -> GroupShm:
         if self._closed:
             raise TransportError("the shared-memory transport is closed", reason="lost")
