@@ -98,21 +98,7 @@ def assert_all_pairs_same(results) -> None:
 
 
 def check_allreduce(algo: str, p: int, count: int, dtype_name: str, op, seed: int = 0) -> None:
-    fn = select.choose("allreduce", 0, p, algo=algo)
-    dtype = from_name(dtype_name)
-    reduce = R.reducer(op, dtype)
-
-    def body(rank, mk):
-        x = make_input(dtype_name, count, rank, seed)
-        got, want = x.copy(), x.copy()
-        fn(mk("all_reduce"), got, reduce)
-        reference.allreduce(mk("all_reduce"), want, reduce)
-        return got, want
-
-    results = run(p, body)
-    for got, want in results:
-        assert_same(got, want)
-        assert_same(got, results[0][0])
+    check_allreduce_fn(select.choose("allreduce", 0, p, algo=algo), p, count, dtype_name, op, seed)
 
 
 def check_allreduce_fn(fn, p: int, count: int, dtype_name: str, op, seed: int = 0) -> None:
