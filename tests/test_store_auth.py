@@ -233,19 +233,7 @@ def _closed(sock: socket.socket) -> bool:
 # -- a key-holding server's handlers, driven by hand: nothing is processed before a right proof ---------
 
 
-class _FakeSocket:
-    def __init__(self):
-        self.sent = bytearray()
-
-    def send(self, data):
-        self.sent += data
-        return len(data)
-
-    def fileno(self):
-        return 10**6
-
-    def close(self):
-        pass
+from test_store_tcp_server import _FakeSocket  # noqa: E402 - a socket that records what is sent
 
 
 SERVER_KEY = b"server key"
