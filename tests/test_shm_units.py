@@ -188,6 +188,35 @@ def test_bell_wakes_a_sleeper():
     t.join()
 
 
+def test_wait_until_arms_only_a_waiter_about_to_sleep():
+    """``arm`` (publishing what we wait for, so the completer rings us) runs once, just before the
+    first sleep: a wait that ends while spinning or yielding leaves the flags alone."""
+    bell, _ = _bell()
+    policy = WaitPolicy(1)
+    armed = []
+
+    def timeout():
+        return TransportError("timeout", reason="timeout")
+
+    wait_until(lambda: True, None, bell, policy, lambda: None, timeout, arm=lambda: armed.append(1))
+    polls = []
+    wait_until(lambda: polls.append(1) or len(polls) > 3, None, bell, policy, lambda: None, timeout,
+               arm=lambda: armed.append(1))
+    assert armed == []
+    state = {"armed_at": None, "polls": 0}
+
+    def ready():
+        state["polls"] += 1
+        return state["armed_at"] is not None and state["polls"] > state["armed_at"]
+
+    def arm():
+        armed.append(1)
+        state["armed_at"] = state["polls"]
+
+    wait_until(ready, time.monotonic() + 5, bell, policy, lambda: None, timeout, arm=arm)
+    assert armed == [1]  # once, and ready() was checked again after it
+
+
 def test_wait_until_deadline_and_health_check():
     bell, _ = _bell()
     policy = WaitPolicy(1)
@@ -265,7 +294,9 @@ class _Members:
             def bell_of(self, g):
                 return members.bells[g]
 
-            def wait_for(self, ready, deadline, peers, on_timeout):
+            def wait_for(self, ready, deadline, peers, on_timeout, arm=None):
+                if arm is not None:
+                    arm()  # the waiter is past its spin and yield phases: asleep, it needs a ring
                 members.waits.append(self.q)
                 members.during_wait.pop(self.q)()
                 assert ready()

@@ -276,8 +276,9 @@ class ShmTransport(Transport):
             f"exited (pid {self._pids[g]} is gone)")
         return TransportError(f"rank {g} {how}{what}", peer=g, reason="lost")
 
-    def wait_for(self, ready, deadline, peers, on_timeout) -> None:
-        """Wait for a shared-memory condition involving ``peers`` (global ranks); see shm_wait."""
+    def wait_for(self, ready, deadline, peers, on_timeout, arm=None) -> None:
+        """Wait for a shared-memory condition involving ``peers`` (global ranks); see shm_wait
+        (``arm``: wait_until's, run before the first sleep)."""
 
         def check() -> None:
             if self._closed:
@@ -286,7 +287,7 @@ class ShmTransport(Transport):
             if lost and not ready():
                 raise self.lost_error(lost)
 
-        wait_until(ready, deadline, self.bell, self.policy, check, on_timeout, self._spin_worthwhile(peers))
+        wait_until(ready, deadline, self.bell, self.policy, check, on_timeout, self._spin_worthwhile(peers), arm)
 
     def _spin_worthwhile(self, peers) -> bool:
         """Record our CPU; False if a peer we wait for last waited on the same CPU (spinning would

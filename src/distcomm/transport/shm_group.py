@@ -145,10 +145,13 @@ class GroupShm:
     def _wait_reuse(self, need: int, ch) -> None:
         ctl, peers = self.ctl, self._peers
         mine = self._mine
-        mine[REUSING] = need  # the consumer that completes this wakes us (see consume)
-        fence()
+
+        def arm() -> None:  # before sleeping: the consumer that completes this rings us (see consume)
+            mine[REUSING] = need
+            fence()
+
         try:
-            self._wait(lambda: all(ctl[q][CONSUMED] >= need for q in peers), ch, CONSUMED, need)
+            self._wait(lambda: all(ctl[q][CONSUMED] >= need for q in peers), ch, CONSUMED, need, arm=arm)
         finally:
             mine[REUSING] = 0
 
@@ -168,8 +171,8 @@ class GroupShm:
         """After moving my ``posted``: ring the bell of every peer whose wait for posts (its
         ``AWAITING``/``AWAIT_FROM``) is now complete; nobody else is disturbed.
 
-        No lost wake-ups (Dekker's pattern): a waiter stores its flag, fences, then checks the
-        counters; a poster stores its counter, fences, then reads the flags. Whichever fences
+        No lost wake-ups (Dekker's pattern): a waiter about to sleep stores its flag, fences, then
+        checks the counters; a poster stores its counter, fences, then reads the flags. Whichever fences
         last sees the other's store: either the waiter finds the counter moved, or the poster
         finds the flag and rings (bumping the bell first, so a waiter between its last check and
         its futex sleep returns at once). With p ranks waiting on each other, only the last
@@ -233,11 +236,14 @@ class GroupShm:
         (0: all others, q + 1: member q alone, AWAIT_ANY: some others; see _wake_posted)."""
         ctl = self.ctl
         mine = self._mine
-        mine[AWAIT_FROM] = src
-        mine[AWAITING] = k  # after AWAIT_FROM: a poster that sees this flag sees whom it names
-        fence()
+
+        def arm() -> None:  # before sleeping: the poster that completes this rings us
+            mine[AWAIT_FROM] = src
+            mine[AWAITING] = k  # after AWAIT_FROM: a poster that sees this flag sees whom it names
+            fence()
+
         try:
-            self._wait(lambda: all(ctl[q][POSTED] >= k for q in peers), ch, POSTED, k, peers)
+            self._wait(lambda: all(ctl[q][POSTED] >= k for q in peers), ch, POSTED, k, peers, arm)
         finally:
             mine[AWAITING] = 0
 
@@ -300,7 +306,7 @@ class GroupShm:
                 bell.ring()
 
     # -- waiting and health -------------------------------------------------------------------
-    def _wait(self, ready, ch, counter: int, value: int, peers=None) -> None:
+    def _wait(self, ready, ch, counter: int, value: int, peers=None, arm=None) -> None:
         peers = self._peers if peers is None else peers
         globals_ = [self.ranks[q] for q in self._peers]
 
@@ -316,7 +322,7 @@ class GroupShm:
                 reason="timeout",
             )
 
-        self.transport.wait_for(ready, ch.deadline, globals_, on_timeout)
+        self.transport.wait_for(ready, ch.deadline, globals_, on_timeout, arm)
 
     def unlink_when_mapped(self, deadline: float | None) -> None:
         """Wait until every member has mapped our segment, then unlink its name (setup's last step:

@@ -13,7 +13,7 @@ system call only when it has to. A sleeper calls FUTEX_WAIT(bell, value it read 
 check), so a bump between its check and its sleep makes the kernel return at once; sleeps are also
 capped (``slice_s``), which bounds the cost of any wake-up lost to store reordering and gives the
 waiter a regular moment to check its peers' health. Group rounds (shm_group.py) go further: a
-waiter publishes what it waits for, and only the post or consume that completes it rings the bell
+waiter about to sleep publishes what it waits for, and only the post or consume that completes it rings the bell
 (p ranks waiting on each other: one ring each, from the last poster; no bumps before that).
 
 Peer health. Each rank keeps a pidfd per peer (a file descriptor that becomes readable when the
@@ -171,11 +171,15 @@ def wait_until(
     check: Callable[[], None],
     on_timeout: Callable[[], BaseException | None],
     spin: bool = True,
+    arm: Callable[[], None] | None = None,
 ) -> None:
     """Return once ``ready()``; past ``deadline`` raise ``on_timeout()`` (or return if it gives
     None: the wait was satisfied after all). ``check()`` deals with dead peers (raises, or settles
     what was waited for); it runs every ``policy.check_s`` while sleeping and before a timeout.
-    ``spin=False`` skips the spin phase (the awaited peer shares our CPU)."""
+    ``spin=False`` skips the spin phase (the awaited peer shares our CPU). ``arm()`` runs once,
+    before the first sleep: it publishes what we wait for, so that whoever completes it rings our
+    bell (it must store its flag and fence; ``ready()`` is checked again after it). A waiter that
+    is still spinning or yielding needs no ring, and its peers then need not check for it."""
     if ready():
         return
     now = time.perf_counter
@@ -191,6 +195,8 @@ def wait_until(
         yield_()
         if ready():
             return
+    if arm is not None:
+        arm()
     next_check = time.monotonic() + policy.check_s
     while True:
         seen = bell.value()
