@@ -82,24 +82,32 @@ class OrderedExecutor:
         self._thread: threading.Thread | None = None
         self._closed = False
 
-    def run(self, op: str, fn: Callable[[], Any], async_op: bool, result: Any = None) -> Work | None:
+    def enter_inline(self) -> bool:
+        """Claim the group for a synchronous call the caller runs itself: True when nothing is
+        running or queued and the group is open (then ``leave_inline()`` must follow), else False."""
         with self._lock:  # the lock itself, not the condition: a C-level context manager
-            if self._closed:
-                raise RuntimeError(f"{op}: the process group {self.name!r} has been destroyed")
-            inline = not async_op and not self._busy and not self._queue
-            if inline:
-                self._busy = True
-        if inline:
+            if self._busy or self._queue or self._closed:
+                return False
+            self._busy = True
+            return True
+
+    def leave_inline(self) -> None:
+        with self._lock:
+            self._busy = False
+            if self._thread is not None:
+                self._cv.notify_all()
+
+    def run(self, op: str, fn: Callable[[], Any], async_op: bool, result: Any = None) -> Work | None:
+        if not async_op and self.enter_inline():
             try:
                 fn()
             finally:
-                with self._lock:
-                    self._busy = False
-                    if self._thread is not None:
-                        self._cv.notify_all()
+                self.leave_inline()
             return None
         work = Work(op, result)
         with self._cv:
+            if self._closed:
+                raise RuntimeError(f"{op}: the process group {self.name!r} has been destroyed")
             self._queue.append(_Task(fn, work))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name=f"distcomm-{self.name}", daemon=True)
@@ -182,6 +190,10 @@ class ProcessGroup:
         self.ops = getattr(transport, "collectives", None) or generic_collectives
         self.seq = 0
         self.executor = OrderedExecutor(name)
+        # ``small_all_reduce(tensor, op) -> bool``: the engine's latency path for small synchronous
+        # all_reduces (backends/shm_latency.py), which does the whole call and returns True, or
+        # returns False having done nothing. Found once the engine has one (see _find_small_all_reduce).
+        self.small_all_reduce = self._find_small_all_reduce
 
     @property
     def timeout(self) -> timedelta:
@@ -251,5 +263,20 @@ class ProcessGroup:
 
         return self.executor.run(op, run, async_op, result)
 
+    def _find_small_all_reduce(self, tensor, op) -> bool:
+        """Ask the engine for its latency path: it has none (generic collectives, a group of one,
+        a member on another host, an algorithm forced), not yet (the group's shared memory is set
+        up by its first collective), or one, which from then on takes the calls."""
+        make = getattr(self.ops, "small_all_reduce", None)
+        fast = False if make is None else make(self)
+        if fast is None:
+            return False
+        self.small_all_reduce = fast or _no_latency_path
+        return bool(fast) and fast(tensor, op)
+
     def close(self) -> None:
         self.executor.close()
+
+
+def _no_latency_path(tensor, op) -> bool:
+    return False

@@ -53,6 +53,7 @@ from ..transport import shm_direct
 from ..transport.base import Channel, TransportError
 from ..types import RedOpType
 from . import collectives as generic
+from . import shm_latency
 
 DIRECT_ALLREDUCE_BYTES = 64 * 1024
 # Single-copy reads pay a system call and page pinning per chunk (process_vm_readv copies at about
@@ -647,6 +648,15 @@ class ShmCollectives:
         except BaseException as exc:
             ctx.broken = f"{type(exc).__name__}: {exc}"
             raise
+
+    def small_all_reduce(self, pg):
+        """The latency path of process group ``pg`` (shm_latency.py; see
+        ProcessGroup.small_all_reduce): None until the group's shared memory exists, False if
+        it never will be used (a group of one, a member on another host, an algorithm forced)."""
+        if pg.size() == 1 or self.allreduce_algo is not None or not self.transport.all_local(pg.ranks):
+            return False
+        ctx = self._groups.get(pg.group_id)
+        return None if ctx is None else shm_latency.build(pg, ctx, self)
 
     # The signatures below are those of backends/collectives.py.
     def all_reduce(self, ch: Channel, flat: np.ndarray, dtype, op) -> None:

@@ -244,6 +244,10 @@ class ShmTransport(Transport):
     def is_local(self, global_rank: int) -> bool:
         return global_rank in self._index
 
+    def all_local(self, ranks) -> bool:
+        index = self._index
+        return all(g in index for g in ranks)
+
     def pid_of(self, global_rank: int) -> int:
         return self._pids[global_rank]
 
@@ -314,7 +318,7 @@ class ShmTransport(Transport):
         if ctx is not None:
             return ctx
         ranks = list(ranks)
-        if not all(g in self._index for g in ranks):
+        if not self.all_local(ranks):
             return None
         # No lock held while waiting for peers: groups are set up by their own threads, in any
         # order across ranks. A group's collectives run one at a time (its executor), so one gid is

@@ -1,0 +1,178 @@
+"""The latency path: a small synchronous all_reduce, from the user's array to its result in one call.
+
+An 8-byte all_reduce moves nothing worth measuring; its cost is Python. The general path
+(``_api/collectives.all_reduce`` → ``ProcessGroup.collective`` → ``OrderedExecutor.run`` → a
+``Channel`` → ``ShmCollectives.all_reduce`` → ``allreduce_small`` → ``GroupShm``) makes about 90
+Python calls, and with 4 ranks on 2 CPUs every microsecond of a rank's CPU is paid twice in wall
+time: it measured about 45 µs of CPU per call and rank, 100 µs per call. This path measured about
+22 µs and 50 µs (docs/performance-notes.md).
+
+It runs the round of ``shm_collectives.allreduce_small``, which stays its reference: every rank copies
+its data into its slot, posts, waits for every post, reduces all p copies in rank order into its
+buffer and consumes the round. What does not change from call to call is looked up once, when
+the group's shared memory exists: the executor, the slots and counters, the reducer and message
+signature of each (op, dtype). A wait begins by spinning (a core per rank) or yielding (more ranks
+than cores) without publishing anything, so posters need not look for it; one that lasts longer
+than the wait policy's spin or yield time continues in ``GroupShm.wait_posted``, which sleeps,
+watches the peers' health and times out after the group's timeout (counted from there).
+
+It takes only an ordinary call, and leaves anything else to the general path (returning False
+without having done anything), which then runs it or raises its error:
+
+* a busy group (async work queued or running), a destroyed one, broken shared memory;
+* anything but a C-contiguous writeable numpy array or a contiguous CPU torch tensor (not bfloat16);
+* an op other than a plain ReduceOp the dtype supports;
+* an empty message, or one over ``DISTCOMM_SHM_ALLREDUCE_DIRECT_BYTES`` or a slot;
+* torch's profiler recording (the general path records the call).
+
+Once it has taken a sequence number it completes the call or raises, as the general path does:
+a mismatch, a timeout or a lost peer names the operation, sequence number, rank and peer, and
+marks the group's shared memory broken.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from ..dtypes import from_numpy
+from ..errors import DistBackendError
+from ..process_group import _profiling, signature
+from ..reduction import check_supported, finish, sequence_reducer
+from ..transport.base import TransportError
+from ..transport.shm_group import CONSUMED, POSTED, S_NBYTES, S_ROUND, S_SEQ, S_SIG
+from ..types import RedOpType
+
+_ndarray = np.ndarray
+
+
+def _torch_flat(t) -> np.ndarray | None:
+    """A plain CPU torch tensor's memory as a flat numpy array (shared, not copied), else None."""
+    torch = sys.modules["torch"]
+    if (
+        t.layout is not torch.strided
+        or not t.is_cpu
+        or t.dtype is torch.bfloat16
+        or t.is_conj()
+        or not t.is_contiguous()
+    ):
+        return None
+    return t.detach().numpy().reshape(-1)
+
+
+def build(pg, ctx, collectives) -> Callable[[Any, Any], bool]:
+    """The latency path of process group ``pg``, whose shared memory is ``ctx`` (a GroupShm) and
+    whose engine's collectives are ``collectives`` (ShmCollectives: thresholds and reducers)."""
+    executor = pg.executor
+    enter, leave = executor.enter_inline, executor.leave_inline
+    rank, size, nslots = ctx.rank, ctx.size, ctx.nslots
+    limit = min(collectives.direct_bytes, ctx.slot_bytes)
+    # GroupShm's internals, read directly: this function is its fast client (see the module doc).
+    mine, my_headers, headers = ctx._mine, ctx._my_headers, ctx.headers
+    peer_ctl, peers = ctx._peer_ctl, ctx._peers
+    policy = ctx.transport.policy
+    yields = policy.spin_s == 0  # more ranks than cores: give the CPU away while waiting
+    budget = policy.yield_s if yields else policy.spin_s
+    sched_yield, clock = os.sched_yield, time.perf_counter
+    plans: dict = {}  # (op, numpy dtype) -> (signature, reduce_all, DType), once checked
+
+    def plan(op, np_dtype):
+        try:
+            dtype = from_numpy(np_dtype)
+            check_supported(op, dtype)
+        except (TypeError, ValueError, DistBackendError):
+            return None  # the general path raises the error
+        entry = plans[(op, np_dtype)] = (signature("all_reduce", dtype.code, int(op)), sequence_reducer(op, dtype), dtype)
+        return entry
+
+    def all_posted(k: int) -> bool:
+        """Spin or yield until every peer has posted round k (True), at most ``budget`` seconds."""
+        end = clock() + budget
+        while True:
+            if yields:
+                sched_yield()
+            for c in peer_ctl:
+                if c[POSTED] < k:
+                    break
+            else:
+                return True
+            if clock() >= end:
+                return False
+
+    def small_all_reduce(tensor, op) -> bool:
+        if tensor.__class__ is _ndarray:
+            flags = tensor.flags
+            if not (flags.c_contiguous and flags.writeable):
+                return False
+            flat = tensor.reshape(-1)
+        elif "torch" in sys.modules and isinstance(tensor, sys.modules["torch"].Tensor):
+            flat = _torch_flat(tensor)
+            if flat is None:
+                return False
+        else:
+            return False
+        n = flat.nbytes
+        if op.__class__ is not RedOpType or not 0 < n <= limit or ctx.broken is not None:
+            return False
+        entry = plans.get((op, flat.dtype)) or plan(op, flat.dtype)
+        if entry is None or _profiling() is not None or not enter():
+            return False
+        sig, reduce_all, dtype = entry
+        pg.seq = seq = pg.seq + 1
+        ch = None
+
+        def channel():  # for waits past the fast phase and for errors: built only then
+            nonlocal ch
+            if ch is None:
+                ch = pg.channel("all_reduce", seq, sig)
+            return ch
+
+        try:
+            k = ctx.round = ctx.round + 1
+            need = k - nslots
+            if need > ctx._consumed_floor:  # as GroupShm.acquire: has every peer read the slot's last use?
+                floor = min([c[CONSUMED] for c in peer_ctl])
+                if floor < need:
+                    ctx.acquire(k, channel())
+                else:
+                    ctx._consumed_floor = floor
+            s = k % nslots
+            views = ctx.views(k, flat.dtype, flat.size)
+            views[rank][...] = flat
+            h = my_headers[s]  # as GroupShm.post: the header, then the counter, then the wake-ups
+            h[S_SEQ] = seq
+            h[S_SIG] = sig
+            h[S_NBYTES] = n
+            h[S_ROUND] = k
+            mine[POSTED] = k
+            ctx._wake_posted()
+            for c in peer_ctl:
+                if c[POSTED] < k:
+                    if not all_posted(k):
+                        ctx.wait_posted(k, channel(), n)
+                    break
+            for q in peers:
+                hq = headers[q][s]
+                if hq[S_ROUND] != k or hq[S_SEQ] != seq or hq[S_SIG] != sig or hq[S_NBYTES] != n:
+                    raise ctx._mismatch(q, k, hq, channel(), n)
+            if rank:
+                flat[...] = views[0]
+            reduce_all(flat, views[1:])
+            ctx.consume(k)
+            if op is RedOpType.AVG:
+                finish(op, flat, size, dtype)
+        except TransportError as exc:
+            ctx.broken = str(exc)
+            raise channel().translate(exc, None) from None
+        except BaseException as exc:
+            ctx.broken = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            leave()
+        return True
+
+    return small_all_reduce
