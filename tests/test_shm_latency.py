@@ -1,0 +1,220 @@
+"""The latency path for small synchronous all_reduces (backends/shm_latency.py).
+
+* It takes the calls it should (counted: each call through it returns True) and gives the same
+  bits as the general path (the same inputs through ``async_op=True``, which never takes it) and
+  as the rank-order reference computed locally, for every dtype and op at sizes 1, 2, prime and
+  its limit, at world sizes 2, 3, 4 and 8.
+* It leaves everything else to the general path (it returns False and does nothing): messages
+  over its limit, non-contiguous and bfloat16 buffers, PREMUL_SUM, a group with async
+  work queued; and the results of those calls are right too.
+* Errors through it name the operation, its sequence number and the peer, and mark the group's
+  shared memory broken: a size mismatch, a timeout. (A killed peer is test_shm_failures.py's
+  test_dead_peer_fails_fast_naming_it, whose all_reduce takes this path.)
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import run_world
+
+SIZES = (1, 2, 7)
+
+
+def _cases(np):
+    from distcomm import ReduceOp
+
+    floats = ("float32", "float64", "float16", "complex64")
+    ints = ("int32", "int64", "uint8")
+    for dtype in floats + ints + ("bool",):
+        ops = [ReduceOp.SUM, ReduceOp.MAX, ReduceOp.PRODUCT]
+        if dtype in floats:
+            ops.append(ReduceOp.AVG)
+        if dtype.startswith("complex"):
+            ops = [ReduceOp.SUM, ReduceOp.AVG]
+        if dtype in ints or dtype == "bool":
+            ops += [ReduceOp.MIN, ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR]
+        for op in ops:
+            for count in SIZES:
+                yield dtype, op, count
+
+
+def _input(np, dtype: str, count: int, rank: int, salt: int):
+    rng = np.random.default_rng(1000 * salt + rank)
+    if dtype == "bool":
+        return rng.integers(0, 2, count).astype(bool)
+    if dtype.startswith("complex"):
+        return (rng.standard_normal(count) + 1j * rng.standard_normal(count)).astype(dtype)
+    if dtype.startswith(("int", "uint")):
+        return rng.integers(0, 100, count).astype(dtype)
+    return rng.standard_normal(count).astype(dtype)
+
+
+def _reference(np, dtype: str, op, count: int, world: int, salt: int):
+    """((x0 ⊕ x1) ⊕ x2) ... with the library's kernels, every rank's input made here."""
+    from distcomm.dtypes import from_numpy
+    from distcomm.reduction import finish, reducer
+
+    dt = from_numpy(np.dtype(dtype))
+    xs = [_input(np, dtype, count, q, salt) for q in range(world)]
+    acc = xs[0].copy()
+    for x in xs[1:]:
+        reducer(op, dt)(acc, x)
+    finish(op, acc, world, dt)
+    return acc
+
+
+def _count_taken(pg):
+    """Wrap the installed latency path: a list of its answers, one per call."""
+    fast = pg.small_all_reduce
+    taken = []
+
+    def counting(tensor, op):
+        answer = fast(tensor, op)
+        taken.append(answer)
+        return answer
+
+    pg.small_all_reduce = counting
+    return taken
+
+
+def results_body(rank, world):
+    import numpy as np
+
+    import distcomm as dist
+    from distcomm import world as dist_world
+
+    dist.init_process_group(None)
+    dist.all_reduce(np.ones(1))  # the first call sets up the group's shared memory
+    pg = dist_world.default_pg
+    dist.all_reduce(np.ones(1))  # ... and the second finds the latency path
+    taken = _count_taken(pg)
+    limit = pg.ops.direct_bytes
+    failures = []
+    cases = list(_cases(np)) + [("float32", dist.ReduceOp.SUM, limit // 4), ("uint8", dist.ReduceOp.MAX, limit)]
+    for salt, (dtype, op, count) in enumerate(cases):
+        fast = _input(np, dtype, count, rank, salt)
+        general = fast.copy()
+        dist.all_reduce(fast, op=op)
+        dist.all_reduce(general, op=op, async_op=True).wait()
+        expected = _reference(np, dtype, op, count, world, salt)
+        for name, got in (("latency path", fast), ("general path", general)):
+            if got.tobytes() != expected.tobytes():
+                failures.append(f"{name} {dtype} {op!r} count {count}: {got[:4]} != {expected[:4]}")
+    assert failures == [], failures[:5]
+    assert taken == [True] * len(cases), f"the latency path declined {taken.count(False)} calls"
+
+    # torch tensors take it too, requires_grad or not (the result lands in the tensor's memory)
+    import torch
+
+    t = torch.arange(5, dtype=torch.float32) * (rank + 1)
+    g = torch.ones(3, requires_grad=True)
+    dist.all_reduce(t)
+    dist.all_reduce(g)
+    assert t.tolist() == [float(i * world * (world + 1) // 2) for i in range(5)]
+    assert g.tolist() == [float(world)] * 3
+    assert taken[-2:] == [True, True]
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_latency_path_results_match_reference_and_general_path(world):
+    run_world(results_body, world, timeout=150)
+
+
+def declines_body(rank, world):
+    import numpy as np
+    import torch
+
+    import distcomm as dist
+    from distcomm import world as dist_world
+
+    dist.init_process_group(None)
+    dist.barrier()
+    pg = dist_world.default_pg
+    dist.all_reduce(np.ones(1))
+    taken = _count_taken(pg)
+    limit = pg.ops.direct_bytes
+    big = np.full(limit // 8 + 1, float(rank))  # one element over the limit
+    strided = (np.arange(10.0) * (rank + 1))[::2]
+    bf16 = torch.ones(4, dtype=torch.bfloat16)
+    premul = np.ones(2)
+    empty = np.ones(0)
+    dist.all_reduce(big)
+    dist.all_reduce(strided)
+    dist.all_reduce(bf16)
+    dist.all_reduce(premul, op=dist._make_nccl_premul_sum(2.0))
+    dist.all_reduce(empty)
+    # a group with async work queued: the synchronous call waits its turn on the general path
+    queued = np.ones(1000)
+    work = dist.all_reduce(queued, async_op=True)
+    after = np.ones(2)
+    dist.all_reduce(after)
+    work.wait()
+    assert taken == [False] * 6, taken  # (the async call never asks)
+    assert (big == sum(range(world))).all()
+    assert strided.tolist() == [2.0 * i * world * (world + 1) // 2 for i in range(5)]
+    assert bf16.tolist() == [float(world)] * 4
+    assert premul.tolist() == [2.0 * world] * 2
+    assert (queued == world).all() and (after == world).all()
+    dist.destroy_process_group()
+
+
+def test_latency_path_declines_what_it_does_not_handle():
+    run_world(declines_body, 3, timeout=90)
+
+
+def mismatch_body(rank, world):
+    import numpy as np
+
+    import distcomm as dist
+
+    dist.init_process_group(None)
+    dist.barrier()
+    dist.all_reduce(np.ones(2))
+    try:
+        dist.all_reduce(np.ones(2 if rank == 0 else 3))
+    except RuntimeError as exc:
+        message = str(exc)
+    else:
+        return "no error"
+    try:
+        dist.all_reduce(np.ones(2))
+    except RuntimeError as exc:
+        return message, str(exc)
+    return message, "no error after"
+
+
+def test_latency_path_mismatch_names_the_peer_and_breaks_the_group():
+    results = run_world(mismatch_body, 2, timeout=60)
+    for rank, (message, after) in enumerate(results):
+        assert "all_reduce #3" in message, message
+        assert f"rank {1 - rank}" in message and "different sizes" in message, message
+        assert "unusable after an earlier failure" in after, after
+
+
+def timeout_body(rank, world):
+    import time
+    from datetime import timedelta
+
+    import numpy as np
+
+    import distcomm as dist
+
+    dist.init_process_group(None, timeout=timedelta(seconds=2))
+    dist.barrier()
+    dist.all_reduce(np.ones(2))
+    if rank == 1:
+        time.sleep(6)  # alive (not a lost peer), just absent from the call
+        return "stayed away"
+    try:
+        dist.all_reduce(np.ones(2))
+    except dist.DistTimeoutError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_latency_path_timeout_names_the_missing_rank():
+    results = run_world(timeout_body, 2, timeout=60)
+    assert results[1] == "stayed away"
+    assert "rank 1" in results[0] and "all_reduce #3" in results[0], results[0]
