@@ -44,7 +44,8 @@ from ..errors import DistBackendError
 from ..process_group import _profiling, signature
 from ..reduction import check_supported, finish, sequence_reducer
 from ..transport.base import TransportError
-from ..transport.shm_group import CONSUMED, POSTED, S_NBYTES, S_ROUND, S_SEQ, S_SIG
+from ..transport.shm_group import AWAITING, CONSUMED, POSTED, REUSING, S_NBYTES, S_ROUND, S_SEQ, S_SIG
+from ..transport.shm_wait import fence
 from ..types import RedOpType
 
 _ndarray = np.ndarray
@@ -118,30 +119,23 @@ def build(pg, ctx, collectives) -> Callable[[Any, Any], bool]:
         n = flat.nbytes
         if op.__class__ is not RedOpType or not 0 < n <= limit or ctx.broken is not None:
             return False
-        entry = plans.get((op, flat.dtype)) or plan(op, flat.dtype)
+        np_dtype = flat.dtype
+        entry = plans.get((op, np_dtype)) or plan(op, np_dtype)
         if entry is None or _profiling() is not None or not enter():
             return False
         sig, reduce_all, dtype = entry
         pg.seq = seq = pg.seq + 1
-        ch = None
-
-        def channel():  # for waits past the fast phase and for errors: built only then
-            nonlocal ch
-            if ch is None:
-                ch = pg.channel("all_reduce", seq, sig)
-            return ch
-
         try:
             k = ctx.round = ctx.round + 1
             need = k - nslots
             if need > ctx._consumed_floor:  # as GroupShm.acquire: has every peer read the slot's last use?
                 floor = min([c[CONSUMED] for c in peer_ctl])
                 if floor < need:
-                    ctx.acquire(k, channel())
+                    ctx.acquire(k, pg.channel("all_reduce", seq, sig))
                 else:
                     ctx._consumed_floor = floor
             s = k % nslots
-            views = ctx.views(k, flat.dtype, flat.size)
+            views = ctx.views(k, np_dtype, flat.size)
             views[rank][...] = flat
             h = my_headers[s]  # as GroupShm.post: the header, then the counter, then the wake-ups
             h[S_SEQ] = seq
@@ -149,25 +143,34 @@ def build(pg, ctx, collectives) -> Callable[[Any, Any], bool]:
             h[S_NBYTES] = n
             h[S_ROUND] = k
             mine[POSTED] = k
-            ctx._wake_posted()
+            fence()
+            for c in peer_ctl:
+                if c[AWAITING]:  # someone asleep (rare here): let GroupShm see whom to ring
+                    ctx._ring_posted()
+                    break
             for c in peer_ctl:
                 if c[POSTED] < k:
                     if not all_posted(k):
-                        ctx.wait_posted(k, channel(), n)
+                        ctx.wait_posted(k, pg.channel("all_reduce", seq, sig), n)
                     break
             for q in peers:
                 hq = headers[q][s]
                 if hq[S_ROUND] != k or hq[S_SEQ] != seq or hq[S_SIG] != sig or hq[S_NBYTES] != n:
-                    raise ctx._mismatch(q, k, hq, channel(), n)
+                    raise ctx._mismatch(q, k, hq, pg.channel("all_reduce", seq, sig), n)
             if rank:
                 flat[...] = views[0]
             reduce_all(flat, views[1:])
-            ctx.consume(k)
+            mine[CONSUMED] = k  # as GroupShm.consume
+            fence()
+            for c in peer_ctl:
+                if c[REUSING]:
+                    ctx._ring_consumed()
+                    break
             if op is RedOpType.AVG:
                 finish(op, flat, size, dtype)
         except TransportError as exc:
             ctx.broken = str(exc)
-            raise channel().translate(exc, None) from None
+            raise pg.channel("all_reduce", seq, sig).translate(exc, None) from None
         except BaseException as exc:
             ctx.broken = f"{type(exc).__name__}: {exc}"
             raise

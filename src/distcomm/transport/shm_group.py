@@ -179,6 +179,10 @@ class GroupShm:
         poster rings anyone; a waiter still spinning or yielding costs the poster no system call.
         """
         fence()
+        self._ring_posted()
+
+    def _ring_posted(self) -> None:
+        """_wake_posted after its fence: ring the peers whose wait for posts is complete."""
         ctl = self.ctl
         for q, c, bell in self._peer_info:
             want = c[AWAITING]
@@ -299,6 +303,10 @@ class GroupShm:
         (its ``REUSING``) is rung by the consumer that completes its wait (as in _wake_posted)."""
         self._mine[CONSUMED] = k
         fence()
+        self._ring_consumed()
+
+    def _ring_consumed(self) -> None:
+        """consume after its fence: ring the peers whose wait for reuse is complete."""
         ctl = self.ctl
         for q, c, bell in self._peer_info:
             need = c[REUSING]
