@@ -661,3 +661,27 @@ def test_queue_and_barrier_over_a_real_connection(server):
     store.barrier("b", 1)
     assert server.table.values[b"b"] == b"1"
     store.close()
+
+
+def test_a_store_finalized_while_another_master_starts_does_not_deadlock(monkeypatch):
+    """The garbage collector can finalize an old master store (its finalizer releases its shared
+    server) in the middle of creating another, in the same thread: that must not deadlock."""
+    from distcomm.store.tcp import store as store_module
+
+    shared = store_module._SharedServers()
+    first = shared.acquire("127.0.0.1", 0, True)
+    start = TCPStoreServer.start
+
+    def start_while_collecting(self):
+        shared.release(first)  # what a finalizer run by the collector here would do
+        return start(self)
+
+    monkeypatch.setattr(TCPStoreServer, "start", start_while_collecting)
+    made = []
+    thread = threading.Thread(target=lambda: made.append(shared.acquire("127.0.0.1", 0, True)), daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive(), "acquire deadlocked on a release from the same thread"
+    monkeypatch.setattr(TCPStoreServer, "start", start)
+    shared.release(made[0])
+    assert shared._servers == {}

@@ -42,7 +42,10 @@ class _SharedServers:
     """The multi-tenant registry: (host, port) -> [server, users] for this process."""
 
     def __init__(self):
-        self._lock = threading.Lock()
+        # Reentrant: the garbage collector may finalize an old TCPStore (whose finalizer calls
+        # release) in the middle of acquire, in the same thread. A plain lock deadlocked there:
+        # a world's init_process_group hung in the differential suite.
+        self._lock = threading.RLock()
         self._servers: dict[tuple[str, int], list] = {}
 
     def acquire(self, host: str, port: int, multi_tenant: bool, **server_options) -> TCPStoreServer:
