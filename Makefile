@@ -22,3 +22,4 @@ bench-readme: install
 	$(PYTHON) -m distcomm.bench --world 2 --compare torch -e 64M --plot docs/bench/world2.png --markdown docs/bench/world2.md --json docs/bench/world2.json
 	$(PYTHON) -m distcomm.bench --world 4 --compare torch -e 64M --plot docs/bench/world4.png --markdown docs/bench/world4.md --json docs/bench/world4.json
 	$(PYTHON) -m distcomm.bench --world 2 --backend tcp --ops all_reduce,broadcast,all_gather,all_to_all --compare torch -e 64M --plot docs/bench/tcp-world2.png --markdown docs/bench/tcp-world2.md
+	$(PYTHON) -m distcomm.bench overview docs/bench/world2.json docs/bench/world4.json
