@@ -149,8 +149,22 @@ def error_cases(dist, rank: int, ws: int) -> dict[str, Callable]:
         "group/both_src_and_group_src": lambda: dist.broadcast(f32(2), src=0, group_src=0),
         # init twice
         "init/twice": lambda: dist.init_process_group("gloo"),
+        # read-only numpy outputs (torch tensors are always writable): refused before communicating
+        "readonly/all_reduce": lambda: dist.all_reduce(_read_only(2)),
+        "readonly/all_reduce_large": lambda: dist.all_reduce(_read_only(1 << 17)),
+        "readonly/all_gather_into_tensor": lambda: dist.all_gather_into_tensor(_read_only(2 * ws), np.ones(2)),
+        "readonly/reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(_read_only(2), np.ones(2 * ws)),
+        "readonly/all_to_all_single": lambda: dist.all_to_all_single(_read_only(ws), np.ones(ws)),
+        "readonly/all_gather_list": lambda: dist.all_gather([np.ones(2)] * (ws - 1) + [_read_only(2)], np.ones(2)),
+        "readonly/recv": lambda: dist.recv(_read_only(2), src=other),
     }
     return cases
+
+
+def _read_only(n: int) -> np.ndarray:
+    a = np.ones(n)
+    a.flags.writeable = False
+    return a
 
 
 _GROUPS: dict[str, Any] = {}
@@ -172,6 +186,12 @@ TORCH_SKIPPED = {
                                     "type Bool\", and later again from rank 0's next barrier"),
     "op/avg_int64": ("RuntimeError", "as op/avg_bool (distcomm supports it: see DELIBERATE)"),
 }
+TORCH_SKIPPED.update({  # numpy-only cases: torch.distributed takes no numpy arrays
+    name: ("ValueError", "not applicable: a read-only numpy array (torch tensors are always writable)")
+    for name in ("readonly/all_reduce", "readonly/all_reduce_large", "readonly/all_gather_into_tensor",
+                 "readonly/reduce_scatter_tensor", "readonly/all_to_all_single", "readonly/all_gather_list",
+                 "readonly/recv")
+})
 
 
 def _check(dist, rank: int, ws: int) -> tuple:

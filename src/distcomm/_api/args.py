@@ -10,6 +10,8 @@ from __future__ import annotations
 import warnings
 from typing import Any, Sequence
 
+import numpy as np
+
 from .. import world
 from ..buffers import Buffer, as_buffer, as_buffers
 from ..errors import DistBackendError
@@ -68,19 +70,39 @@ def group_peer(pg, op: str, global_rank: int | None, group_rank: int | None, rol
     return rank
 
 
-def tensor(obj: Any, op: str, name: str = "tensor") -> Buffer:
+def tensor(obj: Any, op: str, name: str = "tensor", writes: bool = False) -> Buffer:
+    """``obj`` as a Buffer; ``writes``: the call writes its result into it (so it must be writable)."""
     try:
-        return as_buffer(obj, name)
+        buf = as_buffer(obj, name)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{op}: {exc}") from None
+    if writes:
+        _writable(obj, op, name)
+    return buf
 
 
-def tensor_list(objs: Any, op: str, name: str, length: int | None = None, like: Buffer | None = None) -> list[Buffer]:
-    """A list of buffers; with ``length``/``like``, check its length, dtypes and sizes."""
+def _writable(obj: Any, op: str, name: str) -> None:
+    # Checked before any communication: found while writing the result, the same mistake would
+    # leave the group's rounds half done.
+    if isinstance(obj, np.ndarray) and not obj.flags.writeable:
+        raise ArgumentError(
+            f"{op}: {name} is a read-only numpy array (writeable=False), and the result is written into "
+            "it; pass a writable array (a copy, or one whose flags.writeable is True)"
+        )
+
+
+def tensor_list(
+    objs: Any, op: str, name: str, length: int | None = None, like: Buffer | None = None, writes: bool = False
+) -> list[Buffer]:
+    """A list of buffers; with ``length``/``like``, check its length, dtypes and sizes; ``writes``:
+    the call writes its results into them."""
     try:
         bufs = as_buffers(objs, name)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{op}: {exc}") from None
+    if writes:
+        for i, obj in enumerate(objs):
+            _writable(obj, op, f"{name}[{i}]")
     if length is not None and len(bufs) != length:
         raise ArgumentError(f"{op}: {name} must have one tensor per rank: expected length {length}, got {len(bufs)}")
     same_dtype(bufs + ([like] if like is not None else []), op)

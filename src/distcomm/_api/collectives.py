@@ -43,7 +43,7 @@ def broadcast(tensor, src: int | None = None, group=None, async_op: bool = False
     if pg is None:
         return None
     root = args.group_peer(pg, "broadcast", src, group_src, "src")
-    buf = args.tensor(tensor, "broadcast")
+    buf = args.tensor(tensor, "broadcast", writes=pg.rank() != root)
 
     def body(ch):
         pg.ops.broadcast(ch, buf.flat, root)
@@ -62,7 +62,7 @@ def all_reduce(tensor, op=RedOpType.SUM, group=None, async_op: bool = False):
         return None
     if not async_op and pg.small_all_reduce(tensor, op):
         return None  # the engine's latency path did the whole call (backends/shm_latency.py)
-    buf = args.tensor(tensor, "all_reduce")
+    buf = args.tensor(tensor, "all_reduce", writes=True)
     op = _check_op(op, buf.dtype, "all_reduce")
 
     def body(ch):
@@ -83,7 +83,7 @@ def reduce(tensor, dst: int | None = None, op=RedOpType.SUM, group=None, async_o
     if pg is None:
         return None
     root = args.group_peer(pg, "reduce", dst, group_dst, "dst")
-    buf = args.tensor(tensor, "reduce")
+    buf = args.tensor(tensor, "reduce", writes=pg.rank() == root)
     op = _check_op(op, buf.dtype, "reduce")
 
     def body(ch):
@@ -116,7 +116,7 @@ def all_gather(tensor_list, tensor, group=None, async_op: bool = False):
     if pg is None:
         return None
     inp = args.tensor(tensor, "all_gather")
-    outs = args.tensor_list(tensor_list, "all_gather", "tensor_list", pg.size(), like=inp)
+    outs = args.tensor_list(tensor_list, "all_gather", "tensor_list", pg.size(), like=inp, writes=True)
     count = inp.count
 
     def body(ch):
@@ -136,7 +136,7 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bo
     pg = args.resolve_group(group, "all_gather_into_tensor")
     if pg is None:
         return None
-    out = args.tensor(output_tensor, "all_gather_into_tensor", "output_tensor")
+    out = args.tensor(output_tensor, "all_gather_into_tensor", "output_tensor", writes=True)
     inp = args.tensor(input_tensor, "all_gather_into_tensor", "input_tensor")
     args.same_dtype([out, inp], "all_gather_into_tensor")
     if out.count != inp.count * pg.size():
@@ -168,7 +168,7 @@ def gather(tensor, gather_list=None, dst: int | None = None, group=None, async_o
     if pg.rank() == root:
         if not gather_list:
             raise ValueError("Argument ``gather_list`` must be specified on destination rank.")
-        outs = args.tensor_list(gather_list, "gather", "gather_list", pg.size(), like=inp)
+        outs = args.tensor_list(gather_list, "gather", "gather_list", pg.size(), like=inp, writes=True)
     else:
         if gather_list:
             raise ValueError("Argument ``gather_list`` must NOT be specified on non-destination ranks.")
@@ -195,7 +195,7 @@ def scatter(tensor, scatter_list=None, src: int | None = None, group=None, async
     if pg is None:
         return None
     root = args.group_peer(pg, "scatter", src, group_src, "src")
-    out = args.tensor(tensor, "scatter")
+    out = args.tensor(tensor, "scatter", writes=True)
     if pg.rank() == root:
         if not scatter_list:
             raise ValueError("Argument ``scatter_list`` must be specified on source rank.")
@@ -218,7 +218,7 @@ def reduce_scatter(output, input_list, op=RedOpType.SUM, group=None, async_op: b
     pg = args.resolve_group(group, "reduce_scatter")
     if pg is None:
         return None
-    out = args.tensor(output, "reduce_scatter", "output")
+    out = args.tensor(output, "reduce_scatter", "output", writes=True)
     ins = args.tensor_list(input_list, "reduce_scatter", "input_list", pg.size())
     args.same_dtype(ins + [out], "reduce_scatter")
     if ins[pg.rank()].count != out.count:
@@ -243,7 +243,7 @@ def reduce_scatter_tensor(output, input, op=RedOpType.SUM, group=None, async_op:
     pg = args.resolve_group(group, "reduce_scatter_tensor")
     if pg is None:
         return None
-    out = args.tensor(output, "reduce_scatter_tensor", "output")
+    out = args.tensor(output, "reduce_scatter_tensor", "output", writes=True)
     inp = args.tensor(input, "reduce_scatter_tensor", "input")
     args.same_dtype([out, inp], "reduce_scatter_tensor")
     if inp.count != out.count * pg.size():
@@ -268,7 +268,7 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool
     pg = args.resolve_group(group, "all_to_all")
     if pg is None:
         return None
-    outs = args.tensor_list(output_tensor_list, "all_to_all", "output_tensor_list", pg.size())
+    outs = args.tensor_list(output_tensor_list, "all_to_all", "output_tensor_list", pg.size(), writes=True)
     ins = args.tensor_list(input_tensor_list, "all_to_all", "input_tensor_list", pg.size())
     args.same_dtype(outs + ins, "all_to_all")
     send_counts = [b.count for b in ins]
@@ -296,7 +296,7 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     pg = args.resolve_group(group, "all_to_all_single")
     if pg is None:
         return None
-    out = args.tensor(output, "all_to_all_single", "output")
+    out = args.tensor(output, "all_to_all_single", "output", writes=True)
     inp = args.tensor(input, "all_to_all_single", "input")
     args.same_dtype([out, inp], "all_to_all_single")
     size = pg.size()

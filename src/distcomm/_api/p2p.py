@@ -87,7 +87,7 @@ def _post(op: str, tensor, peer: int | None, group, tag: int, group_peer: int | 
     pg = args.resolve_group(group, op)
     if pg is None:
         return None
-    buf = args.tensor(tensor, op)
+    buf = args.tensor(tensor, op, writes=not sending)
     if not isinstance(tag, int):
         raise TypeError(f"{op}: tag must be an int, got {type(tag).__name__}")
     role = "dst" if sending else "src"
