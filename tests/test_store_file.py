@@ -181,3 +181,26 @@ def test_queue_records_are_read_by_every_user_and_pops_are_not_repeated(tmp_path
     assert c.queue_len("q") == 1 and c.queue_pop("q") == b"3"
     for store in (a, b, c):
         store.close()
+
+
+def test_a_leave_while_this_thread_holds_the_file_lock_does_not_deadlock(tmp_path):
+    """A store's leave can run (a finalizer, in the garbage collector) while this thread holds the
+    file's lock through another store of the same path: it must not wait for it, and still leave."""
+    import fcntl
+    import threading
+    import time
+
+    path = str(tmp_path / "fs")
+    a, b = FileStore(path), FileStore(path)
+    fcntl.flock(b._fd, fcntl.LOCK_EX)  # b in the middle of an operation
+    closer = threading.Thread(target=a.close, daemon=True)
+    closer.start()
+    closer.join(10)
+    assert not closer.is_alive(), "a's leave waited for the lock this thread holds"
+    fcntl.flock(b._fd, fcntl.LOCK_UN)
+    deadline = time.monotonic() + 10
+    while any(t.name == "distcomm-filestore-leave" for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the helper never left for a"
+        time.sleep(0.01)
+    b.close()  # a has left, so b was the last user
+    assert not os.path.exists(path)

@@ -448,10 +448,23 @@ def _is_current(fd: int, path: str) -> bool:
     return (mine.st_dev, mine.st_ino) == (theirs.st_dev, theirs.st_ino)
 
 
-def _leave(fd: int, path: str, member_id: bytes, world_size: int) -> None:
-    """Append our LEAVE; remove the file if we were its last user. Runs once (weakref.finalize)."""
+def _leave(fd: int, path: str, member_id: bytes, world_size: int, block: bool = False) -> None:
+    """Append our LEAVE; remove the file if we were its last user. Runs once (a finalizer).
+
+    A finalizer may run inside the garbage collector while this very thread holds the file's lock
+    through another FileStore of the same path (flock locks of two open files conflict even in
+    one process), so it never waits for the lock: if the file is busy, a helper thread leaves.
+    """
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fcntl.flock(fd, fcntl.LOCK_EX if block else fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        threading.Thread(target=_leave, args=(fd, path, member_id, world_size, True), daemon=True,
+                         name="distcomm-filestore-leave").start()
+        return
+    except OSError:
+        os.close(fd)
+        return
+    try:
         if _is_current(fd, path):
             log = _Log()
             log.apply(_read_from(fd, 0), path)
