@@ -114,6 +114,21 @@ def results_body(rank, world):
     assert t.tolist() == [float(i * world * (world + 1) // 2) for i in range(5)]
     assert g.tolist() == [float(world)] * 3
     assert taken[-2:] == [True, True]
+    # the same tensor call after call (its numpy view is reused), then changed in place
+    same = torch.zeros(4)
+    for i in range(3):
+        same.fill_(rank + i)
+        dist.all_reduce(same)
+        assert same.tolist() == [float(sum(range(world)) + i * world)] * 4
+    same.resize_(2)  # fewer elements at the same address
+    same.fill_(1.0)
+    dist.all_reduce(same)
+    assert same.tolist() == [float(world)] * 2
+    other = torch.full((3,), float(rank))
+    same.set_(other)  # other memory
+    dist.all_reduce(same)
+    assert same.tolist() == other.tolist() == [float(sum(range(world)))] * 3
+    assert taken[-5:] == [True] * 5
     dist.destroy_process_group()
 
 
@@ -145,13 +160,20 @@ def declines_body(rank, world):
     dist.all_reduce(bf16)
     dist.all_reduce(premul, op=dist._make_nccl_premul_sum(2.0))
     dist.all_reduce(empty)
-    # a group with async work queued: the synchronous call waits its turn on the general path
+    assert taken == [False] * 5, taken
+    # a busy group (here: this thread holds it, as a running async op would) is declined at once
+    assert pg.executor.enter_inline()
+    try:
+        assert pg.small_all_reduce(np.ones(2), dist.ReduceOp.SUM) is False
+    finally:
+        pg.executor.leave_inline()
+    # async work queued: a synchronous call after it runs after it (on the general path, unless the
+    # work has finished by then)
     queued = np.ones(1000)
     work = dist.all_reduce(queued, async_op=True)
     after = np.ones(2)
     dist.all_reduce(after)
     work.wait()
-    assert taken == [False] * 6, taken  # (the async call never asks)
     assert (big == sum(range(world))).all()
     assert strided.tolist() == [2.0 * i * world * (world + 1) // 2 for i in range(5)]
     assert bf16.tolist() == [float(world)] * 4

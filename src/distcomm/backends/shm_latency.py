@@ -80,6 +80,19 @@ def build(pg, ctx, collectives) -> Callable[[Any, Any], bool]:
     budget = policy.yield_s if yields else policy.spin_s
     sched_yield, clock = os.sched_yield, time.perf_counter
     plans: dict = {}  # (op, numpy dtype) -> (signature, reduce_all, DType), once checked
+    # The last torch tensor taken, its data pointer and its memory as numpy: a loop that reduces
+    # the same tensor call after call skips the conversion (2.5 µs; the check costs 0.35). It keeps
+    # that one small tensor alive until another takes its place.
+    last_tensor: list = [None, 0, None]
+
+    def tensor_flat(t) -> np.ndarray | None:
+        flat = last_tensor[2]
+        if t is last_tensor[0] and t.data_ptr() == last_tensor[1] and t.numel() == flat.size and t.is_contiguous():
+            return flat
+        flat = _torch_flat(t)
+        if flat is not None and flat.nbytes <= limit:
+            last_tensor[:] = [t, t.data_ptr(), flat]
+        return flat
 
     def plan(op, np_dtype):
         try:
@@ -111,7 +124,7 @@ def build(pg, ctx, collectives) -> Callable[[Any, Any], bool]:
                 return False
             flat = tensor.reshape(-1)
         elif "torch" in sys.modules and isinstance(tensor, sys.modules["torch"].Tensor):
-            flat = _torch_flat(tensor)
+            flat = tensor_flat(tensor)
             if flat is None:
                 return False
         else:
