@@ -5,7 +5,7 @@ An 8-byte all_reduce moves nothing worth measuring; its cost is Python. The gene
 ``Channel`` → ``ShmCollectives.all_reduce`` → ``allreduce_small`` → ``GroupShm``) makes about 90
 Python calls, and with 4 ranks on 2 CPUs every microsecond of a rank's CPU is paid twice in wall
 time: it measured about 45 µs of CPU per call and rank, 100 µs per call. This path measured about
-22 µs and 50 µs (docs/performance-notes.md).
+20 µs and 40 µs (at world size 2: 7 µs per call instead of 27; docs/performance-notes.md).
 
 It runs the round of ``shm_collectives.allreduce_small``, which stays its reference: every rank copies
 its data into its slot, posts, waits for every post, reduces all p copies in rank order into its
