@@ -190,14 +190,15 @@ def test_a_leave_while_this_thread_holds_the_file_lock_does_not_deadlock(tmp_pat
     import threading
     import time
 
+    from distcomm.store.file import _file_lock
+
     path = str(tmp_path / "fs")
     a, b = FileStore(path), FileStore(path)
-    fcntl.flock(b._fd, fcntl.LOCK_EX)  # b in the middle of an operation
-    closer = threading.Thread(target=a.close, daemon=True)
-    closer.start()
-    closer.join(10)
-    assert not closer.is_alive(), "a's leave waited for the lock this thread holds"
-    fcntl.flock(b._fd, fcntl.LOCK_UN)
+    with _file_lock(b._fd, fcntl.LOCK_EX):  # b in the middle of an operation, when a is collected
+        closer = threading.Thread(target=a.close, daemon=True)
+        closer.start()
+        closer.join(10)
+        assert not closer.is_alive(), "a's leave waited for the lock this thread holds"
     deadline = time.monotonic() + 10
     while any(t.name == "distcomm-filestore-leave" for t in threading.enumerate()):
         assert time.monotonic() < deadline, "the helper never left for a"

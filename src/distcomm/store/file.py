@@ -63,6 +63,7 @@ import time
 import uuid
 from datetime import timedelta
 from collections import deque
+from contextlib import contextmanager
 from multiprocessing.util import Finalize
 
 from ..errors import DistStoreError
@@ -227,27 +228,27 @@ class FileStore(Store):
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-                if not _is_current(fd, self.path):
-                    os.close(fd)  # removed by its last user between our open and our lock
-                    continue
-                log = _Log()
-                log.apply(_read_from(fd, 0), self.path)
-                here = _identity()
-                records = b""
-                if log.offset == 0:
-                    header = {"world_size": self._world_size, "created_by": here}
-                    records = MAGIC + _record(_HEADER, _HEADER_KEY, json.dumps(header).encode())
-                else:
-                    self._check_reusable(log, here)
-                records += _record(_JOIN, self._member_id, json.dumps(here).encode())
-                os.write(fd, records)
-                log.apply(records, self.path)
-                fcntl.flock(fd, fcntl.LOCK_UN)
-                return fd, log
+                with _file_lock(fd, fcntl.LOCK_EX):
+                    log = None
+                    if _is_current(fd, self.path):  # else removed by its last user between our open and our lock
+                        log = _Log()
+                        log.apply(_read_from(fd, 0), self.path)
+                        here = _identity()
+                        records = b""
+                        if log.offset == 0:
+                            header = {"world_size": self._world_size, "created_by": here}
+                            records = MAGIC + _record(_HEADER, _HEADER_KEY, json.dumps(header).encode())
+                        else:
+                            self._check_reusable(log, here)
+                        records += _record(_JOIN, self._member_id, json.dumps(here).encode())
+                        os.write(fd, records)
+                        log.apply(records, self.path)
             except BaseException:
                 os.close(fd)
                 raise
+            if log is not None:
+                return fd, log
+            os.close(fd)
 
     def _check_reusable(self, log: _Log, here: dict) -> None:
         dead = [m for m in log.members.values() if _is_dead(m, here)]
@@ -299,26 +300,20 @@ class FileStore(Store):
         """Apply records appended since we last looked (caller holds self._lock)."""
         if os.fstat(self._fd).st_size == self._log.offset:
             return
-        fcntl.flock(self._fd, fcntl.LOCK_SH)
-        try:
+        with _file_lock(self._fd, fcntl.LOCK_SH):
             self._log.apply(_read_from(self._fd, self._log.offset), self.path)
-        finally:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def _mutate(self, decide):
         """Run ``decide(values) -> (records, result)`` on fresh contents under the exclusive lock; append."""
         with self._lock:
             self._check_open()
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
-            try:
+            with _file_lock(self._fd, fcntl.LOCK_EX):
                 self._log.apply(_read_from(self._fd, self._log.offset), self.path)
                 records, result = decide(self._log.values)
                 if records:
                     os.write(self._fd, records)
                     self._log.apply(records, self.path)
                 return result
-            finally:
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def _read(self, read):
         with self._lock:
@@ -448,19 +443,47 @@ def _is_current(fd: int, path: str) -> bool:
     return (mine.st_dev, mine.st_ino) == (theirs.st_dev, theirs.st_ino)
 
 
-def _leave(fd: int, path: str, member_id: bytes, world_size: int, block: bool = False) -> None:
+# How many FileStore file locks this process holds or is taking right now, any thread: see _leave.
+_locks_held = 0
+_locks_held_lock = threading.Lock()
+
+
+@contextmanager
+def _file_lock(fd: int, mode: int):
+    """flock(fd, mode) for the block, counted in _locks_held from before it is taken to after it is
+    released (so a finalizer that runs in between sees it)."""
+    global _locks_held
+    with _locks_held_lock:
+        _locks_held += 1
+    try:
+        fcntl.flock(fd, mode)
+        try:
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        with _locks_held_lock:
+            _locks_held -= 1
+
+
+def _leave(fd: int, path: str, member_id: bytes, world_size: int) -> None:
     """Append our LEAVE; remove the file if we were its last user. Runs once (a finalizer).
 
-    A finalizer may run inside the garbage collector while this very thread holds the file's lock
-    through another FileStore of the same path (flock locks of two open files conflict even in
-    one process), so it never waits for the lock: if the file is busy, a helper thread leaves.
+    A finalizer may run inside the garbage collector while this very thread holds a lock on the
+    file through another FileStore of the same path (flock locks of two open files conflict even
+    in one process): waiting for it there would never end. So while this process holds any
+    FileStore lock, a helper thread leaves; otherwise (close, interpreter exit) we wait our turn.
     """
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX if block else fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        threading.Thread(target=_leave, args=(fd, path, member_id, world_size, True), daemon=True,
+    if _locks_held:
+        threading.Thread(target=_leave_now, args=(fd, path, member_id, world_size), daemon=True,
                          name="distcomm-filestore-leave").start()
-        return
+    else:
+        _leave_now(fd, path, member_id, world_size)
+
+
+def _leave_now(fd: int, path: str, member_id: bytes, world_size: int) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
     except OSError:
         os.close(fd)
         return
