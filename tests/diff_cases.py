@@ -921,7 +921,8 @@ def variant_runs(variant: str, name: str) -> bool:
 class _AlgoCounter:
     """Counts calls of backends/shm_collectives.py's algorithms (its module-level functions taking
     ``ctx`` first) while installed. ShmCollectives calls them through the module's globals, so
-    replacing them there sees every call; ``remove`` puts the originals back."""
+    replacing them there sees every call; ``remove`` puts the originals back. The latency path
+    (backends/shm_latency.py) counts as "small_all_reduce" each call it takes."""
 
     MODULE = "distcomm.backends.shm_collectives"
 
@@ -929,11 +930,29 @@ class _AlgoCounter:
         self.counts: dict[str, int] = {}
         self.saved: dict[str, Callable] = {}
 
+    def _count_latency_path(self, mod) -> None:
+        build = mod.shm_latency.build
+        self.saved["shm_latency.build"] = build
+
+        def counting_build(*args, **kwargs):
+            fast = build(*args, **kwargs)
+
+            def small_all_reduce(tensor, op):
+                taken = fast(tensor, op)
+                if taken:
+                    self.counts["small_all_reduce"] = self.counts.get("small_all_reduce", 0) + 1
+                return taken
+
+            return small_all_reduce
+
+        mod.shm_latency.build = counting_build
+
     def install(self) -> None:
         import functools
         import inspect
 
         mod = importlib.import_module(self.MODULE)
+        self._count_latency_path(mod)
         for name, fn in list(vars(mod).items()):
             if not (inspect.isfunction(fn) and fn.__module__ == mod.__name__):
                 continue
@@ -950,6 +969,7 @@ class _AlgoCounter:
 
     def remove(self) -> None:
         mod = importlib.import_module(self.MODULE)
+        mod.shm_latency.build = self.saved.pop("shm_latency.build")
         for name, fn in self.saved.items():
             setattr(mod, name, fn)
         self.saved.clear()

@@ -195,18 +195,22 @@ _A2A_SINGLE_COPY = ("_all_to_all_read_peers", "all_to_all_readv")  # either name
 SHM_VARIANT_ALGOS: dict[str, tuple[set, set]] = {
     "shm/readv": ({"allreduce_readv", "broadcast_readv", "allgather_readv", "reduce_readv", "reduce_scatter_readv",
                    "a2a-single-copy", "gather_blocks", "scatter", "barrier"},
-                  {"allreduce_small", "allreduce_slices", "reduce_direct", "broadcast", "reduce_scatter"}),
+                  {"allreduce_small", "small_all_reduce", "allreduce_slices", "reduce_direct", "broadcast",
+                   "reduce_scatter"}),
     "shm/slices": ({"allreduce_slices", "broadcast", "reduce_direct", "gather_blocks", "scatter", "reduce_scatter",
                     "all_to_all", "barrier"},
-                   {"allreduce_small", "allreduce_readv", "broadcast_readv", "allgather_readv", "reduce_readv",
-                    "reduce_scatter_readv", "a2a-single-copy"}),
+                   {"allreduce_small", "small_all_reduce", "allreduce_readv", "broadcast_readv", "allgather_readv",
+                    "reduce_readv", "reduce_scatter_readv", "a2a-single-copy"}),
     "shm/direct": ({"allreduce_small", "reduce_direct"},  # all_reduce cases only (diff_cases.VARIANT_CASES)
-                   {"allreduce_slices", "allreduce_readv", "broadcast_readv", "allgather_readv", "reduce_readv",
-                    "reduce_scatter_readv", "a2a-single-copy"}),
+                   {"small_all_reduce", "allreduce_slices", "allreduce_readv", "broadcast_readv", "allgather_readv",
+                    "reduce_readv", "reduce_scatter_readv", "a2a-single-copy"}),
     # by size: direct and slices for all_reduce; from world size 4 on the 300k all_gather and
     # reduce_scatter_tensor cases pass 4 MiB and take single-copy reads (added below)
-    "shm": ({"allreduce_small", "allreduce_slices", "broadcast", "reduce_direct", "gather_blocks", "scatter",
-             "reduce_scatter", "all_to_all", "barrier"}, {"allreduce_readv", "broadcast_readv"}),
+    # the latency path (small_all_reduce) takes the synchronous small all_reduces, allreduce_small
+    # the others (async ones, bfloat16, ...)
+    "shm": ({"small_all_reduce", "allreduce_small", "allreduce_slices", "broadcast", "reduce_direct",
+             "gather_blocks", "scatter", "reduce_scatter", "all_to_all", "barrier"},
+            {"allreduce_readv", "broadcast_readv"}),
 }
 SHM_VARIANT_ALGOS["gloo"] = SHM_VARIANT_ALGOS["shm"]  # the default engine on one host
 
