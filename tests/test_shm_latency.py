@@ -240,3 +240,33 @@ def test_latency_path_timeout_names_the_missing_rank():
     results = run_world(timeout_body, 2, timeout=60)
     assert results[1] == "stayed away"
     assert "rank 1" in results[0] and "all_reduce #3" in results[0], results[0]
+
+
+def mixed_paths_body(rank, world):
+    import numpy as np
+
+    import distcomm as dist
+    from distcomm import world as dist_world
+
+    dist.init_process_group(None)
+    dist.all_reduce(np.ones(1))
+    dist.all_reduce(np.ones(1))
+    taken = _count_taken(dist_world.default_pg)
+    for i in range(12):
+        values = np.arange(5.0) * (rank + 1) + i
+        # some ranks in each call take the latency path (contiguous), the others the general path
+        # (a strided view): both sides of one round must speak the same protocol
+        if (i + rank) % 2:
+            backing = np.zeros(10)
+            data = backing[::2]
+            data[...] = values
+        else:
+            data = values
+        dist.all_reduce(data)
+        expected = np.arange(5.0) * sum(range(1, world + 1)) + i * world
+        assert data.tolist() == expected.tolist(), (i, data, expected)
+    assert taken == [(i + rank) % 2 == 0 for i in range(12)], taken
+
+
+def test_latency_and_general_paths_meet_in_one_round():
+    run_world(mixed_paths_body, 3, timeout=60)
