@@ -89,7 +89,7 @@ def results_body(rank, world):
     pg = dist_world.default_pg
     dist.all_reduce(np.ones(1))  # ... and the second finds the latency path
     taken = _count_taken(pg)
-    limit = pg.ops.direct_bytes
+    limit = min(pg.ops.direct_limit(world), pg.ops.transport._groups[pg.group_id].slot_bytes)
     failures = []
     cases = list(_cases(np)) + [("float32", dist.ReduceOp.SUM, limit // 4), ("uint8", dist.ReduceOp.MAX, limit)]
     for salt, (dtype, op, count) in enumerate(cases):
@@ -149,7 +149,7 @@ def declines_body(rank, world):
     pg = dist_world.default_pg
     dist.all_reduce(np.ones(1))
     taken = _count_taken(pg)
-    limit = pg.ops.direct_bytes
+    limit = min(pg.ops.direct_limit(world), pg.ops.transport._groups[pg.group_id].slot_bytes)
     big = np.full(limit // 8 + 1, float(rank))  # one element over the limit
     strided = (np.arange(10.0) * (rank + 1))[::2]
     bf16 = torch.ones(4, dtype=torch.bfloat16)

@@ -12,7 +12,8 @@ Algorithms (bytes are per rank, n the message, p the group size):
 
 * all_reduce, "direct": every rank copies its chunk into its slot, then reduces all p slots into
   its own buffer. One round per chunk: the latency path (8 bytes: one write, one flag, p reads).
-  Reads p·n, reduces (p-1)·n: used up to ``DISTCOMM_SHM_ALLREDUCE_DIRECT_BYTES`` (64 KiB).
+  Reads p·n, reduces (p-1)·n: used up to ``DISTCOMM_SHM_ALLREDUCE_DIRECT_BYTES`` (by default 256 KiB,
+  and one slot at world size 2; measured, see DIRECT_ALLREDUCE_BYTES).
 * all_reduce, "slices": each rank publishes the parts of the chunk others own, reduces the part it
   owns from all p copies into its next slot, then every rank copies all results out. One round
   per chunk (a round carries one chunk's inputs and the previous chunk's results); each rank
@@ -55,7 +56,13 @@ from ..types import RedOpType
 from . import collectives as generic
 from . import shm_latency
 
-DIRECT_ALLREDUCE_BYTES = 64 * 1024
+# The direct all_reduce (one round, every rank reduces all p copies) against slices (each rank
+# reduces 1/p, then all copy the results), interleaved runs: direct wins up to 256 KiB at world
+# sizes 3, 4 and 8 (at 128 KiB 134-162 µs against 206-213 at world 4, 900-980 against 1280-1550 at
+# world 8), is even at 512 KiB and loses at 1 MiB; at world size 2 it wins up to its one slot
+# (1 MiB: 253-303 µs against 356-370).
+DIRECT_ALLREDUCE_BYTES = 256 * 1024
+TWO_RANK_DIRECT_ALLREDUCE_BYTES = 1 << 20
 # Single-copy reads pay a system call and page pinning per chunk (process_vm_readv copies at about
 # a third of memcpy's speed here), and win by copying once and by not running in lockstep: from
 # 4 MiB for the copy-only collectives, from 16 MiB for all_reduce (measured, world 2 and 4).
@@ -594,7 +601,9 @@ class ShmCollectives:
         self.transport = transport
         self._groups = transport._groups  # gid -> GroupShm, for the latency path (see _context)
         self.allreduce_algo = _algo_env("ALLREDUCE", ("direct", "slices", "readv"))
-        self.direct_bytes = int(os.environ.get("DISTCOMM_SHM_ALLREDUCE_DIRECT_BYTES", DIRECT_ALLREDUCE_BYTES))
+        forced = os.environ.get("DISTCOMM_SHM_ALLREDUCE_DIRECT_BYTES")
+        self.direct_bytes = int(forced) if forced else DIRECT_ALLREDUCE_BYTES
+        self.two_rank_direct_bytes = int(forced) if forced else TWO_RANK_DIRECT_ALLREDUCE_BYTES
         self._reducers: dict = {}
         self.broadcast_algo = _algo_env("BROADCAST", ("slots", "readv"))
         self.allgather_algo = _algo_env("ALLGATHER", ("slots", "readv"))
@@ -606,6 +615,10 @@ class ShmCollectives:
 
     def __getattr__(self, name):
         return getattr(generic, name)
+
+    def direct_limit(self, size: int) -> int:
+        """The largest all_reduce (bytes) the direct algorithm takes in a group of ``size``."""
+        return self.two_rank_direct_bytes if size == 2 else self.direct_bytes
 
     def _readv(self, ch: Channel, nbytes: int, forced: str | None) -> bool:
         """Use single-copy reads? Forced by DISTCOMM_SHM_ALGO_<OP>, else for large messages, and
@@ -665,7 +678,7 @@ class ShmCollectives:
         plain = type(op) is RedOpType  # no factor to apply first; only AVG needs finishing
         if ctx is not None and not ctx.broken and plain and self.allreduce_algo is None:
             n = flat.nbytes
-            if n <= self.direct_bytes and n <= ctx.slot_bytes:
+            if n <= (self.two_rank_direct_bytes if ch.size == 2 else self.direct_bytes) and n <= ctx.slot_bytes:
                 red = self._reducers.get((op, dtype.name)) or self._reducer(op, dtype)
                 self._run(ctx, ch, allreduce_small, flat, red)
                 if op is RedOpType.AVG:
@@ -680,7 +693,7 @@ class ShmCollectives:
         algo = self.allreduce_algo
         if algo is None:
             n = flat.nbytes
-            algo = "direct" if n <= self.direct_bytes else "readv" if n >= self.allreduce_readv_bytes else "slices"
+            algo = "direct" if n <= self.direct_limit(ch.size) else "readv" if n >= self.allreduce_readv_bytes else "slices"
         if algo == "readv" and not self.transport.direct_reads_ok(ch.ranks):
             algo = "slices"
         if algo == "slices":

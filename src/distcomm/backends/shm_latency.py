@@ -22,7 +22,7 @@ without having done anything), which then runs it or raises its error:
 * a busy group (async work queued or running), a destroyed one, broken shared memory;
 * anything but a C-contiguous writeable numpy array or a contiguous CPU torch tensor (not bfloat16);
 * an op other than a plain ReduceOp the dtype supports;
-* an empty message, or one over ``DISTCOMM_SHM_ALLREDUCE_DIRECT_BYTES`` or a slot;
+* an empty message, or one over the direct algorithm's limit (``ShmCollectives.direct_limit``) or a slot;
 * torch's profiler recording (the general path records the call).
 
 Once it has taken a sequence number it completes the call or raises, as the general path does:
@@ -71,7 +71,7 @@ def build(pg, ctx, collectives) -> Callable[[Any, Any], bool]:
     executor = pg.executor
     enter, leave = executor.enter_inline, executor.leave_inline
     rank, size, nslots = ctx.rank, ctx.size, ctx.nslots
-    limit = min(collectives.direct_bytes, ctx.slot_bytes)
+    limit = min(collectives.direct_limit(size), ctx.slot_bytes)
     # GroupShm's internals, read directly: this function is its fast client (see the module doc).
     mine, my_headers, headers = ctx._mine, ctx._my_headers, ctx.headers
     peer_ctl, peers = ctx._peer_ctl, ctx._peers
