@@ -101,7 +101,8 @@ def build(pg, ctx, collectives) -> Callable[[Any, Any], bool]:
             check_supported(op, dtype)
         except (TypeError, ValueError, DistBackendError):
             return None  # the general path raises the error
-        entry = plans[(op, np_dtype)] = (signature("all_reduce", dtype.code, int(op)), sequence_reducer(op, dtype), dtype)
+        entry = (signature("all_reduce", dtype.code, int(op)), sequence_reducer(op, dtype), dtype)
+        plans[(op, np_dtype)] = entry
         return entry
 
     def all_posted(k: int) -> bool:

@@ -172,11 +172,12 @@ class GroupShm:
         ``AWAITING``/``AWAIT_FROM``) is now complete; nobody else is disturbed.
 
         No lost wake-ups (Dekker's pattern): a waiter about to sleep stores its flag, fences, then
-        checks the counters; a poster stores its counter, fences, then reads the flags. Whichever fences
-        last sees the other's store: either the waiter finds the counter moved, or the poster
-        finds the flag and rings (bumping the bell first, so a waiter between its last check and
-        its futex sleep returns at once). With p ranks waiting on each other, only the last
-        poster rings anyone; a waiter still spinning or yielding costs the poster no system call.
+        checks the counters; a poster stores its counter, fences, then reads the flags. Whichever
+        fences last sees the other's store: either the waiter finds the counter moved, or the
+        poster finds the flag and rings (bumping the bell first, so a waiter between its last
+        check and its futex sleep returns at once). With p ranks waiting on each other, only the
+        last poster rings anyone; a waiter still spinning or yielding has published nothing and
+        costs the poster one read.
         """
         fence()
         self._ring_posted()

@@ -13,8 +13,9 @@ system call only when it has to. A sleeper calls FUTEX_WAIT(bell, value it read 
 check), so a bump between its check and its sleep makes the kernel return at once; sleeps are also
 capped (``slice_s``), which bounds the cost of any wake-up lost to store reordering and gives the
 waiter a regular moment to check its peers' health. Group rounds (shm_group.py) go further: a
-waiter about to sleep publishes what it waits for, and only the post or consume that completes it rings the bell
-(p ranks waiting on each other: one ring each, from the last poster; no bumps before that).
+waiter about to sleep publishes what it waits for, and only the post or consume that completes it
+rings the bell (p ranks waiting on each other: one ring each, from the last poster; no bumps
+before that).
 
 Peer health. Each rank keeps a pidfd per peer (a file descriptor that becomes readable when the
 process exits, zombie or not, and never refers to a recycled pid). While sleeping, a waiter checks
