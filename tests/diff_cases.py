@@ -921,8 +921,8 @@ def variant_runs(variant: str, name: str) -> bool:
 class _AlgoCounter:
     """Counts calls of backends/shm_collectives.py's algorithms (its module-level functions taking
     ``ctx`` first) while installed. ShmCollectives calls them through the module's globals, so
-    replacing them there sees every call; ``remove`` puts the originals back. The latency path
-    (backends/shm_latency.py) counts as "small_all_reduce" each call it takes."""
+    replacing them there sees every call; ``remove`` puts the originals back. The latency paths
+    (backends/shm_latency.py) count as "small_all_reduce" and "small_barrier" each call they take."""
 
     MODULE = "distcomm.backends.shm_collectives"
 
@@ -934,16 +934,19 @@ class _AlgoCounter:
         build = mod.shm_latency.build
         self.saved["shm_latency.build"] = build
 
-        def counting_build(*args, **kwargs):
-            fast = build(*args, **kwargs)
-
-            def small_all_reduce(tensor, op):
-                taken = fast(tensor, op)
+        def counted(name, fn):
+            def call(*args):
+                taken = fn(*args)
                 if taken:
-                    self.counts["small_all_reduce"] = self.counts.get("small_all_reduce", 0) + 1
+                    self.counts[name] = self.counts.get(name, 0) + 1
                 return taken
 
-            return small_all_reduce
+            return call
+
+        def counting_build(*args, **kwargs):
+            paths = build(*args, **kwargs)
+            return paths._replace(all_reduce=counted("small_all_reduce", paths.all_reduce),
+                                  barrier=counted("small_barrier", paths.barrier))
 
         mod.shm_latency.build = counting_build
 

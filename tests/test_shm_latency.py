@@ -1,4 +1,4 @@
-"""The latency path for small synchronous all_reduces (backends/shm_latency.py).
+"""The latency paths for small synchronous all_reduces and barriers (backends/shm_latency.py).
 
 * It takes the calls it should (counted: each call through it returns True) and gives the same
   bits as the general path (the same inputs through ``async_op=True``, which never takes it) and
@@ -10,6 +10,8 @@
 * Errors through it name the operation, its sequence number and the peer, and mark the group's
   shared memory broken: a size mismatch, a timeout. (A killed peer is test_shm_failures.py's
   test_dead_peer_fails_fast_naming_it, whose all_reduce takes this path.)
+* A barrier through it holds every rank until the last arrives, shares rounds with all_reduces and
+  with the general path's barrier, and a barrier met by another collective names both sides.
 """
 
 from __future__ import annotations
@@ -270,3 +272,77 @@ def mixed_paths_body(rank, world):
 
 def test_latency_and_general_paths_meet_in_one_round():
     run_world(mixed_paths_body, 3, timeout=60)
+
+
+def barrier_body(rank, world):
+    import time
+
+    import numpy as np
+
+    import distcomm as dist
+    from distcomm import world as dist_world
+
+    dist.init_process_group(None)
+    dist.barrier()  # sets up the group's shared memory
+    pg = dist_world.default_pg
+    inner = pg.small_barrier  # installs the latency paths on first use
+    taken = []
+
+    def counting():
+        answer = pg_barrier()
+        taken.append(answer)
+        return answer
+
+    dist.barrier()
+    pg_barrier = pg.small_barrier
+    assert pg_barrier is not inner
+    pg.small_barrier = counting
+    # a barrier holds everyone until the last arrives (here: rank 0, late, so the others sleep)
+    if rank == 0:
+        time.sleep(0.3)
+    entered = np.array([time.time()])
+    dist.barrier()
+    left = np.array([time.time()])
+    # barriers between all_reduces, on both paths
+    for i in range(5):
+        x = np.full(3, float(rank + i))
+        dist.all_reduce(x)
+        dist.barrier()
+        assert x.tolist() == [float(sum(range(world)) + i * world)] * 3
+    dist.barrier(async_op=True).wait()  # the general path, same rounds
+    dist.barrier()
+    assert taken == [True] * 7, taken
+    # nobody left the late barrier before rank 0 entered it (one host: one clock)
+    entries, exits = [np.zeros(1) for _ in range(world)], [np.zeros(1) for _ in range(world)]
+    dist.all_gather(entries, entered)
+    dist.all_gather(exits, left)
+    assert min(e[0] for e in exits) >= entries[0][0], (entries, exits)
+    dist.destroy_process_group()
+
+
+def test_barrier_latency_path_holds_everyone_and_shares_rounds():
+    run_world(barrier_body, 3, timeout=60)
+
+
+def barrier_mismatch_body(rank, world):
+    import numpy as np
+
+    import distcomm as dist
+
+    dist.init_process_group(None)
+    dist.barrier()
+    dist.barrier()
+    try:
+        if rank == 0:
+            dist.barrier()
+        else:
+            dist.all_reduce(np.ones(2))
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_barrier_latency_path_mismatch_names_the_peer():
+    results = run_world(barrier_mismatch_body, 2, timeout=60)
+    assert "barrier #3" in results[0] and "rank 1" in results[0], results[0]
+    assert "all_reduce #3" in results[1] and "rank 0" in results[1], results[1]

@@ -190,10 +190,12 @@ class ProcessGroup:
         self.ops = getattr(transport, "collectives", None) or generic_collectives
         self.seq = 0
         self.executor = OrderedExecutor(name)
-        # ``small_all_reduce(tensor, op) -> bool``: the engine's latency path for small synchronous
-        # all_reduces (backends/shm_latency.py), which does the whole call and returns True, or
-        # returns False having done nothing. Found once the engine has one (see _find_small_all_reduce).
-        self.small_all_reduce = self._find_small_all_reduce
+        # ``small_all_reduce(tensor, op) -> bool`` and ``small_barrier() -> bool``: the engine's
+        # latency paths for small synchronous all_reduces and for barriers (backends/shm_latency.py).
+        # Each does the whole call and returns True, or returns False having done nothing. Found
+        # once the engine has them (see _install_latency_paths).
+        self.small_all_reduce = self._first_small_all_reduce
+        self.small_barrier = self._first_small_barrier
 
     @property
     def timeout(self) -> timedelta:
@@ -263,20 +265,29 @@ class ProcessGroup:
 
         return self.executor.run(op, run, async_op, result)
 
-    def _find_small_all_reduce(self, tensor, op) -> bool:
-        """Ask the engine for its latency path: it has none (generic collectives, a group of one,
+    def _first_small_all_reduce(self, tensor, op) -> bool:
+        return self._install_latency_paths() and self.small_all_reduce(tensor, op)
+
+    def _first_small_barrier(self) -> bool:
+        return self._install_latency_paths() and self.small_barrier()
+
+    def _install_latency_paths(self) -> bool:
+        """Ask the engine for its latency paths: it has none (generic collectives, a group of one,
         a member on another host, an algorithm forced), not yet (the group's shared memory is set
-        up by its first collective), or one, which from then on takes the calls."""
-        make = getattr(self.ops, "small_all_reduce", None)
-        fast = False if make is None else make(self)
-        if fast is None:
+        up by its first collective), or some, which from then on take the calls (True)."""
+        make = getattr(self.ops, "latency_paths", None)
+        paths = False if make is None else make(self)
+        if paths is None:
             return False
-        self.small_all_reduce = fast or _no_latency_path
-        return bool(fast) and fast(tensor, op)
+        if not paths:
+            self.small_all_reduce = self.small_barrier = _no_latency_path
+            return False
+        self.small_all_reduce, self.small_barrier = paths.all_reduce, paths.barrier
+        return True
 
     def close(self) -> None:
         self.executor.close()
 
 
-def _no_latency_path(tensor, op) -> bool:
+def _no_latency_path(*args) -> bool:
     return False

@@ -662,10 +662,10 @@ class ShmCollectives:
             ctx.broken = f"{type(exc).__name__}: {exc}"
             raise
 
-    def small_all_reduce(self, pg):
-        """The latency path of process group ``pg`` (shm_latency.py; see
-        ProcessGroup.small_all_reduce): None until the group's shared memory exists, False if
-        it never will be used (a group of one, a member on another host, an algorithm forced)."""
+    def latency_paths(self, pg):
+        """The latency paths of process group ``pg`` (shm_latency.py; see
+        ProcessGroup._install_latency_paths): None until the group's shared memory exists, False
+        if they will never be used (a group of one, a member on another host, an algorithm forced)."""
         if pg.size() == 1 or self.allreduce_algo is not None or not self.transport.all_local(pg.ranks):
             return False
         ctx = self._groups.get(pg.group_id)

@@ -1,4 +1,5 @@
-"""The latency path: a small synchronous all_reduce, from the user's array to its result in one call.
+"""The latency paths: a small synchronous all_reduce (or a barrier), from the call to its result in
+one function.
 
 An 8-byte all_reduce moves nothing worth measuring; its cost is Python. The general path
 (``_api/collectives.all_reduce`` → ``ProcessGroup.collective`` → ``OrderedExecutor.run`` → a
@@ -9,15 +10,16 @@ time: it measured about 45 µs of CPU per call and rank, 100 µs per call. This 
 
 It runs the round of ``shm_collectives.allreduce_small``, which stays its reference: every rank copies
 its data into its slot, posts, waits for every post, reduces all p copies in rank order into its
-buffer and consumes the round. What does not change from call to call is looked up once, when
+buffer and consumes the round. A barrier is the same round without data (``shm_collectives.barrier``). What does not change from call to call is looked up once, when
 the group's shared memory exists: the executor, the slots and counters, the reducer and message
 signature of each (op, dtype). A wait begins by spinning (a core per rank) or yielding (more ranks
 than cores) without publishing anything, so posters need not look for it; one that lasts longer
 than the wait policy's spin or yield time continues in ``GroupShm.wait_posted``, which sleeps,
 watches the peers' health and times out after the group's timeout (counted from there).
 
-It takes only an ordinary call, and leaves anything else to the general path (returning False
-without having done anything), which then runs it or raises its error:
+Each takes only an ordinary call, and leaves anything else to the general path (returning False
+without having done anything), which then runs it or raises its error (for a barrier, only the
+first of these applies):
 
 * a busy group (async work queued or running), a destroyed one, broken shared memory;
 * anything but a C-contiguous writeable numpy array or a contiguous CPU torch tensor (not bfloat16);
@@ -35,7 +37,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -65,8 +67,16 @@ def _torch_flat(t) -> np.ndarray | None:
     return t.detach().numpy().reshape(-1)
 
 
-def build(pg, ctx, collectives) -> Callable[[Any, Any], bool]:
-    """The latency path of process group ``pg``, whose shared memory is ``ctx`` (a GroupShm) and
+class LatencyPaths(NamedTuple):
+    """One group's latency paths: each does the whole call and returns True, or returns False
+    having done nothing (the general path runs the call then)."""
+
+    all_reduce: Callable[[Any, Any], bool]  # (tensor, op)
+    barrier: Callable[[], bool]
+
+
+def build(pg, ctx, collectives) -> LatencyPaths:
+    """The latency paths of process group ``pg``, whose shared memory is ``ctx`` (a GroupShm) and
     whose engine's collectives are ``collectives`` (ShmCollectives: thresholds and reducers)."""
     executor = pg.executor
     enter, leave = executor.enter_inline, executor.leave_inline
@@ -80,6 +90,7 @@ def build(pg, ctx, collectives) -> Callable[[Any, Any], bool]:
     budget = policy.yield_s if yields else policy.spin_s
     sched_yield, clock = os.sched_yield, time.perf_counter
     plans: dict = {}  # (op, numpy dtype) -> (signature, reduce_all, DType), once checked
+    barrier_sig = signature("barrier")
     # The last torch tensor taken, its data pointer and its memory as numpy: a loop that reduces
     # the same tensor call after call skips the conversion (2.5 µs; the check costs 0.35). It keeps
     # that one small tensor alive until another takes its place. One tuple, read and replaced
@@ -119,6 +130,61 @@ def build(pg, ctx, collectives) -> Callable[[Any, Any], bool]:
             if clock() >= end:
                 return False
 
+    # -- one round, as GroupShm's acquire, post, wait_posted and consume do it --------------------
+    def open_round(seq: int, sig: int, op: str) -> int:
+        """The next round's number, once every peer has read our slot's last use."""
+        k = ctx.round = ctx.round + 1
+        need = k - nslots
+        if need > ctx._consumed_floor:
+            floor = min([c[CONSUMED] for c in peer_ctl])
+            if floor < need:
+                ctx.acquire(k, pg.channel(op, seq, sig))
+            else:
+                ctx._consumed_floor = floor
+        return k
+
+    def exchange(k: int, seq: int, sig: int, n: int, op: str) -> None:
+        """Post round k (our slot holds ``n`` bytes), wait until every peer has, check their headers."""
+        s = k % nslots
+        h = my_headers[s]  # the header, then the counter, then the wake-ups
+        h[S_SEQ] = seq
+        h[S_SIG] = sig
+        h[S_NBYTES] = n
+        h[S_ROUND] = k
+        mine[POSTED] = k
+        fence()
+        for c in peer_ctl:
+            if c[AWAITING]:  # someone asleep (rare here): let GroupShm see whom to ring
+                ctx._ring_posted()
+                break
+        for c in peer_ctl:
+            if c[POSTED] < k:
+                if not all_posted(k):
+                    ctx.wait_posted(k, pg.channel(op, seq, sig), n)
+                break
+        for q in peers:
+            hq = headers[q][s]
+            if hq[S_ROUND] != k or hq[S_SEQ] != seq or hq[S_SIG] != sig or hq[S_NBYTES] != n:
+                raise ctx._mismatch(q, k, hq, pg.channel(op, seq, sig), n)
+
+    def close_round(k: int) -> None:
+        mine[CONSUMED] = k
+        fence()
+        for c in peer_ctl:
+            if c[REUSING]:
+                ctx._ring_consumed()
+                break
+
+    def failed(exc: BaseException, op: str, seq: int, sig: int) -> BaseException:
+        """The group's shared memory is unusable after a failure within a round; the error to raise
+        (a transport's, in the words of the operation)."""
+        if isinstance(exc, TransportError):
+            ctx.broken = str(exc)
+            return pg.channel(op, seq, sig).translate(exc, None)
+        ctx.broken = f"{type(exc).__name__}: {exc}"
+        return exc
+
+    # -- the calls ------------------------------------------------------------------------------
     def small_all_reduce(tensor, op) -> bool:
         if tensor.__class__ is _ndarray:
             flags = tensor.flags
@@ -141,56 +207,40 @@ def build(pg, ctx, collectives) -> Callable[[Any, Any], bool]:
         sig, reduce_all, dtype = entry
         pg.seq = seq = pg.seq + 1
         try:
-            k = ctx.round = ctx.round + 1
-            need = k - nslots
-            if need > ctx._consumed_floor:  # as GroupShm.acquire: has every peer read the slot's last use?
-                floor = min([c[CONSUMED] for c in peer_ctl])
-                if floor < need:
-                    ctx.acquire(k, pg.channel("all_reduce", seq, sig))
-                else:
-                    ctx._consumed_floor = floor
-            s = k % nslots
+            k = open_round(seq, sig, "all_reduce")
             views = ctx.views(k, np_dtype, flat.size)
             views[rank][...] = flat
-            h = my_headers[s]  # as GroupShm.post: the header, then the counter, then the wake-ups
-            h[S_SEQ] = seq
-            h[S_SIG] = sig
-            h[S_NBYTES] = n
-            h[S_ROUND] = k
-            mine[POSTED] = k
-            fence()
-            for c in peer_ctl:
-                if c[AWAITING]:  # someone asleep (rare here): let GroupShm see whom to ring
-                    ctx._ring_posted()
-                    break
-            for c in peer_ctl:
-                if c[POSTED] < k:
-                    if not all_posted(k):
-                        ctx.wait_posted(k, pg.channel("all_reduce", seq, sig), n)
-                    break
-            for q in peers:
-                hq = headers[q][s]
-                if hq[S_ROUND] != k or hq[S_SEQ] != seq or hq[S_SIG] != sig or hq[S_NBYTES] != n:
-                    raise ctx._mismatch(q, k, hq, pg.channel("all_reduce", seq, sig), n)
+            exchange(k, seq, sig, n, "all_reduce")
             if rank:
                 flat[...] = views[0]
             reduce_all(flat, views[1:])
-            mine[CONSUMED] = k  # as GroupShm.consume
-            fence()
-            for c in peer_ctl:
-                if c[REUSING]:
-                    ctx._ring_consumed()
-                    break
+            close_round(k)
             if op is RedOpType.AVG:
                 finish(op, flat, size, dtype)
-        except TransportError as exc:
-            ctx.broken = str(exc)
-            raise pg.channel("all_reduce", seq, sig).translate(exc, None) from None
         except BaseException as exc:
-            ctx.broken = f"{type(exc).__name__}: {exc}"
-            raise
+            error = failed(exc, "all_reduce", seq, sig)
+            if error is exc:
+                raise
+            raise error from None
         finally:
             leave()
         return True
 
-    return small_all_reduce
+    def small_barrier() -> bool:
+        if ctx.broken is not None or _profiling() is not None or not enter():
+            return False
+        pg.seq = seq = pg.seq + 1
+        try:
+            k = open_round(seq, barrier_sig, "barrier")
+            exchange(k, seq, barrier_sig, 0, "barrier")
+            close_round(k)
+        except BaseException as exc:
+            error = failed(exc, "barrier", seq, barrier_sig)
+            if error is exc:
+                raise
+            raise error from None
+        finally:
+            leave()
+        return True
+
+    return LatencyPaths(small_all_reduce, small_barrier)
