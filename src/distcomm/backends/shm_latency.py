@@ -37,7 +37,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, NoReturn
 
 import numpy as np
 
@@ -175,14 +175,14 @@ def build(pg, ctx, collectives) -> LatencyPaths:
                 ctx._ring_consumed()
                 break
 
-    def failed(exc: BaseException, op: str, seq: int, sig: int) -> BaseException:
-        """The group's shared memory is unusable after a failure within a round; the error to raise
-        (a transport's, in the words of the operation)."""
+    def fail(exc: BaseException, op: str, seq: int, sig: int) -> NoReturn:
+        """After a failure within a round the group's shared memory is unusable: mark it, and raise
+        the error (a transport's in the words of the operation, as ShmCollectives._run does)."""
         if isinstance(exc, TransportError):
             ctx.broken = str(exc)
-            return pg.channel(op, seq, sig).translate(exc, None)
+            raise pg.channel(op, seq, sig).translate(exc, None) from None
         ctx.broken = f"{type(exc).__name__}: {exc}"
-        return exc
+        raise exc
 
     # -- the calls ------------------------------------------------------------------------------
     def small_all_reduce(tensor, op) -> bool:
@@ -218,10 +218,7 @@ def build(pg, ctx, collectives) -> LatencyPaths:
             if op is RedOpType.AVG:
                 finish(op, flat, size, dtype)
         except BaseException as exc:
-            error = failed(exc, "all_reduce", seq, sig)
-            if error is exc:
-                raise
-            raise error from None
+            fail(exc, "all_reduce", seq, sig)
         finally:
             leave()
         return True
@@ -235,10 +232,7 @@ def build(pg, ctx, collectives) -> LatencyPaths:
             exchange(k, seq, barrier_sig, 0, "barrier")
             close_round(k)
         except BaseException as exc:
-            error = failed(exc, "barrier", seq, barrier_sig)
-            if error is exc:
-                raise
-            raise error from None
+            fail(exc, "barrier", seq, barrier_sig)
         finally:
             leave()
         return True
