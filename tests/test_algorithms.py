@@ -444,14 +444,20 @@ def test_allreduce_ring_pipelined_count_mismatch_with_equal_segments(p):
         allreduce_ring_pipelined(mk("all_reduce", timeout=5.0), np.ones(count, np.float32), reduce,
                                  segment_bytes=4, window=2)
 
+    mismatch = _fails_with_a_mismatch(p, body)
+    assert "all_reduce" in str(mismatch) and "peer rank" in str(mismatch)
+
+
+def _fails_with_a_mismatch(p, body) -> CollectiveMismatchError:
+    """Run ``body`` on p threads: they end promptly, each rank either finished or failed with the
+    mismatch or because a failed peer went away, and at least one with the mismatch (returned)."""
     start = time.monotonic()
     results = run_threads_exc(p, body)
     assert time.monotonic() - start < 4.0, "ranks waited out their deadline instead of failing"
     assert any(isinstance(e, CollectiveMismatchError) for e in results), results
     for e in results:
         assert e is None or isinstance(e, (CollectiveMismatchError, PeerLostError)), repr(e)
-    mismatch = next(e for e in results if isinstance(e, CollectiveMismatchError))
-    assert "all_reduce" in str(mismatch) and "peer rank" in str(mismatch)
+    return next(e for e in results if isinstance(e, CollectiveMismatchError))
 
 
 # -- disagreement between ranks: an error, never a hang or silent corruption ------------------------
@@ -486,14 +492,7 @@ def test_count_mismatch_raises(op_name, algo, p):
         else:
             fn(ch, np.ones(p * count, np.float32), count)
 
-    start = time.monotonic()
-    results = run_threads_exc(p, body)
-    assert time.monotonic() - start < 4.0, "ranks waited out their deadline instead of failing"
-    assert any(isinstance(e, CollectiveMismatchError) for e in results), results
-    for e in results:
-        # every rank fails: with the mismatch, or because a failed peer went away
-        assert e is None or isinstance(e, (CollectiveMismatchError, PeerLostError)), repr(e)
-    mismatch = next(e for e in results if isinstance(e, CollectiveMismatchError))
+    mismatch = _fails_with_a_mismatch(p, body)
     assert op_name in str(mismatch) and "#0" in str(mismatch) and "peer rank" in str(mismatch)
 
 

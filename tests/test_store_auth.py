@@ -216,24 +216,11 @@ def test_the_server_keeps_serving_while_bad_clients_are_refused(master, keyed):
     good.close()
 
 
-def _closed(sock: socket.socket) -> bool:
-    sock.settimeout(10)
-    try:
-        while sock.recv(4096):
-            pass
-        return True
-    except ConnectionResetError:
-        return True
-    except socket.timeout:
-        return False
-    finally:
-        sock.close()
-
-
 # -- a key-holding server's handlers, driven by hand: nothing is processed before a right proof ---------
 
 
 from test_store_tcp_server import _FakeSocket  # noqa: E402 - a socket that records what is sent
+from test_store_tcp_server import _closed_by_server as _closed  # noqa: E402 - EOF or reset within 10 s
 
 
 SERVER_KEY = b"server key"
