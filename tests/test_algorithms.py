@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from distcomm import reduction as R
-from distcomm.algorithms import reference, select
+from distcomm._algorithms import reference, select
 from distcomm.dtypes import from_name
 from distcomm.errors import CollectiveMismatchError, DistTimeoutError, PeerLostError
 from distcomm.transport.base import Channel, MessageKey
@@ -402,7 +402,7 @@ def test_barrier_waits_for_everyone(p):
 @pytest.mark.parametrize("p", WORLDS)
 @pytest.mark.parametrize("segment_bytes,window", [(4, 1), (8, 2), (12, 3), (4, 8), (1 << 20, 4)])
 def test_allreduce_ring_pipelined_segments(p, segment_bytes, window):
-    from distcomm.algorithms.allreduce_ring_pipelined import allreduce_ring_pipelined
+    from distcomm._algorithms.allreduce_ring_pipelined import allreduce_ring_pipelined
 
     fn = functools.partial(allreduce_ring_pipelined, segment_bytes=segment_bytes, window=window)
     for count in sorted({0, 1, max(p - 1, 0), 2 * p + 1, 13, 101, 1009}):
@@ -414,7 +414,7 @@ def test_allreduce_ring_pipelined_segments(p, segment_bytes, window):
 @pytest.mark.parametrize("p", [2, 3, 5])
 def test_allreduce_ring_pipelined_random_floats_bit_identical(p):
     """Segments change nothing about the order of reduction: the same bits as the plain ring."""
-    from distcomm.algorithms.allreduce_ring_pipelined import allreduce_ring_pipelined
+    from distcomm._algorithms.allreduce_ring_pipelined import allreduce_ring_pipelined
 
     reduce = R.reducer(RedOpType.SUM, from_name("float32"))
     count = 4099
@@ -435,7 +435,7 @@ def test_allreduce_ring_pipelined_random_floats_bit_identical(p):
 @pytest.mark.parametrize("p", [2, 3])
 def test_allreduce_ring_pipelined_count_mismatch_with_equal_segments(p):
     """Counts 4·seg and 6·seg per block give segments of equal size: the count message catches it."""
-    from distcomm.algorithms.allreduce_ring_pipelined import allreduce_ring_pipelined
+    from distcomm._algorithms.allreduce_ring_pipelined import allreduce_ring_pipelined
 
     reduce = R.reducer(RedOpType.SUM, from_name("float32"))
 
@@ -524,10 +524,10 @@ def test_missing_rank_times_out_naming_it():
 
 # -- selection -------------------------------------------------------------------------------------
 def test_select_defaults_and_overrides(monkeypatch):
-    from distcomm.algorithms.allreduce_halving_doubling import allreduce_halving_doubling
-    from distcomm.algorithms.allreduce_recursive_doubling import allreduce_recursive_doubling
-    from distcomm.algorithms.allreduce_ring import allreduce_ring
-    from distcomm.algorithms.allreduce_ring_pipelined import allreduce_ring_pipelined
+    from distcomm._algorithms.allreduce_halving_doubling import allreduce_halving_doubling
+    from distcomm._algorithms.allreduce_recursive_doubling import allreduce_recursive_doubling
+    from distcomm._algorithms.allreduce_ring import allreduce_ring
+    from distcomm._algorithms.allreduce_ring_pipelined import allreduce_ring_pipelined
 
     assert select.choose("all_reduce", 8, 4) is allreduce_recursive_doubling
     assert select.choose("allreduce", 1 << 20, 4) is allreduce_halving_doubling

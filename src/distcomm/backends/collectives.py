@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import reduction
-from ..algorithms import select
+from .._algorithms import select
 from ..dtypes import DType
 from ..transport.base import Channel
 

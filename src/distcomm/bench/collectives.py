@@ -373,7 +373,7 @@ def _algo_key(op: str) -> str:
 
 def algo_env(ops: list[str], requests: list[str]) -> dict[str, str]:
     """DISTCOMM_ALGO_<OP> variables for ``--algo`` values: ``NAME`` (every chosen op that has it) or ``OP=NAME``."""
-    from ..algorithms.select import ALGORITHMS
+    from .._algorithms.select import ALGORITHMS
 
     env: dict[str, str] = {}
     for request in requests:
