@@ -219,7 +219,7 @@ def large_body(rank, world):
     from distcomm import world as world_state
 
     dist.init_process_group("shm")
-    ops = world_state.default_pg.ops
+    ops = world_state.default_pg.collectives
     n = 3 * (1 << 20) // 4 + 13  # ~3 MiB of float32: several 1 MiB rounds and a ragged end
     parts = [_data(q, n, np.float32, 77) for q in range(world)]
     for algo in ("slices", "direct", "readv"):

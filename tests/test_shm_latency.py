@@ -68,7 +68,7 @@ def _reference(np, dtype: str, op, count: int, world: int, salt: int):
 
 def _count_taken(pg):
     """Wrap the installed latency path: a list of its answers, one per call."""
-    fast = pg.small_all_reduce
+    fast = pg.fast_all_reduce
     taken = []
 
     def counting(tensor, op):
@@ -76,7 +76,7 @@ def _count_taken(pg):
         taken.append(answer)
         return answer
 
-    pg.small_all_reduce = counting
+    pg.fast_all_reduce = counting
     return taken
 
 
@@ -91,7 +91,7 @@ def results_body(rank, world):
     pg = dist_world.default_pg
     dist.all_reduce(np.ones(1))  # ... and the second finds the latency path
     taken = _count_taken(pg)
-    limit = min(pg.ops.direct_limit(world), pg.ops.transport._groups[pg.group_id].slot_bytes)
+    limit = min(pg.collectives.direct_limit(world), pg.collectives.transport.group_shm(pg.group_id).slot_bytes)
     failures = []
     cases = list(_cases(np)) + [("float32", dist.ReduceOp.SUM, limit // 4), ("uint8", dist.ReduceOp.MAX, limit)]
     for salt, (dtype, op, count) in enumerate(cases):
@@ -151,7 +151,7 @@ def declines_body(rank, world):
     pg = dist_world.default_pg
     dist.all_reduce(np.ones(1))
     taken = _count_taken(pg)
-    limit = min(pg.ops.direct_limit(world), pg.ops.transport._groups[pg.group_id].slot_bytes)
+    limit = min(pg.collectives.direct_limit(world), pg.collectives.transport.group_shm(pg.group_id).slot_bytes)
     big = np.full(limit // 8 + 1, float(rank))  # one element over the limit
     strided = (np.arange(10.0) * (rank + 1))[::2]
     bf16 = torch.ones(4, dtype=torch.bfloat16)
@@ -166,7 +166,7 @@ def declines_body(rank, world):
     # a busy group (here: this thread holds it, as a running async op would) is declined at once
     assert pg.executor.enter_inline()
     try:
-        assert pg.small_all_reduce(np.ones(2), dist.ReduceOp.SUM) is False
+        assert pg.fast_all_reduce(np.ones(2), dist.ReduceOp.SUM) is False
     finally:
         pg.executor.leave_inline()
     # async work queued: a synchronous call after it runs after it (on the general path, unless the
@@ -285,7 +285,7 @@ def barrier_body(rank, world):
     dist.init_process_group(None)
     dist.barrier()  # sets up the group's shared memory
     pg = dist_world.default_pg
-    inner = pg.small_barrier  # installs the latency paths on first use
+    inner = pg.fast_barrier  # installs the latency paths on first use
     taken = []
 
     def counting():
@@ -294,9 +294,9 @@ def barrier_body(rank, world):
         return answer
 
     dist.barrier()
-    pg_barrier = pg.small_barrier
+    pg_barrier = pg.fast_barrier
     assert pg_barrier is not inner
-    pg.small_barrier = counting
+    pg.fast_barrier = counting
     # a barrier holds everyone until the last arrives (here: rank 0, late, so the others sleep)
     if rank == 0:
         time.sleep(0.3)

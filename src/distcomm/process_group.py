@@ -1,165 +1,56 @@
-"""ProcessGroup: a set of global ranks, its sequence numbers, its engine, and its order of work.
+"""ProcessGroup: a group of processes and its operations, shaped like torch's c10d ProcessGroup.
 
-Operations on one group complete in issue order (torch's guarantee). A synchronous call made while
-nothing is queued runs inline in the caller's thread: no thread hand-off on the latency path. An
-``async_op=True`` call is queued for the group's one worker thread (started on first use), which
-makes progress while the caller computes; a synchronous call made behind queued work waits its turn.
-One thread per group, never one per operation: two groups can then never deadlock each other the
-way a single shared worker could (rank 0 runs group A's op while rank 1 runs group B's).
+A ProcessGroup holds the group's ranks, its Engine (backends/engine.py) and that engine's
+GroupCollectives for it, its sequence numbers and its order of work (executor.py). Its methods are
+torch c10d's, at the buffer level: each takes ``buffers.Buffer`` objects whose arguments the caller
+has already checked (``_api/args.py`` does it for the public functions), runs the operation as
+the group's next one, inline or on the group's worker thread, writes results back into the user's
+tensors, and returns a Work when ``async_op`` is true (else None, once done). ``root``, ``dst`` and
+``src`` are group ranks. The ``result`` argument is the value of the Work's future (torch's: the
+output tensors).
+
+Nothing here needs the global world: a ProcessGroup can be built around any connected Engine,
+which is how distcomm's public API and a torch backend adapter both use it.
+
+Every message of a collective carries the group id, the sequence number and a *signature* (op,
+dtype, reduce op), so ranks that disagree about the call see a mismatch error instead of
+exchanging each other's bytes.
 """
 
 from __future__ import annotations
 
-import collections
-import sys
-import threading
 import time
-from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
-from .backends import collectives as generic_collectives
-from .transport.base import KIND_COLLECTIVE, Channel, MessageKey, Transport
+import numpy as np
+
+from .backends.engine import Engine, FastPath, GroupSpec
+from .buffers import Buffer
+from .errors import (
+    CollectiveMismatchError,
+    DistBackendError,
+    DistTimeoutError,
+    PeerLostError,
+    describe_op,
+)
+from .executor import OrderedExecutor
+from .profiling import profiler_scope, profiling
+from .signatures import signature
+from .transport.base import ANY_SOURCE, KIND_COLLECTIVE, KIND_P2P, Channel, MessageKey, TransportError
 from .work import Work
 
-# Operation codes carried in message signatures, so ranks running different collectives at the
-# same sequence number see a mismatch instead of exchanging each other's bytes.
-OPCODES = {
-    name: i + 1
-    for i, name in enumerate(
-        [
-            "broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "gather",
-            "scatter", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
-            "barrier", "monitored_barrier", "broadcast_object_list", "all_gather_object",
-            "gather_object", "scatter_object_list", "object_sizes", "send", "recv",
-        ]
-    )
-}
-
-
-def signature(op: str, dtype_code: int = 0, reduce_code: int = 0) -> int:
-    return (OPCODES[op] << 16) | ((dtype_code & 0xFF) << 8) | (reduce_code & 0xFF)
-
-
-def _profiling():
-    """torch when it is loaded and a profiler is on (so calls should be recorded), else None."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return None
-    try:
-        if not torch.autograd.profiler._is_profiler_enabled:
-            return None
-    except AttributeError:
-        pass
-    return torch
-
-
-def _profiler_scope(name: str):
-    """A torch.profiler record_function scope when torch is loaded and a profiler is on."""
-    torch = _profiling()
-    return nullcontext() if torch is None else torch.profiler.record_function(name)
-
-
-class _Task:
-    __slots__ = ("run", "work")
-
-    def __init__(self, run: Callable[[], Any], work: Work):
-        self.run = run
-        self.work = work
-
-
-class OrderedExecutor:
-    """Runs a group's operations one at a time in issue order; see the module docstring."""
-
-    def __init__(self, name: str):
-        self.name = name
-        self._queue: collections.deque[_Task] = collections.deque()
-        # A plain lock (not the default RLock): the inline path takes it twice per call. Only the
-        # worker thread ever waits on the condition, so it is notified only once it exists.
-        self._lock = threading.Lock()
-        self._cv = threading.Condition(self._lock)
-        self._busy = False  # a task (queued or inline) is running
-        self._thread: threading.Thread | None = None
-        self._closed = False
-
-    def enter_inline(self) -> bool:
-        """Claim the group for a synchronous call the caller runs itself: True when nothing is
-        running or queued and the group is open (then ``leave_inline()`` must follow), else False."""
-        with self._lock:  # the lock itself, not the condition: a C-level context manager
-            if self._busy or self._queue or self._closed:
-                return False
-            self._busy = True
-            return True
-
-    def leave_inline(self) -> None:
-        with self._lock:
-            self._busy = False
-            if self._thread is not None:
-                self._cv.notify_all()
-
-    def run(self, op: str, fn: Callable[[], Any], async_op: bool, result: Any = None) -> Work | None:
-        if not async_op and self.enter_inline():
-            try:
-                fn()
-            finally:
-                self.leave_inline()
-            return None
-        work = Work(op, result)
-        with self._cv:
-            if self._closed:
-                raise RuntimeError(f"{op}: the process group {self.name!r} has been destroyed")
-            self._queue.append(_Task(fn, work))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=f"distcomm-{self.name}", daemon=True)
-                self._thread.start()
-            self._cv.notify_all()
-        if async_op:
-            return work
-        work.wait()
-        return None
-
-    def submit_waiter(self, work: Work, wait: Callable[[], Any]) -> None:
-        """Queue a task that completes ``work`` when ``wait()`` returns (futures of p2p work)."""
-        with self._cv:
-            self._queue.append(_Task(wait, work))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=f"distcomm-{self.name}", daemon=True)
-                self._thread.start()
-            self._cv.notify_all()
-
-    def _loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self._queue or (self._busy and not self._closed):
-                    if self._closed and not self._queue:
-                        return
-                    self._cv.wait()
-                task = self._queue.popleft()
-                self._busy = True
-            exc = None
-            try:
-                task.run()
-            except BaseException as e:  # noqa: BLE001 - delivered through the Work
-                exc = e
-            with self._cv:
-                self._busy = False
-                self._cv.notify_all()
-            task.work._finish(exc)
-
-    def close(self) -> None:
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=5)
+def _op_code(op) -> int:
+    return int(getattr(op, "op", op))
 
 
 class ProcessGroup:
     """A group of processes: its global ranks, this process's rank in it, its engine.
 
-    ``rank``/``size`` are group-relative; ``ranks[i]`` is the global rank of group rank i. A
+    ``rank()``/``size()`` are group-relative; ``ranks[i]`` is the global rank of group rank i. A
     process that is not a member has no ProcessGroup object: it holds GroupMember.NON_GROUP_MEMBER.
+    ``engine_ranks`` (default: ``ranks``) are the members' ranks in the engine's own world, which
+    differ when the group has an engine connected among its members only.
     """
 
     def __init__(
@@ -168,11 +59,12 @@ class ProcessGroup:
         name: str,
         ranks: Sequence[int],
         global_rank: int,
-        transport: Transport,
+        engine: Engine,
         backend_name: str,
         timeout: timedelta,
-        engine: Any,
+        engine_name: str = "",
         store: Any = None,
+        engine_ranks: Sequence[int] | None = None,
     ):
         self.group_id = group_id
         self.group_name = name
@@ -180,22 +72,22 @@ class ProcessGroup:
         self._rank_of = {g: i for i, g in enumerate(self.ranks)}
         self.global_rank = global_rank
         self._rank = self._rank_of[global_rank]
-        self.transport = transport
+        self.engine = engine
+        self.engine_name = engine_name or backend_name
         self.backend_name = backend_name
         self.timeout = timeout
-        self.engine = engine
         self.store = store
-        # The engine's collectives: an engine may replace any of backends/collectives.py's
-        # functions (shared memory reduces straight from peers' buffers); the rest are generic.
-        self.ops = getattr(transport, "collectives", None) or generic_collectives
+        self.spec = GroupSpec(group_id, list(self.ranks if engine_ranks is None else engine_ranks), self._rank)
+        self._global_of = dict(zip(self.spec.ranks, self.ranks))  # engine rank -> global rank
+        self.transport = engine.transport
+        self.collectives = engine.collectives(self.spec)
         self.seq = 0
         self.executor = OrderedExecutor(name)
-        # ``small_all_reduce(tensor, op) -> bool`` and ``small_barrier() -> bool``: the engine's
-        # latency paths for small synchronous all_reduces and for barriers (backends/shm_latency.py).
-        # Each does the whole call and returns True, or returns False having done nothing. Found
-        # once the engine has them (see _install_latency_paths).
-        self.small_all_reduce = self._first_small_all_reduce
-        self.small_barrier = self._first_small_barrier
+        # The engine's fast path (FastPath): ``fast_all_reduce(tensor, op) -> bool`` and
+        # ``fast_barrier() -> bool`` each do the whole call and return True, or return False having
+        # done nothing. Asked of the engine on first use (see _install_fast_path).
+        self.fast_all_reduce = self._first_fast_all_reduce
+        self.fast_barrier = self._first_fast_barrier
 
     @property
     def timeout(self) -> timedelta:
@@ -219,19 +111,25 @@ class ProcessGroup:
     def group_rank(self, global_rank: int) -> int:
         return self._rank_of.get(global_rank, -1)
 
+    def global_rank_of_engine_rank(self, engine_rank: int) -> int:
+        """The global rank of a member given by its engine rank (what a transport reports)."""
+        return self._global_of.get(engine_rank, -1)
+
     def __repr__(self) -> str:
         return f"<distcomm.ProcessGroup {self.group_name!r} ranks={self.ranks} backend={self.backend_name}>"
 
     # -- running operations -------------------------------------------------------------------
     def next_seq(self) -> int:
+        """Take the group's next sequence number (in issue order: every member numbers alike)."""
         self.seq += 1
         return self.seq
 
     def channel(self, op: str, seq: int, sig: int, timeout: timedelta | None = None) -> Channel:
+        """The point-to-point view of collective number ``seq``, with its deadline starting now."""
         seconds = self._timeout_s if timeout is None else timeout.total_seconds()
         return Channel(
             self.transport,
-            self.ranks,
+            self.spec.ranks,
             self._rank,
             MessageKey(self.group_id, KIND_COLLECTIVE, seq),
             op,
@@ -239,12 +137,12 @@ class ProcessGroup:
             time.monotonic() + seconds,
         )
 
-    def collective(
+    def run(
         self,
         op: str,
+        sig: int,
         body: Callable[[Channel], Any],
-        async_op: bool,
-        sig: int | None = None,
+        async_op: bool = False,
         result: Any = None,
         timeout: timedelta | None = None,
     ) -> Work | None:
@@ -254,40 +152,309 @@ class ProcessGroup:
         alike whether it runs inline or later on the worker thread.
         """
         seq = self.next_seq()
-        sig = signature(op) if sig is None else sig
 
         def run() -> None:
-            if _profiling() is None:
+            if profiling() is None:
                 body(self.channel(op, seq, sig, timeout))
                 return
-            with _profiler_scope(f"distcomm:{op}"):
+            with profiler_scope(f"distcomm:{op}"):
                 body(self.channel(op, seq, sig, timeout))
 
         return self.executor.run(op, run, async_op, result)
 
-    def _first_small_all_reduce(self, tensor, op) -> bool:
-        return self._install_latency_paths() and self.small_all_reduce(tensor, op)
+    # -- collectives (torch c10d's names) ---------------------------------------------------------
+    def broadcast(self, buf: Buffer, root: int, async_op: bool = False, result: Any = None) -> Work | None:
+        coll = self.collectives
 
-    def _first_small_barrier(self) -> bool:
-        return self._install_latency_paths() and self.small_barrier()
+        def body(ch: Channel) -> None:
+            coll.broadcast(ch, buf.flat, root)
+            buf.commit()
 
-    def _install_latency_paths(self) -> bool:
-        """Ask the engine for its latency paths: it has none (generic collectives, a group of one,
-        a member on another host, an algorithm forced), not yet (the group's shared memory is set
-        up by its first collective), or some, which from then on take the calls (True)."""
-        make = getattr(self.ops, "latency_paths", None)
-        paths = False if make is None else make(self)
+        return self.run("broadcast", signature("broadcast", buf.dtype.code), body, async_op, result)
+
+    def allreduce(self, buf: Buffer, op, async_op: bool = False, result: Any = None) -> Work | None:
+        """``op``: a ReduceOp the dtype supports (checked by the caller)."""
+        coll = self.collectives
+
+        def body(ch: Channel) -> None:
+            coll.all_reduce(ch, buf.flat, buf.dtype, op)
+            buf.commit()
+
+        sig = signature("all_reduce", buf.dtype.code, _op_code(op))
+        return self.run("all_reduce", sig, body, async_op, result)
+
+    def reduce(self, buf: Buffer, op, root: int, async_op: bool = False, result: Any = None) -> Work | None:
+        coll = self.collectives
+
+        def body(ch: Channel) -> None:
+            coll.reduce(ch, buf.flat, buf.dtype, op, root)
+            if ch.rank == root:
+                buf.commit()
+
+        sig = signature("reduce", buf.dtype.code, _op_code(op))
+        return self.run("reduce", sig, body, async_op, result)
+
+    def _gather_into(self, ch: Channel, flat_out: np.ndarray, send: np.ndarray) -> None:
+        count = send.size
+        block = flat_out[ch.rank * count:(ch.rank + 1) * count]
+        if not np.shares_memory(block, send):
+            block[...] = send
+        self.collectives.all_gather(ch, flat_out, count)
+
+    def allgather(self, outs: Sequence[Buffer], inp: Buffer, async_op: bool = False,
+                  result: Any = None) -> Work | None:
+        """``outs``: one buffer per rank, each of ``inp``'s size."""
+        count = inp.count
+
+        def body(ch: Channel) -> None:
+            flat = np.empty(count * ch.size, dtype=inp.flat.dtype)
+            self._gather_into(ch, flat, inp.flat)
+            for i, out in enumerate(outs):
+                out.flat[...] = flat[i * count:(i + 1) * count]
+                out.commit()
+
+        return self.run("all_gather", signature("all_gather", inp.dtype.code), body, async_op, result)
+
+    def allgather_into_tensor(self, out: Buffer, inp: Buffer, async_op: bool = False,
+                              result: Any = None) -> Work | None:
+        """``out`` holds size() times ``inp``'s elements (torch's ``_allgather_base``)."""
+
+        def body(ch: Channel) -> None:
+            self._gather_into(ch, out.flat, inp.flat)
+            out.commit()
+
+        sig = signature("all_gather_into_tensor", inp.dtype.code)
+        return self.run("all_gather_into_tensor", sig, body, async_op, result)
+
+    def gather(self, outs: Sequence[Buffer] | None, inp: Buffer, root: int, async_op: bool = False,
+               result: Any = None) -> Work | None:
+        """``outs``: one buffer per rank on ``root``, None elsewhere."""
+        coll = self.collectives
+        count = inp.count
+
+        def body(ch: Channel) -> None:
+            flat = np.empty(count * ch.size, dtype=inp.flat.dtype) if outs is not None else None
+            coll.gather(ch, inp.flat, flat, root)
+            if outs is not None:
+                for i, out in enumerate(outs):
+                    out.flat[...] = flat[i * count:(i + 1) * count]
+                    out.commit()
+
+        return self.run("gather", signature("gather", inp.dtype.code), body, async_op, result)
+
+    def scatter(self, out: Buffer, ins: Sequence[Buffer] | None, root: int, async_op: bool = False,
+                result: Any = None) -> Work | None:
+        """``ins``: one buffer per rank on ``root``, None elsewhere."""
+        coll = self.collectives
+
+        def body(ch: Channel) -> None:
+            chunks = np.concatenate([b.flat for b in ins]) if ins is not None else None
+            coll.scatter(ch, chunks, out.flat, root)
+            out.commit()
+
+        return self.run("scatter", signature("scatter", out.dtype.code), body, async_op, result)
+
+    def reduce_scatter(self, out: Buffer, ins: Sequence[Buffer], op, async_op: bool = False,
+                       result: Any = None) -> Work | None:
+        """``ins``: one buffer per rank; ``ins[rank()]`` has ``out``'s size."""
+        coll = self.collectives
+        counts = [b.count for b in ins]
+
+        def body(ch: Channel) -> None:
+            scratch = np.concatenate([b.flat for b in ins]) if ins else np.empty(0, out.flat.dtype)
+            coll.reduce_scatter(ch, scratch, out.flat, counts, out.dtype, op)
+            out.commit()
+
+        sig = signature("reduce_scatter", out.dtype.code, _op_code(op))
+        return self.run("reduce_scatter", sig, body, async_op, result)
+
+    def reduce_scatter_tensor(self, out: Buffer, inp: Buffer, op, async_op: bool = False,
+                              result: Any = None) -> Work | None:
+        """``inp`` holds size() blocks of ``out``'s size (torch's ``_reduce_scatter_base``)."""
+        coll = self.collectives
+        counts = [out.count] * self.size()
+
+        def body(ch: Channel) -> None:
+            coll.reduce_scatter(ch, inp.flat.copy(), out.flat, counts, out.dtype, op)
+            out.commit()
+
+        sig = signature("reduce_scatter_tensor", out.dtype.code, _op_code(op))
+        return self.run("reduce_scatter_tensor", sig, body, async_op, result)
+
+    def alltoall(self, outs: Sequence[Buffer], ins: Sequence[Buffer], async_op: bool = False,
+                 result: Any = None) -> Work | None:
+        """``ins[q]`` goes to rank q; rank q's lands in ``outs[q]`` (sizes may differ per pair)."""
+        coll = self.collectives
+        send_counts = [b.count for b in ins]
+        recv_counts = [b.count for b in outs]
+
+        def body(ch: Channel) -> None:
+            send = np.concatenate([b.flat for b in ins])
+            recv = np.empty(sum(recv_counts), dtype=send.dtype)
+            coll.all_to_all(ch, send, send_counts, recv, recv_counts)
+            offset = 0
+            for b in outs:
+                b.flat[...] = recv[offset:offset + b.count]
+                offset += b.count
+                b.commit()
+
+        return self.run("all_to_all", signature("all_to_all", outs[0].dtype.code), body, async_op, result)
+
+    def alltoall_base(self, out: Buffer, inp: Buffer, recv_counts: Sequence[int], send_counts: Sequence[int],
+                      async_op: bool = False, result: Any = None) -> Work | None:
+        """One buffer each way, split into per-rank blocks of the given element counts (torch's
+        ``alltoall_base``, which all_to_all_single calls)."""
+        coll = self.collectives
+
+        def body(ch: Channel) -> None:
+            coll.all_to_all(ch, inp.flat, send_counts, out.flat, recv_counts)
+            out.commit()
+
+        sig = signature("all_to_all_single", out.dtype.code)
+        return self.run("all_to_all_single", sig, body, async_op, result)
+
+    def barrier(self, async_op: bool = False, result: Any = None) -> Work | None:
+        return self.run("barrier", signature("barrier"), self.collectives.barrier, async_op, result)
+
+    def monitored_barrier(self, timeout: timedelta | None = None, wait_all_ranks: bool = False) -> None:
+        """Rank 0 waits for every other rank, then releases them; a rank missing at the deadline
+        makes rank 0 raise naming it (every missing rank with ``wait_all_ranks``)."""
+        timeout = self.timeout if timeout is None else timeout
+        millis = int(timeout.total_seconds() * 1000)
+        global_ranks = self.ranks
+
+        def body(ch: Channel) -> None:
+            empty = np.empty(0, dtype=np.uint8)
+            if ch.rank != 0:
+                ch.send(0, empty)
+                ch.recv(0, empty)
+                return
+            pending = [(peer, ch.irecv(peer, np.empty(0, np.uint8))) for peer in range(1, ch.size)]
+            missing = []
+            for peer, req in pending:
+                try:
+                    req.wait()
+                except (DistTimeoutError, PeerLostError):
+                    missing.append(peer)
+                    if not wait_all_ranks:
+                        break
+            if missing:
+                names = [global_ranks[m] for m in missing]
+                if len(names) == 1:
+                    raise DistBackendError(f"[Rank 0]: Rank {names[0]} failed to pass monitoredBarrier in {millis} ms")
+                raise DistBackendError(
+                    f"[Rank 0]: Ranks {', '.join(map(str, names))} failed to pass monitoredBarrier in {millis} ms"
+                )
+            for peer in range(1, ch.size):
+                ch.send(peer, empty)
+
+        self.run("monitored_barrier", signature("monitored_barrier"), body, False, timeout=timeout)
+
+    # -- point-to-point ---------------------------------------------------------------------------
+    def send(self, buf: Buffer, dst: int, tag: int = 0, op: str = "send") -> "P2PWork":
+        """Post a send of ``buf`` to group rank ``dst``; the Work completes when it is handed over."""
+        key = MessageKey(self.group_id, KIND_P2P, tag)
+        request = self.transport.isend(self.spec.ranks[dst], buf.flat, key, signature("send", buf.dtype.code))
+        return P2PWork(op, self, request, buf, dst, tag, receiving=False)
+
+    def recv(self, buf: Buffer, src: int, tag: int = 0, op: str = "recv") -> "P2PWork":
+        """Post a receive into ``buf`` from group rank ``src`` (``ANY_SOURCE``: any member; the
+        Work's ``source_rank()`` then tells the sender's global rank)."""
+        key = MessageKey(self.group_id, KIND_P2P, tag)
+        peer = ANY_SOURCE if src == ANY_SOURCE else self.spec.ranks[src]
+        request = self.transport.irecv(peer, buf.flat, key, signature("send", buf.dtype.code))
+        return P2PWork(op, self, request, buf, src, tag, receiving=True)
+
+    def recv_anysource(self, buf: Buffer, tag: int = 0, op: str = "recv") -> "P2PWork":
+        return self.recv(buf, ANY_SOURCE, tag, op)
+
+    # -- the engine's fast path -------------------------------------------------------------------
+    def _first_fast_all_reduce(self, tensor, op) -> bool:
+        return self._install_fast_path() and self.fast_all_reduce(tensor, op)
+
+    def _first_fast_barrier(self) -> bool:
+        return self._install_fast_path() and self.fast_barrier()
+
+    def _install_fast_path(self) -> bool:
+        """Ask the engine for the group's fast path: none (False: never again), not yet (None: the
+        engine sets the group up on its first collective), or one, which from then on takes the
+        calls (True)."""
+        paths: FastPath | bool | None = self.engine.fast_path(self)
         if paths is None:
             return False
-        if not paths:
-            self.small_all_reduce = self.small_barrier = _no_latency_path
+        if paths is False:
+            self.fast_all_reduce = self.fast_barrier = _no_fast_path
             return False
-        self.small_all_reduce, self.small_barrier = paths.all_reduce, paths.barrier
+        self.fast_all_reduce, self.fast_barrier = paths.all_reduce, paths.barrier
         return True
 
     def close(self) -> None:
         self.executor.close()
 
 
-def _no_latency_path(*args) -> bool:
+def _no_fast_path(*args) -> bool:
     return False
+
+
+class P2PWork(Work):
+    """The Work of one send or receive: waits on the transport's request directly (no queue, no
+    thread hand-off); only ``get_future()`` borrows the group's worker thread to complete the future."""
+
+    def __init__(self, op: str, pg: ProcessGroup, request, buf: Buffer, peer: int, tag: int, receiving: bool):
+        super().__init__(op, [buf.obj])
+        self._receiving = receiving  # by flag, not by op name: recv_object_list receives too
+        self._pg = pg
+        self._request = request
+        self._buf = buf
+        self._peer = peer  # group rank, or ANY_SOURCE
+        self._tag = tag
+        self._deadline = time.monotonic() + pg.timeout.total_seconds()
+
+    def _complete(self) -> None:
+        if self._event.is_set():
+            return
+        try:
+            self._request.wait(self._deadline)
+        except TransportError as exc:
+            peer = self._peer
+            if exc.peer is not None:
+                peer = self._pg.group_rank(self._pg.global_rank_of_engine_rank(exc.peer))
+            err = self._translate(exc, peer)
+            self._finish(err)
+            raise err from None
+        source = None
+        if self._receiving:
+            self._buf.commit()
+            source = self._pg.global_rank_of_engine_rank(self._request.source)
+        self._finish(None, source)
+
+    def _translate(self, exc: TransportError, peer: int) -> DistBackendError:
+        cls = {"timeout": DistTimeoutError, "lost": PeerLostError, "mismatch": CollectiveMismatchError}.get(
+            exc.reason, DistBackendError)
+        where = describe_op(self.op, None, self._pg.rank(), peer if peer >= 0 else None)
+        return cls(f"{where} (tag {self._tag}): {exc}")
+
+    def wait(self, timeout=None) -> bool:
+        if not self._event.is_set():
+            self._complete()
+        return super().wait(timeout)
+
+    def is_completed(self) -> bool:
+        if not self._event.is_set() and self._request.test():
+            try:
+                self._complete()
+            except Exception:  # noqa: BLE001 - recorded in the Work, raised by wait()
+                pass
+        return self._event.is_set()
+
+    def get_future(self):
+        future = super().get_future()
+        if not self._event.is_set():
+            self._pg.executor.submit_waiter(Work("future"), self._complete_quietly)
+        return future
+
+    def _complete_quietly(self) -> None:
+        try:
+            self._complete()
+        except Exception:  # noqa: BLE001 - delivered through the future
+            pass

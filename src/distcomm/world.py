@@ -36,7 +36,7 @@ store = None  # the world's store (prefixed for this init)
 global_rank = -1
 world_size = -1
 groups: dict[str, Any] = {}  # group name -> ProcessGroup (members only)
-transports: dict[str, Any] = {}  # engine name -> the world's Transport on it
+engines: dict[str, Any] = {}  # engine name -> the world's Engine of that name
 next_group_id = 0
 backend_name = None
 
@@ -65,6 +65,6 @@ def reset() -> None:
     next_group_id = 0
     backend_name = None
     groups.clear()
-    transports.clear()
+    engines.clear()
     GroupMember.WORLD = None
     group.WORLD = None

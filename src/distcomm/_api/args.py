@@ -15,6 +15,8 @@ import numpy as np
 from .. import world
 from ..buffers import Buffer, as_buffer, as_buffers
 from ..errors import DistBackendError
+from ..process_group import ProcessGroup
+
 
 class ArgumentError(DistBackendError, ValueError):
     """A bad argument that torch's gloo rejects from its C++ checks, with a RuntimeError (wrong list
@@ -34,16 +36,20 @@ def default_group():
 
 
 def resolve_group(group: Any, op: str):
-    """The ProcessGroup to run on, or None when this process is not a member (skip the call)."""
-    pg = default_group()
+    """The ProcessGroup to run on, or None when this process is not a member (skip the call).
+
+    A ProcessGroup given explicitly needs no default group: one built around its own engine (as a
+    torch backend adapter does) works without init_process_group.
+    """
+    if isinstance(group, ProcessGroup):
+        return group
     if group is None or group is world.GroupMember.WORLD:
-        return pg
+        return default_group()
     if group is world.GroupMember.NON_GROUP_MEMBER:
         warnings.warn(f"Running {op} on global rank {world.global_rank} which does not belong to the given group.")
         return None
-    if not hasattr(group, "ranks") or not hasattr(group, "executor"):
-        raise TypeError(f"{op}: group must be a distcomm process group (from new_group), got {type(group).__name__}")
-    return group
+    default_group()  # not initialized: say so before complaining about the argument
+    raise TypeError(f"{op}: group must be a distcomm process group (from new_group), got {type(group).__name__}")
 
 
 def group_peer(pg, op: str, global_rank: int | None, group_rank: int | None, role: str) -> int:

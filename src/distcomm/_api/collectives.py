@@ -1,26 +1,20 @@
 """The collectives, with torch.distributed's names, signatures and docstrings.
 
-Each function: resolve the group (non-members return None without communicating), turn tensors
-into Buffers and check them (before any communication), then hand one body to the group, which
-runs it in issue order, inline or on its worker thread when ``async_op=True``.
+Each function resolves the group (non-members return None without communicating), turns tensors
+into Buffers and checks them (before any communication, so a bad call fails alike on every rank),
+then makes one call of the group's method of the same collective (process_group.py), which runs it
+in issue order, inline or on its worker thread when ``async_op=True``.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Sequence
 
 import numpy as np
 
 from .. import reduction
-from ..errors import DistBackendError, DistTimeoutError, PeerLostError
-from ..process_group import signature
 from ..types import RedOpType, normalize_op
 from . import args
-
-
-def _op_code(op) -> int:
-    return int(getattr(op, "op", op))
 
 
 def _check_op(op, dtype, name: str):
@@ -44,12 +38,7 @@ def broadcast(tensor, src: int | None = None, group=None, async_op: bool = False
         return None
     root = args.group_peer(pg, "broadcast", src, group_src, "src")
     buf = args.tensor(tensor, "broadcast", writes=pg.rank() != root)
-
-    def body(ch):
-        pg.ops.broadcast(ch, buf.flat, root)
-        buf.commit()
-
-    return pg.collective("broadcast", body, async_op, signature("broadcast", buf.dtype.code), [tensor])
+    return pg.broadcast(buf, root, async_op, [tensor])
 
 
 def all_reduce(tensor, op=RedOpType.SUM, group=None, async_op: bool = False):
@@ -60,17 +49,11 @@ def all_reduce(tensor, op=RedOpType.SUM, group=None, async_op: bool = False):
     pg = args.resolve_group(group, "all_reduce")
     if pg is None:
         return None
-    if not async_op and pg.small_all_reduce(tensor, op):
-        return None  # the engine's latency path did the whole call (backends/shm_latency.py)
+    if not async_op and pg.fast_all_reduce(tensor, op):
+        return None  # the engine's fast path did the whole call
     buf = args.tensor(tensor, "all_reduce", writes=True)
     op = _check_op(op, buf.dtype, "all_reduce")
-
-    def body(ch):
-        pg.ops.all_reduce(ch, buf.flat, buf.dtype, op)
-        buf.commit()
-
-    sig = signature("all_reduce", buf.dtype.code, _op_code(op))
-    return pg.collective("all_reduce", body, async_op, sig, [tensor])
+    return pg.allreduce(buf, op, async_op, [tensor])
 
 
 def reduce(tensor, dst: int | None = None, op=RedOpType.SUM, group=None, async_op: bool = False,
@@ -85,14 +68,7 @@ def reduce(tensor, dst: int | None = None, op=RedOpType.SUM, group=None, async_o
     root = args.group_peer(pg, "reduce", dst, group_dst, "dst")
     buf = args.tensor(tensor, "reduce", writes=pg.rank() == root)
     op = _check_op(op, buf.dtype, "reduce")
-
-    def body(ch):
-        pg.ops.reduce(ch, buf.flat, buf.dtype, op, root)
-        if ch.rank == root:
-            buf.commit()
-
-    sig = signature("reduce", buf.dtype.code, _op_code(op))
-    return pg.collective("reduce", body, async_op, sig, [tensor])
+    return pg.reduce(buf, op, root, async_op, [tensor])
 
 
 def _per_rank_views(output, size: int) -> list:
@@ -102,14 +78,6 @@ def _per_rank_views(output, size: int) -> list:
     return list(output.chunk(size)) if output.dim() else [output]
 
 
-def _gather_into(pg, ch, flat_out: np.ndarray, send: np.ndarray) -> None:
-    count = send.size
-    block = flat_out[ch.rank * count:(ch.rank + 1) * count]
-    if not np.shares_memory(block, send):
-        block[...] = send
-    pg.ops.all_gather(ch, flat_out, count)
-
-
 def all_gather(tensor_list, tensor, group=None, async_op: bool = False):
     """Gather ``tensor`` from every rank into ``tensor_list`` (one tensor per rank, in rank order)."""
     pg = args.resolve_group(group, "all_gather")
@@ -117,17 +85,7 @@ def all_gather(tensor_list, tensor, group=None, async_op: bool = False):
         return None
     inp = args.tensor(tensor, "all_gather")
     outs = args.tensor_list(tensor_list, "all_gather", "tensor_list", pg.size(), like=inp, writes=True)
-    count = inp.count
-
-    def body(ch):
-        flat = np.empty(count * ch.size, dtype=inp.flat.dtype)
-        _gather_into(pg, ch, flat, inp.flat)
-        for i, out in enumerate(outs):
-            out.flat[...] = flat[i * count:(i + 1) * count]
-            out.commit()
-
-    return pg.collective("all_gather", body, async_op, signature("all_gather", inp.dtype.code),
-                         list(tensor_list))  # torch's future holds the output tensors, flat
+    return pg.allgather(outs, inp, async_op, list(tensor_list))  # torch's future: the outputs, flat
 
 
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bool = False):
@@ -144,14 +102,8 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bo
             f"all_gather_into_tensor: output tensor has {out.count} elements, expected "
             f"{inp.count * pg.size()} (input size {inp.count} x world size {pg.size()})"
         )
-
-    def body(ch):
-        _gather_into(pg, ch, out.flat, inp.flat)
-        out.commit()
-
-    sig = signature("all_gather_into_tensor", inp.dtype.code)
     # torch's future holds the output split into one view per rank
-    return pg.collective("all_gather_into_tensor", body, async_op, sig, _per_rank_views(output_tensor, pg.size()))
+    return pg.allgather_into_tensor(out, inp, async_op, _per_rank_views(output_tensor, pg.size()))
 
 
 def gather(tensor, gather_list=None, dst: int | None = None, group=None, async_op: bool = False,
@@ -173,18 +125,8 @@ def gather(tensor, gather_list=None, dst: int | None = None, group=None, async_o
         if gather_list:
             raise ValueError("Argument ``gather_list`` must NOT be specified on non-destination ranks.")
         outs = None
-    count = inp.count
-
-    def body(ch):
-        flat = np.empty(count * ch.size, dtype=inp.flat.dtype) if outs is not None else None
-        pg.ops.gather(ch, inp.flat, flat, root)
-        if outs is not None:
-            for i, out in enumerate(outs):
-                out.flat[...] = flat[i * count:(i + 1) * count]
-                out.commit()
-
-    return pg.collective("gather", body, async_op, signature("gather", inp.dtype.code),
-                         list(gather_list or []))  # as torch: the gathered tensors on dst, [] elsewhere
+    # torch's future: the gathered tensors on dst, [] elsewhere
+    return pg.gather(outs, inp, root, async_op, list(gather_list or []))
 
 
 def scatter(tensor, scatter_list=None, src: int | None = None, group=None, async_op: bool = False,
@@ -204,13 +146,7 @@ def scatter(tensor, scatter_list=None, src: int | None = None, group=None, async
         if scatter_list:
             raise ValueError("Argument ``scatter_list`` must NOT be specified on non-source ranks.")
         ins = None
-
-    def body(ch):
-        chunks = np.concatenate([b.flat for b in ins]) if ins is not None else None
-        pg.ops.scatter(ch, chunks, out.flat, root)
-        out.commit()
-
-    return pg.collective("scatter", body, async_op, signature("scatter", out.dtype.code), [tensor])
+    return pg.scatter(out, ins, root, async_op, [tensor])
 
 
 def reduce_scatter(output, input_list, op=RedOpType.SUM, group=None, async_op: bool = False):
@@ -226,15 +162,7 @@ def reduce_scatter(output, input_list, op=RedOpType.SUM, group=None, async_op: b
             f"reduce_scatter: input_list[{pg.rank()}] has {ins[pg.rank()].count} elements but output has {out.count}"
         )
     op = _check_op(op, out.dtype, "reduce_scatter")
-    counts = [b.count for b in ins]
-
-    def body(ch):
-        scratch = np.concatenate([b.flat for b in ins]) if ins else np.empty(0, out.flat.dtype)
-        pg.ops.reduce_scatter(ch, scratch, out.flat, counts, out.dtype, op)
-        out.commit()
-
-    sig = signature("reduce_scatter", out.dtype.code, _op_code(op))
-    return pg.collective("reduce_scatter", body, async_op, sig, [output])
+    return pg.reduce_scatter(out, ins, op, async_op, [output])
 
 
 def reduce_scatter_tensor(output, input, op=RedOpType.SUM, group=None, async_op: bool = False):  # noqa: A002
@@ -252,14 +180,7 @@ def reduce_scatter_tensor(output, input, op=RedOpType.SUM, group=None, async_op:
             f"{out.count * pg.size()} (output size {out.count} x world size {pg.size()})"
         )
     op = _check_op(op, out.dtype, "reduce_scatter_tensor")
-    counts = [out.count] * pg.size()
-
-    def body(ch):
-        pg.ops.reduce_scatter(ch, inp.flat.copy(), out.flat, counts, out.dtype, op)
-        out.commit()
-
-    sig = signature("reduce_scatter_tensor", out.dtype.code, _op_code(op))
-    return pg.collective("reduce_scatter_tensor", body, async_op, sig, [output])
+    return pg.reduce_scatter_tensor(out, inp, op, async_op, [output])
 
 
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool = False):
@@ -271,21 +192,7 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool
     outs = args.tensor_list(output_tensor_list, "all_to_all", "output_tensor_list", pg.size(), writes=True)
     ins = args.tensor_list(input_tensor_list, "all_to_all", "input_tensor_list", pg.size())
     args.same_dtype(outs + ins, "all_to_all")
-    send_counts = [b.count for b in ins]
-    recv_counts = [b.count for b in outs]
-
-    def body(ch):
-        send = np.concatenate([b.flat for b in ins])
-        recv = np.empty(sum(recv_counts), dtype=send.dtype)
-        pg.ops.all_to_all(ch, send, send_counts, recv, recv_counts)
-        offset = 0
-        for b in outs:
-            b.flat[...] = recv[offset:offset + b.count]
-            offset += b.count
-            b.commit()
-
-    sig = signature("all_to_all", outs[0].dtype.code)
-    return pg.collective("all_to_all", body, async_op, sig, list(output_tensor_list))  # flat, as torch
+    return pg.alltoall(outs, ins, async_op, list(output_tensor_list))  # torch's future: the outputs, flat
 
 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,  # noqa: A002
@@ -306,13 +213,7 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     out_row = out.count // out_dim0 if out_dim0 else 0
     send_counts = [s * in_row for s in args.split_sizes(input_split_sizes, in_dim0, size, "all_to_all_single", "input")]
     recv_counts = [s * out_row for s in args.split_sizes(output_split_sizes, out_dim0, size, "all_to_all_single", "output")]
-
-    def body(ch):
-        pg.ops.all_to_all(ch, inp.flat, send_counts, out.flat, recv_counts)
-        out.commit()
-
-    sig = signature("all_to_all_single", out.dtype.code)
-    return pg.collective("all_to_all_single", body, async_op, sig, [output])
+    return pg.alltoall_base(out, inp, recv_counts, send_counts, async_op, [output])
 
 
 def barrier(group=None, async_op: bool = False, device_ids=None):
@@ -320,9 +221,9 @@ def barrier(group=None, async_op: bool = False, device_ids=None):
     pg = args.resolve_group(group, "barrier")
     if pg is None:
         return None
-    if not async_op and pg.small_barrier():
-        return None  # the engine's latency path did the whole call (backends/shm_latency.py)
-    return pg.collective("barrier", pg.ops.barrier, async_op, result=[])  # torch's future value: []
+    if not async_op and pg.fast_barrier():
+        return None  # the engine's fast path did the whole call
+    return pg.barrier(async_op, [])  # torch's future value: []
 
 
 def monitored_barrier(group=None, timeout: timedelta | None = None, wait_all_ranks: bool = False):
@@ -335,34 +236,4 @@ def monitored_barrier(group=None, timeout: timedelta | None = None, wait_all_ran
     pg = args.resolve_group(group, "monitored_barrier")
     if pg is None:
         return None
-    timeout = pg.timeout if timeout is None else timeout
-    millis = int(timeout.total_seconds() * 1000)
-    empty = np.empty(0, dtype=np.uint8)
-
-    def body(ch):
-        if ch.rank != 0:
-            ch.send(0, empty)
-            ch.recv(0, empty)
-            return
-        pending = [(peer, ch.irecv(peer, np.empty(0, np.uint8))) for peer in range(1, ch.size)]
-        missing = []
-        for peer, req in pending:
-            try:
-                req.wait()
-            except (DistTimeoutError, PeerLostError):
-                missing.append(peer)
-                if not wait_all_ranks:
-                    break
-        if missing:
-            global_missing = [pg.ranks[m] for m in missing]
-            if len(global_missing) == 1:
-                raise DistBackendError(
-                    f"[Rank 0]: Rank {global_missing[0]} failed to pass monitoredBarrier in {millis} ms"
-                )
-            raise DistBackendError(
-                f"[Rank 0]: Ranks {', '.join(map(str, global_missing))} failed to pass monitoredBarrier in {millis} ms"
-            )
-        for peer in range(1, ch.size):
-            ch.send(peer, empty)
-
-    return pg.collective("monitored_barrier", body, False, timeout=timeout)
+    pg.monitored_barrier(timeout, wait_all_ranks)

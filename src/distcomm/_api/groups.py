@@ -7,7 +7,7 @@ from datetime import timedelta
 from typing import Any, Sequence
 
 from .. import world
-from ..backends import Backend, resolve_engine
+from ..backends import Backend, connect
 from ..process_group import ProcessGroup
 from .args import NOT_INITIALIZED, default_group, resolve_group
 
@@ -65,14 +65,6 @@ def _engine_name(backend: str | None) -> tuple[str, str]:
     return str(Backend(name)), str(Backend(name))
 
 
-def _connect(engine: str, store, rank: int, size: int, timeout: float, options: Any = None):
-    if size == 1 and engine in ("gloo", "tcp"):
-        from ..transport.inproc import InprocTransport
-
-        return InprocTransport.create_world(1)[0]
-    return resolve_engine(engine)(store, rank, size, timeout, options)
-
-
 def init_process_group(
     backend: str | None = None,
     init_method: str | None = None,
@@ -117,15 +109,15 @@ def init_process_group(
         # Each init round gets its own namespace, so a re-init after destroy never reads stale keys.
         generation = store.add("distcomm/init_generation/" + str(rank), 1)
         prefixed = PrefixStore(f"distcomm/{generation}/", store)
-        transport = _connect(engine, PrefixStore("world/", prefixed), rank, world_size, seconds, pg_options)
+        world_engine = connect(engine, PrefixStore("world/", prefixed), rank, world_size, seconds, pg_options)
         world.store = prefixed
         world.global_rank = rank
         world.world_size = world_size
         world.backend_name = user_name
-        world.transports[engine] = transport
+        world.engines[engine] = world_engine
         gid = world.allocate_group_id()
         name = group_name or str(gid)
-        pg = ProcessGroup(gid, name, range(world_size), rank, transport, user_name, timeout, engine, prefixed)
+        pg = ProcessGroup(gid, name, range(world_size), rank, world_engine, user_name, timeout, engine, prefixed)
         world.groups[name] = pg
         world.set_world(pg)
 
@@ -138,21 +130,18 @@ def destroy_process_group(group: Any = None) -> None:
                 raise ValueError(NOT_INITIALIZED)
             for pg in list(world.groups.values()):
                 pg.close()
-            for transport in list(world.transports.values()):
-                transport.close()
+            for engine in list(world.engines.values()):
+                engine.close()
             world.reset()
             return
         if group is world.GroupMember.NON_GROUP_MEMBER:
             return
         group.close()
         world.groups.pop(group.group_name, None)
-        engine = group.engine
-        if group.transport is not world.transports.get(engine):
-            group.transport.close()
-        else:  # the world's transport stays; the group's own shared memory can go now
-            release = getattr(group.transport, "release_group", None)
-            if release is not None:
-                release(group.group_id)
+        if group.engine is not world.engines.get(group.engine_name):
+            group.engine.close()  # an engine connected for this group alone
+        else:  # the world's engine stays; what it keeps for this group can go now
+            group.engine.release_group(group.group_id)
 
 
 def new_group(
@@ -183,63 +172,27 @@ def new_group(
             raise ValueError(f"new_group: ranks {ranks} contain duplicates")
         timeout = world_pg.timeout if timeout is None else timeout
         _timeout_seconds(timeout)
-        user_name, engine = _engine_name(backend) if backend is not None else (world_pg.backend_name, world_pg.engine)
+        user_name, engine = _engine_name(backend) if backend is not None else (world_pg.backend_name, world_pg.engine_name)
         gid = world.allocate_group_id()
         name = group_desc if (group_desc and group_desc not in world.groups) else str(gid)
         if world.global_rank not in ranks:
             return world.GroupMember.NON_GROUP_MEMBER
-        transport = world.transports.get(engine)
-        if transport is None or engine != world_pg.engine:
-            # A different engine: connect just the members, through a namespace of this group.
+        world_engine = world.engines.get(engine)
+        if world_engine is None or engine != world_pg.engine_name:
+            # A different engine: connect just the members, through a namespace of this group. Its
+            # ranks are the members' group ranks.
             from ..store import PrefixStore
 
             rank = ranks.index(world.global_rank)
-            sub = _connect(engine, PrefixStore(f"group/{gid}/", world.store), rank, len(ranks),
-                           timeout.total_seconds(), pg_options)
-            pg = ProcessGroup(gid, name, ranks, world.global_rank, _RankMapped(sub, ranks), user_name,
-                              timeout, engine, world.store)
+            own = connect(engine, PrefixStore(f"group/{gid}/", world.store), rank, len(ranks),
+                          timeout.total_seconds(), pg_options)
+            pg = ProcessGroup(gid, name, ranks, world.global_rank, own, user_name, timeout, engine, world.store,
+                              engine_ranks=range(len(ranks)))
         else:
-            pg = ProcessGroup(gid, name, ranks, world.global_rank, transport, user_name, timeout, engine, world.store)
+            pg = ProcessGroup(gid, name, ranks, world.global_rank, world_engine, user_name, timeout, engine,
+                              world.store)
         world.groups[name] = pg
         return pg
-
-
-class _RankMapped:
-    """A transport connected among a group's members only, addressed by global ranks."""
-
-    def __init__(self, transport, ranks: Sequence[int]):
-        self._t = transport
-        self._local = {g: i for i, g in enumerate(ranks)}
-        self._ranks = list(ranks)
-
-    def isend(self, dst, data, key, signature=0):
-        return self._t.isend(self._local[dst], data, key, signature)
-
-    def irecv(self, src, out, key, signature=0):
-        req = self._t.irecv(src if src < 0 else self._local[src], out, key, signature)
-        return _MappedRequest(req, self._ranks)
-
-    def close(self):
-        self._t.close()
-
-
-class _MappedRequest:
-    def __init__(self, req, ranks):
-        self._req, self._ranks = req, ranks
-
-    def wait(self, deadline=None):
-        self._req.wait(deadline)
-
-    def test(self):
-        return self._req.test()
-
-    @property
-    def source(self):
-        return self._ranks[self._req.source] if self._req.source >= 0 else -1
-
-    @property
-    def nbytes(self):
-        return self._req.nbytes
 
 
 def new_subgroups(

@@ -1,9 +1,9 @@
 """Object collectives: picklable Python objects instead of tensors (values returned, not in place).
 
-Objects are pickled with protocol 5 into bytes and moved as uint8 buffers. Each call is one
-collective (one sequence number) made of two phases on the same channel — the sizes, then the
-payload — which is safe because messages between a pair of ranks match in order. Where a rank
-learns the sizes it receives (gather, scatter), payloads then move point-to-point unpadded.
+Objects are pickled with protocol 5 into bytes and moved as uint8 buffers through the group's own
+buffer collectives (ProcessGroup methods, so on the group's engine: shared memory on one host), as
+torch does: first the sizes, then the payloads, padded to the largest where the collective needs
+equal blocks.
 
 Unpickling runs code chosen by the sender: use these only with peers you trust, as with torch.
 """
@@ -15,10 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from ..backends import collectives as engine
-from ..process_group import signature
+from ..buffers import as_buffer
 from . import args
-from ..transport.base import wait_all
 from .p2p import _post
 
 # p2p tag of send/recv_object_list: out of the range user tags are in practice
@@ -43,37 +41,34 @@ def broadcast_object_list(object_list: list, src: int | None = None, group=None,
     if pg is None:
         return
     root = args.group_peer(pg, "broadcast_object_list", src, group_src, "src")
-    n = len(object_list)
-
-    def body(ch):
-        sizes = np.zeros(n, dtype=np.int64)
-        if ch.rank == root:
-            payloads = [_dumps(o) for o in object_list]
-            sizes[:] = [p.size for p in payloads]
-            data = np.concatenate(payloads) if payloads else np.empty(0, np.uint8)
-        engine.broadcast(ch, sizes, root)
-        if ch.rank != root:
-            data = np.empty(int(sizes.sum()), dtype=np.uint8)
-        engine.broadcast(ch, data, root)
-        if ch.rank != root:
-            offset = 0
-            for i, size in enumerate(sizes.tolist()):
-                object_list[i] = _loads(data[offset:offset + size])
-                offset += size
-
-    pg.collective("broadcast_object_list", body, False, signature("broadcast_object_list", n & 0xFF))
+    sizes = np.zeros(len(object_list), dtype=np.int64)
+    if pg.rank() == root:
+        payloads = [_dumps(o) for o in object_list]
+        sizes[:] = [p.size for p in payloads]
+    pg.broadcast(as_buffer(sizes), root)
+    if pg.rank() == root:
+        data = np.concatenate(payloads) if payloads else np.empty(0, np.uint8)
+    else:
+        data = np.empty(int(sizes.sum()), dtype=np.uint8)
+    pg.broadcast(as_buffer(data), root)
+    if pg.rank() != root:
+        offset = 0
+        for i, size in enumerate(sizes.tolist()):
+            object_list[i] = _loads(data[offset:offset + size])
+            offset += size
 
 
-def _all_gather_bytes(ch, payload: np.ndarray) -> list[np.ndarray]:
-    """Every rank's payload, padded to the largest and gathered in one all_gather."""
-    sizes = np.zeros(ch.size, dtype=np.int64)
-    sizes[ch.rank] = payload.size
-    engine.all_gather(ch, sizes, 1)
-    width = int(sizes.max()) if ch.size else 0
-    flat = np.zeros(width * ch.size, dtype=np.uint8)
-    flat[ch.rank * width:ch.rank * width + payload.size] = payload
-    engine.all_gather(ch, flat, width)
-    return [flat[i * width:i * width + int(sizes[i])] for i in range(ch.size)]
+def _all_sizes(pg, payload: np.ndarray) -> np.ndarray:
+    """Every rank's payload size, in rank order."""
+    sizes = np.zeros(pg.size(), dtype=np.int64)
+    pg.allgather_into_tensor(as_buffer(sizes), as_buffer(np.array([payload.size], dtype=np.int64)))
+    return sizes
+
+
+def _padded(payload: np.ndarray, width: int) -> np.ndarray:
+    block = np.zeros(width, dtype=np.uint8)
+    block[:payload.size] = payload
+    return block
 
 
 def all_gather_object(object_list: list, obj: Any, group=None) -> None:
@@ -86,11 +81,13 @@ def all_gather_object(object_list: list, obj: Any, group=None) -> None:
             f"all_gather_object: object_list must have one entry per rank: expected length {pg.size()}, got {len(object_list)}"
         )
 
-    def body(ch):
-        for i, data in enumerate(_all_gather_bytes(ch, _dumps(obj))):
-            object_list[i] = _loads(data)
-
-    pg.collective("all_gather_object", body, False)
+    payload = _dumps(obj)
+    sizes = _all_sizes(pg, payload)
+    width = int(sizes.max())
+    flat = np.empty(width * pg.size(), dtype=np.uint8)
+    pg.allgather_into_tensor(as_buffer(flat), as_buffer(_padded(payload, width)))
+    for i, size in enumerate(sizes.tolist()):
+        object_list[i] = _loads(flat[i * width:i * width + size])
 
 
 def gather_object(obj: Any, object_gather_list: list | None = None, dst: int | None = None, group=None,
@@ -108,20 +105,17 @@ def gather_object(obj: Any, object_gather_list: list | None = None, dst: int | N
     elif object_gather_list:
         raise ValueError("Argument ``object_gather_list`` must NOT be specified on non-destination ranks.")
 
-    def body(ch):
-        payload = _dumps(obj)
-        sizes = np.zeros(ch.size, dtype=np.int64) if ch.rank == root else None
-        engine.gather(ch, np.array([payload.size], dtype=np.int64), sizes, root)
-        if ch.rank != root:
-            ch.send(root, payload)
-            return
-        datas = [payload if i == root else np.empty(int(sizes[i]), np.uint8) for i in range(ch.size)]
-        requests = [ch.irecv(i, datas[i]) for i in range(ch.size) if i != root]
-        wait_all(requests)
-        for i, data in enumerate(datas):
-            object_gather_list[i] = _loads(data)
-
-    pg.collective("gather_object", body, False)
+    payload = _dumps(obj)
+    sizes = _all_sizes(pg, payload)
+    width = int(sizes.max())
+    mine = as_buffer(_padded(payload, width))
+    if pg.rank() != root:
+        pg.gather(None, mine, root)
+        return
+    blocks = [np.empty(width, dtype=np.uint8) for _ in range(pg.size())]
+    pg.gather([as_buffer(b) for b in blocks], mine, root)
+    for i, (block, size) in enumerate(zip(blocks, sizes.tolist())):
+        object_gather_list[i] = _loads(block[:size])
 
 
 def scatter_object_list(scatter_object_output_list: list, scatter_object_input_list: list | None = None,
@@ -137,20 +131,25 @@ def scatter_object_list(scatter_object_output_list: list, scatter_object_input_l
     if pg.rank() == root and (scatter_object_input_list is None or len(scatter_object_input_list) != pg.size()):
         raise ValueError(f"scatter_object_list: the source rank must pass {pg.size()} objects")
 
-    def body(ch):
-        my_size = np.zeros(1, dtype=np.int64)
-        if ch.rank != root:
-            engine.scatter(ch, None, my_size, root)
-            data = np.empty(int(my_size[0]), np.uint8)
-            ch.recv(root, data)
-        else:
-            payloads = [_dumps(o) for o in scatter_object_input_list]
-            engine.scatter(ch, np.array([p.size for p in payloads], dtype=np.int64), my_size, root)
-            wait_all([ch.isend(i, p) for i, p in enumerate(payloads) if i != root])
-            data = payloads[root]
-        scatter_object_output_list[0] = _loads(data)
-
-    pg.collective("scatter_object_list", body, False)
+    # The width of the blocks first, then one block per rank: its payload's length (8 bytes), then
+    # the payload, padded.
+    width = np.zeros(1, dtype=np.int64)
+    if pg.rank() == root:
+        payloads = [_dumps(o) for o in scatter_object_input_list]
+        width[0] = 8 + max(p.size for p in payloads)
+    pg.broadcast(as_buffer(width), root)
+    mine = np.empty(int(width[0]), dtype=np.uint8)
+    blocks = None
+    if pg.rank() == root:
+        blocks = []
+        for p in payloads:
+            block = np.zeros(int(width[0]), dtype=np.uint8)
+            block[:8] = np.frombuffer(np.int64(p.size).tobytes(), np.uint8)
+            block[8:8 + p.size] = p
+            blocks.append(as_buffer(block))
+    pg.scatter(as_buffer(mine), blocks, root)
+    size = int(mine[:8].view(np.int64)[0])
+    scatter_object_output_list[0] = _loads(mine[8:8 + size])
 
 
 def send_object_list(object_list: list, dst: int | None = None, group=None, device=None,

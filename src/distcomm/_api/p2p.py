@@ -2,85 +2,16 @@
 
 Messages travel under the key (group, "p2p", tag), so different tags and different groups never
 match each other, and collectives (keyed by sequence number) never see them. An isend/irecv is
-posted on the transport at once and its Work waits on the transport's request directly: no queue,
-no thread hand-off. Only ``get_future()`` borrows the group's worker thread to complete the future.
+posted on the transport at once by ``ProcessGroup.send``/``recv``, whose Work (``P2PWork``) waits
+on the transport's request directly: no queue, no thread hand-off.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable
 
-from ..errors import describe_op
-from ..process_group import signature
-from ..transport.base import ANY_SOURCE, KIND_P2P, MessageKey, TransportError
-from ..work import Work
+from ..transport.base import ANY_SOURCE
 from . import args
-
-
-class P2PWork(Work):
-    """A Work backed by one transport request."""
-
-    def __init__(self, op: str, pg, request, buf, peer_group_rank: int, tag: int, receiving: bool = False):
-        super().__init__(op, [buf.obj])
-        self._receiving = receiving  # by flag, not by op name: recv_object_list receives too
-        self._pg = pg
-        self._request = request
-        self._buf = buf
-        self._peer = peer_group_rank
-        self._tag = tag
-        self._deadline = time.monotonic() + pg.timeout.total_seconds()
-
-    def _complete(self) -> None:
-        if self._event.is_set():
-            return
-        try:
-            self._request.wait(self._deadline)
-        except TransportError as exc:
-            peer = self._peer
-            if exc.peer is not None:
-                peer = self._pg.group_rank(exc.peer)
-            err = self._translate(exc, peer)
-            self._finish(err)
-            raise err from None
-        source = None
-        if self._receiving:
-            self._buf.commit()
-            source = self._request.source
-        self._finish(None, source)
-
-    def _translate(self, exc: TransportError, peer: int):
-        from ..errors import CollectiveMismatchError, DistBackendError, DistTimeoutError, PeerLostError
-
-        cls = {"timeout": DistTimeoutError, "lost": PeerLostError, "mismatch": CollectiveMismatchError}.get(
-            exc.reason, DistBackendError)
-        where = describe_op(self.op, None, self._pg.rank(), peer if peer >= 0 else None)
-        return cls(f"{where} (tag {self._tag}): {exc}")
-
-    def wait(self, timeout=None) -> bool:
-        if not self._event.is_set():
-            self._complete()
-        return super().wait(timeout)
-
-    def is_completed(self) -> bool:
-        if not self._event.is_set() and self._request.test():
-            try:
-                self._complete()
-            except Exception:  # noqa: BLE001 - recorded in the Work, raised by wait()
-                pass
-        return self._event.is_set()
-
-    def get_future(self):
-        future = super().get_future()
-        if not self._event.is_set():
-            self._pg.executor.submit_waiter(Work("future"), self._complete_quietly)
-        return future
-
-    def _complete_quietly(self) -> None:
-        try:
-            self._complete()
-        except Exception:  # noqa: BLE001 - delivered through the future
-            pass
 
 
 def _post(op: str, tensor, peer: int | None, group, tag: int, group_peer: int | None, sending: bool):
@@ -103,14 +34,9 @@ def _post(op: str, tensor, peer: int | None, group, tag: int, group_peer: int | 
                 )
             raise args.ArgumentError(
                 "Invalid source rank: source rank should not be the same as the rank of the current process.")
-    key = MessageKey(pg.group_id, KIND_P2P, tag)
-    sig = signature("send", buf.dtype.code)
     if sending:
-        request = pg.transport.isend(pg.ranks[peer_rank], buf.flat, key, sig)
-    else:
-        src = ANY_SOURCE if peer_rank == ANY_SOURCE else pg.ranks[peer_rank]
-        request = pg.transport.irecv(src, buf.flat, key, sig)
-    return P2PWork(op, pg, request, buf, peer_rank, tag, receiving=not sending)
+        return pg.send(buf, peer_rank, tag, op)
+    return pg.recv(buf, peer_rank, tag, op)
 
 
 def isend(tensor, dst: int | None = None, group=None, tag: int = 0, group_dst: int | None = None):

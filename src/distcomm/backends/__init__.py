@@ -1,10 +1,11 @@
 """Backend names and the engine registry.
 
 A backend name (what the user passes to init_process_group / new_group) resolves to an *engine
-factory*: ``factory(store, rank, size, timeout_seconds, options) -> Transport``. Every engine shares
-the same collective algorithms (``collectives.py``) over its Transport, so an engine only moves
-bytes. ``Backend.register_backend(name, func)`` plugs in a third-party engine the same way: ``func``
-receives ``(store, rank, size, timeout)`` and returns a ``distcomm.transport.base.Transport``.
+factory*: ``factory(store, rank, size, timeout_seconds, options) -> Engine`` (engine.py). distcomm's
+engines register here, one line each, at the bottom of this module. ``Backend.register_backend(name,
+func)`` plugs in a third-party one: ``func`` receives ``(store, rank, size, timeout)`` and returns
+an ``Engine``, or a ``distcomm.transport.base.Transport``, which then runs the generic algorithms
+(``GenericEngine``).
 """
 
 from __future__ import annotations
@@ -12,34 +13,38 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any, Callable
 
-EngineFactory = Callable[..., Any]
+from .engine import Engine
+
+EngineFactory = Callable[..., Engine]
 
 _ENGINES: dict[str, EngineFactory] = {}
 
 
-def _tcp_engine(store, rank: int, size: int, timeout: float, options: Any = None):
+def _tcp_engine(store, rank: int, size: int, timeout: float, options: Any = None) -> Engine:
     from ..transport.tcp import TcpTransport
+    from .generic import GenericEngine
 
-    return TcpTransport.connect(store, rank, size, timeout)
-
-
-def _shm_engine(store, rank: int, size: int, timeout: float, options: Any = None):
-    from ..transport.hybrid import connect_shm
-
-    return connect_shm(store, rank, size, timeout, options)
+    return GenericEngine(TcpTransport.connect(store, rank, size, timeout))
 
 
-def _default_engine(store, rank: int, size: int, timeout: float, options: Any = None):
-    from ..transport.hybrid import connect_default
+def _shm_engine(store, rank: int, size: int, timeout: float, options: Any = None) -> Engine:
+    from . import shm_engine
 
-    return connect_default(store, rank, size, timeout, options)
+    return shm_engine.connect(store, rank, size, timeout, options)
 
 
-def _inproc_only(store, rank: int, size: int, timeout: float, options: Any = None):
+def _default_engine(store, rank: int, size: int, timeout: float, options: Any = None) -> Engine:
+    from . import hybrid
+
+    return hybrid.connect(store, rank, size, timeout, options)
+
+
+def _world_of_one() -> Engine:
     # A world of one needs no peers; the in-process transport serves it without sockets.
     from ..transport.inproc import InprocTransport
+    from .generic import GenericEngine
 
-    return InprocTransport.create_world(1)[0]
+    return GenericEngine(InprocTransport.create_world(1)[0])
 
 
 def _unavailable(name: str, why: str) -> EngineFactory:
@@ -88,7 +93,8 @@ class Backend(str):
         """Register a third-party engine under ``name`` (also reachable as ``Backend.NAME``).
 
         ``func(store, rank, size, timeout)`` (with ``extended_api=True``:
-        ``func(store, rank, size, timeout, pg_options)``) must return a distcomm Transport.
+        ``func(store, rank, size, timeout, pg_options)``) returns a distcomm ``Engine``, or a
+        ``Transport`` that the generic algorithms then run over.
         """
         if hasattr(Backend, name.upper()) and name.lower() in _ENGINES:
             raise ValueError(f"{name.upper()} c10d backend already exist")
@@ -99,7 +105,8 @@ class Backend(str):
 
         def factory(store, rank, size, timeout, options=None):
             td = timedelta(seconds=timeout)
-            return func(store, rank, size, td, options) if extended_api else func(store, rank, size, td)
+            made = func(store, rank, size, td, options) if extended_api else func(store, rank, size, td)
+            return _as_engine(made, name)
 
         _ENGINES[name.lower()] = factory
 
@@ -112,6 +119,27 @@ def resolve_engine(name: str) -> EngineFactory:
             f"Invalid backend: '{name}'; distcomm runs 'gloo' (default), 'tcp'"
             + (", " + ", ".join(sorted(n for n in _ENGINES if n not in ("gloo", "tcp"))) if len(_ENGINES) > 2 else "")
         ) from None
+
+
+def _as_engine(made: Any, name: str) -> Engine:
+    from ..transport.base import Transport
+    from .generic import GenericEngine
+
+    if isinstance(made, Engine):
+        return made
+    if isinstance(made, Transport):
+        return GenericEngine(made)
+    raise TypeError(
+        f"backend {name!r}: the registered function returned {type(made).__name__}; it must return a "
+        "distcomm.backends.engine.Engine or a distcomm.transport.base.Transport"
+    )
+
+
+def connect(name: str, store, rank: int, size: int, timeout: float, options: Any = None) -> Engine:
+    """Connect this rank to the engine ``name`` among ``size`` ranks (``timeout`` in seconds)."""
+    if size == 1 and name in ("gloo", "tcp"):
+        return _world_of_one()
+    return resolve_engine(name)(store, rank, size, timeout, options)
 
 
 def register_engine(name: str, factory: EngineFactory) -> None:

@@ -1,6 +1,6 @@
 """Collectives through shared memory: reduce and copy straight from peers' memory, in rounds.
 
-The generic collectives (``collectives.py``) are algorithms over point-to-point messages: fine over
+The generic collectives (``generic.py``) are algorithms over point-to-point messages: fine over
 TCP, wasteful within a host, where every message is a copy into a ring and a copy out of it, and
 every rank forwards data it does not need. Here each rank reads what it needs directly from its
 peers' slots of the group's shared memory (``transport/shm_group.py``: rounds of slots with
@@ -53,8 +53,9 @@ from ..reduction import finish, premultiply, reducer
 from ..transport import shm_direct
 from ..transport.base import Channel, TransportError
 from ..types import RedOpType
-from . import collectives as generic
 from . import shm_latency
+from .engine import GroupCollectives
+from .generic import GENERIC as generic
 
 # The direct all_reduce (one round, every rank reduces all p copies) against slices (each rank
 # reduces 1/p, then all copy the results), interleaved runs: direct wins up to 256 KiB at world
@@ -590,16 +591,16 @@ def barrier(ctx, ch: Channel) -> None:
 
 
 # -- the engine's collectives object -----------------------------------------------------------
-class ShmCollectives:
-    """backends/collectives.py's functions, through shared memory when the whole group is local.
+class ShmCollectives(GroupCollectives):
+    """The collectives of groups whose members all share this host, through shared memory.
 
-    Missing attributes fall back to the generic module, so the process group can call any
-    collective on it.
+    One instance serves every such group of an engine (each call finds its group's GroupShm by the
+    channel's group id). A group of one runs the generic collectives.
     """
 
     def __init__(self, transport):
         self.transport = transport
-        self._groups = transport._groups  # gid -> GroupShm, for the latency path (see _context)
+        self._group_shm = transport.group_shm  # gid -> GroupShm or None, for the latency path
         self.allreduce_algo = _algo_env("ALLREDUCE", ("direct", "slices", "readv"))
         forced = os.environ.get("DISTCOMM_SHM_ALLREDUCE_DIRECT_BYTES")
         self.direct_bytes = int(forced) if forced else DIRECT_ALLREDUCE_BYTES
@@ -612,9 +613,6 @@ class ShmCollectives:
         self.alltoall_algo = _algo_env("ALLTOALL", ("slots", "readv"))
         self.readv_bytes = int(os.environ.get("DISTCOMM_SHM_READV_BYTES", READV_BYTES))
         self.allreduce_readv_bytes = int(os.environ.get("DISTCOMM_SHM_ALLREDUCE_READV_BYTES", ALLREDUCE_READV_BYTES))
-
-    def __getattr__(self, name):
-        return getattr(generic, name)
 
     def direct_limit(self, size: int) -> int:
         """The largest all_reduce (bytes) the direct algorithm takes in a group of ``size``."""
@@ -666,15 +664,16 @@ class ShmCollectives:
         """The latency paths of process group ``pg`` (shm_latency.py; see
         ProcessGroup._install_latency_paths): None until the group's shared memory exists, False
         if they will never be used (a group of one, a member on another host, an algorithm forced)."""
-        if pg.size() == 1 or self.allreduce_algo is not None or not self.transport.all_local(pg.ranks):
+        group = pg.spec
+        if len(group.ranks) == 1 or self.allreduce_algo is not None or not self.transport.all_local(group.ranks):
             return False
-        ctx = self._groups.get(pg.group_id)
+        ctx = self._group_shm(group.group_id)
         return None if ctx is None else shm_latency.build(pg, ctx, self)
 
-    # The signatures below are those of backends/collectives.py.
+    # The signatures below are those of engine.GroupCollectives.
     def all_reduce(self, ch: Channel, flat: np.ndarray, dtype, op) -> None:
         # The latency path first: a group already set up and healthy, a plain op, one slot.
-        ctx = self._groups.get(ch.key.group)
+        ctx = self._group_shm(ch.key.group)
         plain = type(op) is RedOpType  # no factor to apply first; only AVG needs finishing
         if ctx is not None and not ctx.broken and plain and self.allreduce_algo is None:
             n = flat.nbytes

@@ -37,18 +37,20 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any, Callable, NamedTuple, NoReturn
+from typing import NoReturn
 
 import numpy as np
 
 from ..dtypes import from_numpy
 from ..errors import DistBackendError
-from ..process_group import _profiling, signature
+from ..profiling import profiling
+from ..signatures import signature
 from ..reduction import check_supported, finish, sequence_reducer
 from ..transport.base import TransportError
 from ..transport.shm_group import AWAITING, CONSUMED, POSTED, REUSING, S_NBYTES, S_ROUND, S_SEQ, S_SIG
 from ..transport.shm_wait import fence
 from ..types import RedOpType
+from .engine import FastPath
 
 _ndarray = np.ndarray
 
@@ -67,19 +69,12 @@ def _torch_flat(t) -> np.ndarray | None:
     return t.detach().numpy().reshape(-1)
 
 
-class LatencyPaths(NamedTuple):
-    """One group's latency paths: each does the whole call and returns True, or returns False
-    having done nothing (the general path runs the call then)."""
-
-    all_reduce: Callable[[Any, Any], bool]  # (tensor, op)
-    barrier: Callable[[], bool]
-
-
-def build(pg, ctx, collectives) -> LatencyPaths:
+def build(pg, ctx, collectives) -> FastPath:
     """The latency paths of process group ``pg``, whose shared memory is ``ctx`` (a GroupShm) and
     whose engine's collectives are ``collectives`` (ShmCollectives: thresholds and reducers)."""
     executor = pg.executor
     enter, leave = executor.enter_inline, executor.leave_inline
+    next_seq = pg.next_seq
     rank, size, nslots = ctx.rank, ctx.size, ctx.nslots
     limit = min(collectives.direct_limit(size), ctx.slot_bytes)
     # GroupShm's internals, read directly: this function is its fast client (see the module doc).
@@ -202,10 +197,10 @@ def build(pg, ctx, collectives) -> LatencyPaths:
             return False
         np_dtype = flat.dtype
         entry = plans.get((op, np_dtype)) or plan(op, np_dtype)
-        if entry is None or _profiling() is not None or not enter():
+        if entry is None or profiling() is not None or not enter():
             return False
         sig, reduce_all, dtype = entry
-        pg.seq = seq = pg.seq + 1
+        seq = next_seq()
         try:
             k = open_round(seq, sig, "all_reduce")
             views = ctx.views(k, np_dtype, flat.size)
@@ -224,9 +219,9 @@ def build(pg, ctx, collectives) -> LatencyPaths:
         return True
 
     def small_barrier() -> bool:
-        if ctx.broken is not None or _profiling() is not None or not enter():
+        if ctx.broken is not None or profiling() is not None or not enter():
             return False
-        pg.seq = seq = pg.seq + 1
+        seq = next_seq()
         try:
             k = open_round(seq, barrier_sig, "barrier")
             exchange(k, seq, barrier_sig, 0, "barrier")
@@ -237,4 +232,4 @@ def build(pg, ctx, collectives) -> LatencyPaths:
             leave()
         return True
 
-    return LatencyPaths(small_all_reduce, small_barrier)
+    return FastPath(small_all_reduce, small_barrier)

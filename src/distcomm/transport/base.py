@@ -81,10 +81,23 @@ class Request(ABC):
 
 
 class Transport(ABC):
-    """Moves bytes between the global ranks of one world. Thread-safe."""
+    """Moves bytes between the ranks of one world. Thread-safe.
+
+    A class need not inherit from Transport to be one: any class with ``isend``, ``irecv`` and
+    ``close`` counts (``isinstance`` says so), as with ``collections.abc``, so a third-party
+    transport written against this contract plugs in as it is.
+    """
 
     rank: int
     size: int
+
+    @classmethod
+    def __subclasshook__(cls, other: type):
+        if cls is Transport:
+            names = ("isend", "irecv", "close")
+            if all(any(n in vars(k) for k in other.__mro__) for n in names):
+                return True
+        return NotImplemented
 
     @abstractmethod
     def isend(self, dst: int, data: np.ndarray, key: MessageKey, signature: int = 0) -> Request:

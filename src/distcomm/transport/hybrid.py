@@ -1,12 +1,6 @@
-"""Engines built on host identity: "shm" (shared memory only) and the default (shm within a host,
-TCP between hosts, per pair of ranks).
+"""HybridTransport: each pair of ranks over shared memory (same host) or TCP (different hosts).
 
-The default engine ("gloo", or backend=None) asks every rank for its host id (hostid.py). When the
-whole world is on one host, which is the common case, it *is* the shared-memory transport: no
-sockets at all. Otherwise each rank connects a ShmTransport among the ranks of its own host and a
-TcpTransport to the world, and ``HybridTransport`` sends each message over the right one. Its
-collectives run through shared memory for groups entirely on one host and fall back to the
-generic algorithms (over both transports) for groups that span hosts.
+The default engine (backends/hybrid.py) connects one when the world spans hosts.
 
 Receives from ANY_SOURCE in a world that spans hosts are posted on both transports; the first to
 complete wins and the other is withdrawn. If the TCP one had already matched a message by then, the
@@ -18,49 +12,11 @@ from __future__ import annotations
 
 import threading
 import time
-from datetime import timedelta
 
 import numpy as np
 
-from . import hostid
 from .base import ANY_SOURCE, MessageKey, Request, Transport, TransportError
 from .shm import ShmTransport
-
-
-def connect_shm(store, rank: int, size: int, timeout: float, options=None) -> ShmTransport:
-    """The "shm" engine: every rank must be on this host."""
-    hosts = hostid.exchange(store, rank, size)
-    if len(set(hosts)) > 1:
-        # Every rank raises the same error. Rank 0 (which hosts the store under env://) waits until
-        # the others are done with the store, or its exit would turn their error into a lost
-        # connection.
-        if rank == 0:
-            store.wait([f"hostid/refused/{q}" for q in range(1, size)], timedelta(seconds=timeout))
-        else:
-            store.set(f"hostid/refused/{rank}", "1")
-        raise RuntimeError(
-            f"backend 'shm' needs every rank on one host, but {hostid.describe(hosts)}. Use backend "
-            "'gloo' (the default: shared memory within a host, TCP between hosts) or 'tcp'."
-        )
-    return ShmTransport.connect(store, rank, size, timeout)
-
-
-def connect_default(store, rank: int, size: int, timeout: float, options=None) -> Transport:
-    """The default CPU engine: shared memory between ranks of a host, TCP between hosts."""
-    hosts = hostid.exchange(store, rank, size)
-    local = [q for q in range(size) if hosts[q] == hosts[rank]]
-    if len(local) == size:
-        return ShmTransport.connect(store, rank, size, timeout)
-    from .tcp import TcpTransport
-
-    shm = ShmTransport.connect(store, rank, size, timeout, local) if len(local) > 1 else None
-    try:
-        tcp = TcpTransport.connect(store, rank, size, timeout)
-    except BaseException:
-        if shm is not None:
-            shm.close()
-        raise
-    return HybridTransport(rank, size, shm, tcp)
 
 
 class _Stashed:
@@ -147,10 +103,6 @@ class HybridTransport(Transport):
         self._stash: list[_Stashed] = []
         self._stash_lock = threading.Lock()
 
-    @property
-    def collectives(self):
-        return None if self.shm is None else self.shm.collectives
-
     def _route(self, peer: int) -> Transport:
         return self.shm if (self.shm is not None and peer in self._local) else self.tcp
 
@@ -174,11 +126,6 @@ class HybridTransport(Transport):
         if src == ANY_SOURCE:
             return (self.shm if len(self._local) == self.size else self.tcp).irecv(src, out, key, signature)
         return self._route(src).irecv(src, out, key, signature)
-
-    def release_group(self, gid: int) -> None:
-        """Free group ``gid``'s shared memory (see ShmTransport.release_group)."""
-        if self.shm is not None:
-            self.shm.release_group(gid)
 
     def close(self) -> None:
         try:

@@ -15,7 +15,7 @@ process_vm_readv (shm_direct), then acknowledges. There is no progress thread: e
 isend() and irecv() moves whatever can move for all pending requests of the process (under one
 lock), so two ranks waiting on each other always both advance.
 
-Collectives do not use the rings: ``collectives`` (backends/shm_collectives.py) reduce and copy
+Collectives do not use the rings: the shared-memory engine (backends/shm_collectives.py) reduces and copies
 straight through per-group segments (shm_group.GroupShm), created at a group's first collective.
 
 Setup goes through the store: each rank publishes its segment's name, pid and address, maps its
@@ -183,7 +183,6 @@ class ShmTransport(Transport):
         # collectives
         self._groups: dict[int, GroupShm] = {}
         self._groups_lock = threading.Lock()
-        self._collectives = None
 
     # -- setup --------------------------------------------------------------------------------
     @classmethod
@@ -301,15 +300,9 @@ class ShmTransport(Transport):
         ctl[self.rank][_W_CPU] = cpu
         return not any(ctl[g][_W_CPU] == cpu for g in peers if g != self.rank)
 
-    @property
-    def collectives(self):
-        if os.environ.get("DISTCOMM_SHM_COLLECTIVES", "1") in ("0", "false", "no"):
-            return None
-        if self._collectives is None:
-            from ..backends.shm_collectives import ShmCollectives
-
-            self._collectives = ShmCollectives(self)
-        return self._collectives
+    def group_shm(self, gid: int) -> GroupShm | None:
+        """Group ``gid``'s shared memory if it has been set up (by ``group_context``), else None."""
+        return self._groups.get(gid)
 
     def group_context(self, gid: int, ranks, rank: int, deadline: float | None) -> GroupShm | None:
         """The shared memory of group ``gid`` (members ``ranks``, global), created on first use;

@@ -1,0 +1,132 @@
+"""The Engine seam: what a backend name stands for, written down as two small interfaces.
+
+An **Engine** is one world's way of moving data: it owns a Transport (point-to-point bytes between
+the ranks it was connected among), hands every process group a **GroupCollectives** object (one
+method per collective, over flat numpy arrays), may offer a **FastPath** for small synchronous
+calls, lets go of a group's resources when the group is destroyed, and closes.
+
+``ProcessGroup`` (process_group.py) is the only caller. It owns the sequence number, the message
+signature, the deadline and the Work; it builds a ``Channel`` for each call and hands it, with the
+call's flat arrays, to its GroupCollectives. A GroupCollectives method therefore only decides *how*
+the bytes move (which algorithm, over which memory) and never sees tensors, Works or the world.
+
+Implementations:
+
+* ``generic.GenericEngine``: the algorithms of ``distcomm._algorithms`` over any Transport
+  (TCP, a third-party Transport from ``Backend.register_backend``, the in-process one);
+* ``shm_engine.ShmEngine``: shared memory between the ranks of one host;
+* ``hybrid.HybridEngine``: shared memory within a host, TCP between hosts.
+
+Adding an engine: a class implementing ``Engine`` (and a GroupCollectives, or reuse
+``GenericCollectives``) in its own module, and one ``register_engine`` line in ``backends/__init__``.
+See docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
+
+import numpy as np
+
+from ..dtypes import DType
+from ..transport.base import Channel, Transport
+
+if TYPE_CHECKING:
+    from ..process_group import ProcessGroup
+
+
+class GroupSpec(NamedTuple):
+    """A process group as an engine sees it."""
+
+    group_id: int  # the same number on every member; stamped on every message
+    ranks: Sequence[int]  # group rank -> the engine's rank (its transport's address)
+    rank: int  # this process's group rank
+
+
+class GroupCollectives(ABC):
+    """One group's collectives on one engine.
+
+    Every method runs one whole collective over ``ch`` (the call's Channel: group-relative ranks,
+    sequence number, signature, deadline) on flat C-contiguous numpy arrays of the storage dtype,
+    and raises DistError subclasses in the operation's words (``ch.translate``). ``root`` is a
+    group rank. Reductions take the ReduceOp (``types.RedOpType`` or a PREMUL_SUM ``ReduceOp``)
+    and the element ``DType``; applying PREMUL_SUM's factor and AVG's division is the method's job.
+    """
+
+    @abstractmethod
+    def all_reduce(self, ch: Channel, flat: np.ndarray, dtype: DType, op: Any) -> None:
+        """Every rank's ``flat`` ends as the reduction of all ranks' ``flat``."""
+
+    @abstractmethod
+    def reduce(self, ch: Channel, flat: np.ndarray, dtype: DType, op: Any, root: int) -> None:
+        """The reduction lands in ``root``'s ``flat``; the other ranks' ``flat`` is left as it was."""
+
+    @abstractmethod
+    def broadcast(self, ch: Channel, flat: np.ndarray, root: int) -> None:
+        """``root``'s ``flat`` is copied into every other rank's ``flat``."""
+
+    @abstractmethod
+    def all_gather(self, ch: Channel, out: np.ndarray, count: int) -> None:
+        """``out`` holds size·count elements with this rank's block already in place; fill the rest."""
+
+    @abstractmethod
+    def gather(self, ch: Channel, send: np.ndarray, out: np.ndarray | None, root: int) -> None:
+        """Every rank's ``send`` lands in block q of ``root``'s ``out`` (None elsewhere)."""
+
+    @abstractmethod
+    def scatter(self, ch: Channel, chunks: np.ndarray | None, out: np.ndarray, root: int) -> None:
+        """Block q of ``root``'s ``chunks`` (None elsewhere) lands in rank q's ``out``."""
+
+    @abstractmethod
+    def reduce_scatter(self, ch: Channel, scratch: np.ndarray, out: np.ndarray, counts: Sequence[int],
+                       dtype: DType, op: Any) -> None:
+        """``scratch`` is the concatenated input (blocks of ``counts`` elements; the method may clobber
+        it); ``out`` receives the reduction of block ``ch.rank``."""
+
+    @abstractmethod
+    def all_to_all(self, ch: Channel, send: np.ndarray, send_counts: Sequence[int], recv: np.ndarray,
+                   recv_counts: Sequence[int]) -> None:
+        """Block q of ``send`` (``send_counts[q]`` elements) goes to rank q; what rank q sends lands in
+        block q of ``recv``. Counts that disagree between sender and receiver are a mismatch error."""
+
+    @abstractmethod
+    def barrier(self, ch: Channel) -> None:
+        """Returns once every rank of the group has entered."""
+
+
+class FastPath(NamedTuple):
+    """An engine's latency path for one group: each callable does the whole call and returns True,
+    or returns False having done nothing at all (the general path then runs the call).
+
+    A fast path takes its sequence number from ``ProcessGroup.next_seq`` and claims the group
+    through ``ProcessGroup.executor.enter_inline`` like any synchronous call, so it interleaves
+    correctly with the general path on the same group.
+    """
+
+    all_reduce: Callable[[Any, Any], bool]  # (tensor or ndarray, ReduceOp)
+    barrier: Callable[[], bool]
+
+
+class Engine(ABC):
+    """One world's engine; see the module docstring."""
+
+    #: the point-to-point transport (send/recv, and what GenericCollectives runs over)
+    transport: Transport
+
+    @abstractmethod
+    def collectives(self, group: GroupSpec) -> GroupCollectives:
+        """The collectives of a new process group (called once per group, on its members)."""
+
+    def fast_path(self, pg: "ProcessGroup") -> FastPath | bool | None:
+        """The group's FastPath; None when it may exist later (the engine sets the group up on its
+        first collective; ProcessGroup asks again then); False when it never will. The default:
+        no fast path."""
+        return False
+
+    def release_group(self, group_id: int) -> None:
+        """Let go of what the engine keeps for group ``group_id`` (destroy_process_group)."""
+
+    def close(self) -> None:
+        """Release everything: the transport, memory, threads. Pending requests fail as lost."""
+        self.transport.close()

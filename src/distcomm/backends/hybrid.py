@@ -1,0 +1,62 @@
+"""The default CPU engine ("gloo", or backend=None): shared memory within a host, TCP between hosts.
+
+Every rank learns every rank's host id (transport/hostid.py). When the whole world is on one host,
+the common case, the engine *is* the shared-memory engine: no sockets at all. Otherwise each rank
+connects a ShmTransport among the ranks of its host and a TcpTransport to the world, and
+``transport.hybrid.HybridTransport`` sends each message over the right one. A group entirely on
+this host runs the shared-memory collectives; a group that spans hosts runs the generic
+algorithms over the hybrid transport.
+"""
+
+from __future__ import annotations
+
+from ..transport import hostid
+from ..transport.hybrid import HybridTransport
+from ..transport.shm import ShmTransport
+from .engine import Engine, FastPath, GroupCollectives, GroupSpec
+from .generic import GENERIC
+from .shm_engine import ShmEngine
+
+
+class HybridEngine(Engine):
+    """Shared memory among this host's ranks (``shm``, None when this rank is alone on its host)
+    and TCP to the rest, through one HybridTransport."""
+
+    def __init__(self, transport: HybridTransport, shm: ShmEngine | None):
+        self.transport = transport
+        self._shm = shm
+
+    def collectives(self, group: GroupSpec) -> GroupCollectives:
+        if self._shm is not None and self._shm.local(group.ranks):
+            return self._shm.collectives(group)
+        return GENERIC
+
+    def fast_path(self, pg) -> FastPath | bool | None:
+        if self._shm is None or not self._shm.local(pg.spec.ranks):
+            return False
+        return self._shm.fast_path(pg)
+
+    def release_group(self, group_id: int) -> None:
+        if self._shm is not None:
+            self._shm.release_group(group_id)
+
+    def __repr__(self) -> str:
+        return f"HybridEngine({self.transport!r})"
+
+
+def connect(store, rank: int, size: int, timeout: float, options=None) -> Engine:
+    """The default CPU engine: shared memory between ranks of a host, TCP between hosts."""
+    hosts = hostid.exchange(store, rank, size)
+    local = [q for q in range(size) if hosts[q] == hosts[rank]]
+    if len(local) == size:
+        return ShmEngine(ShmTransport.connect(store, rank, size, timeout))
+    from ..transport.tcp import TcpTransport
+
+    shm = ShmTransport.connect(store, rank, size, timeout, local) if len(local) > 1 else None
+    try:
+        tcp = TcpTransport.connect(store, rank, size, timeout)
+    except BaseException:
+        if shm is not None:
+            shm.close()
+        raise
+    return HybridEngine(HybridTransport(rank, size, shm, tcp), None if shm is None else ShmEngine(shm))

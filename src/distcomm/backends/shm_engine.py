@@ -1,0 +1,69 @@
+"""The shared-memory engine ("shm"): every rank of the world on this host.
+
+Point-to-point runs over ``transport.shm.ShmTransport``'s rings; a group's collectives run through
+its own shared memory (``shm_collectives.ShmCollectives``), and small synchronous all_reduces and
+barriers take the latency path (``shm_latency``). ``DISTCOMM_SHM_COLLECTIVES=0`` turns the
+shared-memory collectives off: the generic algorithms then run over the rings.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+from ..errors import DistBackendError
+from ..transport import hostid
+from ..transport.shm import ShmTransport
+from .engine import Engine, FastPath, GroupCollectives, GroupSpec
+from .generic import GENERIC
+from .shm_collectives import ShmCollectives
+
+
+def shm_collectives_enabled() -> bool:
+    return os.environ.get("DISTCOMM_SHM_COLLECTIVES", "1") not in ("0", "false", "no")
+
+
+class ShmEngine(Engine):
+    """Shared memory among the ranks of one host (``transport.ranks`` of them, global numbering)."""
+
+    def __init__(self, transport: ShmTransport):
+        self.transport = transport
+        self._collectives = ShmCollectives(transport) if shm_collectives_enabled() else None
+
+    def local(self, ranks) -> bool:
+        """Are all of these engine ranks on this host (so a group of them can use shared memory)?"""
+        return self.transport.all_local(ranks)
+
+    def collectives(self, group: GroupSpec) -> GroupCollectives:
+        if self._collectives is None or len(group.ranks) == 1 or not self.local(group.ranks):
+            return GENERIC
+        return self._collectives
+
+    def fast_path(self, pg) -> FastPath | bool | None:
+        if self._collectives is None:
+            return False
+        return self._collectives.latency_paths(pg)
+
+    def release_group(self, group_id: int) -> None:
+        self.transport.release_group(group_id)
+
+    def __repr__(self) -> str:
+        return f"ShmEngine({self.transport!r})"
+
+
+def connect(store, rank: int, size: int, timeout: float, options=None) -> ShmEngine:
+    """The "shm" engine: every rank must be on this host."""
+    hosts = hostid.exchange(store, rank, size)
+    if len(set(hosts)) > 1:
+        # Every rank raises the same error. Rank 0 (which hosts the store under env://) waits until
+        # the others are done with the store, or its exit would turn their error into a lost
+        # connection.
+        if rank == 0:
+            store.wait([f"hostid/refused/{q}" for q in range(1, size)], timedelta(seconds=timeout))
+        else:
+            store.set(f"hostid/refused/{rank}", "1")
+        raise DistBackendError(
+            f"backend 'shm' needs every rank on one host, but {hostid.describe(hosts)}. Use backend "
+            "'gloo' (the default: shared memory within a host, TCP between hosts) or 'tcp'."
+        )
+    return ShmEngine(ShmTransport.connect(store, rank, size, timeout))

@@ -1,0 +1,25 @@
+"""Message signatures: a 32-bit summary of a collective (op, dtype, reduce op) on every message.
+
+Ranks that call different collectives, or the same one on different dtypes or reduce ops, at the
+same sequence number of a group then see a mismatch error instead of exchanging each other's bytes.
+"""
+
+from __future__ import annotations
+
+# Operation codes carried in message signatures, so ranks running different collectives at the
+# same sequence number see a mismatch instead of exchanging each other's bytes.
+OPCODES = {
+    name: i + 1
+    for i, name in enumerate(
+        [
+            "broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "gather",
+            "scatter", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
+            "barrier", "monitored_barrier", "broadcast_object_list", "all_gather_object",
+            "gather_object", "scatter_object_list", "object_sizes", "send", "recv",
+        ]
+    )
+}
+
+
+def signature(op: str, dtype_code: int = 0, reduce_code: int = 0) -> int:
+    return (OPCODES[op] << 16) | ((dtype_code & 0xFF) << 8) | (reduce_code & 0xFF)
