@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from distcomm import reduction as R
 from distcomm._algorithms import reference, select
+from distcomm.tuning import Tuning
 from distcomm.dtypes import from_name
 from distcomm.errors import CollectiveMismatchError, DistTimeoutError, PeerLostError
 from distcomm.transport.base import Channel, MessageKey
@@ -537,11 +538,16 @@ def test_select_defaults_and_overrides(monkeypatch):
     assert select.choose("allreduce", 64 << 20, 4) is allreduce_halving_doubling
     assert select.choose("allreduce", 8, 4, algo="ring") is allreduce_ring
     monkeypatch.setenv("DISTCOMM_ALGO_ALLREDUCE", "ring")
-    assert select.choose("all_reduce", 8, 4) is allreduce_ring
-    assert select.choose("allreduce", 8, 4, algo="halving_doubling") is allreduce_halving_doubling
+    forced = Tuning.from_env()
+    assert select.choose("all_reduce", 8, 4) is allreduce_recursive_doubling  # the environment is read once, into a Tuning
+    assert select.choose("all_reduce", 8, 4, forced) is allreduce_ring
+    assert select.choose("allreduce", 8, 4, forced, algo="halving_doubling") is allreduce_halving_doubling
     monkeypatch.delenv("DISTCOMM_ALGO_ALLREDUCE")
     monkeypatch.setenv("DISTCOMM_THRESHOLD_ALLREDUCE_SMALL_BYTES", str(4 << 20))
-    assert select.choose("allreduce", 1 << 20, 4) is allreduce_recursive_doubling
+    assert select.choose("allreduce", 1 << 20, 4, Tuning.from_env()) is allreduce_recursive_doubling
+    monkeypatch.setenv("DISTCOMM_THRESHOLD_ALLREDUCE_SEGMENT_BYTES", str(1 << 20))
+    segmented = select.choose("allreduce", 64 << 20, 2, Tuning.from_env())
+    assert segmented.func is allreduce_ring_pipelined and segmented.keywords == {"segment_bytes": 1 << 20, "window": 4}
     assert select.choose("broadcast", 1 << 20, 2).__name__ == "broadcast_binomial"
     assert select.choose("broadcast", 1 << 20, 3).__name__ == "broadcast_scatter_allgather"
     assert select.choose("all_gather", 64, 3).__name__ == "allgather_bruck"
@@ -556,7 +562,10 @@ def test_select_unknown_names(monkeypatch):
         select.choose("allreduce", 8, 2, algo="tree")
     monkeypatch.setenv("DISTCOMM_ALGO_BROADCAST", "pipeline")
     with pytest.raises(ValueError, match="DISTCOMM_ALGO_BROADCAST.*binomial, scatter_allgather"):
-        select.choose("broadcast", 8, 2)
+        select.choose("broadcast", 8, 2, Tuning.from_env())
+    monkeypatch.setenv("DISTCOMM_THRESHOLD_ALLREDUCE_SMALL_BYTES", "lots")
+    with pytest.raises(ValueError, match="DISTCOMM_THRESHOLD_ALLREDUCE_SMALL_BYTES='lots' is not a number of bytes"):
+        Tuning.from_env()
     with pytest.raises(ValueError, match="no algorithms for collective"):
         select.choose("allscatter", 8, 2)
 

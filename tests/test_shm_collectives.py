@@ -4,10 +4,10 @@ Each rank computes every rank's input (deterministic per rank), runs the collect
 its own result against the reference semantics computed with numpy: reductions in rank order,
 ((x0 ⊕ x1) ⊕ x2) ..., which is what the shared-memory algorithms compute, so results are compared
 bit for bit. ``DISTCOMM_SHM_SLOT_BYTES=4096`` makes small messages take many rounds (chunking,
-slot reuse, uneven pieces) while staying fast; ``DISTCOMM_SHM_ALLREDUCE_DIRECT_BYTES=256`` sends
+slot reuse, uneven pieces) while staying fast; ``DISTCOMM_SHM_THRESHOLD_ALLREDUCE_DIRECT_BYTES=256`` sends
 all but the smallest all_reduce through a bandwidth algorithm: through slots when single-copy
 reads are off (``DISTCOMM_SHM_DIRECT=0``), with process_vm_readv from 2 KiB on
-(``DISTCOMM_SHM_READV_BYTES=2048``). Also: async work, two groups on the
+(``DISTCOMM_SHM_THRESHOLD_READV_BYTES=2048``). Also: async work, two groups on the
 same ranks used at once, subgroups, object collectives, torch tensors with bfloat16, the default
 slot size with messages of a few MiB, and the generic algorithms over the shared-memory rings
 (``DISTCOMM_SHM_COLLECTIVES=0``).
@@ -24,10 +24,10 @@ import pytest
 
 from harness import run_world
 
-CHUNKY = {"DISTCOMM_SHM_SLOT_BYTES": "4096", "DISTCOMM_SHM_ALLREDUCE_DIRECT_BYTES": "256"}
+CHUNKY = {"DISTCOMM_SHM_SLOT_BYTES": "4096", "DISTCOMM_SHM_THRESHOLD_ALLREDUCE_DIRECT_BYTES": "256"}
 # the same through the slot algorithms only (no single-copy reads), and with single-copy reads from 2 KiB
 SLOTS = {**CHUNKY, "DISTCOMM_SHM_DIRECT": "0"}
-READV = {**CHUNKY, "DISTCOMM_SHM_READV_BYTES": "2048", "DISTCOMM_SHM_ALLREDUCE_READV_BYTES": "2048"}
+READV = {**CHUNKY, "DISTCOMM_SHM_THRESHOLD_READV_BYTES": "2048", "DISTCOMM_SHM_THRESHOLD_ALLREDUCE_READV_BYTES": "2048"}
 
 
 def _data(rank: int, n: int, dtype, salt: int = 0) -> np.ndarray:
@@ -268,7 +268,7 @@ def test_torch_tensors_bfloat16_and_non_contiguous():
 
 def a2a_straddle_body(rank, world):
     """all_to_all_single with uneven splits where only some ranks send enough for single-copy
-    reads (DISTCOMM_SHM_READV_BYTES=2048): the ranks must still agree on one algorithm."""
+    reads (DISTCOMM_SHM_THRESHOLD_READV_BYTES=2048): the ranks must still agree on one algorithm."""
     import distcomm as dist
 
     dist.init_process_group("shm")
@@ -294,5 +294,5 @@ def a2a_straddle_body(rank, world):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_all_to_all_ranks_disagreeing_on_single_copy(world):
-    env = {"DISTCOMM_SHM_READV_BYTES": "2048", "DISTCOMM_SHM_SLOT_BYTES": "4096"}
+    env = {"DISTCOMM_SHM_THRESHOLD_READV_BYTES": "2048", "DISTCOMM_SHM_SLOT_BYTES": "4096"}
     assert run_world(a2a_straddle_body, world, env=env, timeout=120) == ["ok"] * world

@@ -39,6 +39,7 @@ import numpy as np
 from ..errors import CollectiveMismatchError, describe_op
 from ..transport.base import Channel, wait_all
 from ._blocks import Reducer, even_counts, offsets
+from .thresholds import THRESHOLDS
 
 
 def allreduce_ring_pipelined(
@@ -46,17 +47,15 @@ def allreduce_ring_pipelined(
 ) -> None:
     """Reduce ``buf`` across the group in place; every rank ends with the same result.
 
-    ``segment_bytes`` and ``window`` default to select.py's THRESHOLDS ``allreduce_segment_bytes``
+    ``segment_bytes`` and ``window`` default to thresholds.py's THRESHOLDS ``allreduce_segment_bytes``
     and ``allreduce_segment_window`` (tests pass small segments).
     """
     p, r = ch.size, ch.rank
     if p == 1:
         return
     if segment_bytes is None or window is None:
-        from .select import threshold  # (select imports this module)
-
-        segment_bytes = threshold("allreduce_segment_bytes") if segment_bytes is None else segment_bytes
-        window = threshold("allreduce_segment_window") if window is None else window
+        segment_bytes = THRESHOLDS["allreduce_segment_bytes"] if segment_bytes is None else segment_bytes
+        window = THRESHOLDS["allreduce_segment_window"] if window is None else window
     right, left = (r + 1) % p, (r - 1) % p
     seg = max(1, segment_bytes // max(1, buf.itemsize))
     window = max(1, window)

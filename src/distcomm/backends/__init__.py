@@ -1,7 +1,8 @@
 """Backend names and the engine registry.
 
 A backend name (what the user passes to init_process_group / new_group) resolves to an *engine
-factory*: ``factory(store, rank, size, timeout_seconds, options) -> Engine`` (engine.py). distcomm's
+factory*: ``factory(store, rank, size, timeout_seconds, tuning, options) -> Engine`` (engine.py;
+``tuning`` is the Tuning read when the engine is connected, tuning.py). distcomm's
 engines register here, one line each, at the bottom of this module. ``Backend.register_backend(name,
 func)`` plugs in a third-party one: ``func`` receives ``(store, rank, size, timeout)`` and returns
 an ``Engine``, or a ``distcomm.transport.base.Transport``, which then runs the generic algorithms
@@ -13,6 +14,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any, Callable
 
+from ..tuning import Tuning
 from .engine import Engine
 
 EngineFactory = Callable[..., Engine]
@@ -20,31 +22,31 @@ EngineFactory = Callable[..., Engine]
 _ENGINES: dict[str, EngineFactory] = {}
 
 
-def _tcp_engine(store, rank: int, size: int, timeout: float, options: Any = None) -> Engine:
+def _tcp_engine(store, rank: int, size: int, timeout: float, tuning: Tuning, options: Any = None) -> Engine:
     from ..transport.tcp import TcpTransport
     from .generic import GenericEngine
 
-    return GenericEngine(TcpTransport.connect(store, rank, size, timeout))
+    return GenericEngine(TcpTransport.connect(store, rank, size, timeout), tuning)
 
 
-def _shm_engine(store, rank: int, size: int, timeout: float, options: Any = None) -> Engine:
+def _shm_engine(store, rank: int, size: int, timeout: float, tuning: Tuning, options: Any = None) -> Engine:
     from . import shm_engine
 
-    return shm_engine.connect(store, rank, size, timeout, options)
+    return shm_engine.connect(store, rank, size, timeout, tuning, options)
 
 
-def _default_engine(store, rank: int, size: int, timeout: float, options: Any = None) -> Engine:
+def _default_engine(store, rank: int, size: int, timeout: float, tuning: Tuning, options: Any = None) -> Engine:
     from . import hybrid
 
-    return hybrid.connect(store, rank, size, timeout, options)
+    return hybrid.connect(store, rank, size, timeout, tuning, options)
 
 
-def _world_of_one() -> Engine:
+def _world_of_one(tuning: Tuning) -> Engine:
     # A world of one needs no peers; the in-process transport serves it without sockets.
     from ..transport.inproc import InprocTransport
     from .generic import GenericEngine
 
-    return GenericEngine(InprocTransport.create_world(1)[0])
+    return GenericEngine(InprocTransport.create_world(1)[0], tuning)
 
 
 def _unavailable(name: str, why: str) -> EngineFactory:
@@ -103,10 +105,10 @@ class Backend(str):
         setattr(Backend, name.upper(), name.lower())
         Backend.backend_list.append(name.lower())
 
-        def factory(store, rank, size, timeout, options=None):
+        def factory(store, rank, size, timeout, tuning, options=None):
             td = timedelta(seconds=timeout)
             made = func(store, rank, size, td, options) if extended_api else func(store, rank, size, td)
-            return _as_engine(made, name)
+            return _as_engine(made, name, tuning)
 
         _ENGINES[name.lower()] = factory
 
@@ -121,14 +123,14 @@ def resolve_engine(name: str) -> EngineFactory:
         ) from None
 
 
-def _as_engine(made: Any, name: str) -> Engine:
+def _as_engine(made: Any, name: str, tuning: Tuning) -> Engine:
     from ..transport.base import Transport
     from .generic import GenericEngine
 
     if isinstance(made, Engine):
         return made
     if isinstance(made, Transport):
-        return GenericEngine(made)
+        return GenericEngine(made, tuning)
     raise TypeError(
         f"backend {name!r}: the registered function returned {type(made).__name__}; it must return a "
         "distcomm.backends.engine.Engine or a distcomm.transport.base.Transport"
@@ -136,10 +138,12 @@ def _as_engine(made: Any, name: str) -> Engine:
 
 
 def connect(name: str, store, rank: int, size: int, timeout: float, options: Any = None) -> Engine:
-    """Connect this rank to the engine ``name`` among ``size`` ranks (``timeout`` in seconds)."""
+    """Connect this rank to the engine ``name`` among ``size`` ranks (``timeout`` in seconds), with
+    the Tuning of the environment as it is now."""
+    tuning = Tuning.from_env()
     if size == 1 and name in ("gloo", "tcp"):
-        return _world_of_one()
-    return resolve_engine(name)(store, rank, size, timeout, options)
+        return _world_of_one(tuning)
+    return resolve_engine(name)(store, rank, size, timeout, tuning, options)
 
 
 def register_engine(name: str, factory: EngineFactory) -> None:

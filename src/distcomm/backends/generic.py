@@ -3,8 +3,8 @@
 ``GenericCollectives`` is the GroupCollectives every engine can fall back on: it chooses an
 algorithm of ``distcomm._algorithms`` by size and group size (``select.choose``) and runs it over
 the call's Channel, applying PREMUL_SUM's factor before and AVG's division after a reduction, and
-keeping non-root inputs untouched where torch does. It holds no state, so one instance serves
-every group. ``GenericEngine`` is an Engine made of a Transport and these collectives: the TCP
+keeping non-root inputs untouched where torch does. It holds nothing but the engine's Tuning, so one
+instance serves every group of an engine. ``GenericEngine`` is an Engine made of a Transport and these collectives: the TCP
 engine, a world of one, and any third-party Transport registered with ``Backend.register_backend``.
 """
 
@@ -16,16 +16,20 @@ from .. import reduction
 from .._algorithms import select
 from ..dtypes import DType
 from ..transport.base import Channel, Transport
+from ..tuning import DEFAULT, Tuning
 from .engine import Engine, GroupCollectives, GroupSpec
 
 
 class GenericCollectives(GroupCollectives):
     """The collectives as point-to-point algorithms over the call's Channel (see the module docstring)."""
 
+    def __init__(self, tuning: Tuning = DEFAULT):
+        self.tuning = tuning
+
     def all_reduce(self, ch: Channel, flat: np.ndarray, dtype: DType, op) -> None:
         reduction.premultiply(op, flat, dtype)
         if ch.size > 1:
-            algorithm = select.choose("allreduce", flat.nbytes, ch.size)
+            algorithm = select.choose("allreduce", flat.nbytes, ch.size, self.tuning)
             algorithm(ch, flat, reduction.reducer(op, dtype))
         reduction.finish(op, flat, ch.size, dtype)
 
@@ -35,31 +39,31 @@ class GenericCollectives(GroupCollectives):
             flat = flat.copy()  # PREMUL_SUM scales the input; a non-root keeps its own unscaled
         reduction.premultiply(op, flat, dtype)
         if ch.size > 1:
-            algorithm = select.choose("reduce", flat.nbytes, ch.size)
+            algorithm = select.choose("reduce", flat.nbytes, ch.size, self.tuning)
             algorithm(ch, flat, root, reduction.reducer(op, dtype))
         if ch.rank == root:
             reduction.finish(op, flat, ch.size, dtype)
 
     def broadcast(self, ch: Channel, flat: np.ndarray, root: int) -> None:
         if ch.size > 1:
-            select.choose("broadcast", flat.nbytes, ch.size)(ch, flat, root)
+            select.choose("broadcast", flat.nbytes, ch.size, self.tuning)(ch, flat, root)
 
     def all_gather(self, ch: Channel, out: np.ndarray, count: int) -> None:
         """``out`` holds size*count elements with this rank's block already in place."""
         if ch.size > 1:
-            select.choose("allgather", out.nbytes, ch.size)(ch, out, count)
+            select.choose("allgather", out.nbytes, ch.size, self.tuning)(ch, out, count)
 
     def gather(self, ch: Channel, send: np.ndarray, out: np.ndarray | None, root: int) -> None:
         if ch.size == 1:
             out[: send.size] = send
             return
-        select.choose("gather", send.nbytes * ch.size, ch.size)(ch, send, out, root)
+        select.choose("gather", send.nbytes * ch.size, ch.size, self.tuning)(ch, send, out, root)
 
     def scatter(self, ch: Channel, chunks: np.ndarray | None, out: np.ndarray, root: int) -> None:
         if ch.size == 1:
             out[...] = chunks[: out.size]
             return
-        select.choose("scatter", out.nbytes * ch.size, ch.size)(ch, chunks, out, root)
+        select.choose("scatter", out.nbytes * ch.size, ch.size, self.tuning)(ch, chunks, out, root)
 
     def reduce_scatter(self, ch: Channel, scratch: np.ndarray, out: np.ndarray, counts: list[int], dtype: DType, op) -> None:
         """``scratch`` is the concatenated input (clobbered); ``out`` gets this rank's reduced block."""
@@ -67,7 +71,7 @@ class GenericCollectives(GroupCollectives):
         if ch.size == 1:
             out[...] = scratch[: out.size]
         else:
-            algorithm = select.choose("reduce_scatter", scratch.nbytes, ch.size)
+            algorithm = select.choose("reduce_scatter", scratch.nbytes, ch.size, self.tuning)
             algorithm(ch, scratch, out, counts, reduction.reducer(op, dtype))
         reduction.finish(op, out, ch.size, dtype)
 
@@ -75,24 +79,22 @@ class GenericCollectives(GroupCollectives):
         if ch.size == 1:
             recv[...] = send[: recv.size]
             return
-        select.choose("alltoall", send.nbytes, ch.size)(ch, send, send_counts, recv, recv_counts)
+        select.choose("alltoall", send.nbytes, ch.size, self.tuning)(ch, send, send_counts, recv, recv_counts)
 
     def barrier(self, ch: Channel) -> None:
         if ch.size > 1:
-            select.choose("barrier", 0, ch.size)(ch)
-
-
-GENERIC = GenericCollectives()
+            select.choose("barrier", 0, ch.size, self.tuning)(ch)
 
 
 class GenericEngine(Engine):
     """An Engine made of any Transport and the generic collectives."""
 
-    def __init__(self, transport: Transport):
+    def __init__(self, transport: Transport, tuning: Tuning = DEFAULT):
         self.transport = transport
+        self._collectives = GenericCollectives(tuning)
 
     def collectives(self, group: GroupSpec) -> GroupCollectives:
-        return GENERIC
+        return self._collectives
 
     def __repr__(self) -> str:
         return f"GenericEngine({self.transport!r})"

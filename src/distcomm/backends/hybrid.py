@@ -13,8 +13,9 @@ from __future__ import annotations
 from ..transport import hostid
 from ..transport.hybrid import HybridTransport
 from ..transport.shm import ShmTransport
+from ..tuning import DEFAULT, Tuning
 from .engine import Engine, FastPath, GroupCollectives, GroupSpec
-from .generic import GENERIC
+from .generic import GenericCollectives
 from .shm_engine import ShmEngine
 
 
@@ -22,14 +23,15 @@ class HybridEngine(Engine):
     """Shared memory among this host's ranks (``shm``, None when this rank is alone on its host)
     and TCP to the rest, through one HybridTransport."""
 
-    def __init__(self, transport: HybridTransport, shm: ShmEngine | None):
+    def __init__(self, transport: HybridTransport, shm: ShmEngine | None, tuning: Tuning = DEFAULT):
         self.transport = transport
         self._shm = shm
+        self._generic = GenericCollectives(tuning)
 
     def collectives(self, group: GroupSpec) -> GroupCollectives:
         if self._shm is not None and self._shm.local(group.ranks):
             return self._shm.collectives(group)
-        return GENERIC
+        return self._generic
 
     def fast_path(self, pg) -> FastPath | bool | None:
         if self._shm is None or not self._shm.local(pg.spec.ranks):
@@ -44,12 +46,12 @@ class HybridEngine(Engine):
         return f"HybridEngine({self.transport!r})"
 
 
-def connect(store, rank: int, size: int, timeout: float, options=None) -> Engine:
+def connect(store, rank: int, size: int, timeout: float, tuning: Tuning = DEFAULT, options=None) -> Engine:
     """The default CPU engine: shared memory between ranks of a host, TCP between hosts."""
     hosts = hostid.exchange(store, rank, size)
     local = [q for q in range(size) if hosts[q] == hosts[rank]]
     if len(local) == size:
-        return ShmEngine(ShmTransport.connect(store, rank, size, timeout))
+        return ShmEngine(ShmTransport.connect(store, rank, size, timeout), tuning)
     from ..transport.tcp import TcpTransport
 
     shm = ShmTransport.connect(store, rank, size, timeout, local) if len(local) > 1 else None
@@ -59,4 +61,5 @@ def connect(store, rank: int, size: int, timeout: float, options=None) -> Engine
         if shm is not None:
             shm.close()
         raise
-    return HybridEngine(HybridTransport(rank, size, shm, tcp), None if shm is None else ShmEngine(shm))
+    shm_engine = None if shm is None else ShmEngine(shm, tuning)
+    return HybridEngine(HybridTransport(rank, size, shm, tcp), shm_engine, tuning)

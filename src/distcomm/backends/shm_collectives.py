@@ -12,7 +12,7 @@ Algorithms (bytes are per rank, n the message, p the group size):
 
 * all_reduce, "direct": every rank copies its chunk into its slot, then reduces all p slots into
   its own buffer. One round per chunk: the latency path (8 bytes: one write, one flag, p reads).
-  Reads p·n, reduces (p-1)·n: used up to ``DISTCOMM_SHM_ALLREDUCE_DIRECT_BYTES`` (by default 256 KiB,
+  Reads p·n, reduces (p-1)·n: used up to ``DISTCOMM_SHM_THRESHOLD_ALLREDUCE_DIRECT_BYTES`` (by default 256 KiB,
   and one slot at world size 2; measured, see DIRECT_ALLREDUCE_BYTES).
 * all_reduce, "slices": each rank publishes the parts of the chunk others own, reduces the part it
   owns from all p copies into its next slot, then every rank copies all results out. One round
@@ -23,13 +23,13 @@ Algorithms (bytes are per rank, n the message, p the group size):
   slices' results straight from their owners' buffers. No staging copies (~2.5 n bytes through
   memory per rank instead of ~4.5 n) and no lockstep: after one round that publishes addresses, a
   rank does all its reduction without waiting; it waits once for the peers' last chunks. Used
-  from ``DISTCOMM_SHM_ALLREDUCE_READV_BYTES`` (16 MiB) on; "slices" between.
+  from ``DISTCOMM_SHM_THRESHOLD_ALLREDUCE_READV_BYTES`` (16 MiB) on; "slices" between.
 * Through slots: reduce ("direct" with only the root reading); broadcast (the root writes, the
   others copy); all_gather / gather (each writes its block, the others or the root copy); scatter
   (the root writes every destination's piece); reduce_scatter (each writes the blocks others own
   and reduces its own); all_to_all (one piece per destination, with its length, checked by the
   reader); barrier (one round with no data).
-* Single copy, from ``DISTCOMM_SHM_READV_BYTES`` (4 MiB) on, where allowed: broadcast in groups of
+* Single copy, from ``DISTCOMM_SHM_THRESHOLD_READV_BYTES`` (4 MiB) on, where allowed: broadcast in groups of
   three or more (each rank reads the root's buffer), all_gather (each reads the peers' blocks), reduce (each rank reduces a
   share of every chunk from all buffers, the root collects the shares), reduce_scatter (each reduces its block from every input), all_to_all (each
   reads its pieces from the senders' buffers). One round to publish addresses, one wait at the
@@ -44,7 +44,6 @@ generic collectives; so does everything when ``DISTCOMM_SHM_COLLECTIVES=0``.
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 
@@ -54,8 +53,9 @@ from ..transport import shm_direct
 from ..transport.base import Channel, TransportError
 from ..types import RedOpType
 from . import shm_latency
+from ..tuning import DEFAULT, Tuning
 from .engine import GroupCollectives
-from .generic import GENERIC as generic
+from .generic import GenericCollectives
 
 # The direct all_reduce (one round, every rank reduces all p copies) against slices (each rank
 # reduces 1/p, then all copy the results), interleaved runs: direct wins up to 256 KiB at world
@@ -71,10 +71,11 @@ READV_BYTES = 4 << 20
 ALLREDUCE_READV_BYTES = 16 << 20
 
 
-def _algo_env(op: str, valid: tuple[str, ...]) -> str | None:
-    value = os.environ.get(f"DISTCOMM_SHM_ALGO_{op}", "").lower() or None
+def _forced(tuning: Tuning, op: str, valid: tuple[str, ...]) -> str | None:
+    """The algorithm DISTCOMM_SHM_ALGO_<OP> forces for ``op``, checked, or None."""
+    value = tuning.shm_algorithm(op)
     if value is not None and value not in valid:
-        raise ValueError(f"DISTCOMM_SHM_ALGO_{op}={value!r}: valid: {', '.join(valid)}")
+        raise ValueError(f"DISTCOMM_SHM_ALGO_{op.upper()}={value!r}: valid: {', '.join(valid)}")
     return value
 
 
@@ -598,21 +599,22 @@ class ShmCollectives(GroupCollectives):
     channel's group id). A group of one runs the generic collectives.
     """
 
-    def __init__(self, transport):
+    def __init__(self, transport, tuning: Tuning = DEFAULT):
         self.transport = transport
+        self.generic = GenericCollectives(tuning)  # groups of one
         self._group_shm = transport.group_shm  # gid -> GroupShm or None, for the latency path
-        self.allreduce_algo = _algo_env("ALLREDUCE", ("direct", "slices", "readv"))
-        forced = os.environ.get("DISTCOMM_SHM_ALLREDUCE_DIRECT_BYTES")
-        self.direct_bytes = int(forced) if forced else DIRECT_ALLREDUCE_BYTES
-        self.two_rank_direct_bytes = int(forced) if forced else TWO_RANK_DIRECT_ALLREDUCE_BYTES
+        self.allreduce_algo = _forced(tuning, "allreduce", ("direct", "slices", "readv"))
+        forced = tuning.shm_thresholds.get("allreduce_direct_bytes")
+        self.direct_bytes = DIRECT_ALLREDUCE_BYTES if forced is None else forced
+        self.two_rank_direct_bytes = TWO_RANK_DIRECT_ALLREDUCE_BYTES if forced is None else forced
         self._reducers: dict = {}
-        self.broadcast_algo = _algo_env("BROADCAST", ("slots", "readv"))
-        self.allgather_algo = _algo_env("ALLGATHER", ("slots", "readv"))
-        self.reduce_algo = _algo_env("REDUCE", ("slots", "readv"))
-        self.reduce_scatter_algo = _algo_env("REDUCESCATTER", ("slots", "readv"))
-        self.alltoall_algo = _algo_env("ALLTOALL", ("slots", "readv"))
-        self.readv_bytes = int(os.environ.get("DISTCOMM_SHM_READV_BYTES", READV_BYTES))
-        self.allreduce_readv_bytes = int(os.environ.get("DISTCOMM_SHM_ALLREDUCE_READV_BYTES", ALLREDUCE_READV_BYTES))
+        self.broadcast_algo = _forced(tuning, "broadcast", ("slots", "readv"))
+        self.allgather_algo = _forced(tuning, "allgather", ("slots", "readv"))
+        self.reduce_algo = _forced(tuning, "reduce", ("slots", "readv"))
+        self.reduce_scatter_algo = _forced(tuning, "reducescatter", ("slots", "readv"))
+        self.alltoall_algo = _forced(tuning, "alltoall", ("slots", "readv"))
+        self.readv_bytes = tuning.shm_thresholds.get("readv_bytes", READV_BYTES)
+        self.allreduce_readv_bytes = tuning.shm_thresholds.get("allreduce_readv_bytes", ALLREDUCE_READV_BYTES)
 
     def direct_limit(self, size: int) -> int:
         """The largest all_reduce (bytes) the direct algorithm takes in a group of ``size``."""
@@ -685,7 +687,7 @@ class ShmCollectives(GroupCollectives):
                 return
         ctx = self._context(ch)
         if ctx is None:
-            return generic.all_reduce(ch, flat, dtype, op)
+            return self.generic.all_reduce(ch, flat, dtype, op)
         if not plain:
             premultiply(op, flat, dtype)
         red = self._reducer(op, dtype)
@@ -709,7 +711,7 @@ class ShmCollectives(GroupCollectives):
     def reduce(self, ch: Channel, flat: np.ndarray, dtype, op, root: int) -> None:
         ctx = self._context(ch)
         if ctx is None:
-            return generic.reduce(ch, flat, dtype, op, root)
+            return self.generic.reduce(ch, flat, dtype, op, root)
         if ch.rank != root and getattr(op, "factor", None) is not None:
             flat = flat.copy()  # PREMUL_SUM scales the input; a non-root keeps its own unscaled
         premultiply(op, flat, dtype)
@@ -724,7 +726,7 @@ class ShmCollectives(GroupCollectives):
     def broadcast(self, ch: Channel, flat: np.ndarray, root: int) -> None:
         ctx = self._context(ch)
         if ctx is None:
-            return generic.broadcast(ch, flat, root)
+            return self.generic.broadcast(ch, flat, root)
         # Two ranks: the slots' pipeline (the root writes a chunk while the reader copies the one
         # before, both at memcpy speed) beats one process_vm_readv copy at every size, 6.4 against
         # 5.2 GB/s at 64 MiB (measured). At four ranks the two are about even from 4 MiB on.
@@ -736,7 +738,7 @@ class ShmCollectives(GroupCollectives):
     def all_gather(self, ch: Channel, out: np.ndarray, count: int) -> None:
         ctx = self._context(ch)
         if ctx is None:
-            return generic.all_gather(ch, out, count)
+            return self.generic.all_gather(ch, out, count)
         if self._readv(ch, out.nbytes, self.allgather_algo):
             self._run(ctx, ch, allgather_readv, out, count)
         else:
@@ -745,19 +747,19 @@ class ShmCollectives(GroupCollectives):
     def gather(self, ch: Channel, send: np.ndarray, out: np.ndarray | None, root: int) -> None:
         ctx = self._context(ch)
         if ctx is None:
-            return generic.gather(ch, send, out, root)
+            return self.generic.gather(ch, send, out, root)
         self._run(ctx, ch, gather_blocks, send, out, root)
 
     def scatter(self, ch: Channel, chunks: np.ndarray | None, out: np.ndarray, root: int) -> None:
         ctx = self._context(ch)
         if ctx is None:
-            return generic.scatter(ch, chunks, out, root)
+            return self.generic.scatter(ch, chunks, out, root)
         self._run(ctx, ch, scatter, chunks, out, root)
 
     def reduce_scatter(self, ch: Channel, scratch: np.ndarray, out: np.ndarray, counts, dtype, op) -> None:
         ctx = self._context(ch)
         if ctx is None:
-            return generic.reduce_scatter(ch, scratch, out, counts, dtype, op)
+            return self.generic.reduce_scatter(ch, scratch, out, counts, dtype, op)
         premultiply(op, scratch, dtype)
         red = self._reducer(op, dtype)
         if self._readv(ch, scratch.nbytes, self.reduce_scatter_algo):
@@ -769,11 +771,11 @@ class ShmCollectives(GroupCollectives):
     def all_to_all(self, ch: Channel, send: np.ndarray, send_counts, recv: np.ndarray, recv_counts) -> None:
         ctx = self._context(ch)
         if ctx is None:
-            return generic.all_to_all(ch, send, send_counts, recv, recv_counts)
+            return self.generic.all_to_all(ch, send, send_counts, recv, recv_counts)
         if send_counts[ch.rank] != recv_counts[ch.rank]:
             raise ch.translate(_split_mismatch(ch, ch.rank, send_counts[ch.rank], recv_counts[ch.rank]), None)
         if not a2a_fits(ctx.slot_bytes, ch.size, send.itemsize):
-            return generic.all_to_all(ch, send, send_counts, recv, recv_counts)
+            return self.generic.all_to_all(ch, send, send_counts, recv, recv_counts)
         # Ranks may disagree on this vote (uneven splits); all_to_all settles it in its first round.
         single_copy = self._readv(ch, send.nbytes, self.alltoall_algo)
         self._run(ctx, ch, all_to_all, send, list(send_counts), recv, list(recv_counts), single_copy)
@@ -781,5 +783,5 @@ class ShmCollectives(GroupCollectives):
     def barrier(self, ch: Channel) -> None:
         ctx = self._context(ch)
         if ctx is None:
-            return generic.barrier(ch)
+            return self.generic.barrier(ch)
         self._run(ctx, ch, barrier)

@@ -8,27 +8,24 @@ shared-memory collectives off: the generic algorithms then run over the rings.
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 
 from ..errors import DistBackendError
 from ..transport import hostid
 from ..transport.shm import ShmTransport
+from ..tuning import DEFAULT, Tuning
 from .engine import Engine, FastPath, GroupCollectives, GroupSpec
-from .generic import GENERIC
+from .generic import GenericCollectives
 from .shm_collectives import ShmCollectives
-
-
-def shm_collectives_enabled() -> bool:
-    return os.environ.get("DISTCOMM_SHM_COLLECTIVES", "1") not in ("0", "false", "no")
 
 
 class ShmEngine(Engine):
     """Shared memory among the ranks of one host (``transport.ranks`` of them, global numbering)."""
 
-    def __init__(self, transport: ShmTransport):
+    def __init__(self, transport: ShmTransport, tuning: Tuning = DEFAULT):
         self.transport = transport
-        self._collectives = ShmCollectives(transport) if shm_collectives_enabled() else None
+        self._generic = GenericCollectives(tuning)
+        self._collectives = ShmCollectives(transport, tuning) if tuning.shm_collectives else None
 
     def local(self, ranks) -> bool:
         """Are all of these engine ranks on this host (so a group of them can use shared memory)?"""
@@ -36,7 +33,7 @@ class ShmEngine(Engine):
 
     def collectives(self, group: GroupSpec) -> GroupCollectives:
         if self._collectives is None or len(group.ranks) == 1 or not self.local(group.ranks):
-            return GENERIC
+            return self._generic
         return self._collectives
 
     def fast_path(self, pg) -> FastPath | bool | None:
@@ -51,7 +48,7 @@ class ShmEngine(Engine):
         return f"ShmEngine({self.transport!r})"
 
 
-def connect(store, rank: int, size: int, timeout: float, options=None) -> ShmEngine:
+def connect(store, rank: int, size: int, timeout: float, tuning: Tuning = DEFAULT, options=None) -> ShmEngine:
     """The "shm" engine: every rank must be on this host."""
     hosts = hostid.exchange(store, rank, size)
     if len(set(hosts)) > 1:
@@ -66,4 +63,4 @@ def connect(store, rank: int, size: int, timeout: float, options=None) -> ShmEng
             f"backend 'shm' needs every rank on one host, but {hostid.describe(hosts)}. Use backend "
             "'gloo' (the default: shared memory within a host, TCP between hosts) or 'tcp'."
         )
-    return ShmEngine(ShmTransport.connect(store, rank, size, timeout))
+    return ShmEngine(ShmTransport.connect(store, rank, size, timeout), tuning)
