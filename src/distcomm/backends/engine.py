@@ -25,15 +25,12 @@ See docs/architecture.md.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
 from ..dtypes import DType
 from ..transport.base import Channel, Transport
-
-if TYPE_CHECKING:
-    from ..process_group import ProcessGroup
 
 
 class GroupSpec(NamedTuple):
@@ -118,8 +115,8 @@ class Engine(ABC):
     def collectives(self, group: GroupSpec) -> GroupCollectives:
         """The collectives of a new process group (called once per group, on its members)."""
 
-    def fast_path(self, pg: "ProcessGroup") -> FastPath | bool | None:
-        """The group's FastPath; None when it may exist later (the engine sets the group up on its
+    def fast_path(self, pg: Any) -> FastPath | bool | None:
+        """The FastPath of ``pg`` (a ProcessGroup: the engine is below it and does not import it); None when it may exist later (the engine sets the group up on its
         first collective; ProcessGroup asks again then); False when it never will. The default:
         no fast path."""
         return False
