@@ -146,7 +146,7 @@ def test_non_overtaking_per_source(events):
 
 
 @pytest.mark.parametrize("nbytes,signature,text", [
-    (100, 5, "rank 1 expects 80 bytes but rank 0 sent 100"),
+    (100, 5, "rank 1 expects 80 bytes but rank 0 sent 100 bytes"),
     (80, 0x11, "rank 1 expects signature 0x00000005 but rank 0 sent 0x00000011"),
 ])
 def test_mismatch_names_both_ranks_and_what_differs(nbytes, signature, text):
@@ -160,7 +160,7 @@ def test_mismatch_names_both_ranks_and_what_differs(nbytes, signature, text):
 
 def test_mismatch_reports_both_differences():
     err = Matcher(1, 2).mismatch(MessageKey(0, KIND_P2P, 3), 0, 1, 8, 2, 16)
-    assert "16 bytes" in str(err) and "8" in str(err) and "signature" in str(err) and "tag 3" in str(err)
+    assert "16 bytes" in str(err) and "8 bytes" in str(err) and "signature" in str(err) and "tag 3" in str(err)
 
 
 # -- withdraw, loss, close --------------------------------------------------------------------------

@@ -214,7 +214,7 @@ class Matcher:
         ``want_signature`` and ``want_nbytes``; else the error to fail that receive with."""
         problems = []
         if nbytes != want_nbytes:
-            problems.append(f"rank {self.rank} expects {want_nbytes} bytes but rank {src} sent {nbytes}")
+            problems.append(f"rank {self.rank} expects {want_nbytes} bytes but rank {src} sent {nbytes} bytes")
         if signature != want_signature:
             problems.append(f"rank {self.rank} expects signature {want_signature:#010x} but rank {src} "
                             f"sent {signature:#010x}")
