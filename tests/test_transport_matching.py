@@ -50,22 +50,14 @@ def test_posted_receives_in_post_order():
     assert m.clear()[0] == []  # no receive left posted
 
 
-def test_any_source_posted_first_wins_over_a_later_specific_receive():
+@pytest.mark.parametrize("first_peer", [ANY_SOURCE, 1])
+def test_the_earlier_posted_of_any_source_and_specific_receives_wins(first_peer):
     m = Matcher(0, 3)
-    anyone, specific = _Recv(ANY_SOURCE), _Recv(1)
-    m.post(anyone)
-    m.post(specific)
-    assert _arrive(m, 1) is anyone
-    assert _arrive(m, 1) is specific
-
-
-def test_specific_posted_first_wins_over_a_later_any_source_receive():
-    m = Matcher(0, 3)
-    specific, anyone = _Recv(1), _Recv(ANY_SOURCE)
-    m.post(specific)
-    m.post(anyone)
-    assert _arrive(m, 1) is specific
-    assert _arrive(m, 1) is anyone
+    first, second = _Recv(first_peer), _Recv(1 if first_peer == ANY_SOURCE else ANY_SOURCE)
+    m.post(first)
+    m.post(second)
+    assert _arrive(m, 1) is first
+    assert _arrive(m, 1) is second
 
 
 def test_keys_never_match_each_other():
