@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from typing import Any, Callable
 
 import numpy as np
