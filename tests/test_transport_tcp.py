@@ -319,7 +319,7 @@ def test_background_thread_leaves_small_messages_to_a_busy_caller(monkeypatch):
         _drive_once(a, b, 0)
         a.isend(1, pattern(100), K).wait(soon())
         time.sleep(0.2)
-        assert not b._match.unexpected  # not read behind the caller's back
+        assert not b.matcher.has_unexpected()  # not read behind the caller's back
         out = np.zeros(100, np.uint8)
         wait_all(b.irecv(0, out, K))
         assert np.array_equal(out, pattern(100))
@@ -330,10 +330,10 @@ def test_background_thread_reads_small_messages_of_an_idle_caller():
         _drive_once(a, b, 0)
         a.isend(1, pattern(100), K).wait(soon())
         deadline = soon()
-        while not b._match.unexpected and time.monotonic() < deadline:  # b never calls in
+        while not b.matcher.has_unexpected() and time.monotonic() < deadline:  # b never calls in
             time.sleep(0.001)
-        assert b._match.unexpected  # its background thread read it, once the caller was idle
-        msg = next(iter(b._match.unexpected.values()))[0]
+        assert b.matcher.has_unexpected()  # its background thread read it, once the caller was idle
+        msg = b.matcher.unexpected()[0]
         assert msg.complete and bytes(msg.data) == pattern(100).tobytes()
 
 
@@ -563,70 +563,6 @@ def dead_peer_body(rank, world):
 def test_killed_peer_fails_pending_requests_promptly():
     results = run_world(dead_peer_body, 3, timeout=60, expect_failure=[1])
     assert results[0] == "lost" and results[2] == "lost", results
-
-
-# -- the matching rules alone (no sockets) --------------------------------------------------------------
-
-
-class _Recv:
-    def __init__(self, peer, key=K):
-        self.peer, self.key, self.order = peer, key, 0
-
-
-def test_matcher_posted_receives_in_post_order():
-    from distcomm.transport.matching import Matcher
-
-    m = Matcher(3)
-    specific, anyone, specific2 = _Recv(1), _Recv(ANY_SOURCE), _Recv(1)
-    for r in (specific, anyone, specific2):
-        m.post(r)
-    assert m.take_posted(2, K) is anyone  # rank 2 only matches the any-source receive
-    assert m.take_posted(1, K) is specific
-    assert m.take_posted(1, MessageKey(1, KIND_COLLECTIVE, 8)) is None  # another key
-    assert m.take_posted(1, K) is specific2
-    assert m.take_posted(1, K) is None
-    assert m.posted == {} and m.posted_any == {}  # emptied queues are deleted
-
-
-def test_matcher_unexpected_in_arrival_order():
-    from distcomm.transport.matching import Matcher
-
-    m = Matcher(3)
-    a = m.add_unexpected(2, K, 0, 4)
-    b = m.add_unexpected(1, K, 0, 4)
-    c = m.add_unexpected(2, K, 0, 4)
-    assert m.take_unexpected(1, K) is b
-    assert m.take_unexpected(ANY_SOURCE, K) is a  # oldest arrival from anyone
-    assert m.take_unexpected(ANY_SOURCE, MessageKey(9, 0, 0)) is None
-    assert m.take_unexpected(2, K) is c
-    assert m.unexpected == {}
-
-
-def test_matcher_keeps_whole_small_messages_as_given():
-    from distcomm.transport.matching import Matcher
-
-    m = Matcher(3)
-    whole = m.add_unexpected(1, K, 5, 3, b"abc")  # arrived whole: its bytes as they are
-    arriving = m.add_unexpected(1, K, 5, 4)  # still arriving: a buffer of its size
-    assert whole.complete and whole.nbytes == 3 and whole.data == b"abc"
-    assert not arriving.complete and arriving.nbytes == 4 and arriving.data.nbytes == 4
-    assert m.take_unexpected(1, K) is whole and m.take_unexpected(ANY_SOURCE, K) is arriving
-
-
-def test_matcher_withdraw_and_failures():
-    from distcomm.transport.matching import Matcher
-
-    m = Matcher(3)
-    rs = [_Recv(1), _Recv(2), _Recv(ANY_SOURCE), _Recv(1, MessageKey(1, KIND_P2P, 0))]
-    for r in rs:
-        m.post(r)
-    assert m.withdraw(rs[1]) and not m.withdraw(rs[1])
-    assert set(map(id, m.pop_from(1))) == {id(rs[0]), id(rs[3])}
-    assert m.pop_all() == [rs[2]]
-    assert m.posted == {} and m.posted_any == {}
-    msg = m.add_unexpected(1, K, 0, 8)
-    m.drop_unexpected(msg)
-    assert m.unexpected == {}
 
 
 def test_mesh_through_torch_tcpstore():

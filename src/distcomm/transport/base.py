@@ -35,6 +35,7 @@ from ..errors import (
     PeerLostError,
     describe_op,
 )
+from .buffers import contiguous
 
 ANY_SOURCE = -1
 
@@ -120,10 +121,11 @@ class Transport(ABC):
         """Release sockets/threads/memory. Pending requests fail with reason="lost"."""
 
 
-def _raw(buf: np.ndarray) -> np.ndarray:
-    if not buf.flags.c_contiguous:
-        raise ValueError("point-to-point buffers must be C-contiguous")
-    return buf
+def describe_key(key: MessageKey) -> str:
+    """A key in words, for errors: "group 3 collective #7", "group 0 tag 5"."""
+    group, kind, seq = key
+    what = {KIND_COLLECTIVE: "collective #", KIND_P2P: "tag "}.get(kind, f"kind {kind} #")
+    return f"group {group} {what}{seq}"
 
 
 class Channel:
@@ -151,12 +153,12 @@ class Channel:
     # -- the algorithm-facing interface -------------------------------------------------------
     def isend(self, dst: int, data: np.ndarray) -> "ChannelRequest":
         self._check_peer(dst)
-        req = self.transport.isend(self.ranks[dst], _raw(data), self.key, self.signature)
+        req = self.transport.isend(self.ranks[dst], contiguous(data), self.key, self.signature)
         return ChannelRequest(self, req, dst)
 
     def irecv(self, src: int, out: np.ndarray) -> "ChannelRequest":
         self._check_peer(src)
-        req = self.transport.irecv(self.ranks[src], _raw(out), self.key, self.signature)
+        req = self.transport.irecv(self.ranks[src], contiguous(out), self.key, self.signature)
         return ChannelRequest(self, req, src)
 
     def send(self, dst: int, data: np.ndarray) -> None:

@@ -5,7 +5,8 @@ The default engine (backends/hybrid.py) connects one when the world spans hosts.
 Receives from ANY_SOURCE in a world that spans hosts are posted on both transports; the first to
 complete wins and the other is withdrawn. If the TCP one had already matched a message by then, the
 message is kept and handed to the next matching receive (from that source or any source) before
-anything else is asked of TCP.
+anything else is asked of TCP. The kept messages are a Matcher's unexpected messages (the rules
+every transport shares); no receive is ever posted on it.
 """
 
 from __future__ import annotations
@@ -16,15 +17,9 @@ import time
 import numpy as np
 
 from .base import ANY_SOURCE, MessageKey, Request, Transport, TransportError
+from .buffers import as_bytes
+from .matching import Matcher
 from .shm import ShmTransport
-
-
-class _Stashed:
-    __slots__ = ("src", "key", "signature", "data")
-
-    def __init__(self, src, key, signature, data):
-        self.src, self.key, self.signature, self.data = src, key, signature, data
-
 
 class _Done(Request):
     """A receive satisfied from the stash, or failed before reaching a transport."""
@@ -74,7 +69,7 @@ class _AnySource(Request):
             req.wait(time.monotonic() - 1.0)  # past deadline: withdraws it unless already matched
         except TransportError:
             return
-        self._h._stash.append(_Stashed(req.source, self._key, self._sig, out.copy()))
+        self._h._keep(req.source, self._key, self._sig, out.copy())
 
     def wait(self, deadline: float | None = None) -> None:
         while not self._settle():
@@ -100,7 +95,7 @@ class HybridTransport(Transport):
         self.shm = shm
         self.tcp = tcp
         self._local = frozenset(shm.local) if shm is not None else frozenset([rank])
-        self._stash: list[_Stashed] = []
+        self._stash = Matcher(rank, size)  # only under _stash_lock
         self._stash_lock = threading.Lock()
 
     def _route(self, peer: int) -> Transport:
@@ -110,22 +105,27 @@ class HybridTransport(Transport):
         return self._route(dst).isend(dst, data, key, signature)
 
     def irecv(self, src: int, out: np.ndarray, key: MessageKey, signature: int = 0) -> Request:
-        if self._stash:
+        if self._stash.has_unexpected():  # unlocked peek: a message kept meanwhile is another thread's race
             with self._stash_lock:
-                for i, m in enumerate(self._stash):
-                    if m.key == key and src in (ANY_SOURCE, m.src):
-                        del self._stash[i]
-                        if m.signature != signature or m.data.nbytes != out.nbytes:
-                            return _Done(m.src, 0, TransportError(
-                                f"message from rank {m.src} does not match the receive posted on rank {self.rank}",
-                                peer=m.src, reason="mismatch"))
-                        out.reshape(-1).view(np.uint8)[...] = m.data.reshape(-1).view(np.uint8)
-                        return _Done(m.src, out.nbytes)
+                msg = self._stash.take(src, key)
+            if msg is not None:
+                err = self._stash.mismatch(key, msg.src, msg.signature, msg.nbytes, signature, out.nbytes)
+                if err is not None:
+                    return _Done(msg.src, 0, err)
+                as_bytes(out)[...] = as_bytes(msg.data)
+                return _Done(msg.src, out.nbytes)
         if src == ANY_SOURCE and self.shm is not None and len(self._local) < self.size:
             return _AnySource(self, out, key, signature)
         if src == ANY_SOURCE:
             return (self.shm if len(self._local) == self.size else self.tcp).irecv(src, out, key, signature)
         return self._route(src).irecv(src, out, key, signature)
+
+    def _keep(self, src: int, key: MessageKey, signature: int, data: np.ndarray) -> None:
+        """A message that an ANY_SOURCE receive got on the transport that lost the race: the next
+        receive matching it takes it."""
+        with self._stash_lock:
+            _, msg = self._stash.offer(src, key, signature, data.nbytes)  # nothing is posted: kept
+            msg.data, msg.complete = data, True
 
     def close(self) -> None:
         try:

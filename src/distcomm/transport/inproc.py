@@ -3,11 +3,12 @@
 ``InprocTransport.create_world(n)`` returns one transport per rank. It implements the Transport
 contract exactly as the socket transport does, so algorithms tested on it behave the same over TCP:
 
-* Matching. Each rank has a queue of *posted receives* and a queue of *unexpected messages* (sent
-  before a matching receive was posted). A message matches the oldest posted receive with the same
-  MessageKey whose source is the sender or ANY_SOURCE; a receive matches the oldest unexpected
-  message with its key from its source (any source for ANY_SOURCE). So messages from one source with
-  one key are received in the order they were sent (MPI's non-overtaking rule).
+* Matching. Each rank has a Matcher (matching.py, the rules every transport shares) of *posted
+  receives* and *unexpected messages* (sent before a matching receive was posted). A message
+  matches the oldest posted receive with the same MessageKey whose source is the sender or
+  ANY_SOURCE; a receive matches the oldest unexpected message with its key from its source (any
+  source for ANY_SOURCE). So messages from one source with one key are received in the order they
+  were sent (MPI's non-overtaking rule).
 * Checks. A matched pair whose signatures or byte counts differ completes the receive with
   ``TransportError(reason="mismatch")`` naming the sender; nothing is truncated or copied. A
   rendezvous send (see below) that is matched that way fails the same way, since here both sides
@@ -28,7 +29,7 @@ contract exactly as the socket transport does, so algorithms tested on it behave
 and closes a rank's transport when its function raises, so the others fail promptly instead of
 waiting out their timeouts (as a dead process's peers do).
 
-One lock per world guards the queues; the copies themselves run outside it. Waiting blocks on a
+One lock per world guards every rank's Matcher; the copies themselves run outside it. Waiting blocks on a
 per-request event (no spinning: two cores are shared by all ranks of a test).
 """
 
@@ -36,25 +37,20 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from typing import Any, Callable
 
 import numpy as np
 
 from .base import ANY_SOURCE, MessageKey, Request, Transport, TransportError
+from .buffers import as_bytes
+from .matching import Matcher, Unexpected
 
 DEFAULT_EAGER_LIMIT = 64 * 1024
 
 
-def _bytes(buf: np.ndarray) -> np.ndarray:
-    """A flat uint8 view of a contiguous array (0-d and empty arrays included)."""
-    if not buf.flags.c_contiguous:
-        raise ValueError("point-to-point buffers must be C-contiguous")
-    return buf.reshape(-1).view(np.uint8)
-
-
 class _InprocRequest(Request):
-    __slots__ = ("_done", "_error", "_world", "kind", "peer", "owner", "buf", "key", "signature", "source", "nbytes")
+    __slots__ = ("_done", "_error", "_world", "kind", "peer", "owner", "buf", "key", "signature", "source", "nbytes",
+                 "order", "msg")
 
     def __init__(self, world: "_World", kind: str, owner: int, peer: int, buf, key, signature):
         self._done = threading.Event()
@@ -68,6 +64,8 @@ class _InprocRequest(Request):
         self.signature = signature
         self.source = -1
         self.nbytes = 0
+        self.order = 0  # receives: post number (the Matcher's)
+        self.msg: Unexpected | None = None  # rendezvous sends: the message waiting for a receive
 
     def _complete(self, error: TransportError | None = None) -> None:
         self._error = error
@@ -86,76 +84,50 @@ class _InprocRequest(Request):
         return self._done.is_set()
 
 
-class _Message:
-    """A send waiting in the receiver's unexpected queue: an eager copy or a rendezvous send."""
-
-    __slots__ = ("src", "key", "signature", "data", "send")
-
-    def __init__(self, src: int, key: MessageKey, signature: int, data: np.ndarray, send: _InprocRequest | None):
-        self.src = src
-        self.key = key
-        self.signature = signature
-        self.data = data  # flat uint8
-        self.send = send  # None for eager messages (already complete)
-
-
 class _World:
     def __init__(self, size: int, eager_limit: int):
         self.size = size
         self.eager_limit = eager_limit
         self.lock = threading.Lock()
-        self.posted: list[deque[_InprocRequest]] = [deque() for _ in range(size)]
-        self.unexpected: list[deque[_Message]] = [deque() for _ in range(size)]
+        self.matchers = [Matcher(rank, size) for rank in range(size)]  # under self.lock
         self.closed = [False] * size
-
-    # -- matching (all under self.lock) ---------------------------------------------------------
-    def _take_posted(self, dst: int, src: int, key: MessageKey) -> _InprocRequest | None:
-        queue = self.posted[dst]
-        for req in queue:
-            if req.key == key and req.peer in (src, ANY_SOURCE):
-                queue.remove(req)
-                return req
-        return None
-
-    def _take_unexpected(self, dst: int, src: int, key: MessageKey) -> _Message | None:
-        queue = self.unexpected[dst]
-        for msg in queue:
-            if msg.key == key and (src == ANY_SOURCE or msg.src == src):
-                queue.remove(msg)
-                return msg
-        return None
 
     # -- the two entry points -------------------------------------------------------------------
     def isend(self, src: int, dst: int, data: np.ndarray, key: MessageKey, signature: int) -> _InprocRequest:
-        flat = _bytes(data)
+        flat = as_bytes(data)
         req = _InprocRequest(self, "send", src, dst, flat, key, signature)
         req.nbytes = flat.nbytes
+        matcher = self.matchers[dst]
         with self.lock:
             if self.closed[src] or self.closed[dst]:
                 req._complete(self._lost(dst if self.closed[dst] else src, "send to", dst))
                 return req
-            recv = self._take_posted(dst, src, key)
-            if recv is None:
+            recv, msg = matcher.offer(src, key, signature, flat.nbytes)
+            if recv is None:  # kept as unexpected: an eager copy, or the sender's buffer (rendezvous)
                 eager = flat.nbytes <= self.eager_limit
-                msg = _Message(src, key, signature, flat.copy() if eager else flat, None if eager else req)
-                self.unexpected[dst].append(msg)
+                msg.data, msg.complete = (flat.copy() if eager else flat), True
                 if eager:
                     req._complete()
+                else:
+                    msg.sender, req.msg = req, msg
                 return req
-        _deliver(_Message(src, key, signature, flat, req), recv)
+        _deliver(matcher, src, signature, flat, req, recv)
         return req
 
     def irecv(self, dst: int, src: int, out: np.ndarray, key: MessageKey, signature: int) -> _InprocRequest:
-        req = _InprocRequest(self, "recv", dst, src, _bytes(out), key, signature)
+        req = _InprocRequest(self, "recv", dst, src, as_bytes(out), key, signature)
+        matcher = self.matchers[dst]
         with self.lock:
-            msg = self._take_unexpected(dst, src, key)
-            if msg is None:
-                if self.closed[dst] or (src != ANY_SOURCE and self.closed[src]):
+            if self.closed[dst] or (src != ANY_SOURCE and self.closed[src]):
+                msg = matcher.take(src, key)  # eager messages sent before the close still arrive
+                if msg is None:
                     req._complete(self._lost(src if src != ANY_SOURCE and self.closed[src] else dst, "receive from", src))
-                else:
-                    self.posted[dst].append(req)
-                return req
-        _deliver(msg, req)
+                    return req
+            else:
+                msg = matcher.post(req)
+                if msg is None:
+                    return req
+        _deliver(matcher, msg.src, msg.signature, msg.data, msg.sender, req)
         return req
 
     def withdraw(self, req: _InprocRequest) -> bool:
@@ -164,16 +136,10 @@ class _World:
             if req._done.is_set():
                 return True
             if req.kind == "recv":
-                queue = self.posted[req.owner]
-                if req not in queue:
+                if not self.matchers[req.owner].withdraw(req):
                     return False
-                queue.remove(req)
-            else:
-                queue = self.unexpected[req.peer]
-                msg = next((m for m in queue if m.send is req), None)
-                if msg is None:
-                    return False
-                queue.remove(msg)
+            elif req.msg is None or not self.matchers[req.peer].discard(req.msg):
+                return False
             peer = None if req.peer == ANY_SOURCE else req.peer
             what = "send to" if req.kind == "send" else "receive from"
             who = "any rank" if peer is None else f"rank {peer}"
@@ -186,24 +152,19 @@ class _World:
             if self.closed[rank]:
                 return
             self.closed[rank] = True
-            for dst in range(self.size):
-                keep_posted = deque()
-                for req in self.posted[dst]:
-                    if dst == rank or req.peer == rank:
-                        failed.append((req, self._lost(rank, "receive from", req.peer)))
-                    else:
-                        keep_posted.append(req)
-                self.posted[dst] = keep_posted
-                keep_msgs = deque()
-                for msg in self.unexpected[dst]:
-                    # An eager message from the closing rank was sent and stays deliverable (as bytes
-                    # already in a socket would); a rendezvous send from it, or anything to it, is lost.
-                    if dst == rank or (msg.src == rank and msg.send is not None):
-                        if msg.send is not None:
-                            failed.append((msg.send, self._lost(rank, "send to", dst)))
-                    else:
-                        keep_msgs.append(msg)
-                self.unexpected[dst] = keep_msgs
+            recvs, msgs = self.matchers[rank].clear()
+            failed += [(req, self._lost(rank, "receive from", req.peer)) for req in recvs]
+            failed += [(msg.sender, self._lost(rank, "send to", rank)) for msg in msgs if msg.sender is not None]
+            for dst, matcher in enumerate(self.matchers):
+                if dst == rank:
+                    continue
+                failed += [(req, self._lost(rank, "receive from", req.peer)) for req in matcher.lose(rank, False)]
+                # An eager message from the closing rank was sent and stays deliverable (as bytes
+                # already in a socket would); a rendezvous send from it is lost.
+                for msg in matcher.unexpected(rank):
+                    if msg.sender is not None:
+                        matcher.discard(msg)
+                        failed.append((msg.sender, self._lost(rank, "send to", dst)))
         for req, err in failed:
             req._complete(err)
 
@@ -213,36 +174,33 @@ class _World:
         return TransportError(f"cannot {what} {who}: rank {rank}'s transport is closed", peer=rank, reason="lost")
 
 
-def _deliver(msg: _Message, recv: _InprocRequest) -> None:
-    """Copy a matched message into its receive (outside the lock) and complete both sides."""
+def _deliver(matcher: Matcher, src: int, signature: int, data: np.ndarray, send: _InprocRequest | None,
+             recv: _InprocRequest) -> None:
+    """Copy a matched message into its receive (outside the lock) and complete both sides.
+
+    ``send`` is the sender's request while it waits for this copy (rendezvous), else None.
+    """
     out = recv.buf
-    if msg.signature != recv.signature or msg.data.nbytes != out.nbytes:
-        err = TransportError(
-            f"message from rank {msg.src} does not match the receive posted on rank {recv.owner}: "
-            f"{msg.data.nbytes} bytes with signature {msg.signature:#x} arrived, "
-            f"{out.nbytes} bytes with signature {recv.signature:#x} expected (the ranks called "
-            "different collectives, or the same one with different sizes, dtypes or ops)",
-            peer=msg.src,
-            reason="mismatch",
-        )
+    err = matcher.mismatch(recv.key, src, signature, data.nbytes, recv.signature, out.nbytes)
+    if err is not None:
         recv._complete(err)
-        if msg.send is not None:
-            msg.send._complete(
+        if send is not None:
+            send._complete(
                 TransportError(
                     f"rank {recv.owner} expected {out.nbytes} bytes with signature {recv.signature:#x}, "
-                    f"this rank sent {msg.data.nbytes} bytes with signature {msg.signature:#x}",
+                    f"this rank sent {data.nbytes} bytes with signature {signature:#x}",
                     peer=recv.owner,
                     reason="mismatch",
                 )
             )
         return
     if out.nbytes:
-        np.copyto(out, msg.data)
-    recv.source = msg.src
+        np.copyto(out, data)
+    recv.source = src
     recv.nbytes = out.nbytes
     recv._complete()
-    if msg.send is not None:
-        msg.send._complete()
+    if send is not None:
+        send._complete()
 
 
 class InprocTransport(Transport):

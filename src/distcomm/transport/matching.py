@@ -1,20 +1,29 @@
-"""Message matching: which posted receive gets an arriving message, and what waits for whom.
+"""Message matching: which posted receive gets an arriving message, shared by every transport.
 
 Why a module of its own: the rules are the subtle part of a point-to-point transport and have no
-I/O in them, so they are easier to read (and to test) apart from the socket code. The caller holds
-its own lock around every call; nothing here is thread-safe by itself.
+I/O in them, so they are easier to read (and to test) apart from the code that moves bytes. The
+matcher decides *which* receive a message goes to; the transport moves the bytes its own way (TCP
+reads a payload into the matched receive's buffer, shm copies from a ring or reads the sender's
+memory, the in-process transport copies between arrays).
 
 The rules (MPI's, which torch.distributed's send/recv/tags follow):
 
 * A message from ``src`` with key ``k`` goes to the *earliest posted* receive that names ``src`` or
-  ANY_SOURCE with key ``k`` (posted receives carry a post number, ``order``).
+  ANY_SOURCE with key ``k``.
 * A message nobody has asked for yet is *unexpected*; a receive posted later takes the oldest
   unexpected message from its source with its key (for ANY_SOURCE: the oldest arrival of all).
 * So messages from one source with one key are received in the order they were sent.
 
 Invariant that keeps this cheap: a message is only left unexpected when no posted receive matched
-it, so a new receive needs to look at the unexpected messages only, and a new message at the posted
-receives only.
+it, and a receive is only posted when no unexpected message matched it, so a new receive needs to
+look at the unexpected messages only, and a new message at the posted receives only.
+
+**Threads.** A Matcher has no lock: every call must be made under the one lock that already
+guards the owning transport's state (TCP's and shm's transport lock, the in-process world's lock,
+the hybrid transport's stash lock), so a small message costs no extra lock acquisition.
+
+**Receives** are the transport's own request objects. The matcher reads ``peer`` (the source, or
+ANY_SOURCE) and ``key``, and writes ``order`` (its post number); nothing else.
 
 Tables are dicts of deques keyed by ``(src, key)`` (or ``key`` for any-source receives); an emptied
 deque is deleted at once, since collective keys carry ever-growing sequence numbers.
@@ -24,139 +33,194 @@ from __future__ import annotations
 
 from collections import deque
 
-import numpy as np
-
-from .base import ANY_SOURCE
+from .base import ANY_SOURCE, TransportError, describe_key
 
 
 class Unexpected:
-    """A message that arrived before its receive was posted: its bytes, complete or still arriving."""
+    """A message that arrived before its receive was posted.
 
-    __slots__ = ("src", "key", "signature", "nbytes", "data", "complete", "arrival")
+    The header fields are the matcher's; ``data``, ``complete``, ``error`` and ``sender`` belong to
+    the transport, which fills them in as it moves the payload (the matcher never reads them).
+    """
 
-    def __init__(self, src: int, key, signature: int, nbytes: int, arrival: int, data=None):
+    __slots__ = ("src", "key", "signature", "nbytes", "arrival", "data", "complete", "error", "sender")
+
+    def __init__(self, src: int, key, signature: int, nbytes: int, arrival: int):
         self.src, self.key, self.signature, self.nbytes, self.arrival = src, key, signature, nbytes, arrival
-        if data is None:  # still to arrive: a buffer of exactly its size, once the header is known
-            self.data = np.empty(nbytes, np.uint8)
-            self.complete = nbytes == 0
-        else:  # it came whole (a small message): its bytes as they are
-            self.data = data
-            self.complete = True
+        self.data = None  # its payload as the transport keeps it
+        self.complete = False  # the whole payload is in ``data``
+        self.error: TransportError | None = None  # why the payload cannot be had; its receive fails so
+        self.sender = None  # a rendezvous send that completes only when the message is taken
+
+    def __repr__(self) -> str:
+        return (f"<Unexpected from rank {self.src} {describe_key(self.key)} {self.nbytes} bytes"
+                f"{'' if self.complete else ', arriving'}>")
 
 
 class Matcher:
-    """The posted-receive and unexpected-message tables of one rank.
+    """The posted-receive and unexpected-message tables of one rank (not thread-safe: see above).
 
-    Posted receives are any objects with ``peer`` (source or ANY_SOURCE), ``key`` and a writable
-    ``order`` attribute.
+    ``post(recv)``                 a new receive: the unexpected message it takes, else posts it
+    ``take(src, key)``             the unexpected message such a receive would take, without posting
+    ``offer(src, key, sig, n)``    an arrived message: (the receive it matches, None) or (None, kept)
+    ``withdraw(recv)``             take back a posted receive (its wait ran out)
+    ``discard(msg)``               forget an unexpected message (its payload can never arrive)
+    ``lose(src, any_source)``      remove the receives a lost peer can no longer satisfy
+    ``clear()``                    remove everything (the transport closes)
+    ``mismatch(...)``              the error when a message and its receive disagree, else None
     """
 
-    def __init__(self, size: int):
-        self.size = size
-        self.posted: dict[tuple, deque] = {}  # (src, key) -> receives naming src
-        self.posted_any: dict[tuple, deque] = {}  # key -> ANY_SOURCE receives
-        self.unexpected: dict[tuple, deque[Unexpected]] = {}  # (src, key) -> messages
-        self._counter = 0  # post order and arrival order share one clock
+    __slots__ = ("rank", "size", "_posted", "_posted_any", "_unexpected", "_clock")
 
-    # -- a receive is posted ------------------------------------------------------------------------
-    def take_unexpected(self, src: int, key) -> Unexpected | None:
-        """The message a new receive from ``src`` (or ANY_SOURCE) gets, removed; None: post it."""
-        if not self.unexpected:
+    def __init__(self, rank: int, size: int):
+        self.rank = rank  # this rank, named in mismatch errors
+        self.size = size
+        self._posted: dict[tuple, deque] = {}  # (src, key) -> receives naming src
+        self._posted_any: dict[tuple, deque] = {}  # key -> ANY_SOURCE receives
+        self._unexpected: dict[tuple, deque[Unexpected]] = {}  # (src, key) -> messages
+        self._clock = 0  # post order and arrival order share one clock
+
+    # -- a receive is posted -------------------------------------------------------------------
+    def post(self, recv) -> Unexpected | None:
+        """A new receive: the oldest unexpected message it matches, removed (the caller delivers
+        it); None when there is none, and then ``recv`` is posted for ``offer`` to find."""
+        src, key = recv.peer, recv.key
+        if self._unexpected:
+            msg = self.take(src, key)
+            if msg is not None:
+                return msg
+        self._clock += 1
+        recv.order = self._clock
+        if src == ANY_SOURCE:
+            table, k = self._posted_any, key
+        else:
+            table, k = self._posted, (src, key)
+        q = table.get(k)
+        if q is None:
+            table[k] = deque((recv,))
+        else:
+            q.append(recv)
+        return None
+
+    def take(self, src: int, key) -> Unexpected | None:
+        """The oldest unexpected message a receive from ``src`` (or ANY_SOURCE) with ``key`` takes,
+        removed; None if there is none. Posts nothing."""
+        unexpected = self._unexpected
+        if not unexpected:
             return None
         if src != ANY_SOURCE:
-            q = self.unexpected.get((src, key))
+            q = unexpected.get((src, key))
         else:
             q = None
             for s in range(self.size):
-                cand = self.unexpected.get((s, key))
+                cand = unexpected.get((s, key))
                 if cand and (q is None or cand[0].arrival < q[0].arrival):
                     q = cand
         if not q:
             return None
         msg = q.popleft()
         if not q:
-            del self.unexpected[(msg.src, key)]
+            del unexpected[(msg.src, key)]
         return msg
 
-    def post(self, req) -> None:
-        self._counter += 1
-        req.order = self._counter
-        table, k = (self.posted_any, req.key) if req.peer == ANY_SOURCE else (self.posted, (req.peer, req.key))
-        q = table.get(k)
-        if q is None:
-            table[k] = q = deque()
-        q.append(req)
-
-    def post_from(self, req, k: tuple) -> None:
-        """``post`` for a receive naming its source, ``k == (req.peer, req.key)`` (the hot path)."""
-        self._counter += 1
-        req.order = self._counter
-        q = self.posted.get(k)
-        if q is None:
-            self.posted[k] = deque((req,))
+    def withdraw(self, recv) -> bool:
+        """Remove a posted receive that has not matched; False if it is not posted (any more)."""
+        if recv.peer == ANY_SOURCE:
+            table, k = self._posted_any, recv.key
         else:
-            q.append(req)
-
-    def withdraw(self, req) -> bool:
-        """Remove a posted receive that has not matched yet; False if it is not posted."""
-        table, k = (self.posted_any, req.key) if req.peer == ANY_SOURCE else (self.posted, (req.peer, req.key))
+            table, k = self._posted, (recv.peer, recv.key)
         q = table.get(k)
-        if q is None or req not in q:
+        if q is None or recv not in q:
             return False
-        q.remove(req)
+        q.remove(recv)
         if not q:
             del table[k]
         return True
 
-    # -- a message arrives ----------------------------------------------------------------------------
-    def take_posted(self, src: int, key):
-        """The earliest posted receive (naming ``src`` or any source) for this message, removed."""
-        q = self.posted.get((src, key))
-        qa = self.posted_any.get(key) if self.posted_any else None
-        if qa and (not q or qa[0].order < q[0].order):
-            q, k, table = qa, key, self.posted_any
-        elif q:
-            k, table = (src, key), self.posted
-        else:
-            return None
-        req = q.popleft()
-        if not q:
-            del table[k]
-        return req
-
-    def add_unexpected(self, src: int, key, signature: int, nbytes: int, data=None) -> Unexpected:
-        """Keep a message nobody has asked for: still arriving, or (``data``) already whole."""
-        self._counter += 1
-        msg = Unexpected(src, key, signature, nbytes, self._counter, data)
-        q = self.unexpected.get((src, key))
-        if q is None:
-            self.unexpected[(src, key)] = q = deque()
-        q.append(msg)
-        return msg
-
-    def drop_unexpected(self, msg: Unexpected) -> None:
-        """Forget a message that can no longer be delivered (its sender died mid-payload)."""
-        q = self.unexpected.get((msg.src, msg.key))
-        if q is not None and msg in q:
-            q.remove(msg)
+    # -- a message arrives ---------------------------------------------------------------------
+    def offer(self, src: int, key, signature: int, nbytes: int) -> tuple:
+        """A message's header has arrived: ``(receive, None)`` with the earliest posted receive it
+        matches, removed (check it with ``mismatch``, then move the payload into it); or
+        ``(None, msg)`` with the new Unexpected entry it is now kept as (the caller fills in
+        ``msg.data`` and sets ``msg.complete``)."""
+        k = (src, key)
+        q = self._posted.get(k)
+        if self._posted_any:
+            qa = self._posted_any.get(key)
+            if qa and (not q or qa[0].order < q[0].order):
+                recv = qa.popleft()
+                if not qa:
+                    del self._posted_any[key]
+                return recv, None
+        if q:
+            recv = q.popleft()
             if not q:
-                del self.unexpected[(msg.src, msg.key)]
+                del self._posted[k]
+            return recv, None
+        self._clock += 1
+        msg = Unexpected(src, key, signature, nbytes, self._clock)
+        q = self._unexpected.get(k)
+        if q is None:
+            self._unexpected[k] = deque((msg,))
+        else:
+            q.append(msg)
+        return None, msg
 
-    # -- failures -------------------------------------------------------------------------------------
-    def pop_from(self, src: int) -> list:
-        """Every posted receive naming ``src``, removed (its sender is gone)."""
+    def discard(self, msg: Unexpected) -> bool:
+        """Forget an unexpected message no receive has taken; False if it is not kept (any more)."""
+        k = (msg.src, msg.key)
+        q = self._unexpected.get(k)
+        if q is None or msg not in q:
+            return False
+        q.remove(msg)
+        if not q:
+            del self._unexpected[k]
+        return True
+
+    def has_unexpected(self) -> bool:
+        return bool(self._unexpected)
+
+    def unexpected(self, src: int = ANY_SOURCE) -> list[Unexpected]:
+        """The unexpected messages (from ``src``, or from anyone), oldest first; nothing removed."""
+        msgs = [m for (s, _), q in self._unexpected.items() if src in (ANY_SOURCE, s) for m in q]
+        msgs.sort(key=lambda m: m.arrival)
+        return msgs
+
+    # -- failures ------------------------------------------------------------------------------
+    def lose(self, src: int, any_source: bool) -> list:
+        """Every posted receive naming ``src`` (whose sender is gone), and with ``any_source`` every
+        ANY_SOURCE receive too, removed. Unexpected messages from ``src`` stay deliverable."""
         out = []
-        for k in [k for k in self.posted if k[0] == src]:
-            out.extend(self.posted.pop(k))
+        for k in [k for k in self._posted if k[0] == src]:
+            out.extend(self._posted.pop(k))
+        if any_source:
+            out.extend(r for q in self._posted_any.values() for r in q)
+            self._posted_any.clear()
         return out
 
-    def pop_any(self) -> list:
-        """Every posted ANY_SOURCE receive, removed."""
-        out = [r for q in self.posted_any.values() for r in q]
-        self.posted_any.clear()
-        return out
+    def clear(self) -> tuple[list, list[Unexpected]]:
+        """(every posted receive, every unexpected message), all removed."""
+        recvs = [r for q in self._posted.values() for r in q] + [r for q in self._posted_any.values() for r in q]
+        msgs = self.unexpected()
+        self._posted.clear()
+        self._posted_any.clear()
+        self._unexpected.clear()
+        return recvs, msgs
 
-    def pop_all(self) -> list:
-        out = [r for q in self.posted.values() for r in q] + self.pop_any()
-        self.posted.clear()
-        return out
+    # -- checks --------------------------------------------------------------------------------
+    def mismatch(self, key, src: int, signature: int, nbytes: int, want_signature: int,
+                 want_nbytes: int) -> TransportError | None:
+        """None if a message from ``src`` (``signature``, ``nbytes``) fits the receive expecting
+        ``want_signature`` and ``want_nbytes``; else the error to fail that receive with."""
+        problems = []
+        if nbytes != want_nbytes:
+            problems.append(f"rank {self.rank} expects {want_nbytes} bytes but rank {src} sent {nbytes} bytes")
+        if signature != want_signature:
+            problems.append(f"rank {self.rank} expects signature {want_signature:#010x} but rank {src} "
+                            f"sent {signature:#010x}")
+        if not problems:
+            return None
+        return TransportError(
+            f"the message from rank {src} does not match the receive posted on rank {self.rank} for "
+            f"{describe_key(key)}: " + "; ".join(problems) + " (the ranks called different collectives, or the "
+            "same one with different sizes, dtypes or ops)", peer=src, reason="mismatch")

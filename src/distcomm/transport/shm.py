@@ -38,6 +38,8 @@ import numpy as np
 
 from . import shm_direct
 from .base import ANY_SOURCE, MessageKey, Request, Transport, TransportError
+from .buffers import as_bytes
+from .matching import Matcher, Unexpected
 from .shm_group import MAGIC as GROUP_MAGIC
 from .shm_group import GroupShm, init_segment, layout, slot_config
 from .shm_ring import ACKED, MODE_DIRECT, MODE_INLINE, PVM_OK, RECORD, Ring, decode, encode
@@ -68,15 +70,9 @@ def _world_layout(nlocal: int, ring_bytes: int) -> tuple[int, int]:
     return directory, directory + DIR_ENTRIES * _DIR_ENTRY
 
 
-def _bytes(buf: np.ndarray) -> np.ndarray:
-    if not buf.flags.c_contiguous:
-        raise ValueError("point-to-point buffers must be C-contiguous")
-    return buf.reshape(-1).view(np.uint8)
-
-
 class _ShmRequest(Request):
     __slots__ = ("_t", "kind", "peer", "key", "signature", "buf", "done", "error", "source", "nbytes",
-                 "header", "sent", "direct", "direct_no", "attached")
+                 "header", "sent", "direct", "direct_no", "attached", "order")
 
     def __init__(self, transport, kind: str, peer: int, buf: np.ndarray, key: MessageKey, signature: int):
         self._t = transport
@@ -93,29 +89,14 @@ class _ShmRequest(Request):
         self.sent = -1  # sends: -1 until the record header is in the ring, then payload bytes pushed
         self.direct = False
         self.direct_no = 0
-        self.attached = None  # receives: the unexpected entry or incoming message feeding it
+        self.attached = None  # receives: the _Incoming streaming into it, once matched
+        self.order = 0  # receives: post number (the Matcher's)
 
     def wait(self, deadline: float | None = None) -> None:
         self._t._wait(self, deadline)
 
     def test(self) -> bool:
         return self._t._test(self)
-
-
-class _Entry:
-    """A message that arrived before its receive was posted (its payload in a private buffer)."""
-
-    __slots__ = ("src", "key", "signature", "nbytes", "data", "complete", "error", "recv")
-
-    def __init__(self, src: int, key: MessageKey, signature: int, nbytes: int):
-        self.src = src
-        self.key = key
-        self.signature = signature
-        self.nbytes = nbytes
-        self.data = np.empty(nbytes, np.uint8)
-        self.complete = False
-        self.error: TransportError | None = None
-        self.recv: _ShmRequest | None = None  # a receive that matched it before it completed
 
 
 class _Incoming:
@@ -130,16 +111,6 @@ class _Incoming:
         self.target = target  # where the bytes go; None: discard them
         self.recv = recv
         self.entry = entry
-
-
-def _mismatch(src: int, dst: int, nbytes: int, signature: int, expect_bytes: int, expect_sig: int) -> TransportError:
-    return TransportError(
-        f"message from rank {src} does not match the receive posted on rank {dst}: {nbytes} bytes with "
-        f"signature {signature:#x} arrived, {expect_bytes} bytes with signature {expect_sig:#x} expected "
-        "(the ranks called different collectives, or the same one with different sizes, dtypes or ops)",
-        peer=src,
-        reason="mismatch",
-    )
 
 
 class ShmTransport(Transport):
@@ -176,8 +147,7 @@ class ShmTransport(Transport):
         self._direct_sent = {g: 0 for g in self._out}
         self._direct_read = {g: 0 for g in self._in}
         self._incoming: dict[int, _Incoming | None] = {g: None for g in self._in}
-        self._posted: list[_ShmRequest] = []
-        self._unexpected: list[_Entry] = []
+        self._match = Matcher(rank, size)
         self._header = np.empty(RECORD, np.uint8)
         self._closed = False
         # collectives
@@ -421,7 +391,7 @@ class ShmTransport(Transport):
 
     # -- the Transport interface ---------------------------------------------------------------
     def isend(self, dst: int, data: np.ndarray, key: MessageKey, signature: int = 0) -> Request:
-        flat = _bytes(data)
+        flat = as_bytes(data)
         self._check_peer(dst, False)
         req = _ShmRequest(self, "send", dst, flat, key, signature)
         req.nbytes = flat.nbytes
@@ -441,19 +411,17 @@ class ShmTransport(Transport):
         return req
 
     def irecv(self, src: int, out: np.ndarray, key: MessageKey, signature: int = 0) -> Request:
-        flat = _bytes(out)
+        flat = as_bytes(out)
         self._check_peer(src, True)
         req = _ShmRequest(self, "recv", src, flat, key, signature)
         with self._lock:
             if self._closed:
                 self._fail(req, TransportError("cannot receive: this rank's transport is closed", peer=src, reason="lost"))
                 return req
-            entry = next((e for e in self._unexpected if e.key == key and src in (ANY_SOURCE, e.src)), None)
-            if entry is not None:
-                self._unexpected.remove(entry)
-                self._attach(entry, req)
+            msg = self._match.post(req)
+            if msg is not None:
+                self._take(msg, req)
             else:
-                self._posted.append(req)
                 self._progress()
         return req
 
@@ -464,14 +432,13 @@ class ShmTransport(Transport):
             self._closed = True
             self._ctl[self.rank][_W_CLOSED] = 1
             err = TransportError("this rank's shared-memory transport was closed", reason="lost")
-            pending = list(self._posted) + [e.recv for e in self._unexpected if e.recv is not None]
+            pending, _ = self._match.clear()
             for q in list(self._queue.values()) + list(self._unacked.values()):
                 pending.extend(q)
             pending.extend(st.recv for st in self._incoming.values() if st is not None and st.recv is not None)
             for req in pending:
                 if not req.done:
                     self._fail(req, err)
-            self._posted.clear()
         for g in self.local:
             if g != self.rank:
                 self._bells[g].ring()
@@ -550,13 +517,9 @@ class ShmTransport(Transport):
     def _withdraw(self, req: _ShmRequest) -> None:
         """Take an unfinished request out of the engine (under the lock); late bytes are discarded."""
         if req.kind == "recv":
-            if req in self._posted:
-                self._posted.remove(req)
-            src = req.attached
-            if isinstance(src, _Entry):
-                src.recv = None
-            elif isinstance(src, _Incoming):
-                src.recv, src.target = None, None
+            self._match.withdraw(req)
+            if req.attached is not None:  # streaming in: the rest of it is discarded
+                req.attached.recv, req.attached.target = None, None
             return
         queue = self._queue.get(req.peer)
         if queue is None or req not in queue:
@@ -569,37 +532,38 @@ class ShmTransport(Transport):
             req.header = None
 
     # -- matching -----------------------------------------------------------------------------
-    def _attach(self, entry: _Entry, req: _ShmRequest) -> None:
-        if entry.complete:
-            self._deliver(entry, req)
-        else:
-            entry.recv = req
-            req.attached = entry
-
-    def _deliver(self, entry: _Entry, req: _ShmRequest) -> None:
-        if entry.error is not None:
-            self._fail(req, entry.error)
-        elif entry.signature != req.signature or entry.nbytes != req.buf.nbytes:
-            self._fail(req, _mismatch(entry.src, self.rank, entry.nbytes, entry.signature, req.buf.nbytes, req.signature))
-        else:
-            if entry.nbytes:
-                req.buf[...] = entry.data
-            req.source = entry.src
-            req.nbytes = entry.nbytes
+    def _take(self, msg: Unexpected, req: _ShmRequest) -> None:
+        """A new receive takes a message that arrived before it (whole, or still streaming in)."""
+        err = msg.error or self._match.mismatch(req.key, msg.src, msg.signature, msg.nbytes, req.signature,
+                                                req.buf.nbytes)
+        if not msg.complete:  # still streaming in from its ring: the rest goes straight to req
+            st = self._incoming[msg.src]
+            st.entry = None
+            if err is None:
+                req.buf[: st.got] = msg.data[: st.got]
+                st.target, st.recv, req.attached = req.buf, req, st
+                return
+            st.target = None  # discard the rest
+        elif err is None:
+            if msg.nbytes:
+                req.buf[...] = msg.data
+            req.source = msg.src
+            req.nbytes = msg.nbytes
             self._complete(req)
+            return
+        self._fail(req, err)
 
-    def _match(self, src: int, key: MessageKey, signature: int, nbytes: int):
-        """(target buffer or None to discard, receive, entry) for a message that just arrived."""
-        for i, req in enumerate(self._posted):
-            if req.key == key and req.peer in (src, ANY_SOURCE):
-                del self._posted[i]
-                if req.signature != signature or req.buf.nbytes != nbytes:
-                    self._fail(req, _mismatch(src, self.rank, nbytes, signature, req.buf.nbytes, req.signature))
-                    return None, None, None
-                return req.buf, req, None
-        entry = _Entry(src, key, signature, nbytes)
-        self._unexpected.append(entry)
-        return entry.data, None, entry
+    def _arrived(self, src: int, key: MessageKey, signature: int, nbytes: int):
+        """(target buffer or None to discard, receive, Unexpected entry) for a message that just arrived."""
+        recv, msg = self._match.offer(src, key, signature, nbytes)
+        if recv is None:
+            msg.data = np.empty(nbytes, np.uint8)
+            return msg.data, None, msg
+        err = self._match.mismatch(key, src, signature, nbytes, recv.signature, recv.buf.nbytes)
+        if err is not None:
+            self._fail(recv, err)
+            return None, None, None
+        return recv.buf, recv, None
 
     def _finish(self, src: int, nbytes: int, recv, entry, error=None) -> None:
         if recv is not None:
@@ -612,12 +576,10 @@ class ShmTransport(Transport):
         if entry is not None:
             entry.error = error
             entry.complete = True
-            if entry.recv is not None:
-                self._deliver(entry, entry.recv)
 
     def _arrive_local(self, send: _ShmRequest) -> None:
         """A send to ourselves: match it like an arrival, with the payload already at hand."""
-        target, recv, entry = self._match(self.rank, send.key, send.signature, send.nbytes)
+        target, recv, entry = self._arrived(self.rank, send.key, send.signature, send.nbytes)
         if target is not None and send.nbytes:
             target[...] = send.buf
         self._finish(self.rank, send.nbytes, recv, entry)
@@ -693,7 +655,7 @@ class ShmTransport(Transport):
 
     def _begin(self, src: int, ring: Ring, rec) -> _Incoming | None:
         key = MessageKey(rec.group, rec.kind, rec.seq)
-        target, recv, entry = self._match(src, key, rec.signature, rec.nbytes)
+        target, recv, entry = self._arrived(src, key, rec.signature, rec.nbytes)
         if rec.mode == MODE_DIRECT:
             error = None
             if target is not None:

@@ -66,7 +66,8 @@ from collections import deque
 import numpy as np
 
 from . import framing, mesh
-from .base import ANY_SOURCE, MessageKey, Request, Transport, TransportError
+from .base import ANY_SOURCE, MessageKey, Request, Transport, TransportError, describe_key
+from .buffers import as_memoryview
 from .matching import Matcher, Unexpected
 
 _STAGE = 16 << 10  # per-peer read buffer for headers and small payloads
@@ -100,31 +101,9 @@ _get_ident = threading.get_ident
 _monotonic = time.monotonic
 
 
-def _byte_view(buf, writable: bool) -> memoryview:
-    """A flat byte memoryview of a contiguous buffer (numpy array of any dtype, 0-d, empty)."""
-    if type(buf) is np.ndarray:  # noqa: E721 - the common case first
-        if not buf.flags.c_contiguous:
-            raise ValueError("point-to-point buffers must be C-contiguous")
-    elif isinstance(buf, np.ndarray) and not buf.flags.c_contiguous:
-        raise ValueError("point-to-point buffers must be C-contiguous")
-    try:
-        view = memoryview(buf).cast("B")
-    except (TypeError, ValueError):  # formats memoryview cannot cast (complex, 0-d)
-        view = memoryview(np.asarray(buf).reshape(-1).view(np.uint8))
-    if writable and view.readonly:
-        raise ValueError("receive buffer is read-only")
-    return view
-
-
 def _flat(view) -> memoryview:
     """``view`` (a contiguous numpy array or a byte memoryview) as a byte memoryview, for slicing."""
-    return view if type(view) is memoryview else _byte_view(view, writable=False)  # noqa: E721
-
-
-def _describe(key) -> str:
-    group, kind, seq = key
-    what = {0: "collective #", 1: "tag "}.get(kind, f"kind {kind} #")
-    return f"group {group} {what}{seq}"
+    return view if type(view) is memoryview else as_memoryview(view)  # noqa: E721
 
 
 def _first(parts: list, n: int) -> list:
@@ -182,7 +161,7 @@ class TcpRequest(Request):
 
     def __repr__(self) -> str:
         state = "done" if self.done else "pending"
-        return f"<TcpRequest {'send to' if self.is_send else 'recv from'} {self.peer} {_describe(self.key)} {state}>"
+        return f"<TcpRequest {'send to' if self.is_send else 'recv from'} {self.peer} {describe_key(self.key)} {state}>"
 
 
 class _Incoming:
@@ -243,7 +222,8 @@ class TcpTransport(Transport):
             self._by_fd[p.fd] = p
             self._fg.register(p.fd, _IN)
             self._bg.register(p.fd, _IN)
-        self._match = Matcher(size)
+        # Public for inspection (tests, debugging); only this transport changes it, under _lock.
+        self.matcher = Matcher(rank, size)
         self._any_lost: TransportError | None = None  # why any-source receives can no longer work
         if size == 1:
             self._any_lost = TransportError(f"rank {rank} is alone in its world: nobody can send to it")
@@ -274,7 +254,7 @@ class TcpTransport(Transport):
             view = data  # sendmsg takes the array itself; a byte view is made only if it is queued
             nbytes = data.nbytes
         else:
-            view = _byte_view(data, writable=False)
+            view = as_memoryview(data)
             nbytes = view.nbytes
         header = _encode_header(key, signature, nbytes)
         req = TcpRequest(self, True, dst, key, signature, view)
@@ -310,52 +290,39 @@ class TcpTransport(Transport):
         return req
 
     def irecv(self, src: int, out, key: MessageKey, signature: int = 0) -> TcpRequest:
-        view = _byte_view(out, writable=True)
+        view = as_memoryview(out, writable=True)
         req = TcpRequest(self, False, src, key, signature, view)
-        match = self._match
         with self._lock:
             if src != ANY_SOURCE:
                 p = self._peers[src] if type(src) is int and 0 <= src < self.size else None  # noqa: E721
                 if p is None:
                     p = self._peer(src, "receive from")
-                if p.lost is None and not self._closed:  # the common cases first
-                    k = (src, key)
-                    unexpected = match.unexpected
-                    if not unexpected:  # not here yet: post it
-                        match.post_from(req, k)
-                        if view.nbytes >= _BULK:
-                            self._add_bulk(req, True)
-                        return req
-                    q = unexpected.get(k)
-                    if q:  # already here: whole, and the sizes and signatures agree?
-                        msg = q[0]
-                        if msg.complete and msg.nbytes == view.nbytes and msg.signature == signature:
-                            q.popleft()
-                            if not q:
-                                del unexpected[k]
-                            view[:] = msg.data
-                            # _finish inlined: the request is new, so nobody waits on it
-                            req.source, req.nbytes, req.done, req.view = src, msg.nbytes, True, None
-                            return req
+                lost = p.lost
+            else:
+                lost = self._any_lost
             if self._closed:
                 self._finish(req, self._lost_error(None))
-                return req
-            msg = match.take_unexpected(src, key) if match.unexpected else None
-            if msg is not None:
-                self._deliver_unexpected(req, msg)
-            elif src == ANY_SOURCE and self._any_lost is not None:
-                self._finish(req, self._any_lost)
-            elif src != ANY_SOURCE and p.lost is not None:
-                self._finish(req, p.lost)
-            else:
-                match.post(req)
-                if view.nbytes >= _BULK:
+            elif lost is None:
+                msg = self.matcher.post(req)
+                if msg is not None:
+                    self._deliver_unexpected(req, msg)
+                elif view.nbytes >= _BULK:
                     self._add_bulk(req, True)
+            else:  # messages the peer completed before it was lost are still delivered
+                msg = self.matcher.take(src, key)
+                if msg is not None:
+                    self._deliver_unexpected(req, msg)
+                else:
+                    self._finish(req, lost)
         return req
 
     def _deliver_unexpected(self, req: TcpRequest, msg: Unexpected) -> None:
+        """A new receive (nobody waits on it yet) takes a message that came before it."""
         req.source = msg.src
-        err = self._mismatch(req, msg.src, msg.signature, msg.nbytes)
+        if msg.nbytes == req.view.nbytes and msg.signature == req.signature:
+            err = None
+        else:
+            err = self.matcher.mismatch(req.key, msg.src, msg.signature, msg.nbytes, req.signature, req.view.nbytes)
         if not msg.complete:  # still arriving: redirect the rest of the payload
             cur = self._peers[msg.src].cur
             cur.msg = None
@@ -366,20 +333,10 @@ class TcpTransport(Transport):
             cur.dest = None
         elif err is None:
             req.view[:] = msg.data
-            req.nbytes = msg.nbytes
+            # _finish inlined: the request is new, so nobody waits on it and it is not counted bulk
+            req.nbytes, req.done, req.view = msg.nbytes, True, None
+            return
         self._finish(req, err)
-
-    def _mismatch(self, req: TcpRequest, src: int, signature: int, nbytes: int) -> TransportError | None:
-        problems = []
-        if nbytes != req.view.nbytes:
-            problems.append(f"rank {self.rank} expects {req.view.nbytes} bytes but rank {src} sent {nbytes}")
-        if signature != req.signature:
-            problems.append(f"rank {self.rank} expects signature {req.signature:#010x} but rank {src} "
-                            f"sent {signature:#010x}")
-        if not problems:
-            return None
-        return TransportError(f"message mismatch for {_describe(req.key)}: " + "; ".join(problems) +
-                              " (the ranks disagree about this operation)", peer=src, reason="mismatch")
 
     # -- completion, waiting ---------------------------------------------------------------------
     def _add_bulk(self, req: TcpRequest, wake: bool) -> None:
@@ -508,11 +465,11 @@ class TcpTransport(Transport):
             if req.incoming is not None:  # matched and arriving: read the rest to nowhere
                 req.incoming.dest, req.incoming.req = None, None
             else:
-                self._match.withdraw(req)
+                self.matcher.withdraw(req)
             what = f"receive {req.view.nbytes} bytes from"
         who = "any rank" if req.peer == ANY_SOURCE else f"rank {req.peer}"
         self._finish(req, TransportError(
-            f"rank {self.rank} timed out waiting to {what} {who} ({_describe(req.key)}); the request was "
+            f"rank {self.rank} timed out waiting to {what} {who} ({describe_key(req.key)}); the request was "
             "withdrawn", peer=None if req.peer == ANY_SOURCE else req.peer, reason="timeout"))
 
     # -- the event loop --------------------------------------------------------------------------
@@ -594,8 +551,7 @@ class TcpTransport(Transport):
         would only raise EAGAIN (epoll is level-triggered, so nothing is missed).
         """
         stage, sview, sock, src = p.stage, p.sview, p.sock, p.rank
-        match = self._match
-        posted = match.posted
+        offer = self.matcher.offer
         lo, hi = p.lo, p.hi
         drained = False
         try:
@@ -611,28 +567,27 @@ class TcpTransport(Transport):
                                 return self._lose(p, f"protocol error from rank {p.rank}: {exc}")
                         key = _new_tuple(MessageKey, (group, kind, seq))
                         lo += _HDR
-                        if nbytes <= hi - lo and not match.posted_any and kind != _KIND_CONTROL:
+                        if nbytes <= hi - lo and kind != _KIND_CONTROL:
                             # the common small-message cases inline: the whole payload is staged
-                            # and no any-source receive could claim it
-                            k = (src, key)
-                            q = posted.get(k)
-                            if not q:  # unexpected: keep a copy of its bytes
-                                match.add_unexpected(src, key, signature, nbytes, sview[lo: lo + nbytes].tobytes())
+                            req, msg = offer(src, key, signature, nbytes)
+                            if req is None:  # unexpected: keep a copy of its bytes
+                                msg.data, msg.complete = sview[lo: lo + nbytes].tobytes(), True
                                 lo += nbytes
                                 continue
-                            req = q[0]  # posted: sizes and signatures agree?
+                            req.source = src
                             if nbytes == req.view.nbytes and signature == req.signature:
-                                q.popleft()
-                                if not q:
-                                    del posted[k]
                                 req.view[:] = sview[lo: lo + nbytes]
                                 lo += nbytes
                                 # _finish inlined: whoever runs _read drives (or nobody waits), so
-                                # there is no driver to kick
-                                req.source, req.nbytes, req.done, req.view = src, nbytes, True, None
+                                # there is no driver to kick; a receive this small is not bulk
+                                req.nbytes, req.done, req.view = nbytes, True, None
                                 if self._cond_waiters:
                                     self._done_cond.notify_all()
                                 continue
+                            self._finish(req, self.matcher.mismatch(key, src, signature, nbytes, req.signature,
+                                                                    req.view.nbytes))
+                            lo += nbytes  # the payload is discarded
+                            continue
                         cur = self._begin_frame(p, key, signature, nbytes)
                         if cur is None:
                             continue
@@ -699,16 +654,18 @@ class TcpTransport(Transport):
                 p.goodbye = True
             cur = _Incoming(nbytes, None)
         else:
-            req = self._match.take_posted(src, key)
+            req, msg = self.matcher.offer(src, key, signature, nbytes)
             if req is not None:
                 req.source = src
-                if nbytes != req.view.nbytes or signature != req.signature:
-                    self._finish(req, self._mismatch(req, src, signature, nbytes))
+                err = self.matcher.mismatch(key, src, signature, nbytes, req.signature, req.view.nbytes)
+                if err is not None:
+                    self._finish(req, err)
                     cur = _Incoming(nbytes, None)
                 else:
                     cur = req.incoming = _Incoming(nbytes, req.view, req)
-            else:
-                msg = self._match.add_unexpected(src, key, signature, nbytes)
+            else:  # read into a buffer of exactly its size
+                msg.data = np.empty(nbytes, np.uint8)
+                msg.complete = nbytes == 0
                 cur = _Incoming(nbytes, memoryview(msg.data), None, msg)
         if nbytes:
             p.cur = cur
@@ -755,12 +712,12 @@ class TcpTransport(Transport):
             if p.cur.req is not None:
                 pending.append(p.cur.req)
             if p.cur.msg is not None:  # half-arrived: it can never be delivered
-                self._match.drop_unexpected(p.cur.msg)
+                self.matcher.discard(p.cur.msg)
             p.cur = None
-        pending += self._match.pop_from(p.rank)
-        if not p.goodbye or all(q is None or q.lost is not None for q in self._peers):
+        any_source = not p.goodbye or all(q is None or q.lost is not None for q in self._peers)
+        if any_source:
             self._any_lost = self._any_lost or err
-            pending += self._match.pop_any()
+        pending += self.matcher.lose(p.rank, any_source)
         for req in pending:
             self._finish(req, err)
 
@@ -771,7 +728,7 @@ class TcpTransport(Transport):
                 return
             self._closed = True
             err = self._lost_error(None)
-            pending = self._match.pop_all()
+            pending, _ = self.matcher.clear()
             for p in self._peers:
                 if p is None or p.lost is not None:
                     continue
