@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import sys
 from functools import partial
-from typing import NoReturn
 
 import numpy as np
 
@@ -101,14 +100,26 @@ def build(pg, ctx, limit: int) -> FastPath:
         plans[(op, np_dtype)] = entry
         return entry
 
-    def fail(exc: BaseException, op: str, seq: int, sig: int) -> NoReturn:
-        """After a failure within a round the group's shared memory is unusable: mark it, and raise
-        the error (a transport's in the words of the operation, as ShmCollectives does)."""
-        if isinstance(exc, TransportError):
+    def run(op: str, seq: int, sig: int, flat, reduce_all) -> None:
+        """The round of call ``seq`` (a barrier's when ``flat`` is None), the group claimed; then
+        release it. After a failure within a round the group's shared memory is unusable: mark
+        it, and raise the error (a transport's in the words of the operation, as ShmCollectives
+        does)."""
+        try:
+            if flat is None:
+                observe.current is None or observe.current("latency_barrier")  # one check when unobserved
+                barrier_round(ctx, seq, sig, barrier_channel)
+            else:
+                observe.current is None or observe.current("latency_all_reduce")
+                all_reduce_round(ctx, seq, sig, all_reduce_channel, flat, reduce_all)
+        except TransportError as exc:
             ctx.broken = str(exc)
             raise pg.channel(op, seq, sig).translate(exc, None) from None
-        ctx.broken = f"{type(exc).__name__}: {exc}"
-        raise exc
+        except BaseException as exc:
+            ctx.broken = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            leave()
 
     # -- the calls ------------------------------------------------------------------------------
     def small_all_reduce(tensor, op) -> bool:
@@ -131,31 +142,15 @@ def build(pg, ctx, limit: int) -> FastPath:
         if entry is None or profiling() is not None or not enter():
             return False
         sig, reduce_all, dtype = entry
-        seq = next_seq()
-        try:
-            if observe.current is not None:
-                observe.current("latency_all_reduce")
-            all_reduce_round(ctx, seq, sig, all_reduce_channel, flat, reduce_all)
-            if op is RedOpType.AVG:
-                finish(op, flat, size, dtype)
-        except BaseException as exc:
-            fail(exc, "all_reduce", seq, sig)
-        finally:
-            leave()
+        run("all_reduce", next_seq(), sig, flat, reduce_all)
+        if op is RedOpType.AVG:
+            finish(op, flat, size, dtype)
         return True
 
     def small_barrier() -> bool:
         if ctx.broken is not None or profiling() is not None or not enter():
             return False
-        seq = next_seq()
-        try:
-            if observe.current is not None:
-                observe.current("latency_barrier")
-            barrier_round(ctx, seq, barrier_sig, barrier_channel)
-        except BaseException as exc:
-            fail(exc, "barrier", seq, barrier_sig)
-        finally:
-            leave()
+        run("barrier", next_seq(), barrier_sig, None, None)
         return True
 
     return FastPath(small_all_reduce, small_barrier)
