@@ -217,7 +217,7 @@ class GroupShm:
         h[S_SIG] = sig
         h[S_NBYTES] = nbytes
         h[S_EXTRA] = extra
-        h[S_ROUND] = k  # last: a reader that sees this round's number sees the rest of the header
+        h[S_ROUND] = k
         self._mine[POSTED] = k
         self._wake_posted()
 
