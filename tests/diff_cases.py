@@ -877,9 +877,8 @@ def _run_cases(dist, rank: int, ws: int, framework: str, backend: str, only: lis
 # Engine variants: a backend name, plus environment variables set while it runs. The "tcp/..."
 # variants force the generic engine's other algorithms (algorithms/select.py), so every one of
 # them meets torch's results on the real transport, not only the default choice per size. The
-# "shm/..." variants do the same for the shared-memory collectives (backends/shm_collectives.py):
-# those variables are read when a process group's transport first builds its ShmCollectives, i.e.
-# once per init_process_group, so each plan gets its own choice (test_shm_variants_ran checks it).
+# "shm/..." variants do the same for the shared-memory collectives (backends/shm/): those variables
+# are read into the engine's Tuning when it is connected, i.e. once per init_process_group, so each plan gets its own choice (test_shm_variants_ran checks it).
 _SHM_OPS = ("BROADCAST", "ALLGATHER", "REDUCE", "REDUCESCATTER", "ALLTOALL")
 ENGINE_VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
     "gloo": ("gloo", {}),
@@ -919,63 +918,27 @@ def variant_runs(variant: str, name: str) -> bool:
 
 
 class _AlgoCounter:
-    """Counts calls of backends/shm_collectives.py's algorithms (its module-level functions taking
-    ``ctx`` first) while installed. ShmCollectives calls them through the module's globals, so
-    replacing them there sees every call; ``remove`` puts the originals back. The latency paths
-    (backends/shm_latency.py) count as "small_all_reduce" and "small_barrier" each call they take."""
-
-    MODULE = "distcomm.backends.shm_collectives"
+    """Counts the shared-memory algorithms run while installed, through the engine's observer
+    (backends/shm/observe.py): the names backends/shm/choose.py returns, "alltoall_readv" for a
+    single-copy all_to_all, and "latency_all_reduce"/"latency_barrier" for each call the latency
+    paths take. ``remove`` puts the previous observer back."""
 
     def __init__(self):
         self.counts: dict[str, int] = {}
-        self.saved: dict[str, Callable] = {}
+        self.previous = None
 
-    def _count_latency_path(self, mod) -> None:
-        build = mod.shm_latency.build
-        self.saved["shm_latency.build"] = build
-
-        def counted(name, fn):
-            def call(*args):
-                taken = fn(*args)
-                if taken:
-                    self.counts[name] = self.counts.get(name, 0) + 1
-                return taken
-
-            return call
-
-        def counting_build(*args, **kwargs):
-            paths = build(*args, **kwargs)
-            return paths._replace(all_reduce=counted("small_all_reduce", paths.all_reduce),
-                                  barrier=counted("small_barrier", paths.barrier))
-
-        mod.shm_latency.build = counting_build
+    def _count(self, name: str) -> None:
+        self.counts[name] = self.counts.get(name, 0) + 1
 
     def install(self) -> None:
-        import functools
-        import inspect
+        from distcomm.backends.shm import observe
 
-        mod = importlib.import_module(self.MODULE)
-        self._count_latency_path(mod)
-        for name, fn in list(vars(mod).items()):
-            if not (inspect.isfunction(fn) and fn.__module__ == mod.__name__):
-                continue
-            params = list(inspect.signature(fn).parameters)
-            if not params or params[0] != "ctx":
-                continue
-            self.saved[name] = fn
-
-            def counted(*args, _fn=fn, _name=name, **kwargs):
-                self.counts[_name] = self.counts.get(_name, 0) + 1
-                return _fn(*args, **kwargs)
-
-            setattr(mod, name, functools.wraps(fn)(counted))
+        self.previous = observe.set_observer(self._count)
 
     def remove(self) -> None:
-        mod = importlib.import_module(self.MODULE)
-        mod.shm_latency.build = self.saved.pop("shm_latency.build")
-        for name, fn in self.saved.items():
-            setattr(mod, name, fn)
-        self.saved.clear()
+        from distcomm.backends.shm import observe
+
+        observe.set_observer(self.previous)
 
 
 def reduced_cases(ws: int) -> list[str]:

@@ -188,28 +188,29 @@ def test_oracle_stayed_in_step(ws):
         assert not broken, f"rank {rank}: torch's run went out of step at {broken[0]}"
 
 
-# Which shared-memory algorithms (backends/shm_collectives.py's functions) each variant must run and
-# must not run, in every rank: a forced choice that did not take effect (a variable read at the
-# wrong time, single-copy reads refused by the OS) would otherwise quietly compare the default.
-_A2A_SINGLE_COPY = ("_all_to_all_read_peers", "all_to_all_readv")  # either name, as the module evolves
+# Which shared-memory algorithms (the names of backends/shm/choose.py, reported through
+# backends/shm/observe.py) each variant must run and must not run, in every rank: a forced choice
+# that did not take effect (a variable read at the wrong time, single-copy reads refused by the OS)
+# would otherwise quietly compare the default.
 SHM_VARIANT_ALGOS: dict[str, tuple[set, set]] = {
     "shm/readv": ({"allreduce_readv", "broadcast_readv", "allgather_readv", "reduce_readv", "reduce_scatter_readv",
-                   "a2a-single-copy", "gather_blocks", "scatter", "barrier"},
-                  {"allreduce_small", "small_all_reduce", "allreduce_slices", "reduce_direct", "broadcast",
-                   "reduce_scatter"}),
-    "shm/slices": ({"allreduce_slices", "broadcast", "reduce_direct", "gather_blocks", "scatter", "reduce_scatter",
-                    "all_to_all", "barrier"},
-                   {"allreduce_small", "small_all_reduce", "allreduce_readv", "broadcast_readv", "allgather_readv",
-                    "reduce_readv", "reduce_scatter_readv", "a2a-single-copy"}),
-    "shm/direct": ({"allreduce_small", "reduce_direct"},  # all_reduce cases only (diff_cases.VARIANT_CASES)
-                   {"small_all_reduce", "allreduce_slices", "allreduce_readv", "broadcast_readv", "allgather_readv",
-                    "reduce_readv", "reduce_scatter_readv", "a2a-single-copy"}),
+                   "alltoall_readv", "gather_slots", "scatter_slots", "barrier_slots"},
+                  {"allreduce_direct", "latency_all_reduce", "allreduce_slices", "reduce_direct", "broadcast_slots",
+                   "allgather_slots", "reduce_scatter_slots"}),
+    "shm/slices": ({"allreduce_slices", "broadcast_slots", "reduce_direct", "allgather_slots", "gather_slots",
+                    "scatter_slots", "reduce_scatter_slots", "alltoall_slots", "barrier_slots"},
+                   {"allreduce_direct", "latency_all_reduce", "allreduce_readv", "broadcast_readv", "allgather_readv",
+                    "reduce_readv", "reduce_scatter_readv", "alltoall_readv"}),
+    "shm/direct": ({"allreduce_direct", "reduce_direct"},  # all_reduce cases only (diff_cases.VARIANT_CASES)
+                   {"latency_all_reduce", "allreduce_slices", "allreduce_readv", "broadcast_readv", "allgather_readv",
+                    "reduce_readv", "reduce_scatter_readv", "alltoall_readv"}),
     # by size: direct and slices for all_reduce; from world size 4 on the 300k all_gather and
     # reduce_scatter_tensor cases pass 4 MiB and take single-copy reads (added below)
-    # the latency path (small_all_reduce) takes the synchronous small all_reduces, allreduce_small
+    # the latency path (latency_all_reduce) takes the synchronous small all_reduces, allreduce_direct
     # the others (async ones, bfloat16, ...)
-    "shm": ({"small_all_reduce", "allreduce_small", "allreduce_slices", "broadcast", "reduce_direct",
-             "gather_blocks", "scatter", "reduce_scatter", "all_to_all", "barrier"},
+    "shm": ({"latency_all_reduce", "allreduce_direct", "allreduce_slices", "broadcast_slots", "reduce_direct",
+             "allgather_slots", "gather_slots", "scatter_slots", "reduce_scatter_slots", "alltoall_slots",
+             "barrier_slots"},
             {"allreduce_readv", "broadcast_readv"}),
 }
 SHM_VARIANT_ALGOS["gloo"] = SHM_VARIANT_ALGOS["shm"]  # the default engine on one host
@@ -225,10 +226,8 @@ def test_shm_variants_ran(ws, engine):
         if isinstance(side, str):
             raise AssertionError(f"distcomm's run ({engine}) failed on rank {rank}: {side}")
         ran = set(side["__algos__"])
-        if any(name in ran for name in _A2A_SINGLE_COPY):
-            ran.add("a2a-single-copy")
-        if "small_barrier" in ran:  # the barrier latency path runs shm_collectives.barrier's round
-            ran.add("barrier")
+        if "latency_barrier" in ran:  # the barrier latency path runs barrier_slots' round
+            ran.add("barrier_slots")
         if engine.startswith("tcp"):
             assert not ran, f"rank {rank}: the tcp engine ran shared-memory algorithms: {sorted(ran)}"
             continue

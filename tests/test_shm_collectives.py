@@ -215,23 +215,36 @@ def test_every_collective(backend, world, env):
 
 def large_body(rank, world):
     """The default slot size with messages of a few MiB, every all_reduce algorithm forced."""
-    import distcomm as dist
-    from distcomm import world as world_state
+    import os
 
-    dist.init_process_group("shm")
-    ops = world_state.default_pg.collectives
+    import distcomm as dist
+    from distcomm.backends.shm import observe
+
+    ran: list[str] = []
+    observe.set_observer(ran.append)
+    dist.init_process_group("tcp")
     n = 3 * (1 << 20) // 4 + 13  # ~3 MiB of float32: several 1 MiB rounds and a ragged end
     parts = [_data(q, n, np.float32, 77) for q in range(world)]
     for algo in ("slices", "direct", "readv"):
-        ops.allreduce_algo = algo
+        # Forced through the Tuning, read when an engine is connected: each new_group with another
+        # backend than the world's connects one.
+        os.environ["DISTCOMM_SHM_ALGO_ALLREDUCE"] = algo
+        group = dist.new_group(backend="shm")
         x = parts[rank].copy()
-        dist.all_reduce(x)
+        del ran[:]
+        dist.all_reduce(x, group=group)
         _check(f"all_reduce {algo}", x, _fold(parts, np.add))
+        # direct past one slot runs as reduce_direct; readv needs process_vm_readv allowed here
+        expected = {"slices": ["allreduce_slices"], "direct": ["reduce_direct"],
+                    "readv": ["allreduce_readv"] if group.engine.transport.direct_reads_ok(range(world))
+                    else ["allreduce_slices"]}[algo]
+        assert ran == expected, (algo, ran)
+    del os.environ["DISTCOMM_SHM_ALGO_ALLREDUCE"]
     x = parts[0].copy() if rank == 0 else np.zeros(n, np.float32)
-    dist.broadcast(x, src=0)
+    dist.broadcast(x, src=0, group=group)
     _check("broadcast", x, parts[0])
     out = np.zeros(n * world, np.float32)
-    dist.all_gather_into_tensor(out, parts[rank])
+    dist.all_gather_into_tensor(out, parts[rank], group=group)
     _check("all_gather", out, np.concatenate(parts))
     dist.destroy_process_group()
     return "ok"

@@ -1,6 +1,6 @@
-"""The latency paths for small synchronous all_reduces and barriers (backends/shm_latency.py).
+"""The latency paths for small synchronous all_reduces and barriers (backends/shm/latency.py).
 
-* It takes the calls it should (counted: each call through it returns True) and gives the same
+* It takes the calls it should (counted through the engine's observer, backends/shm/observe.py) and gives the same
   bits as the general path (the same inputs through ``async_op=True``, which never takes it) and
   as the rank-order reference computed locally, for every dtype and op at sizes 1, 2, prime and
   its limit, at world sizes 2, 3, 4 and 8.
@@ -66,17 +66,24 @@ def _reference(np, dtype: str, op, count: int, world: int, salt: int):
     return acc
 
 
-def _count_taken(pg):
-    """Wrap the installed latency path: a list of its answers, one per call."""
-    fast = pg.fast_all_reduce
+_GENERAL_ALL_REDUCE = ("allreduce_direct", "allreduce_slices", "allreduce_readv", "reduce_direct")
+
+
+def _count_taken(pg, latency="latency_all_reduce", general=_GENERAL_ALL_REDUCE):
+    """Observe which path runs each all_reduce (or, with the barrier's names, each barrier) from
+    now on, through the shared-memory engine's observer (backends/shm/observe.py): a list with one
+    entry per call, True where the latency path took it, False where the general path ran it."""
+    from distcomm.backends.shm import observe
+
     taken = []
 
-    def counting(tensor, op):
-        answer = fast(tensor, op)
-        taken.append(answer)
-        return answer
+    def observer(name):
+        if name == latency:
+            taken.append(True)
+        elif name in general:
+            taken.append(False)
 
-    pg.fast_all_reduce = counting
+    observe.set_observer(observer)
     return taken
 
 
@@ -104,7 +111,8 @@ def results_body(rank, world):
             if got.tobytes() != expected.tobytes():
                 failures.append(f"{name} {dtype} {op!r} count {count}: {got[:4]} != {expected[:4]}")
     assert failures == [], failures[:5]
-    assert taken == [True] * len(cases), f"the latency path declined {taken.count(False)} calls"
+    # each synchronous call through the latency path, each async one through the general path
+    assert taken == [True, False] * len(cases), f"the latency path declined {taken[::2].count(False)} calls"
 
     # torch tensors take it too, requires_grad or not (the result lands in the tensor's memory)
     import torch
@@ -286,17 +294,9 @@ def barrier_body(rank, world):
     dist.barrier()  # sets up the group's shared memory
     pg = dist_world.default_pg
     inner = pg.fast_barrier  # installs the latency paths on first use
-    taken = []
-
-    def counting():
-        answer = pg_barrier()
-        taken.append(answer)
-        return answer
-
     dist.barrier()
-    pg_barrier = pg.fast_barrier
-    assert pg_barrier is not inner
-    pg.fast_barrier = counting
+    assert pg.fast_barrier is not inner
+    taken = _count_taken(pg, "latency_barrier", ("barrier_slots",))
     # a barrier holds everyone until the last arrives (here: rank 0, late, so the others sleep)
     if rank == 0:
         time.sleep(0.3)
@@ -311,7 +311,7 @@ def barrier_body(rank, world):
         assert x.tolist() == [float(sum(range(world)) + i * world)] * 3
     dist.barrier(async_op=True).wait()  # the general path, same rounds
     dist.barrier()
-    assert taken == [True] * 7, taken
+    assert taken == [True] * 6 + [False, True], taken
     # nobody left the late barrier before rank 0 entered it (one host: one clock)
     entries, exits = [np.zeros(1) for _ in range(world)], [np.zeros(1) for _ in range(world)]
     dist.all_gather(entries, entered)

@@ -375,6 +375,24 @@ def finish(op, buf: np.ndarray, world_size: int, dtype: DType | None = None) -> 
         _truncating_divide(buf, world_size)
 
 
+def with_op_arithmetic(op, dtype: DType, size: int, buf: np.ndarray, run: Callable[[np.ndarray], None], *,
+                       result: np.ndarray | None = None, keep: bool = False, finishes: bool = True) -> None:
+    """Run a reduction, ``run(buf)``, with what ``op`` adds around it: the one place every engine's
+    collectives apply PREMUL_SUM and AVG.
+
+    PREMUL_SUM's factor multiplies ``buf`` first (a copy of it when ``keep``: an input the caller
+    must find unscaled, like a non-root's in reduce); AVG divides the result by ``size`` afterwards
+    (``result``, by default the buffer reduced), when ``finishes`` (not on a reduce's non-roots).
+    """
+    if op.__class__ is not RedOpType:
+        if keep and isinstance(normalize_op(op), PremulSum):
+            buf = buf.copy()
+        premultiply(op, buf, dtype)
+    run(buf)
+    if finishes:
+        finish(op, buf if result is None else result, size, dtype)
+
+
 def _truncating_divide(buf: np.ndarray, n: int) -> None:
     """buf //= n rounding toward zero, for signed integers (n > 0), chunk by chunk."""
     if n > np.iinfo(buf.dtype).max:  # only -min // n can be nonzero: compute in int64

@@ -30,9 +30,9 @@ def _tcp_engine(store, rank: int, size: int, timeout: float, tuning: Tuning, opt
 
 
 def _shm_engine(store, rank: int, size: int, timeout: float, tuning: Tuning, options: Any = None) -> Engine:
-    from . import shm_engine
+    from . import shm
 
-    return shm_engine.connect(store, rank, size, timeout, tuning, options)
+    return shm.connect(store, rank, size, timeout, tuning, options)
 
 
 def _default_engine(store, rank: int, size: int, timeout: float, tuning: Tuning, options: Any = None) -> Engine:

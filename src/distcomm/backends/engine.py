@@ -14,7 +14,7 @@ Implementations:
 
 * ``generic.GenericEngine``: the algorithms of ``distcomm._algorithms`` over any Transport
   (TCP, a third-party Transport from ``Backend.register_backend``, the in-process one);
-* ``shm_engine.ShmEngine``: shared memory between the ranks of one host;
+* ``shm.ShmEngine`` (the ``shm`` package): shared memory between the ranks of one host;
 * ``hybrid.HybridEngine``: shared memory within a host, TCP between hosts.
 
 Adding an engine: a class implementing ``Engine`` (and a GroupCollectives, or reuse

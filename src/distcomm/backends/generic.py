@@ -2,8 +2,9 @@
 
 ``GenericCollectives`` is the GroupCollectives every engine can fall back on: it chooses an
 algorithm of ``distcomm._algorithms`` by size and group size (``select.choose``) and runs it over
-the call's Channel, applying PREMUL_SUM's factor before and AVG's division after a reduction, and
-keeping non-root inputs untouched where torch does. It holds nothing but the engine's Tuning, so one
+the call's Channel, with PREMUL_SUM's factor and AVG's division around a reduction and non-root
+inputs untouched where torch keeps them (``reduction.with_op_arithmetic``, shared with the
+shared-memory engine). It holds nothing but the engine's Tuning, so one
 instance serves every group of an engine. ``GenericEngine`` is an Engine made of a Transport and these collectives: the TCP
 engine, a world of one, and any third-party Transport registered with ``Backend.register_backend``.
 """
@@ -27,22 +28,22 @@ class GenericCollectives(GroupCollectives):
         self.tuning = tuning
 
     def all_reduce(self, ch: Channel, flat: np.ndarray, dtype: DType, op) -> None:
-        reduction.premultiply(op, flat, dtype)
-        if ch.size > 1:
-            algorithm = select.choose("allreduce", flat.nbytes, ch.size, self.tuning)
-            algorithm(ch, flat, reduction.reducer(op, dtype))
-        reduction.finish(op, flat, ch.size, dtype)
+        def run(buf: np.ndarray) -> None:
+            if ch.size > 1:
+                algorithm = select.choose("allreduce", buf.nbytes, ch.size, self.tuning)
+                algorithm(ch, buf, reduction.reducer(op, dtype))
+
+        reduction.with_op_arithmetic(op, dtype, ch.size, flat, run)
 
     def reduce(self, ch: Channel, flat: np.ndarray, dtype: DType, op, root: int) -> None:
         """Result in ``flat`` on ``root``; other ranks' ``flat`` is left as it was."""
-        if ch.rank != root and getattr(op, "factor", None) is not None:
-            flat = flat.copy()  # PREMUL_SUM scales the input; a non-root keeps its own unscaled
-        reduction.premultiply(op, flat, dtype)
-        if ch.size > 1:
-            algorithm = select.choose("reduce", flat.nbytes, ch.size, self.tuning)
-            algorithm(ch, flat, root, reduction.reducer(op, dtype))
-        if ch.rank == root:
-            reduction.finish(op, flat, ch.size, dtype)
+
+        def run(buf: np.ndarray) -> None:
+            if ch.size > 1:
+                algorithm = select.choose("reduce", buf.nbytes, ch.size, self.tuning)
+                algorithm(ch, buf, root, reduction.reducer(op, dtype))
+
+        reduction.with_op_arithmetic(op, dtype, ch.size, flat, run, keep=ch.rank != root, finishes=ch.rank == root)
 
     def broadcast(self, ch: Channel, flat: np.ndarray, root: int) -> None:
         if ch.size > 1:
@@ -67,13 +68,15 @@ class GenericCollectives(GroupCollectives):
 
     def reduce_scatter(self, ch: Channel, scratch: np.ndarray, out: np.ndarray, counts: list[int], dtype: DType, op) -> None:
         """``scratch`` is the concatenated input (clobbered); ``out`` gets this rank's reduced block."""
-        reduction.premultiply(op, scratch, dtype)
-        if ch.size == 1:
-            out[...] = scratch[: out.size]
-        else:
-            algorithm = select.choose("reduce_scatter", scratch.nbytes, ch.size, self.tuning)
-            algorithm(ch, scratch, out, counts, reduction.reducer(op, dtype))
-        reduction.finish(op, out, ch.size, dtype)
+
+        def run(buf: np.ndarray) -> None:
+            if ch.size == 1:
+                out[...] = buf[: out.size]
+            else:
+                algorithm = select.choose("reduce_scatter", buf.nbytes, ch.size, self.tuning)
+                algorithm(ch, buf, out, counts, reduction.reducer(op, dtype))
+
+        reduction.with_op_arithmetic(op, dtype, ch.size, scratch, run, result=out)
 
     def all_to_all(self, ch: Channel, send: np.ndarray, send_counts, recv: np.ndarray, recv_counts) -> None:
         if ch.size == 1:

@@ -16,7 +16,7 @@ from ..transport.shm import ShmTransport
 from ..tuning import DEFAULT, Tuning
 from .engine import Engine, FastPath, GroupCollectives, GroupSpec
 from .generic import GenericCollectives
-from .shm_engine import ShmEngine
+from .shm import ShmEngine
 
 
 class HybridEngine(Engine):

@@ -8,7 +8,8 @@ collectives with the same sizes). In round k a member may write its slot ``k % n
 ``posted = k``; read peers' slots of round k once their ``posted >= k``; and set ``consumed = k``
 when it is done reading round k. Before writing its slot for round k it waits until every peer has
 ``consumed >= k - nslots``: the slot's previous contents have been read. That is all the
-synchronization there is; every collective in ``backends/shm_collectives.py`` is a loop of rounds.
+synchronization there is; every algorithm in ``backends/shm/`` is a loop of rounds (the round API is
+documented on ``GroupShm``).
 
 Each slot starts with a header (round, sequence number, signature, byte count, one extra word) that
 readers check, so members running different collectives, or the same one with different sizes,
@@ -21,6 +22,7 @@ work on both) never touch each other's memory.
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 
@@ -41,6 +43,8 @@ _OPENED_AT = 192  # one byte per member: "I have mapped this segment"
 SLOT_HEADER = 64
 # u64 indexes into a slot header
 S_ROUND, S_SEQ, S_SIG, S_NBYTES, S_EXTRA = 0, 1, 2, 3, 4
+
+_clock, _sched_yield = time.perf_counter, os.sched_yield
 
 DEFAULT_SLOT_BYTES = 1 << 20
 DEFAULT_NSLOTS = 4
@@ -78,7 +82,37 @@ def init_segment(buf: np.ndarray, gid: int, size: int, slot_bytes: int, nslots: 
 
 
 class GroupShm:
-    """This rank's view of one group's segments (its own and every member's)."""
+    """This rank's view of one group's segments (its own and every member's): the round API.
+
+    A round, as every algorithm of ``backends/shm/`` runs it (``k`` numbers the round alike on
+    every member; ``seq``/``sig`` are the call's sequence number and signature, which every post
+    carries so that a member running something else fails with a mismatch naming it):
+
+    1. **open**: ``k = open_round(seq, sig, channel)`` numbers the next round and waits until
+       every peer has read our slot's previous use; ``slot(k)`` is then ours to write (or
+       ``next_round()`` and ``acquire(k, ch)``, which does both for a round numbered earlier);
+    2. **write** our slot (``slot(k)``, or typed views of every member's slot: ``views``);
+    3. **post**: ``post(k, ch, nbytes, extra)`` publishes the header (round, seq, sig, nbytes,
+       one extra word, e.g. a buffer's address) and then ``posted = k``, waking a peer whose wait
+       this completes;
+    4. **wait** for the peers' posts of round k and check their headers: ``wait_posted(k, ch,
+       nbytes, peers)``. ``exchange(k, seq, sig, nbytes, channel)`` is steps 3 and 4 for the
+       common case (post, then wait for every peer), spinning or yielding first without
+       publishing anything, so the peers' posts need not look for us;
+    5. **read** the peers' slots of round k (``data``, ``raw``, ``words``, ``views``, ``extra``);
+    6. **consume**: ``consume(k)`` says we are done reading round k (and so every round before
+       it), letting peers reuse their slots of round k; ``wait_consumed(k, ch)`` waits until
+       every peer has said so (a buffer they read directly may change after that).
+
+    ``advance(k)``, ``posted(q)`` and ``wait_posted_counter(k, ch)`` move and watch ``posted``
+    without a slot: progress within a collective whose data does not pass through slots.
+
+    The waits take the call's Channel for its deadline (``ch``); ``open_round`` and ``exchange``
+    take ``channel(seq, sig) -> Channel`` instead, called only if they must sleep, so the latency
+    path builds no Channel on its way (its deadline then counts from the start of that sleep).
+    A TransportError from any of them (a timeout, a lost peer, a mismatch) leaves the group's
+    memory unusable: the caller sets ``broken``.
+    """
 
     def __init__(self, transport, gid: int, ranks: list[int], rank: int, segments: list, slot_bytes: int, nslots: int):
         self.transport = transport
@@ -124,16 +158,33 @@ class GroupShm:
         self.round += 1
         return self.round
 
+    def open_round(self, seq: int, sig: int, channel) -> int:
+        """The next round's number, once every peer has read our slot's previous use (step 1).
+        ``channel(seq, sig)`` makes the call's Channel if we must sleep."""
+        k = self.round = self.round + 1
+        need = k - self.nslots
+        if need > self._consumed_floor:  # the floor only rises: most rounds read no counter at all
+            self._reserve(need, seq, sig, channel)
+        return k
+
     def acquire(self, k: int, ch) -> np.ndarray:
         """My slot for round k (uint8, slot_bytes), once every peer has read its previous use."""
         need = k - self.nslots
-        if need > self._consumed_floor:  # the floor only rises: most rounds read no counter at all
-            floor = min(c[CONSUMED] for c in self._peer_ctl)
-            if floor < need:
-                self._wait_reuse(need, ch)
-                floor = min(c[CONSUMED] for c in self._peer_ctl)
-            self._consumed_floor = floor
+        if need > self._consumed_floor:
+            self._reserve(need, ch.key.seq, ch.signature, lambda seq, sig: ch)
         return self._my_slots[k % self.nslots]
+
+    def slot(self, k: int) -> np.ndarray:
+        """My slot of round k (uint8, slot_bytes): write it between opening and posting round k."""
+        return self._my_slots[k % self.nslots]
+
+    def _reserve(self, need: int, seq: int, sig: int, channel) -> None:
+        """Wait until every peer's ``consumed >= need``, and raise the cached floor."""
+        floor = min([c[CONSUMED] for c in self._peer_ctl])
+        if floor < need:
+            self._wait_reuse(need, channel(seq, sig))
+            floor = min([c[CONSUMED] for c in self._peer_ctl])
+        self._consumed_floor = floor
 
     def wait_consumed(self, k: int, ch) -> None:
         """Wait until every peer has finished reading round k (and so everything before it)."""
@@ -158,14 +209,47 @@ class GroupShm:
     def post(self, k: int, ch, nbytes: int, extra: int = 0) -> None:
         """Publish my slot of round k (its header first, then the counter), and wake the peers
         whose wait this completes (see _wake_posters)."""
+        self._publish(k, ch.key.seq, ch.signature, nbytes, extra)
+
+    def _publish(self, k: int, seq: int, sig: int, nbytes: int, extra: int) -> None:
         h = self._my_headers[k % self.nslots]
-        h[S_SEQ] = ch.key.seq
-        h[S_SIG] = ch.signature
+        h[S_SEQ] = seq
+        h[S_SIG] = sig
         h[S_NBYTES] = nbytes
         h[S_EXTRA] = extra
         h[S_ROUND] = k
         self._mine[POSTED] = k
         self._wake_posted()
+
+    def exchange(self, k: int, seq: int, sig: int, nbytes: int, channel, extra: int = 0) -> None:
+        """Post round k (our slot holds ``nbytes``), wait until every peer has, check their headers
+        (steps 3 and 4). A wait begins by spinning (a core per rank) or yielding (more ranks than
+        cores) for the wait policy's spin or yield time without publishing anything; past that it
+        sleeps as ``wait_posted`` does, with the Channel ``channel(seq, sig)`` makes."""
+        self._publish(k, seq, sig, nbytes, extra)
+        for c in self._peer_ctl:
+            if c[POSTED] < k:
+                if not self._poll_posted(k):
+                    self._wait_posts(k, channel(seq, sig), self._peers, 0)
+                break
+        self._check_posts(k, seq, sig, nbytes, self._peers)
+
+    def _poll_posted(self, k: int) -> bool:
+        """Spin or yield until every peer has posted round k (True), at most the policy's budget."""
+        policy = self.transport.policy
+        yields = policy.spin_s == 0  # more ranks than cores: give the CPU away while waiting
+        end = _clock() + (policy.yield_s if yields else policy.spin_s)
+        peer_ctl = self._peer_ctl
+        while True:
+            if yields:
+                _sched_yield()
+            for c in peer_ctl:
+                if c[POSTED] < k:
+                    break
+            else:
+                return True
+            if _clock() >= end:
+                return False
 
     def _wake_posted(self) -> None:
         """After moving my ``posted``: ring the bell of every peer whose wait for posts (its
@@ -180,10 +264,6 @@ class GroupShm:
         costs the poster one read.
         """
         fence()
-        self._ring_posted()
-
-    def _ring_posted(self) -> None:
-        """_wake_posted after its fence: ring the peers whose wait for posts is complete."""
         ctl = self.ctl
         for q, c, bell in self._peer_info:
             want = c[AWAITING]
@@ -228,13 +308,16 @@ class GroupShm:
                     src = peers[0] + 1 if len(peers) == 1 else 0 if len(peers) == self.size - 1 else AWAIT_ANY
                     self._wait_posts(k, ch, peers, src)
                     break
+        self._check_posts(k, ch.key.seq, ch.signature, nbytes, peers)
+
+    def _check_posts(self, k: int, seq: int, sig: int, nbytes: int | None, peers) -> None:
+        """Raise a mismatch naming the first of ``peers`` whose header of round k is not ours."""
         slot = k % self.nslots
-        seq, sig = ch.key.seq, ch.signature
         headers = self.headers
         for q in peers:
             h = headers[q][slot]
             if h[S_ROUND] != k or h[S_SEQ] != seq or h[S_SIG] != sig or (nbytes is not None and h[S_NBYTES] != nbytes):
-                raise self._mismatch(q, k, h, ch, nbytes)
+                raise self._mismatch(q, k, h, seq, sig, nbytes)
 
     def _wait_posts(self, k: int, ch, peers, src: int) -> None:
         """Wait until every member of ``peers`` has ``posted >= k``; ``src`` says whom to a poster
@@ -252,12 +335,12 @@ class GroupShm:
         finally:
             mine[AWAITING] = 0
 
-    def _mismatch(self, q: int, k: int, h, ch, nbytes: int | None) -> TransportError:
+    def _mismatch(self, q: int, k: int, h, seq: int, sig: int, nbytes: int | None) -> TransportError:
         return TransportError(
             f"rank {self.ranks[q]} is running another collective: its shared-memory slot holds "
             f"sequence number {h[S_SEQ]}, signature {h[S_SIG]:#x}, {h[S_NBYTES]} bytes (round "
-            f"{h[S_ROUND]}); this rank expected sequence number {ch.key.seq}, signature "
-            f"{ch.signature:#x}"
+            f"{h[S_ROUND]}); this rank expected sequence number {seq}, signature "
+            f"{sig:#x}"
             + (f", {nbytes} bytes" if nbytes is not None else "")
             + f" (round {k}): the ranks called different collectives, or the same one with "
             "different sizes, dtypes or ops",
@@ -304,10 +387,6 @@ class GroupShm:
         (its ``REUSING``) is rung by the consumer that completes its wait (as in _wake_posted)."""
         self._mine[CONSUMED] = k
         fence()
-        self._ring_consumed()
-
-    def _ring_consumed(self) -> None:
-        """consume after its fence: ring the peers whose wait for reuse is complete."""
         ctl = self.ctl
         for q, c, bell in self._peer_info:
             need = c[REUSING]

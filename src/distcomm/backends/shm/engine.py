@@ -1,8 +1,8 @@
 """The shared-memory engine ("shm"): every rank of the world on this host.
 
 Point-to-point runs over ``transport.shm.ShmTransport``'s rings; a group's collectives run through
-its own shared memory (``shm_collectives.ShmCollectives``), and small synchronous all_reduces and
-barriers take the latency path (``shm_latency``). ``DISTCOMM_SHM_COLLECTIVES=0`` turns the
+its own shared memory (``group_collectives.ShmCollectives``: one module per algorithm, chosen by
+``choose``), and small synchronous all_reduces and barriers take the latency path (``latency``). ``DISTCOMM_SHM_COLLECTIVES=0`` turns the
 shared-memory collectives off: the generic algorithms then run over the rings.
 """
 
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from ..errors import DistBackendError
-from ..transport import hostid
-from ..transport.shm import ShmTransport
-from ..tuning import DEFAULT, Tuning
-from .engine import Engine, FastPath, GroupCollectives, GroupSpec
-from .generic import GenericCollectives
-from .shm_collectives import ShmCollectives
+from ...errors import DistBackendError
+from ...transport import hostid
+from ...transport.shm import ShmTransport
+from ...tuning import DEFAULT, Tuning
+from ..engine import Engine, FastPath, GroupCollectives, GroupSpec
+from ..generic import GenericCollectives
+from .group_collectives import ShmCollectives
 
 
 class ShmEngine(Engine):

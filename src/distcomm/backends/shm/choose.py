@@ -1,0 +1,110 @@
+"""Which shared-memory algorithm runs a call: ``choose(op, nbytes, size, capabilities, tuning)``,
+a pure function of the call's size, the group and the engine's Tuning.
+
+Rules (n: the message's bytes per rank, p: the group size; docs/performance-notes.md has the
+measurements behind each threshold):
+
+* all_reduce: "allreduce_direct" (one round, every rank reduces all p copies) up to
+  ``allreduce_direct_bytes`` (256 KiB; ``allreduce_direct_bytes_2ranks``, 1 MiB, at p = 2): the
+  rounds and copies of slices cost more than the extra reductions up to there. Past one slot the
+  direct algorithm runs as "reduce_direct" with every rank reading, a round per slot. From
+  ``allreduce_readv_bytes`` (16 MiB) "allreduce_readv", else "allreduce_slices".
+* the copy-only collectives and reduce: single copy ("<op>_readv") from ``readv_bytes`` (4 MiB),
+  where a system call and page pinning per chunk are paid back by copying once and not running in
+  lockstep; below, through slots. broadcast only at p > 2: at two ranks the slots' pipeline wins.
+* gather, scatter, barrier: through slots only.
+* Single copy needs every member allowed to read every other's memory (``direct_reads``); without
+  it every "readv" choice, forced ones included, falls back to its slots form.
+
+``DISTCOMM_SHM_ALGO_ALLREDUCE=direct|slices|readv`` and
+``DISTCOMM_SHM_ALGO_<BROADCAST|ALLGATHER|REDUCE|REDUCESCATTER|ALLTOALL>=slots|readv`` force a
+choice (``check_forced`` refuses other values when the engine is set up);
+``DISTCOMM_SHM_THRESHOLD_<NAME>`` replaces a threshold (``allreduce_direct_bytes`` replaces
+both direct limits).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from ...tuning import Tuning
+
+THRESHOLDS = {
+    "allreduce_direct_bytes": 256 * 1024,
+    "allreduce_direct_bytes_2ranks": 1 << 20,
+    "readv_bytes": 4 << 20,
+    "allreduce_readv_bytes": 16 << 20,
+}
+
+#: op -> the values DISTCOMM_SHM_ALGO_<OP> may take
+FORCEABLE = {
+    "allreduce": ("direct", "slices", "readv"),
+    "broadcast": ("slots", "readv"),
+    "allgather": ("slots", "readv"),
+    "reduce": ("slots", "readv"),
+    "reducescatter": ("slots", "readv"),
+    "alltoall": ("slots", "readv"),
+}
+
+
+class Capabilities(NamedTuple):
+    """What a group's shared memory can do (the same on every member)."""
+
+    direct_reads: bool  # every member may read every other's memory (process_vm_readv)
+    slot_bytes: int  # one slot's capacity
+
+
+def check_forced(tuning: Tuning) -> None:
+    """Raise ValueError for a DISTCOMM_SHM_ALGO_<OP> value that names no algorithm of ``op``."""
+    for op, valid in FORCEABLE.items():
+        value = tuning.shm_algorithm(op)
+        if value is not None and value not in valid:
+            raise ValueError(f"DISTCOMM_SHM_ALGO_{op.upper()}={value!r}: valid: {', '.join(valid)}")
+
+
+def _threshold(tuning: Tuning, name: str) -> int:
+    value = tuning.shm_thresholds.get(name)
+    return THRESHOLDS[name] if value is None else value
+
+
+def direct_limit(size: int, tuning: Tuning) -> int:
+    """The largest all_reduce (bytes) the direct algorithm takes by size in a group of ``size``."""
+    forced = tuning.shm_thresholds.get("allreduce_direct_bytes")
+    if forced is not None:
+        return forced
+    return THRESHOLDS["allreduce_direct_bytes_2ranks" if size == 2 else "allreduce_direct_bytes"]
+
+
+def latency_limit(size: int, slot_bytes: int, tuning: Tuning) -> int:
+    """The largest all_reduce (bytes) the latency path may take: what ``choose`` sends to
+    "allreduce_direct" by size; 0 (no latency path) when an all_reduce algorithm is forced."""
+    if tuning.shm_algorithm("allreduce") is not None:
+        return 0
+    return min(direct_limit(size, tuning), slot_bytes)
+
+
+def choose(op: str, nbytes: int, size: int, caps: Capabilities, tuning: Tuning) -> str:
+    """The algorithm (a module name of this package) for ``op`` ("allreduce", "reduce",
+    "broadcast", "allgather", "gather", "scatter", "reducescatter", "alltoall", "barrier") of
+    ``nbytes`` per rank in a group of ``size``."""
+    forced = tuning.shm_algorithm(op)
+    if op == "allreduce":
+        if forced is None:
+            if nbytes <= direct_limit(size, tuning):
+                forced = "direct"
+            else:
+                forced = "readv" if nbytes >= _threshold(tuning, "allreduce_readv_bytes") else "slices"
+        if forced == "readv" and not caps.direct_reads:
+            forced = "slices"
+        if forced == "direct":
+            return "allreduce_direct" if nbytes <= caps.slot_bytes else "reduce_direct"
+        return "allreduce_" + forced
+    if op in ("gather", "scatter", "barrier"):
+        return op + "_slots"
+    readv = forced == "readv" if forced else nbytes >= _threshold(tuning, "readv_bytes")
+    if op == "broadcast" and size <= 2 and not forced:
+        readv = False  # two ranks: the slots' pipeline beats one single copy at every size
+    if op == "reduce":
+        return "reduce_readv" if readv and caps.direct_reads else "reduce_direct"
+    names = {"reducescatter": "reduce_scatter"}
+    return names.get(op, op) + ("_readv" if readv and caps.direct_reads else "_slots")

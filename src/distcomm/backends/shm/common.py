@@ -1,0 +1,57 @@
+"""Small pieces the shared-memory algorithms share: typed views of slots, block offsets, the
+rank-order reduction read straight from peers' buffers, and all_to_all's split mismatch."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...transport import shm_direct
+from ...transport.base import Channel, TransportError
+
+
+def view(raw: np.ndarray, dtype, count: int, start: int = 0) -> np.ndarray:
+    """``count`` elements of ``dtype`` at byte ``start`` of a uint8 slot."""
+    item = np.dtype(dtype).itemsize
+    return raw[start : start + count * item].view(dtype)
+
+
+def offsets(counts) -> list[int]:
+    """Where each block starts, and the total at the end: [0, c0, c0 + c1, ...]."""
+    out = [0]
+    for c in counts:
+        out.append(out[-1] + c)
+    return out
+
+
+def reduce_from_peers(ctx, out: np.ndarray, lo: int, own: np.ndarray | None, base: list[int], red, tmp) -> None:
+    """out = x0 ⊕ x1 ⊕ ... (rank order), x_q read at element ``lo`` of member q's buffer (``base``)
+    straight from its memory, ours from ``own``; ``out`` must not alias ``own``."""
+    item = out.dtype.itemsize
+    t = tmp[: out.size]
+    for q in range(ctx.size):
+        if q == ctx.rank:
+            x = own
+        else:
+            x = out if q == 0 else t
+            shm_direct.read(ctx.transport.pid_of(ctx.ranks[q]), base[q] + lo * item, x)
+        if q == 0:
+            if x is not out:
+                out[...] = x
+        else:
+            red(out, x)
+
+
+def split_mismatch(ch: Channel, q: int, sent: int, expected: int) -> TransportError:
+    """Group rank q sends this rank ``sent`` elements of an all_to_all where it expects ``expected``."""
+    who = "this rank sends itself" if q == ch.rank else f"rank {ch.ranks[q]} sends this rank"
+    return TransportError(
+        f"all_to_all: {who} {sent} elements, this rank expects {expected} (input_split_sizes and "
+        "output_split_sizes disagree)",
+        peer=ch.ranks[q],
+        reason="mismatch",
+    )
+
+
+def same_channel(ch: Channel):
+    """``channel(seq, sig)`` for GroupShm.open_round/exchange when the call's Channel exists."""
+    return lambda seq, sig: ch

@@ -1,0 +1,238 @@
+"""Collectives through shared memory: reduce and copy straight from peers' memory, in rounds.
+
+The generic collectives (``generic.py``) are algorithms over point-to-point messages: fine over
+TCP, wasteful within a host, where every message is a copy into a ring and a copy out of it, and
+every rank forwards data it does not need. Here each rank reads what it needs directly from its
+peers' slots of the group's shared memory (``transport/shm_group.GroupShm``: rounds of slots with
+``posted``/``consumed`` counters, its round API documented there), or, for large messages where
+the OS allows it, straight from their buffers (process_vm_readv). Data moves in chunks of one slot
+(1 MiB by default), so a chunk written by one core is read by another from cache, and memory use
+does not grow with the message.
+
+``ShmCollectives`` asks ``choose.choose`` which algorithm runs each call and runs it: one module
+of this package per algorithm (``ALGORITHMS`` below; each module's docstring says what it does and
+what it costs). Reductions run in rank order, ((x0 ⊕ x1) ⊕ x2) ..., like the reference, so every
+rank gets the same bits; PREMUL_SUM and AVG are applied around them by
+``reduction.with_op_arithmetic``, as in the generic collectives. Groups with a member on another
+host (the default engine across hosts) and groups of one use the generic collectives; so does
+everything when ``DISTCOMM_SHM_COLLECTIVES=0`` (the engine then builds no ShmCollectives).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...errors import DistBackendError
+from ...reduction import reducer, sequence_reducer, with_op_arithmetic
+from ...transport.base import Channel, TransportError
+from ...tuning import DEFAULT, Tuning
+from ...types import RedOpType
+from ..engine import GroupCollectives
+from ..generic import GenericCollectives
+from . import alltoall_slots as alltoall, latency, observe
+from .allgather_readv import allgather_readv
+from .allreduce_direct import allreduce_direct
+from .allreduce_readv import allreduce_readv
+from .allreduce_slices import allreduce_slices
+from .barrier_slots import barrier_slots
+from .broadcast_readv import broadcast_readv
+from .broadcast_slots import broadcast_slots
+from .choose import Capabilities, check_forced, choose, direct_limit, latency_limit
+from .common import split_mismatch
+from .gather_slots import gather_slots
+from .reduce_direct import reduce_direct
+from .reduce_readv import reduce_readv
+from .reduce_scatter_readv import reduce_scatter_readv
+from .reduce_scatter_slots import reduce_scatter_slots
+from .scatter_slots import scatter_slots
+
+
+def _allgather_slots(ctx, ch: Channel, out: np.ndarray, count: int) -> None:
+    """all_gather through slots: gather_slots with every rank reading."""
+    gather_slots(ctx, ch, out[ch.rank * count : (ch.rank + 1) * count], out, None)
+
+
+#: every name ``choose`` returns -> the function that runs it, ``(ctx, ch, ...)``
+ALGORITHMS = {
+    "allreduce_direct": allreduce_direct,
+    "allreduce_slices": allreduce_slices,
+    "allreduce_readv": allreduce_readv,
+    "reduce_direct": reduce_direct,
+    "reduce_readv": reduce_readv,
+    "broadcast_slots": broadcast_slots,
+    "broadcast_readv": broadcast_readv,
+    "allgather_slots": _allgather_slots,
+    "allgather_readv": allgather_readv,
+    "gather_slots": gather_slots,
+    "scatter_slots": scatter_slots,
+    "reduce_scatter_slots": reduce_scatter_slots,
+    "reduce_scatter_readv": reduce_scatter_readv,
+    "alltoall_slots": alltoall.alltoall_slots,
+    "alltoall_readv": alltoall.alltoall_slots,  # a vote for single copies (all_to_all runs it directly)
+    "barrier_slots": barrier_slots,
+}
+
+
+class ShmCollectives(GroupCollectives):
+    """The collectives of groups whose members all share this host, through shared memory.
+
+    One instance serves every such group of an engine (each call finds its group's GroupShm by the
+    channel's group id). A group of one runs the generic collectives.
+    """
+
+    def __init__(self, transport, tuning: Tuning = DEFAULT):
+        check_forced(tuning)
+        self.transport = transport
+        self.tuning = tuning
+        self.generic = GenericCollectives(tuning)  # groups of one, members on other hosts
+        self._reducers: dict = {}
+
+    def direct_limit(self, size: int) -> int:
+        """The largest all_reduce (bytes) the direct algorithm takes by size in a group of ``size``."""
+        return direct_limit(size, self.tuning)
+
+    def latency_paths(self, pg):
+        """The latency paths of process group ``pg`` (latency.py; see ProcessGroup's fast path):
+        None until the group's shared memory exists, False if they will never be used (a group of
+        one, a member on another host, an all_reduce algorithm forced)."""
+        group = pg.spec
+        ranks = group.ranks
+        if len(ranks) == 1 or self.tuning.shm_algorithm("allreduce") is not None or not self.transport.all_local(ranks):
+            return False
+        ctx = self.transport.group_shm(group.group_id)
+        return None if ctx is None else latency.build(pg, ctx, latency_limit(len(ranks), ctx.slot_bytes, self.tuning))
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _choose(self, op: str, nbytes: int, ctx, ch: Channel) -> str:
+        caps = Capabilities(self.transport.direct_reads_ok(ch.ranks), ctx.slot_bytes)
+        return choose(op, nbytes, ch.size, caps, self.tuning)
+
+    def _reducer(self, op, dtype, sequence: bool = False):
+        """reduction.reducer (or sequence_reducer) for (op, dtype), cached for the plain ops
+        (building one costs microseconds)."""
+        make = sequence_reducer if sequence else reducer
+        if type(op) is not RedOpType:
+            return make(op, dtype)
+        key = (op, dtype.name, sequence)
+        red = self._reducers.get(key)
+        if red is None:
+            red = self._reducers[key] = make(op, dtype)
+        return red
+
+    def _context(self, ch: Channel):
+        """The group's shared memory, or None (a group of one, or a member on another host)."""
+        if ch.size == 1:
+            return None
+        try:
+            ctx = self.transport.group_context(ch.key.group, ch.ranks, ch.rank, ch.deadline)
+        except TransportError as exc:
+            raise ch.translate(exc, None) from None
+        if ctx is not None and ctx.broken:
+            raise DistBackendError(
+                f"{ch.op} (sequence number {ch.key.seq}) on rank {ch.rank}: this group's shared memory is "
+                f"unusable after an earlier failure ({ctx.broken}); destroy the process group and create it again"
+            )
+        return ctx
+
+    @staticmethod
+    def _run(ctx, ch: Channel, name: str, *args):
+        """Run algorithm ``name``, reported to the observer first."""
+        observer = observe.current
+        if observer is not None:
+            observer(name)
+        return ShmCollectives._guarded(ctx, ch, ALGORITHMS[name], *args)
+
+    @staticmethod
+    def _guarded(ctx, ch: Channel, algorithm, *args):
+        """``algorithm(ctx, ch, *args)``; a failure leaves the group's memory unusable (mid-round,
+        its counters no longer agree with the peers'), and a transport's error is raised in the
+        words of the operation."""
+        try:
+            return algorithm(ctx, ch, *args)
+        except TransportError as exc:
+            ctx.broken = str(exc)
+            raise ch.translate(exc, None) from None
+        except BaseException as exc:
+            ctx.broken = f"{type(exc).__name__}: {exc}"
+            raise
+
+    # -- the collectives (signatures: engine.GroupCollectives) -----------------------------------
+    def all_reduce(self, ch: Channel, flat: np.ndarray, dtype, op) -> None:
+        ctx = self._context(ch)
+        if ctx is None:
+            return self.generic.all_reduce(ch, flat, dtype, op)
+        name = self._choose("allreduce", flat.nbytes, ctx, ch)
+        if name == "allreduce_direct":  # the latency path's round: all p copies folded at once
+            red = self._reducer(op, dtype, sequence=True)
+            run = lambda buf: self._run(ctx, ch, name, buf, red)  # noqa: E731
+        elif name == "reduce_direct":  # direct past one slot: every rank is a root
+            red = self._reducer(op, dtype)
+            run = lambda buf: self._run(ctx, ch, name, buf, red, None)  # noqa: E731
+        else:
+            red = self._reducer(op, dtype)
+            run = lambda buf: self._run(ctx, ch, name, buf, red)  # noqa: E731
+        with_op_arithmetic(op, dtype, ch.size, flat, run)
+
+    def reduce(self, ch: Channel, flat: np.ndarray, dtype, op, root: int) -> None:
+        ctx = self._context(ch)
+        if ctx is None:
+            return self.generic.reduce(ch, flat, dtype, op, root)
+        name = self._choose("reduce", flat.nbytes, ctx, ch)
+        red = self._reducer(op, dtype)
+        with_op_arithmetic(op, dtype, ch.size, flat, lambda buf: self._run(ctx, ch, name, buf, red, root),
+                           keep=ch.rank != root, finishes=ch.rank == root)
+
+    def broadcast(self, ch: Channel, flat: np.ndarray, root: int) -> None:
+        ctx = self._context(ch)
+        if ctx is None:
+            return self.generic.broadcast(ch, flat, root)
+        self._run(ctx, ch, self._choose("broadcast", flat.nbytes, ctx, ch), flat, root)
+
+    def all_gather(self, ch: Channel, out: np.ndarray, count: int) -> None:
+        ctx = self._context(ch)
+        if ctx is None:
+            return self.generic.all_gather(ch, out, count)
+        self._run(ctx, ch, self._choose("allgather", out.nbytes, ctx, ch), out, count)
+
+    def gather(self, ch: Channel, send: np.ndarray, out: np.ndarray | None, root: int) -> None:
+        ctx = self._context(ch)
+        if ctx is None:
+            return self.generic.gather(ch, send, out, root)
+        self._run(ctx, ch, self._choose("gather", send.nbytes * ch.size, ctx, ch), send, out, root)
+
+    def scatter(self, ch: Channel, chunks: np.ndarray | None, out: np.ndarray, root: int) -> None:
+        ctx = self._context(ch)
+        if ctx is None:
+            return self.generic.scatter(ch, chunks, out, root)
+        self._run(ctx, ch, self._choose("scatter", out.nbytes * ch.size, ctx, ch), chunks, out, root)
+
+    def reduce_scatter(self, ch: Channel, scratch: np.ndarray, out: np.ndarray, counts, dtype, op) -> None:
+        ctx = self._context(ch)
+        if ctx is None:
+            return self.generic.reduce_scatter(ch, scratch, out, counts, dtype, op)
+        name = self._choose("reducescatter", scratch.nbytes, ctx, ch)
+        red = self._reducer(op, dtype)
+        with_op_arithmetic(op, dtype, ch.size, scratch, lambda buf: self._run(ctx, ch, name, buf, out, list(counts), red),
+                           result=out)
+
+    def all_to_all(self, ch: Channel, send: np.ndarray, send_counts, recv: np.ndarray, recv_counts) -> None:
+        ctx = self._context(ch)
+        if ctx is None:
+            return self.generic.all_to_all(ch, send, send_counts, recv, recv_counts)
+        if send_counts[ch.rank] != recv_counts[ch.rank]:
+            raise ch.translate(split_mismatch(ch, ch.rank, send_counts[ch.rank], recv_counts[ch.rank]), None)
+        if not alltoall.fits(ctx.slot_bytes, ch.size, send.itemsize):
+            return self.generic.all_to_all(ch, send, send_counts, recv, recv_counts)
+        # Ranks may disagree on this vote (uneven splits); the first round settles it, so the
+        # observer hears what ran once it is known.
+        vote = self._choose("alltoall", send.nbytes, ctx, ch) == "alltoall_readv"
+        ran = self._guarded(ctx, ch, alltoall.alltoall_slots, send, list(send_counts), recv, list(recv_counts), vote)
+        observer = observe.current
+        if observer is not None:
+            observer(ran)
+
+    def barrier(self, ch: Channel) -> None:
+        ctx = self._context(ch)
+        if ctx is None:
+            return self.generic.barrier(ch)
+        self._run(ctx, ch, "barrier_slots")
