@@ -15,7 +15,7 @@ process_vm_readv (shm_direct), then acknowledges. There is no progress thread: e
 isend() and irecv() moves whatever can move for all pending requests of the process (under one
 lock), so two ranks waiting on each other always both advance.
 
-Collectives do not use the rings: the shared-memory engine (backends/shm_collectives.py) reduces and copies
+Collectives do not use the rings: the shared-memory engine (backends/shm/) reduces and copies
 straight through per-group segments (shm_group.GroupShm), created at a group's first collective.
 
 Setup goes through the store: each rank publishes its segment's name, pid and address, maps its
