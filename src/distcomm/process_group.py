@@ -384,8 +384,9 @@ class ProcessGroup:
         sig = signature("all_to_all_single", out.dtype.code)
         return self.run("all_to_all_single", sig, body, async_op, result)
 
-    def barrier(self, async_op: bool = False, result: Any = None) -> Work | None:
-        return self.run("barrier", signature("barrier"), self.collectives.barrier, async_op, result)
+    def barrier(self, async_op: bool = False, result: Any = None, timeout: timedelta | None = None) -> Work | None:
+        """``timeout``: this barrier's deadline instead of the group's."""
+        return self.run("barrier", signature("barrier"), self.collectives.barrier, async_op, result, timeout)
 
     def monitored_barrier(self, timeout: timedelta | None = None, wait_all_ranks: bool = False) -> None:
         """Rank 0 waits for every other rank, then releases them; a rank missing at the deadline

@@ -138,8 +138,8 @@ def all_gather_coalesced(output_tensor_lists, input_tensor_list, group=None, asy
                     f"all_gather_coalesced: output_tensor_lists[{r}][{i}] has {out.count} elements, expected "
                     f"{inp.count} (the size of input_tensor_list[{i}])"
                 )
-    result = [t for outs in output_tensor_lists for t in outs]  # torch's future: the outputs, flat
-    return _future_of(pg.allgather_coalesced(out_lists, ins, async_op, result))
+    # torch's future: output_tensor_lists itself (a list per rank)
+    return _future_of(pg.allgather_coalesced(out_lists, ins, async_op, output_tensor_lists))
 
 
 def reduce(tensor, dst: int | None = None, op=RedOpType.SUM, group=None, async_op: bool = False,
@@ -308,14 +308,17 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     return pg.alltoall_base(out, inp, recv_counts, send_counts, async_op, [output])
 
 
-def barrier(group=None, async_op: bool = False, device_ids=None):
-    """Block until every rank of the group has entered the barrier."""
+def barrier(group=None, async_op: bool = False, device_ids=None, timeout: timedelta | None = None):
+    """Block until every rank of the group has entered the barrier (within ``timeout``, default
+    the group's)."""
     pg = args.resolve_group(group, "barrier")
     if pg is None:
         return None
-    if not async_op and pg.fast_barrier():
+    if timeout is not None and not isinstance(timeout, timedelta):
+        raise TypeError(f"barrier: timeout must be a datetime.timedelta, got {type(timeout).__name__}")
+    if not async_op and timeout is None and pg.fast_barrier():
         return None  # the engine's fast path did the whole call
-    return pg.barrier(async_op, [])  # torch's future value: []
+    return pg.barrier(async_op, [], timeout)  # torch's future value: []
 
 
 def monitored_barrier(group=None, timeout=None, wait_all_ranks: bool = False):

@@ -153,11 +153,13 @@ def new_group(
     use_local_synchronization: bool = False,
     group_desc: str | None = None,
     device_id: Any = None,
+    sort_ranks: bool = True,
 ):
     """Create a group of a subset of the world's ranks; every process must call it, in the same
     order, even those not in ``ranks``. Non-members get ``GroupMember.NON_GROUP_MEMBER``.
 
-    ``ranks`` are global ranks (sorted into group-rank order, as torch does); None means all.
+    ``ranks`` are global ranks, sorted into group-rank order unless ``sort_ranks=False`` (then group
+    rank i is ``ranks[i]``); None means all.
     ``backend`` defaults to the world's; a different engine connects the members anew.
     """
     world_pg = default_group()
@@ -165,7 +167,9 @@ def new_group(
         size = world.world_size
         if ranks is None:
             ranks = list(range(size))
-        ranks = sorted(int(r) for r in ranks)
+        ranks = [int(r) for r in ranks]
+        if sort_ranks:
+            ranks.sort()
         for r in ranks:
             if not 0 <= r < size:
                 raise ValueError(f"Invalid rank {r} in new_group: ranks must be in 0..{size - 1}")
