@@ -28,6 +28,7 @@ import torch
 import torch.distributed as tdist
 import torch.distributed.distributed_c10d as tc10d
 
+import diff_cases as dc
 import distcomm as dist
 import parity_cases
 from harness import free_port, run_world
@@ -39,25 +40,6 @@ WORLD_SIZES = [2, 3]
 def _world(ws: int):
     plans = [("torch", "gloo", free_port()), ("distcomm", "gloo", free_port())]
     return run_world(parity_cases.run, ws, args=(plans,), timeout=240)
-
-
-def _same(a, b, path=""):
-    """None when ``a`` and ``b`` (plain values, numpy arrays) are equal, else where they differ."""
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
-            return f"{path}: {type(a).__name__} vs {type(b).__name__}"
-        if a.dtype != b.dtype or a.shape != b.shape or not np.array_equal(a, b):
-            return f"{path}: {a!r} vs {b!r}"
-        return None
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        if type(a) is not type(b) or len(a) != len(b):
-            return f"{path}: {a!r} vs {b!r}"
-        for i, (x, y) in enumerate(zip(a, b)):
-            d = _same(x, y, f"{path}[{i}]")
-            if d:
-                return d
-        return None
-    return None if a == b else f"{path}: {a!r} vs {b!r}"
 
 
 CASES = list(parity_cases.cases(tdist, 0, 2))
@@ -92,7 +74,7 @@ def test_like_torch_gloo(name, ws):
             assert phrase in theirs[3] and phrase in ours[3], (rank, phrase, theirs, ours)
             assert ours[-1] == theirs[-1], (rank, "FutureWarnings", theirs[-1], ours[-1])
             continue
-        diff = _same(theirs, ours)
+        diff = dc.diff(dc.plain(theirs), dc.plain(ours))
         assert diff is None, f"rank {rank}: {diff}"
 
 
