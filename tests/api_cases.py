@@ -271,6 +271,8 @@ def scenarios(rank: int, ws: int) -> dict[str, Any]:
     # monitored_barrier that everyone passes
     g = _group(dist, 30)
     out["monitored_barrier/all_arrive"] = attempt(lambda: dist.monitored_barrier(g, timeout=timedelta(seconds=20)))
+    # a float timeout is seconds, as torch takes it (with a warning)
+    out["monitored_barrier/float_timeout"] = attempt(lambda: dist.monitored_barrier(g, timeout=20.0))
 
     # a peer that never calls the collective: the group's timeout, naming op, seq, rank, peer
     g = _group(dist, 1.5)

@@ -279,6 +279,9 @@ def test_monitored_barrier_names_the_missing_rank():
     # the rank that did arrive is released with an error too, not left waiting
     other = _outcome(1, "monitored_barrier/one_missing")
     assert other[0] == "raised" and "RuntimeError" in other[1], other
+    # in gloo's words
+    assert other[3].startswith("Rank 1 successfully reached monitoredBarrier, but received errors while waiting "
+                               "for send/recv from rank 0. Please check rank 0 logs for faulty rank."), other[3]
 
 
 def test_monitored_barrier_wait_all_ranks_lists_every_missing_rank():
@@ -291,6 +294,7 @@ def test_monitored_barrier_wait_all_ranks_lists_every_missing_rank():
 def test_monitored_barrier_passes_when_everyone_arrives():
     for rank in range(WS):
         assert _outcome(rank, "monitored_barrier/all_arrive") == ("returned", "None")
+        assert _outcome(rank, "monitored_barrier/float_timeout") == ("returned", "None")
 
 
 def test_timeout_names_op_seq_rank_and_peer():

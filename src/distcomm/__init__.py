@@ -4,42 +4,9 @@
 the same names, signatures, defaults and semantics, on distcomm's own engines.
 """
 
-from ._api.collectives import (
-    all_gather,
-    all_gather_into_tensor,
-    all_reduce,
-    all_to_all,
-    all_to_all_single,
-    barrier,
-    broadcast,
-    gather,
-    monitored_barrier,
-    reduce,
-    reduce_scatter,
-    reduce_scatter_tensor,
-    scatter,
-)
-from ._api.groups import (
-    default_pg_timeout,
-    destroy_process_group,
-    get_backend,
-    get_global_rank,
-    get_group_rank,
-    get_process_group_ranks,
-    get_rank,
-    get_world_size,
-    init_process_group,
-    is_available,
-    is_gloo_available,
-    is_initialized,
-    is_mpi_available,
-    is_nccl_available,
-    is_torchelastic_launched,
-    is_ucc_available,
-    new_group,
-    new_subgroups,
-    new_subgroups_by_enumeration,
-)
+from . import distributed_c10d
+from ._api.debug import breakpoint, set_debug_level, set_debug_level_from_env
+from ._api.groups import is_available
 from ._api.multigpu import (
     all_gather_multigpu,
     all_reduce_multigpu,
@@ -47,16 +14,8 @@ from ._api.multigpu import (
     reduce_multigpu,
     reduce_scatter_multigpu,
 )
-from ._api.objects import (
-    all_gather_object,
-    broadcast_object_list,
-    gather_object,
-    recv_object_list,
-    scatter_object_list,
-    send_object_list,
-)
-from ._api.p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
-from .backends import Backend
+from .distributed_c10d import *  # noqa: F403 - torch.distributed takes these the same way
+from .distributed_c10d import __all__ as _c10d_all
 from .errors import (
     CollectiveMismatchError,
     DistBackendError,
@@ -69,31 +28,19 @@ from .errors import (
     PeerLostError,
     QueueEmptyError,
 )
-from .process_group import ProcessGroup
 from .rendezvous import register_rendezvous_handler, rendezvous
-from .store import FileStore, HashStore, PrefixStore, Store, TCPStore
-from .types import ReduceOp, _make_nccl_premul_sum, reduce_op
-from .work import Future, Work
-from .world import GroupMember, group
-
-# torch 2.13's newer names for the tensor forms
-all_gather_single = all_gather_into_tensor
-reduce_scatter_single = reduce_scatter_tensor
+from .store import FileStore, HashStore, TCPStore
+from .types import _make_nccl_premul_sum
+from .work import Future
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Backend", "CollectiveMismatchError", "DistBackendError", "DistError", "DistNetworkError",
-    "DistStoreAuthError", "DistStoreError", "DistStoreTimeoutError", "DistTimeoutError", "FileStore", "Future", "GroupMember",
-    "HashStore", "P2POp", "PeerLostError", "PrefixStore", "ProcessGroup", "QueueEmptyError", "ReduceOp",
-    "Store", "TCPStore", "Work", "all_gather", "all_gather_into_tensor", "all_gather_multigpu", "all_gather_object",
-    "all_gather_single", "all_reduce", "all_reduce_multigpu", "all_to_all", "all_to_all_single", "barrier",
-    "batch_isend_irecv", "broadcast", "broadcast_multigpu", "broadcast_object_list", "default_pg_timeout",
-    "destroy_process_group", "gather", "gather_object", "get_backend", "get_global_rank", "get_group_rank",
-    "get_process_group_ranks", "get_rank", "get_world_size", "group", "init_process_group", "irecv",
-    "is_available", "is_gloo_available", "is_initialized", "is_mpi_available", "is_nccl_available",
-    "is_torchelastic_launched", "is_ucc_available", "isend", "monitored_barrier", "new_group",
-    "new_subgroups", "new_subgroups_by_enumeration", "recv", "recv_object_list", "reduce", "reduce_multigpu",
-    "reduce_op", "reduce_scatter", "reduce_scatter_multigpu", "reduce_scatter_single", "reduce_scatter_tensor",
-    "register_rendezvous_handler", "rendezvous", "scatter", "scatter_object_list", "send", "send_object_list",
-]
+__all__ = sorted(set(_c10d_all) | {
+    "CollectiveMismatchError", "DistBackendError", "DistError", "DistNetworkError", "DistStoreAuthError",
+    "DistStoreError", "DistStoreTimeoutError", "DistTimeoutError", "FileStore", "Future", "HashStore",
+    "PeerLostError", "QueueEmptyError", "TCPStore", "all_gather_multigpu", "all_reduce_multigpu", "breakpoint",
+    "broadcast_multigpu", "is_available", "reduce_multigpu", "reduce_scatter_multigpu", "register_rendezvous_handler",
+    "rendezvous", "set_debug_level", "set_debug_level_from_env",
+})
+
+set_debug_level_from_env()  # as importing torch.distributed does

@@ -69,7 +69,8 @@ def _tensor_buffer(t, name: str) -> Buffer:
             f"(move it with .cpu(), or use the nccl backend for GPU tensors)"
         )
     if t.is_sparse:
-        raise ValueError(f"{name} is a sparse tensor; distcomm supports dense tensors only")
+        raise ValueError(
+            f"{name} is a sparse tensor; only all_reduce (with ReduceOp.SUM) takes sparse tensors, as in torch's gloo")
     base = t.detach()
     if base.is_conj():
         base = base.resolve_conj()
@@ -86,14 +87,67 @@ def _tensor_buffer(t, name: str) -> Buffer:
     if contiguous and not t.is_conj():
         return Buffer(t, flat, dtype, shape, None)
 
+    overlapping = any(st == 0 and n > 1 for st, n in zip(base.stride(), shape))
+
     def writeback(flat_result: np.ndarray, t=t, shape=shape, dtype=dtype) -> None:
-        src = torch.from_numpy(flat_result.reshape(shape))
-        if dtype.name == "bfloat16":
-            src = src.view(torch.int16).view(torch.bfloat16)
+        if overlapping:
+            # An expanded tensor (stride 0, as autograd hands a custom Function's grad): torch's
+            # copy_ refuses to write several elements into one memory location, so write through
+            # a numpy view of the same strides, as gloo's reduction of the storage does (every
+            # element of an expanded dimension holds the same value, so each location gets it).
+            view = t.detach()
+            if dtype.name == "bfloat16":
+                view = view.view(torch.int16)
+            view.numpy()[...] = flat_result.reshape(shape)
+            return
         with torch.no_grad():
-            t.copy_(src)
+            t.copy_(_from_storage(flat_result, shape, dtype))
 
     return Buffer(t, flat, dtype, shape, writeback)
+
+
+def _from_storage(flat: np.ndarray, shape: tuple, dtype: DType):
+    """A torch tensor of ``dtype`` over ``flat`` (its storage dtype: uint16 for bfloat16)."""
+    torch = _torch()
+    src = torch.from_numpy(flat.reshape(shape))
+    if dtype.name == "bfloat16":
+        src = src.view(torch.int16).view(torch.bfloat16)
+    return src
+
+
+def is_sparse(obj: Any) -> bool:
+    return is_tensor(obj) and obj.is_sparse
+
+
+class SparseBuffer:
+    """A sparse COO tensor as numpy arrays: ``indices`` (int64, sparse_dim x nnz, coalesced) and
+    ``values`` (flat, storage dtype; ``row`` elements per index), and how to write a result back.
+
+    ``commit(indices, values)`` takes every rank's entries, concatenated: duplicate indices are
+    summed (torch's coalesce) and the result replaces the tensor's contents, as gloo's sparse
+    all_reduce leaves it (coalesced)."""
+
+    __slots__ = ("obj", "indices", "values", "dtype", "row", "_dense_shape")
+
+    def __init__(self, t, name: str = "tensor"):
+        if t.device.type != "cpu":
+            raise ValueError(f"{name} is on {t.device}; distcomm's engines run on CPU tensors (move it with .cpu())")
+        src = t.detach().coalesce()
+        self.obj = t
+        self.indices = np.ascontiguousarray(src._indices().numpy(), dtype=np.int64)
+        values = _tensor_buffer(src._values(), name)
+        self.values = values.flat
+        self.dtype = values.dtype
+        self._dense_shape = values.shape[1:]
+        self.row = int(np.prod(self._dense_shape, dtype=np.int64))
+
+    def commit(self, indices: np.ndarray, values: np.ndarray) -> None:
+        torch = _torch()
+        nnz = indices.shape[1] if indices.ndim == 2 else 0
+        vals = _from_storage(values, (nnz, *self._dense_shape), self.dtype)
+        result = torch.sparse_coo_tensor(torch.from_numpy(indices), vals, self.obj.shape).coalesce()
+        with torch.no_grad():
+            self.obj.copy_(result)
 
 
 def _array_buffer(a: np.ndarray, name: str) -> Buffer:

@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .backends.engine import Engine, FastPath, GroupSpec
-from .buffers import Buffer
+from .buffers import Buffer, SparseBuffer
 from .errors import (
     CollectiveMismatchError,
     DistBackendError,
@@ -37,7 +37,8 @@ from .errors import (
 from .executor import OrderedExecutor
 from .profiling import profiler_scope, profiling
 from .signatures import signature
-from .transport.base import ANY_SOURCE, KIND_COLLECTIVE, KIND_P2P, Channel, MessageKey, TransportError
+from .transport.base import ANY_SOURCE, KIND_COLLECTIVE, KIND_P2P, Channel, MessageKey, TransportError, wait_all
+from .types import RedOpType
 from .work import Work
 
 def _op_code(op) -> int:
@@ -157,7 +158,7 @@ class ProcessGroup:
             if profiling() is None:
                 body(self.channel(op, seq, sig, timeout))
                 return
-            with profiler_scope(f"distcomm:{op}"):
+            with profiler_scope(f"{self.backend_name}:{op}"):  # torch's "<backend>:<op>" event names
                 body(self.channel(op, seq, sig, timeout))
 
         return self.executor.run(op, run, async_op, result)
@@ -182,6 +183,76 @@ class ProcessGroup:
 
         sig = signature("all_reduce", buf.dtype.code, _op_code(op))
         return self.run("all_reduce", sig, body, async_op, result)
+
+    def allreduce_sparse(self, sparse: SparseBuffer, async_op: bool = False, result: Any = None) -> Work | None:
+        """SUM of a sparse COO tensor (torch's gloo supports no other op on them): every rank sends
+        its entries (count, indices, values) to every other, then sums the union of them all."""
+        sparse_dim = sparse.indices.shape[0]
+
+        def body(ch: Channel) -> None:
+            mine = (sparse.indices.reshape(-1), sparse.values)
+            nnz = np.empty(ch.size, dtype=np.int64)
+            nnz[ch.rank] = sparse.indices.shape[1]
+            peers = [p for p in range(ch.size) if p != ch.rank]
+            # per peer, messages of one channel arrive in the order they were sent: count first,
+            # so the receiver can size the next two
+            sends = [ch.isend(p, nnz[ch.rank:ch.rank + 1]) for p in peers]
+            for p in peers:
+                ch.recv(p, nnz[p:p + 1])
+            parts: list = [None] * ch.size
+            parts[ch.rank] = mine
+            for p in peers:
+                sends += [ch.isend(p, mine[0]), ch.isend(p, mine[1])]
+            for p in peers:
+                idx = np.empty(sparse_dim * int(nnz[p]), dtype=np.int64)
+                vals = np.empty(sparse.row * int(nnz[p]), dtype=sparse.values.dtype)
+                ch.recv(p, idx)
+                ch.recv(p, vals)
+                parts[p] = (idx, vals)
+            wait_all(sends)
+            indices = np.concatenate([i.reshape(sparse_dim, -1) for i, _ in parts], axis=1)
+            sparse.commit(indices, np.concatenate([v for _, v in parts]))
+
+        sig = signature("all_reduce_sparse", sparse.dtype.code, _op_code(RedOpType.SUM))
+        return self.run("all_reduce", sig, body, async_op, result)
+
+    def allreduce_coalesced(self, bufs: Sequence[Buffer], op, async_op: bool = False,
+                            result: Any = None) -> Work | None:
+        """All of ``bufs`` (one dtype) reduced as one collective over their concatenation."""
+        coll = self.collectives
+        dtype = bufs[0].dtype
+
+        def body(ch: Channel) -> None:
+            flat = np.concatenate([b.flat for b in bufs])
+            coll.all_reduce(ch, flat, dtype, op)
+            offset = 0
+            for b in bufs:
+                b.flat[...] = flat[offset:offset + b.count]
+                offset += b.count
+                b.commit()
+
+        sig = signature("all_reduce_coalesced", dtype.code, _op_code(op))
+        return self.run("all_reduce_coalesced", sig, body, async_op, result)
+
+    def allgather_coalesced(self, out_lists: Sequence[Sequence[Buffer]], ins: Sequence[Buffer],
+                            async_op: bool = False, result: Any = None) -> Work | None:
+        """``out_lists[r][i]`` receives rank r's ``ins[i]``: one all_gather of the concatenated
+        inputs (every rank's have the same sizes)."""
+        count = sum(b.count for b in ins)
+
+        def body(ch: Channel) -> None:
+            send = np.concatenate([b.flat for b in ins])
+            flat = np.empty(count * ch.size, dtype=send.dtype)
+            self._gather_into(ch, flat, send)
+            for r, outs in enumerate(out_lists):
+                offset = r * count
+                for out in outs:
+                    out.flat[...] = flat[offset:offset + out.count]
+                    offset += out.count
+                    out.commit()
+
+        sig = signature("all_gather_coalesced", ins[0].dtype.code)
+        return self.run("all_gather_coalesced", sig, body, async_op, result)
 
     def reduce(self, buf: Buffer, op, root: int, async_op: bool = False, result: Any = None) -> Work | None:
         coll = self.collectives
@@ -313,21 +384,32 @@ class ProcessGroup:
         sig = signature("all_to_all_single", out.dtype.code)
         return self.run("all_to_all_single", sig, body, async_op, result)
 
-    def barrier(self, async_op: bool = False, result: Any = None) -> Work | None:
-        return self.run("barrier", signature("barrier"), self.collectives.barrier, async_op, result)
+    def barrier(self, async_op: bool = False, result: Any = None, timeout: timedelta | None = None) -> Work | None:
+        """``timeout``: this barrier's deadline instead of the group's."""
+        return self.run("barrier", signature("barrier"), self.collectives.barrier, async_op, result, timeout)
 
     def monitored_barrier(self, timeout: timedelta | None = None, wait_all_ranks: bool = False) -> None:
         """Rank 0 waits for every other rank, then releases them; a rank missing at the deadline
         makes rank 0 raise naming it (every missing rank with ``wait_all_ranks``)."""
         timeout = self.timeout if timeout is None else timeout
+        if not isinstance(timeout, timedelta):  # seconds, as torch's monitored_barrier takes them
+            timeout = timedelta(seconds=timeout)
         millis = int(timeout.total_seconds() * 1000)
         global_ranks = self.ranks
 
         def body(ch: Channel) -> None:
             empty = np.empty(0, dtype=np.uint8)
             if ch.rank != 0:
-                ch.send(0, empty)
-                ch.recv(0, empty)
+                try:
+                    ch.send(0, empty)
+                    ch.recv(0, empty)
+                except DistBackendError as exc:
+                    # gloo's words: the fault is told on rank 0, which names the missing ranks
+                    raise type(exc)(
+                        f"Rank {ch.rank} successfully reached monitoredBarrier, but received errors "
+                        "while waiting for send/recv from rank 0. Please check rank 0 logs for faulty rank.\n"
+                        f" Original exception: \n{exc}"
+                    ) from exc
                 return
             pending = [(peer, ch.irecv(peer, np.empty(0, np.uint8))) for peer in range(1, ch.size)]
             missing = []

@@ -1,4 +1,5 @@
-"""torch's profiler, when it is loaded and recording: every operation is recorded as "distcomm:<op>".
+"""torch's profiler, when it is loaded and recording: every operation is recorded as "<backend>:<op>"
+(``get_backend()``'s name: "gloo:all_reduce"), as torch names its events.
 
 torch is never imported here: a profiler can only be on if the user's program imported torch.
 """
@@ -15,10 +16,13 @@ def profiling():
     if torch is None:
         return None
     try:
-        if not torch.autograd.profiler._is_profiler_enabled:
+        # the C++ state: on for every profiler, also one started without torch.profiler's Python
+        # front end (whose own flag, autograd.profiler._is_profiler_enabled, would miss it)
+        if not torch._C._autograd._profiler_enabled():
             return None
     except AttributeError:
-        pass
+        if not getattr(torch.autograd.profiler, "_is_profiler_enabled", True):
+            return None
     return torch
 
 

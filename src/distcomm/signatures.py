@@ -16,6 +16,8 @@ OPCODES = {
             "scatter", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
             "barrier", "monitored_barrier", "broadcast_object_list", "all_gather_object",
             "gather_object", "scatter_object_list", "object_sizes", "send", "recv",
+            # appended, so the codes above keep their values
+            "all_reduce_coalesced", "all_gather_coalesced", "all_reduce_sparse",
         ]
     )
 }

@@ -37,8 +37,29 @@ class PremulSum:
     def __repr__(self):
         return f"ReduceOp.PREMUL_SUM({self.factor!r})"
 
+    # torch's ReduceOp compares and hashes by its RedOpType alone (two PREMUL_SUMs are equal
+    # whatever their factors): so does this, and a copy, deepcopy or pickle round trip is equal.
+    def __eq__(self, other):
+        if isinstance(other, (PremulSum, RedOpType)):
+            return other == RedOpType.PREMUL_SUM
+        return NotImplemented
 
-class ReduceOp:
+    def __hash__(self):
+        return hash(RedOpType.PREMUL_SUM)
+
+    def __reduce__(self):
+        return PremulSum, (self.factor,)
+
+
+class _ReduceOpMeta(type):
+    """torch's ``ReduceOp.SUM`` is an instance of ``ReduceOp`` (its RedOpType members pass the
+    isinstance check), and so is a PREMUL_SUM with its factor; so are ours."""
+
+    def __instancecheck__(cls, obj):
+        return isinstance(obj, (RedOpType, PremulSum)) or super().__instancecheck__(obj)
+
+
+class ReduceOp(metaclass=_ReduceOpMeta):
     """An enum-like class of reduction operations: SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR,
     PREMUL_SUM.
 
@@ -101,3 +122,9 @@ class _DeprecatedReduceOp:
 
 
 reduce_op = _DeprecatedReduceOp()
+
+
+def supports_complex(reduceOp) -> bool:  # noqa: N803 - torch's parameter name
+    """Whether ``reduceOp`` is defined on complex tensors: not MAX, MIN, PRODUCT, BAND, BOR, BXOR."""
+    op = normalize_op(reduceOp)
+    return op not in (RedOpType.MAX, RedOpType.MIN, RedOpType.PRODUCT, RedOpType.BAND, RedOpType.BOR, RedOpType.BXOR)

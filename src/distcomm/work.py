@@ -92,7 +92,7 @@ class Work:
         self._event = threading.Event()
         self._exc: BaseException | None = None
         self._result = result
-        self._source_rank = -1
+        self._sender = -1
         self._future = None
         self._lock = threading.Lock()
 
@@ -101,7 +101,7 @@ class Work:
         with self._lock:
             self._exc = exc
             if source_rank is not None:
-                self._source_rank = source_rank
+                self._sender = source_rank
             self._event.set()
             future = self._future
         if future is not None:
@@ -140,9 +140,13 @@ class Work:
         """The sender's rank of a completed receive (meaningful for recv from any source)."""
         if not self._event.is_set():
             raise RuntimeError("source_rank() needs a completed receive; call wait() first")
-        if self._source_rank < 0:
+        if self._sender < 0:
             raise RuntimeError("source_rank() is only available for receives")
-        return self._source_rank
+        return self._sender
+
+    def _source_rank(self) -> int:
+        """torch's name: ``Work._source_rank()`` after an irecv from any source."""
+        return self.source_rank()
 
     def result(self) -> Any:
         self.wait()

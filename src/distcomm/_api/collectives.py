@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import warnings
+
 import numpy as np
 
 from .. import reduction
+from ..buffers import SparseBuffer, is_buffer_like, is_sparse, is_tensor
 from ..types import RedOpType, normalize_op
 from . import args
 
@@ -49,11 +52,94 @@ def all_reduce(tensor, op=RedOpType.SUM, group=None, async_op: bool = False):
     pg = args.resolve_group(group, "all_reduce")
     if pg is None:
         return None
+    if is_sparse(tensor):
+        return _all_reduce_sparse(pg, tensor, op, async_op)
     if not async_op and pg.fast_all_reduce(tensor, op):
         return None  # the engine's fast path did the whole call
     buf = args.tensor(tensor, "all_reduce", writes=True)
     op = _check_op(op, buf.dtype, "all_reduce")
     return pg.allreduce(buf, op, async_op, [tensor])
+
+
+def _all_reduce_sparse(pg, tensor, op, async_op: bool):
+    op = normalize_op(op)
+    if op is not RedOpType.SUM:
+        raise args.ArgumentError(
+            f"all_reduce on rank {pg.rank()}: unsupported reduction operation (allreduce of sparse tensors only "
+            f"works with ReduceOp.SUM, as in torch's gloo); got {op!r}: use ReduceOp.SUM or a "
+            "dense tensor"
+        )
+    return pg.allreduce_sparse(SparseBuffer(tensor), async_op, [tensor])
+
+
+def _deprecated(name: str) -> None:
+    # torch's @deprecated text and category, warned on every call from the caller's line
+    warnings.warn(
+        f"`torch.distributed.{name}` will be deprecated. If you must use it, please revisit our documentation "
+        "later at https://pytorch.org/docs/main/distributed.html#collective-functions",
+        FutureWarning,
+        stacklevel=3,
+    )
+
+
+def _future_of(work):
+    """What torch's coalesced collectives return: the Work's future when async, else None."""
+    return None if work is None else work.get_future()
+
+
+def all_reduce_coalesced(tensors, op=RedOpType.SUM, group=None, async_op: bool = False):
+    """Reduce every tensor of ``tensors`` (one dtype) across all ranks, in place, as one collective.
+
+    Shapes are not checked across ranks (as in torch): every rank must pass the same sizes.
+    Returns the Work's future when ``async_op`` (torch's return value), else None.
+    """
+    _deprecated("all_reduce_coalesced")
+    if is_buffer_like(tensors):
+        tensors = [tensors]
+    bufs = args.tensor_list(tensors, "all_reduce_coalesced", "tensor", writes=True)
+    pg = args.resolve_group(group, "all_reduce_coalesced")
+    if pg is None:
+        return None
+    if not bufs:
+        raise args.ArgumentError("all_reduce_coalesced: tensors must not be empty")
+    op = _check_op(op, bufs[0].dtype, "all_reduce")
+    return _future_of(pg.allreduce_coalesced(bufs, op, async_op, list(tensors)))
+
+
+def all_gather_coalesced(output_tensor_lists, input_tensor_list, group=None, async_op: bool = False):
+    """Gather each tensor of ``input_tensor_list`` from every rank: ``output_tensor_lists[r][i]``
+    receives rank r's ``input_tensor_list[i]``, as one collective.
+
+    Returns the Work's future when ``async_op`` (torch's return value), else None.
+    """
+    _deprecated("all_gather_coalesced")
+    pg = args.resolve_group(group, "all_gather_coalesced")
+    if pg is None:
+        return None
+    ins = args.tensor_list(input_tensor_list, "all_gather_coalesced", "input_tensor_list")
+    if not isinstance(output_tensor_lists, list):
+        raise TypeError("Invalid function argument: output_tensor_lists should be a list")
+    if not ins:
+        raise args.ArgumentError("all_gather_coalesced: input_tensor_list must not be empty")
+    out_lists = []
+    for r, outs in enumerate(output_tensor_lists):
+        out_lists.append(args.tensor_list(outs, "all_gather_coalesced", f"output_tensor_lists[{r}]", len(ins),
+                                          like=None, writes=True))
+    if len(out_lists) != pg.size():
+        raise args.ArgumentError(
+            f"all_gather_coalesced: output_tensor_lists must have one list per rank: expected length {pg.size()}, "
+            f"got {len(out_lists)}"
+        )
+    args.same_dtype(ins + [b for outs in out_lists for b in outs], "all_gather_coalesced")
+    for r, outs in enumerate(out_lists):
+        for i, (out, inp) in enumerate(zip(outs, ins)):
+            if out.count != inp.count:
+                raise args.ArgumentError(
+                    f"all_gather_coalesced: output_tensor_lists[{r}][{i}] has {out.count} elements, expected "
+                    f"{inp.count} (the size of input_tensor_list[{i}])"
+                )
+    # torch's future: output_tensor_lists itself (a list per rank)
+    return _future_of(pg.allgather_coalesced(out_lists, ins, async_op, output_tensor_lists))
 
 
 def reduce(tensor, dst: int | None = None, op=RedOpType.SUM, group=None, async_op: bool = False,
@@ -205,6 +291,12 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
         return None
     out = args.tensor(output, "all_to_all_single", "output", writes=True)
     inp = args.tensor(input, "all_to_all_single", "input")
+    if is_tensor(input) and not input.is_contiguous():
+        # torch's c10d refuses a non-contiguous input (a ValueError) before gloo sees it
+        raise args.ArgumentError(
+            f"all_to_all_single on rank {pg.rank()}: Tensors must be contiguous: the input tensor is not; "
+            "pass input.contiguous()"
+        )
     args.same_dtype([out, inp], "all_to_all_single")
     size = pg.size()
     in_dim0 = inp.shape[0] if inp.shape else 1
@@ -216,23 +308,37 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     return pg.alltoall_base(out, inp, recv_counts, send_counts, async_op, [output])
 
 
-def barrier(group=None, async_op: bool = False, device_ids=None):
-    """Block until every rank of the group has entered the barrier."""
+def barrier(group=None, async_op: bool = False, device_ids=None, timeout: timedelta | None = None):
+    """Block until every rank of the group has entered the barrier (within ``timeout``, default
+    the group's)."""
     pg = args.resolve_group(group, "barrier")
     if pg is None:
         return None
-    if not async_op and pg.fast_barrier():
+    if timeout is not None and not isinstance(timeout, timedelta):
+        raise TypeError(f"barrier: timeout must be a datetime.timedelta, got {type(timeout).__name__}")
+    if not async_op and timeout is None and pg.fast_barrier():
         return None  # the engine's fast path did the whole call
-    return pg.barrier(async_op, [])  # torch's future value: []
+    return pg.barrier(async_op, [], timeout)  # torch's future value: []
 
 
-def monitored_barrier(group=None, timeout: timedelta | None = None, wait_all_ranks: bool = False):
+def monitored_barrier(group=None, timeout=None, wait_all_ranks: bool = False):
     """A barrier that names the ranks that did not arrive within ``timeout``.
 
     Rank 0 waits for every other rank, then releases them. A rank missing at the deadline makes
     rank 0 raise "Rank k failed to pass monitoredBarrier in T ms" (with ``wait_all_ranks``, every
-    missing rank is listed); the other ranks then fail too instead of waiting forever.
+    missing rank is listed); the other ranks then fail too instead of waiting forever. ``timeout``
+    is a timedelta, or seconds (a number, with torch's warning).
     """
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        # torch takes seconds too, with this warning
+        warnings.warn(
+            "Please specify timeout arg as a timedelta. "
+            f"Converting current value of {timeout} assuming it represents seconds",
+            stacklevel=2,
+        )
+        timeout = timedelta(seconds=timeout)
+    elif timeout is not None and not isinstance(timeout, timedelta):
+        raise TypeError(f"Expected timeout argument to be of type datetime.timedelta, got {type(timeout).__name__}")
     pg = args.resolve_group(group, "monitored_barrier")
     if pg is None:
         return None

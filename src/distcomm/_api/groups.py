@@ -9,6 +9,7 @@ from typing import Any, Sequence
 from .. import world
 from ..backends import Backend, connect
 from ..process_group import ProcessGroup
+from ..errors import DistBackendError
 from .args import NOT_INITIALIZED, default_group, resolve_group
 
 default_pg_timeout = timedelta(minutes=30)
@@ -152,11 +153,13 @@ def new_group(
     use_local_synchronization: bool = False,
     group_desc: str | None = None,
     device_id: Any = None,
+    sort_ranks: bool = True,
 ):
     """Create a group of a subset of the world's ranks; every process must call it, in the same
     order, even those not in ``ranks``. Non-members get ``GroupMember.NON_GROUP_MEMBER``.
 
-    ``ranks`` are global ranks (sorted into group-rank order, as torch does); None means all.
+    ``ranks`` are global ranks, sorted into group-rank order unless ``sort_ranks=False`` (then group
+    rank i is ``ranks[i]``); None means all.
     ``backend`` defaults to the world's; a different engine connects the members anew.
     """
     world_pg = default_group()
@@ -164,7 +167,9 @@ def new_group(
         size = world.world_size
         if ranks is None:
             ranks = list(range(size))
-        ranks = sorted(int(r) for r in ranks)
+        ranks = [int(r) for r in ranks]
+        if sort_ranks:
+            ranks.sort()
         for r in ranks:
             if not 0 <= r < size:
                 raise ValueError(f"Invalid rank {r} in new_group: ranks must be in 0..{size - 1}")
@@ -305,3 +310,126 @@ def get_global_rank(group: Any, group_rank: int) -> int:
 def get_process_group_ranks(group: Any) -> list[int]:
     """The global ranks of ``group``, in group-rank order."""
     return list(_member_group(group, "get_process_group_ranks").ranks)
+
+
+def is_xccl_available() -> bool:
+    """False: XCCL needs Intel GPUs; this build runs on CPU."""
+    return False
+
+
+# torch asks ``is_<name>_available`` of the names that have one; the others are available when
+# they are registered (Backend.backend_list).
+_AVAILABILITY = {
+    "gloo": is_gloo_available,
+    "mpi": is_mpi_available,
+    "nccl": is_nccl_available,
+    "ucc": is_ucc_available,
+    "xccl": is_xccl_available,
+}
+
+
+def _one_backend_available(name: str) -> bool:
+    name = str(name).lower()
+    check = _AVAILABILITY.get(name)
+    return check() if check is not None else name in Backend.backend_list
+
+
+def is_backend_available(backend: str) -> bool:
+    """Whether ``backend`` (a name, or a "cpu:gloo,cuda:nccl" device map: every entry) can be used:
+    a built-in name with its ``is_<name>_available``, or a name registered with
+    ``Backend.register_backend``."""
+    if ":" in backend.lower():
+        return all(_one_backend_available(name) for name in _device_map(backend).values())
+    return _one_backend_available(backend)
+
+
+def _device_map(backend: str) -> dict[str, str]:
+    """"cpu:gloo,cuda:nccl" as {"cpu": "gloo", "cuda": "nccl"}."""
+    return dict(part.strip().split(":", 1) for part in backend.lower().split(","))
+
+
+def get_default_backend_for_device(device) -> str:
+    """The backend torch would pick for ``device`` ("cpu" or a torch.device): "gloo" for CPU.
+    Other devices have none here (a ValueError, as torch's for an unregistered device)."""
+    device_type = getattr(device, "type", None) or str(device).split(":", 1)[0]
+    backend = Backend.default_device_backend_map.get(device_type)
+    if backend is None:
+        raise ValueError(f"Default backend not registered for device : {device}")
+    return backend
+
+
+def get_backend_config(group: Any = None) -> str:
+    """The device-to-backend map of ``group`` as torch spells it ("cpu:gloo"): distcomm runs CPU
+    tensors only, so a plain backend maps the cpu device; a device map given at init is kept."""
+    pg = resolve_group(group, "get_backend_config")
+    if pg is None:
+        raise ValueError("Invalid process group specified")
+    if ":" in pg.backend_name:
+        return ",".join(f"{d}:{b}" for d, b in _device_map(pg.backend_name).items())
+    return f"cpu:{pg.backend_name}"
+
+
+def get_pg_count() -> int:
+    """The number of process groups created since init_process_group (the default group
+    included), counted alike on every rank, members or not."""
+    return world.next_group_id
+
+
+def get_node_local_rank(fallback_rank: int | None = None) -> int:
+    """This process's rank on its machine: LOCAL_RANK (set by distcomm-run / torchrun), else
+    ``fallback_rank``; neither is a RuntimeError, as in torch."""
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"])
+    if fallback_rank is not None:
+        return int(fallback_rank)
+    raise RuntimeError(
+        "LOCAL_RANK is not in the environment. Consider passing fallback_rank to allow `get_node_local_rank` to work, "
+        "assuming you are not running in a multi-device context and want the code to run locally instead."
+    )
+
+
+def split_group(
+    parent_pg: Any = None,
+    split_ranks: list | None = None,
+    timeout: timedelta | None = None,
+    pg_options: Any = None,
+    group_desc: str | None = None,
+    backend: str | None = None,
+):
+    """Split the default group into disjoint groups; ``split_ranks`` lists each group's ranks (group
+    ranks of the parent). Every rank of the parent calls it with the same ``split_ranks``; a rank
+    gets its own group, or None when it is in none of them.
+
+    distcomm's CPU engines split by creating the groups (torch's gloo cannot split at all). Only
+    the default group splits: a group's id is numbered alike on every rank of the world because
+    every rank takes part in making it, which a subgroup's non-members would not.
+    """
+    if split_ranks is None or len(split_ranks) == 0:
+        raise ValueError("split_ranks cannot be None or empty")
+    world_pg = default_group()
+    parent = world_pg if parent_pg is None or parent_pg is world.GroupMember.WORLD else parent_pg
+    if parent is not world_pg:
+        raise DistBackendError(
+            f"split_group on rank {world.global_rank}: only the default group can be split here (each rank "
+            "of the world must take part in creating a group); call new_group from every rank instead"
+        )
+    if backend is not None and str(backend).lower() != str(parent.backend_name).lower():
+        raise ValueError(
+            f"Backend mismatch: parent has '{parent.backend_name}', requested '{backend}'. Backend names "
+            "must match exactly when filtering split_group backends."
+        )
+    for ranks in split_ranks:
+        if len(ranks) == 0:
+            raise ValueError("the split group cannot be empty")
+        if len(ranks) > parent.size():
+            raise ValueError(
+                "the split group's size should be less or equal to the world_size set by init_process_group")
+        if len(ranks) != len(set(ranks)):
+            raise ValueError("the split group cannot have duplicate ranks")
+    mine = None
+    for ranks in split_ranks:  # every rank creates every split, in order: ids agree everywhere
+        g = new_group([parent.ranks[r] for r in ranks], timeout=timeout, pg_options=pg_options,
+                      group_desc=group_desc)
+        if g is not world.GroupMember.NON_GROUP_MEMBER:
+            mine = g
+    return mine

@@ -153,8 +153,11 @@ def scatter_object_list(scatter_object_output_list: list, scatter_object_input_l
 
 
 def send_object_list(object_list: list, dst: int | None = None, group=None, device=None,
-                     group_dst: int | None = None) -> None:
-    """Send the picklable objects in ``object_list`` to global rank ``dst`` (blocking)."""
+                     group_dst: int | None = None, use_batch: bool = False) -> None:
+    """Send the picklable objects in ``object_list`` to global rank ``dst`` (blocking).
+
+    ``use_batch`` (torch: send through batch_isend_irecv) changes nothing here: distcomm's sends
+    are already posted without blocking each other."""
     payloads = [_dumps(o) for o in object_list]
     sizes = np.array([p.size for p in payloads], dtype=np.int64)
     data = np.concatenate(payloads) if payloads else np.empty(0, np.uint8)
@@ -166,9 +169,9 @@ def send_object_list(object_list: list, dst: int | None = None, group=None, devi
 
 
 def recv_object_list(object_list: list, src: int | None = None, group=None, device=None,
-                     group_src: int | None = None) -> int:
+                     group_src: int | None = None, use_batch: bool = False) -> int:
     """Receive objects into ``object_list`` (same length as the sender's) from ``src`` (any when
-    None); returns the sender's global rank."""
+    None); returns the sender's global rank. ``use_batch``: as in send_object_list."""
     sizes = np.zeros(len(object_list), dtype=np.int64)
     work = _post("recv_object_list", sizes, src, group, OBJECT_TAG, group_src, False)
     if work is None:
