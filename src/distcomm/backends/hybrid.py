@@ -51,10 +51,10 @@ def connect(store, rank: int, size: int, timeout: float, tuning: Tuning = DEFAUL
     hosts = hostid.exchange(store, rank, size)
     local = [q for q in range(size) if hosts[q] == hosts[rank]]
     if len(local) == size:
-        return ShmEngine(ShmTransport.connect(store, rank, size, timeout), tuning)
+        return ShmEngine(ShmTransport.connect(store, rank, size, timeout, tuning=tuning), tuning)
     from ..transport.tcp import TcpTransport
 
-    shm = ShmTransport.connect(store, rank, size, timeout, local) if len(local) > 1 else None
+    shm = ShmTransport.connect(store, rank, size, timeout, local, tuning) if len(local) > 1 else None
     try:
         tcp = TcpTransport.connect(store, rank, size, timeout)
     except BaseException:

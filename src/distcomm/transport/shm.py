@@ -36,6 +36,7 @@ from datetime import timedelta
 
 import numpy as np
 
+from ..tuning import DEFAULT, Tuning
 from . import shm_direct
 from .base import ANY_SOURCE, MessageKey, Request, Transport, TransportError
 from .buffers import as_bytes
@@ -57,8 +58,8 @@ DEFAULT_RING_BYTES = 256 * 1024
 DIRECT_MIN_BYTES = 64 * 1024  # below this a copy through the ring is cheaper than a system call
 
 
-def _ring_bytes() -> int:
-    n = int(os.environ.get("DISTCOMM_SHM_RING_BYTES", DEFAULT_RING_BYTES))
+def _ring_bytes(tuning: Tuning) -> int:
+    n = DEFAULT_RING_BYTES if tuning.shm_ring_bytes is None else tuning.shm_ring_bytes
     if n < 4096 or n % 64:
         raise ValueError(f"DISTCOMM_SHM_RING_BYTES={n}: need a multiple of 64 of at least 4096")
     return n
@@ -117,7 +118,7 @@ class ShmTransport(Transport):
     """Point-to-point between the ranks of one host, plus shared-memory collectives."""
 
     def __init__(self, rank: int, size: int, local: list[int], segments: dict[int, Segment], pids: dict[int, int],
-                 ring_bytes: int):
+                 ring_bytes: int, tuning: Tuning = DEFAULT):
         self.rank = rank
         self.size = size
         self.local = list(local)  # global ranks on this host, sorted
@@ -137,7 +138,8 @@ class ShmTransport(Transport):
         self._direct_ok: dict[tuple, bool] = {}
         self._dir_at, _ = _world_layout(len(self.local), ring_bytes)
         self._dir_count = 0
-        self.policy = WaitPolicy(len(self.local))
+        self.tuning = tuning
+        self.policy = WaitPolicy(len(self.local), tuning)
         self.health = PeerHealth({g: p for g, p in pids.items() if g != rank})
         self.bell = self._bells[rank]
         # point-to-point state, all under self._lock
@@ -156,15 +158,17 @@ class ShmTransport(Transport):
 
     # -- setup --------------------------------------------------------------------------------
     @classmethod
-    def connect(cls, store, rank: int, size: int, timeout: float, local: list[int] | None = None) -> "ShmTransport":
+    def connect(cls, store, rank: int, size: int, timeout: float, local: list[int] | None = None,
+                tuning: Tuning = DEFAULT) -> "ShmTransport":
         """Create this rank's segment, map every local peer's, and unlink ours once all have it.
 
-        ``local`` lists the global ranks on this host (default: all ``size`` ranks).
+        ``local`` lists the global ranks on this host (default: all ``size`` ranks); ``tuning``
+        gives the ring size, the wait policy, the group slots and whether to read peers directly.
         """
         local = sorted(range(size) if local is None else local)
         if rank not in local:
             raise ValueError(f"rank {rank} is not among the local ranks {local}")
-        ring_bytes = _ring_bytes()
+        ring_bytes = _ring_bytes(tuning)
         _, total = _world_layout(len(local), ring_bytes)
         shm_direct.allow_peers()
         mine = Segment.create(total)
@@ -189,9 +193,9 @@ class ShmTransport(Transport):
                 if memoryview(seg.buf[:64]).cast("Q")[_W_MAGIC] != WORLD_MAGIC:
                     raise RuntimeError(f"rank {g}'s shared-memory segment {peer['name']} is not initialized")
                 pids[g] = peer["pid"]
-            transport = cls(rank, size, local, segments, pids, ring_bytes)
+            transport = cls(rank, size, local, segments, pids, ring_bytes, tuning)
             for g, peer in infos.items():  # may we read the peer's memory directly?
-                ok = shm_direct.probe(peer["pid"], peer["address"], WORLD_MAGIC)
+                ok = tuning.shm_direct and shm_direct.probe(peer["pid"], peer["address"], WORLD_MAGIC)
                 transport._in[g].ctl[PVM_OK] = int(ok)
             store.set(f"shm/mapped/{rank}", "1")
             store.wait([f"shm/mapped/{g}" for g in local], timedelta(seconds=timeout))
@@ -306,7 +310,7 @@ class ShmTransport(Transport):
     def _open_group(self, gid: int, ranks: list[int], rank: int, deadline: float | None) -> GroupShm:
         if self._closed:
             raise TransportError("the shared-memory transport is closed", reason="lost")
-        slot_bytes, nslots = slot_config()
+        slot_bytes, nslots = slot_config(self.tuning)
         _, total = layout(len(ranks), slot_bytes, nslots)
         mine = Segment.create(total)
         segments = [None] * len(ranks)

@@ -26,6 +26,7 @@ import time
 
 import numpy as np
 
+from ..tuning import DEFAULT, Tuning
 from .base import TransportError
 from .shm_wait import fence
 
@@ -60,10 +61,10 @@ def layout(size: int, slot_bytes: int, nslots: int) -> tuple[int, int]:
     return first, first + nslots * _align(SLOT_HEADER + slot_bytes, 4096)
 
 
-def slot_config() -> tuple[int, int]:
-    """(slot_bytes, nslots): DISTCOMM_SHM_SLOT_BYTES / DISTCOMM_SHM_SLOTS or the defaults."""
-    slot = int(os.environ.get("DISTCOMM_SHM_SLOT_BYTES", DEFAULT_SLOT_BYTES))
-    nslots = int(os.environ.get("DISTCOMM_SHM_SLOTS", DEFAULT_NSLOTS))
+def slot_config(tuning: Tuning = DEFAULT) -> tuple[int, int]:
+    """(slot_bytes, nslots): DISTCOMM_SHM_SLOT_BYTES / DISTCOMM_SHM_SLOTS (through ``tuning``) or the defaults."""
+    slot = DEFAULT_SLOT_BYTES if tuning.shm_slot_bytes is None else tuning.shm_slot_bytes
+    nslots = DEFAULT_NSLOTS if tuning.shm_slots is None else tuning.shm_slots
     if slot < 4096 or slot % 64 or nslots < 2:
         raise ValueError(
             f"DISTCOMM_SHM_SLOT_BYTES={slot} / DISTCOMM_SHM_SLOTS={nslots}: need a multiple of 64 of "

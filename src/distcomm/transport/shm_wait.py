@@ -35,6 +35,8 @@ import threading
 import time
 from typing import Callable
 
+from ..tuning import DEFAULT, Tuning
+
 _SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98, "ppc64le": 221, "s390x": 238}.get(
     platform.machine().lower()
 )
@@ -146,22 +148,21 @@ class Bell:
 class WaitPolicy:
     """How long to spin and to yield before sleeping; see the module docstring."""
 
-    def __init__(self, local_ranks: int):
+    def __init__(self, local_ranks: int, tuning: Tuning = DEFAULT):
         try:
             cpus = len(os.sched_getaffinity(0))
         except (AttributeError, OSError):  # pragma: no cover
             cpus = os.cpu_count() or 1
         self.oversubscribed = local_ranks > cpus
-        self.spin_s = _env_seconds("DISTCOMM_SHM_SPIN_US", 0.0 if self.oversubscribed else 20e-6)
-        self.yield_s = _env_seconds("DISTCOMM_SHM_YIELD_US", 50e-6 if self.oversubscribed else 100e-6)
-        self.shared_yield_s = _env_seconds("DISTCOMM_SHM_SHARED_YIELD_US", 200e-6)  # when sharing a CPU
+        self.spin_s = _or(tuning.shm_spin_s, 0.0 if self.oversubscribed else 20e-6)
+        self.yield_s = _or(tuning.shm_yield_s, 50e-6 if self.oversubscribed else 100e-6)
+        self.shared_yield_s = _or(tuning.shm_shared_yield_s, 200e-6)  # when sharing a CPU
         self.slice_s = 0.05  # longest single sleep
         self.check_s = 0.1  # peer health check period while sleeping
 
 
-def _env_seconds(name: str, default: float) -> float:
-    value = os.environ.get(name)
-    return default if value is None else float(value) * 1e-6
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else value
 
 
 def wait_until(

@@ -63,4 +63,4 @@ def connect(store, rank: int, size: int, timeout: float, tuning: Tuning = DEFAUL
             f"backend 'shm' needs every rank on one host, but {hostid.describe(hosts)}. Use backend "
             "'gloo' (the default: shared memory within a host, TCP between hosts) or 'tcp'."
         )
-    return ShmEngine(ShmTransport.connect(store, rank, size, timeout), tuning)
+    return ShmEngine(ShmTransport.connect(store, rank, size, timeout, tuning=tuning), tuning)
