@@ -22,7 +22,7 @@ answered OK, not TIMED_OUT. A BARRIER counts its arrival in the key's value, lik
 that reaches the world size answers every BARRIER parked on that key. A connection that closes
 takes its parked requests out of every line, so a push never goes to a pop nobody will read.
 
-What protects the server: each connection has its own ServerProtocol (which checks every length
+What protects the server: each connection has its own ServerConnection (which checks every length
 before buffering for it); a protocol error closes only that connection. A connection that has not
 finished its hello, or has part of a frame buffered, for longer than ``idle_timeout`` seconds is
 closed (slowloris, a peer that connects and never speaks); a connection idle *between* frames is
@@ -33,14 +33,14 @@ and retries shortly instead of spinning.
 
 Where it listens: on exactly the host and port it was given (port 0: a free one). On Linux it also
 listens on an abstract-namespace Unix socket whose name carries a random token, and tells clients
-that name in the TCP handshake (see protocol.py): clients on the same host move there, which costs
+that name in the TCP handshake (see handshake.py): clients on the same host move there, which costs
 the kernel about a third less per request than loopback TCP. The socket is reachable only from this
 host's network namespace, by a client that was already accepted over TCP. ``local_socket=False``
 (or DISTCOMM_STORE_LOCAL_SOCKET=0) turns it off.
 
 Authentication (``auth_key``; TCPStore passes the key from DISTCOMM_AUTH_KEY_FILE/DISTCOMM_AUTH_KEY,
 see auth.py): every connection — TCP, the Unix socket, and the master's in-process one alike, so
-there is no path around it — must prove it holds the key before any request is parsed (protocol.py
+there is no path around it — must prove it holds the key before any request is parsed (handshake.py
 holds the handshake and refuses everything else), and the Unix socket's name is revealed only in
 the answer to a correct proof. Until then the server reads at most AUTH_HELLO_SIZE bytes at a time
 from the connection, a wrong proof or a refused hello gets its refusal and the connection closed,
@@ -63,7 +63,8 @@ import warnings
 
 from ...errors import DistNetworkError
 from ..table import KeyTable
-from . import protocol as p
+from . import frames, handshake
+from .connection import ServerConnection
 from .local import LocalSocket
 from .poller import Poller
 
@@ -148,9 +149,9 @@ class _Connection:
                  auth_key: bytes | None = None):
         self.sock = sock
         self.fd = sock.fileno() if fd is None else fd
-        self.proto = p.ServerProtocol(max_frame_size, auth_key)
+        self.proto = ServerConnection(max_frame_size, auth_key)
         # until it has authenticated, a connection is read no more than its handshake's fixed size
-        self.recv_size = _RECV_SIZE if auth_key is None else p.AUTH_HELLO_SIZE
+        self.recv_size = _RECV_SIZE if auth_key is None else handshake.AUTH_HELLO_SIZE
         self.out = bytearray()  # responses the socket did not take yet
         self.partial_deadline: float | None = None
         self.parked: set = set()
@@ -182,7 +183,7 @@ class TCPStoreServer:
         port: int,
         *,
         idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
-        max_frame_size: int = p.DEFAULT_MAX_FRAME_SIZE,
+        max_frame_size: int = frames.DEFAULT_MAX_FRAME_SIZE,
         backlog: int = DEFAULT_BACKLOG,
         local_socket: bool | None = None,
         auth_key: bytes | None = None,
@@ -224,25 +225,25 @@ class TCPStoreServer:
         self._replying_to: _Connection | None = None  # the connection _process() is answering
         self._replies: list[bytes] = []
         self._handlers = {
-            p.Hello: self._on_hello,
-            p.AuthProof: self._on_auth_proof,
-            p.Set: self._on_set,
-            p.Get: self._on_get,
-            p.Add: self._on_add,
-            p.CompareSet: self._on_compare_set,
-            p.Wait: self._on_wait,
-            p.Check: self._on_check,
-            p.NumKeys: self._on_num_keys,
-            p.DeleteKey: self._on_delete_key,
-            p.Append: self._on_append,
-            p.MultiGet: self._on_multi_get,
-            p.MultiSet: self._on_multi_set,
-            p.ListKeys: self._on_list_keys,
-            p.Join: self._on_join,
-            p.QueuePush: self._on_queue_push,
-            p.QueuePop: self._on_queue_pop,
-            p.QueueLen: self._on_queue_len,
-            p.Barrier: self._on_barrier,
+            handshake.Hello: self._on_hello,
+            handshake.AuthProof: self._on_auth_proof,
+            frames.Set: self._on_set,
+            frames.Get: self._on_get,
+            frames.Add: self._on_add,
+            frames.CompareSet: self._on_compare_set,
+            frames.Wait: self._on_wait,
+            frames.Check: self._on_check,
+            frames.NumKeys: self._on_num_keys,
+            frames.DeleteKey: self._on_delete_key,
+            frames.Append: self._on_append,
+            frames.MultiGet: self._on_multi_get,
+            frames.MultiSet: self._on_multi_set,
+            frames.ListKeys: self._on_list_keys,
+            frames.Join: self._on_join,
+            frames.QueuePush: self._on_queue_push,
+            frames.QueuePop: self._on_queue_pop,
+            frames.QueueLen: self._on_queue_len,
+            frames.Barrier: self._on_barrier,
         }
 
     def __repr__(self) -> str:
@@ -430,7 +431,7 @@ class TCPStoreServer:
                     replies.append(answer)
                 if conn.closing:
                     break
-        except p.ProtocolError as exc:
+        except frames.ProtocolError as exc:
             self.stats["protocol_errors"] += 1
             log.info("TCPStore server: closing %s: %s", conn.peer, exc)
             self._close(conn)
@@ -542,7 +543,7 @@ class TCPStoreServer:
         """Answer later: when every key in ``missing`` is written, or (in ``line``, a (registry, key)
         pair) when its turn comes; or at the deadline."""
         if timeout_ms == 0:
-            return p.encode(p.TimedOut(request.request_id, missing or keys))
+            return frames.encode(frames.TimedOut(request.request_id, missing or keys))
         parked = _Parked(conn, request, keys, set(missing), time.monotonic() + timeout_ms / 1000.0, line)
         for key in parked.missing:
             self._waiting.setdefault(key, []).append(parked)
@@ -603,37 +604,37 @@ class TCPStoreServer:
 
     def _still_missing(self, parked: _Parked) -> list:
         """The keys ``parked`` still lacks; a WAIT (not GET/MULTI_GET) takes a non-empty queue as present."""
-        if parked.request.__class__ is p.Wait:
+        if parked.request.__class__ is frames.Wait:
             return self.table.absent(parked.keys)
         return self.table.missing(parked.keys)
 
     def _at_deadline(self, parked: _Parked) -> bytes:
         request = parked.request
         kind = request.__class__
-        if kind is p.QueuePop or kind is p.Barrier:
-            return p.encode(p.TimedOut(request.request_id, [request.key]))
+        if kind is frames.QueuePop or kind is frames.Barrier:
+            return frames.encode(frames.TimedOut(request.request_id, [request.key]))
         missing = self._still_missing(parked)
         if not missing:  # a WAIT on a queue another WAIT was woken for: its condition holds
             return self._completed(request)
-        return p.encode(p.TimedOut(request.request_id, missing))
+        return frames.encode(frames.TimedOut(request.request_id, missing))
 
     def _completed(self, request) -> bytes:
         values = self.table.values
         kind = type(request)
-        if kind is p.Get:
-            return p.encode_value(request.request_id, values[request.key])
-        if kind is p.MultiGet:
-            return p.encode(p.Values(request.request_id, [values[k] for k in request.keys]))
-        return p.encode_ok(request.request_id)
+        if kind is frames.Get:
+            return frames.encode_value(request.request_id, values[request.key])
+        if kind is frames.MultiGet:
+            return frames.encode(frames.Values(request.request_id, [values[k] for k in request.keys]))
+        return frames.encode_ok(request.request_id)
 
     # -- requests: each returns the reply's bytes, or None (parked, or SET, which has no reply) -----
 
     def _on_hello(self, conn, hello):
         reply = conn.proto.reply_to_hello(hello)  # decides version and authentication
-        if reply.__class__ is p.HelloReply:
-            if reply.status != p.HELLO_STATUS_OK:
+        if reply.__class__ is handshake.HelloReply:
+            if reply.status != handshake.HELLO_STATUS_OK:
                 conn.closing = True  # after the reply, which tells the client why
-                if reply.status != p.HELLO_STATUS_UNSUPPORTED_VERSION:
+                if reply.status != handshake.HELLO_STATUS_UNSUPPORTED_VERSION:
                     self._auth_refused(conn, reply.status)
             elif not conn.local:
                 reply.local_address = self.local_address
@@ -641,7 +642,7 @@ class TCPStoreServer:
 
     def _on_auth_proof(self, conn, proof):
         reply = conn.proto.reply_to_proof(proof, b"" if conn.local else self.local_address)
-        if reply.__class__ is p.AuthAccepted:
+        if reply.__class__ is handshake.AuthAccepted:
             conn.recv_size = _RECV_SIZE
         else:
             conn.closing = True
@@ -651,13 +652,13 @@ class TCPStoreServer:
     def _auth_refused(self, conn, status: int) -> None:
         self.stats["auth_refused"] += 1
         reason = {
-            p.HELLO_STATUS_AUTH_REQUIRED: "offered no authentication",
-            p.HELLO_STATUS_AUTH_FAILED: "failed authentication (wrong key)",
-            p.HELLO_STATUS_AUTH_UNAVAILABLE: "asked for authentication, which this server has no key for",
+            handshake.HELLO_STATUS_AUTH_REQUIRED: "offered no authentication",
+            handshake.HELLO_STATUS_AUTH_FAILED: "failed authentication (wrong key)",
+            handshake.HELLO_STATUS_AUTH_UNAVAILABLE: "asked for authentication, which this server has no key for",
         }.get(status, f"refused with status {status}")
         log.info("TCPStore server on port %d: refused %s: it %s", self.port, conn.peer, reason)
 
-    def _on_set(self, conn, req):  # no reply: see protocol.py
+    def _on_set(self, conn, req):  # no reply: see frames.py
         self.table.values[req.key] = req.value
         if self._waiting:
             self._written(req.key)
@@ -665,76 +666,76 @@ class TCPStoreServer:
     def _on_get(self, conn, req):
         value = self.table.values.get(req.key)
         if value is not None:
-            return p.encode_value(req.request_id, value)
+            return frames.encode_value(req.request_id, value)
         return self._park(conn, req, [req.key], [req.key], req.timeout_ms)
 
     def _on_add(self, conn, req):
         try:
             total = self.table.add(req.key, req.amount)
         except ValueError as exc:
-            return p.encode(p.Error(req.request_id, p.ERROR_NOT_AN_INTEGER, str(exc).encode("utf-8")))
+            return frames.encode(frames.Error(req.request_id, frames.ERROR_NOT_AN_INTEGER, str(exc).encode("utf-8")))
         if self._waiting:
             self._written(req.key)
-        return p.encode_integer(req.request_id, total)
+        return frames.encode_integer(req.request_id, total)
 
     def _on_compare_set(self, conn, req):
         returned, changed = self.table.compare_set(req.key, req.expected, req.desired)
         if changed and self._waiting:
             self._written(req.key)
-        return p.encode_value(req.request_id, returned)
+        return frames.encode_value(req.request_id, returned)
 
     def _on_wait(self, conn, req):
         missing = self.table.absent(req.keys)
         if not missing:
-            return p.encode_ok(req.request_id)
+            return frames.encode_ok(req.request_id)
         return self._park(conn, req, req.keys, missing, req.timeout_ms)
 
     def _on_check(self, conn, req):
-        return p.encode_bool(req.request_id, not self.table.absent(req.keys))
+        return frames.encode_bool(req.request_id, not self.table.absent(req.keys))
 
     def _on_num_keys(self, conn, req):
-        return p.encode_integer(req.request_id, len(self.table) + (1 if self.joined else 0))
+        return frames.encode_integer(req.request_id, len(self.table) + (1 if self.joined else 0))
 
     def _on_delete_key(self, conn, req):
-        return p.encode_bool(req.request_id, self.table.delete(req.key))
+        return frames.encode_bool(req.request_id, self.table.delete(req.key))
 
     def _on_append(self, conn, req):
         self.table.append(req.key, req.value)
         if self._waiting:
             self._written(req.key)
-        return p.encode_ok(req.request_id)
+        return frames.encode_ok(req.request_id)
 
     def _on_multi_get(self, conn, req):
         missing = self.table.missing(req.keys)
         if not missing:
             values = self.table.values
-            return p.encode(p.Values(req.request_id, [values[k] for k in req.keys]))
+            return frames.encode(frames.Values(req.request_id, [values[k] for k in req.keys]))
         return self._park(conn, req, req.keys, missing, req.timeout_ms)
 
     def _on_multi_set(self, conn, req):
         if len(req.keys) != len(req.values):
             message = f"multi_set(): {len(req.keys)} keys but {len(req.values)} values"
-            return p.encode(p.Error(req.request_id, p.ERROR_BAD_REQUEST, message.encode()))
+            return frames.encode(frames.Error(req.request_id, frames.ERROR_BAD_REQUEST, message.encode()))
         self.table.multi_set(req.keys, req.values)
         if self._waiting:
             for key in req.keys:
                 self._written(key)
-        return p.encode_ok(req.request_id)
+        return frames.encode_ok(req.request_id)
 
     def _on_list_keys(self, conn, req):
-        return p.encode(p.Values(req.request_id, list(self.table.values)))
+        return frames.encode(frames.Values(req.request_id, list(self.table.values)))
 
     def _on_join(self, conn, req):
         with self._joined_changed:
             self.joined += 1
             self._joined_changed.notify_all()
-        return p.encode_integer(req.request_id, self.joined)
+        return frames.encode_integer(req.request_id, self.joined)
 
     def _on_queue_push(self, conn, req):  # no reply, like SET
         poppers = self._poppers.get(req.key)
         if poppers:
             parked = poppers[0]  # the oldest parked pop takes the item; _finish() takes it out of line
-            self._finish(parked, p.encode_value(parked.request.request_id, req.value))
+            self._finish(parked, frames.encode_value(parked.request.request_id, req.value))
             return None
         self.table.queue_push(req.key, req.value)
         if self._waiting:
@@ -747,7 +748,7 @@ class TCPStoreServer:
         if not waiters:
             return
         for parked in waiters:
-            if parked.request.__class__ is p.Wait and not parked.done:
+            if parked.request.__class__ is frames.Wait and not parked.done:
                 break
         else:
             return  # only GET/MULTI_GET, which wait for the key to be set, not for a queue
@@ -763,26 +764,26 @@ class TCPStoreServer:
             for k in still_missing:
                 self._waiting.setdefault(k, []).append(parked)
             return
-        self._finish(parked, p.encode_ok(parked.request.request_id))
+        self._finish(parked, frames.encode_ok(parked.request.request_id))
 
     def _on_queue_pop(self, conn, req):
         value = self.table.queue_pop(req.key)
         if value is not None:
-            return p.encode_value(req.request_id, value)
+            return frames.encode_value(req.request_id, value)
         return self._park(conn, req, [req.key], [], req.timeout_ms, line=(self._poppers, req.key))
 
     def _on_queue_len(self, conn, req):
-        return p.encode_integer(req.request_id, self.table.queue_len(req.key))
+        return frames.encode_integer(req.request_id, self.table.queue_len(req.key))
 
     def _on_barrier(self, conn, req):
         try:
             arrived = self.table.add(req.key, 1)
         except ValueError as exc:
-            return p.encode(p.Error(req.request_id, p.ERROR_NOT_AN_INTEGER, str(exc).encode("utf-8")))
+            return frames.encode(frames.Error(req.request_id, frames.ERROR_NOT_AN_INTEGER, str(exc).encode("utf-8")))
         if self._waiting:
             self._written(req.key)  # the counter is a key: a get/wait on it sees the count
         if arrived < req.world_size:
             return self._park(conn, req, [req.key], [], req.timeout_ms, line=(self._barriers, req.key))
         for parked in list(self._barriers.get(req.key, ())):
-            self._finish(parked, p.encode_ok(parked.request.request_id))
-        return p.encode_ok(req.request_id)
+            self._finish(parked, frames.encode_ok(parked.request.request_id))
+        return frames.encode_ok(req.request_id)

@@ -32,9 +32,9 @@ from datetime import timedelta
 from ...errors import DistStoreError
 from .. import rules
 from ..base import Store
-from . import protocol as p
 from .auth import key_from_environment
 from .client import TCPStoreClient
+from .frames import DEFAULT_MAX_FRAME_SIZE
 from .server import TCPStoreServer
 
 
@@ -133,7 +133,7 @@ class TCPStore(Store):
             else None
         )
         self._port = self._server.port if self._server is not None else port
-        max_frame_size = server_options.get("max_frame_size", p.DEFAULT_MAX_FRAME_SIZE)
+        max_frame_size = server_options.get("max_frame_size", DEFAULT_MAX_FRAME_SIZE)
         try:
             # the master talks to its own server in-process (see local.py); everyone else over the network
             local = self._server.connect_local() if self._server is not None else None
