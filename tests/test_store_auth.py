@@ -22,7 +22,6 @@ from distcomm.store import TCPStore
 from distcomm.store.tcp import TCPStoreServer
 from distcomm.store.tcp import connection as c, frames as f, handshake as h
 from distcomm.store.tcp.auth import DistStoreAuthError, key_from_environment
-from distcomm.store.tcp.server import _Connection
 from harness import free_port, run_world
 
 KEY = "3f6c0b2d9a8e4f71c5d2e6a9b0f1c3d4"  # what `secrets.token_hex(16)` looks like
@@ -214,7 +213,7 @@ def test_the_server_keeps_serving_while_bad_clients_are_refused(master, keyed):
 # -- a key-holding server's handlers, driven by hand: nothing is processed before a right proof ---------
 
 
-from test_store_tcp_server import _FakeSocket  # noqa: E402 - a socket that records what is sent
+from test_store_tcp_server import _ByHand  # noqa: E402 - a connection to a server whose loop is not running
 from test_store_tcp_server import _closed_by_server as _closed  # noqa: E402 - EOF or reset within 10 s
 
 
@@ -228,41 +227,17 @@ def bare_server():
     server.stop()  # never started: closes its sockets in this thread
 
 
-class _Peer:
-    """A connection to ``server`` fed by hand; ``replies()`` parses what the server sent since last asked."""
-
-    _fds = iter(range(10**6, 10**7))
-
-    def __init__(self, server):
-        self.server, self.sock = server, _FakeSocket()
-        self.conn = _Connection(self.sock, "peer", 1 << 20, False, fd=next(self._fds), auth_key=server.auth_key)
-        server._conns[self.conn.fd] = self.conn
-        self.proto = c.ClientConnection()
-        self._seen = 0
-
-    def feed(self, data: bytes) -> None:
-        self.server._process(self.conn, data)
-
-    def replies(self) -> list:
-        new, self._seen = bytes(self.sock.sent[self._seen :]), len(self.sock.sent)
-        return self.proto.receive_events(new)
-
-    @property
-    def open(self) -> bool:
-        return self.conn.fd in self.server._conns
-
-
 REQUESTS = f.encode_set(1, b"stolen", b"x") + f.encode(f.QueuePush(2, b"q", b"x")) + f.encode_add(3, b"n", 1)
 
 
 def _nothing_processed(server) -> None:
     assert server.table.values == {} and server.table.queue_len(b"q") == 0
-    assert server._waiting == {} and server._deadlines == []
+    assert len(server.parking) == 0 and server.parking.next_deadline is None  # nothing parked, ever
 
 
 def test_requests_with_a_plain_hello_are_dropped_unread(bare_server):
-    peer = _Peer(bare_server)
-    assert peer.conn.recv_size == h.AUTH_HELLO_SIZE  # the server reads no more than a handshake at a time
+    peer = _ByHand(bare_server, hello=False)
+    assert peer.server_side.recv_size == h.AUTH_HELLO_SIZE  # the server reads no more than a handshake at a time
     peer.feed(c.ClientConnection.send(h.Hello()) + REQUESTS + f.encode_get(4, b"k", 3_600_000))
     assert peer.replies() == [h.HelloReply(h.VERSION, h.HELLO_STATUS_AUTH_REQUIRED)]
     assert not peer.open
@@ -270,7 +245,7 @@ def test_requests_with_a_plain_hello_are_dropped_unread(bare_server):
 
 
 def test_requests_after_a_wrong_proof_are_not_processed(bare_server):
-    peer = _Peer(bare_server)
+    peer = _ByHand(bare_server, hello=False)
     auth = h.ClientAuth(b"wrong key")
     peer.feed(c.ClientConnection.send(auth.hello()))
     (challenge,) = peer.replies()
@@ -284,7 +259,7 @@ def test_requests_after_a_wrong_proof_are_not_processed(bare_server):
 
 @pytest.mark.parametrize("proof", ["wrong", "right"])
 def test_requests_sent_with_the_proof_close_the_connection_unprocessed(bare_server, proof):
-    peer = _Peer(bare_server)
+    peer = _ByHand(bare_server, hello=False)
     auth = h.ClientAuth(SERVER_KEY if proof == "right" else b"wrong key")
     peer.feed(c.ClientConnection.send(auth.hello()))
     (challenge,) = peer.replies()
@@ -297,7 +272,7 @@ def test_requests_sent_with_the_proof_close_the_connection_unprocessed(bare_serv
 def test_the_local_address_is_revealed_only_to_an_authenticated_client(bare_server):
     address = bare_server.local_address
     assert address  # this server offers a Unix socket
-    refused, wrong, right = _Peer(bare_server), _Peer(bare_server), _Peer(bare_server)
+    refused, wrong, right = (_ByHand(bare_server, hello=False) for _ in range(3))
     refused.feed(c.ClientConnection.send(h.Hello()))
     auth_wrong, auth_right = h.ClientAuth(b"wrong key"), h.ClientAuth(SERVER_KEY)
     wrong.feed(c.ClientConnection.send(auth_wrong.hello()))
@@ -305,12 +280,12 @@ def test_the_local_address_is_revealed_only_to_an_authenticated_client(bare_serv
     (challenge,) = wrong.replies()
     wrong.feed(c.ClientConnection.send(auth_wrong.proof(challenge)))
     (challenge,) = right.replies()
-    assert address not in refused.sock.sent and address not in wrong.sock.sent and address not in right.sock.sent
+    assert address not in refused.received() and address not in wrong.received() and address not in right.received()
     right.feed(c.ClientConnection.send(auth_right.proof(challenge)))
     (accepted,) = right.replies()
     assert accepted.__class__ is h.AuthAccepted and accepted.local_address == address
     assert auth_right.server_proved(accepted)
-    assert right.conn.recv_size > h.AUTH_HELLO_SIZE
+    assert right.server_side.recv_size > h.AUTH_HELLO_SIZE
     right.feed(REQUESTS + f.encode_get(4, b"stolen", 0))
     assert right.replies() == [f.Integer(3, 1), f.Value(4, b"x")]  # now it is served
 
@@ -318,13 +293,11 @@ def test_the_local_address_is_revealed_only_to_an_authenticated_client(bare_serv
 def test_an_unfinished_handshake_is_closed_at_the_handshake_timeout(bare_server):
     import time
 
-    peer = _Peer(bare_server)
-    bare_server._mark_partial(peer.conn, time.monotonic())  # as _accept() does
+    peer = _ByHand(bare_server, hello=False)  # adopted as the loop adopts what it accepts: the idle timer runs
     auth = h.ClientAuth(SERVER_KEY)
     peer.feed(c.ClientConnection.send(auth.hello()))
     assert peer.replies()[0].__class__ is h.AuthChallenge
-    bare_server._next_sweep = 0.0
-    bare_server._expire(time.monotonic() + 2 * bare_server.idle_timeout)  # never sends its proof
+    bare_server.expire(time.monotonic() + 2 * bare_server.idle_timeout)  # never sends its proof
     assert not peer.open and bare_server.stats["idle_closed"] == 1
 
 

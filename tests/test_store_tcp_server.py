@@ -15,6 +15,7 @@ import sys
 import textwrap
 import threading
 import time
+import weakref
 from datetime import timedelta
 
 import pytest
@@ -303,7 +304,7 @@ def test_port_in_use_raises_at_once_naming_host_and_port():
 
 def test_master_listens_only_on_the_host_it_was_given():
     master = TCPStore("127.0.0.1", 0, None, True)
-    assert master._server._listener.getsockname()[0] == "127.0.0.1"
+    assert master._server.listeners.tcp.getsockname()[0] == "127.0.0.1"
     master.close()
 
 
@@ -485,22 +486,54 @@ def test_the_largest_timeout_a_client_can_send(server, good_client):
 from hypothesis import example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from distcomm.store.tcp.server import _Connection  # noqa: E402
 
+class _ByHand:
+    """A client connection to a server whose loop is not running, driven through the server's public
+    seams: ``adopt`` takes one end of a socket pair as if the loop had accepted it, ``feed`` hands the
+    server bytes as its loop would after a read, ``replies()`` parses what it wrote back since last
+    asked, and ``open`` says whether it has closed the connection. Nothing waits on time."""
 
-class _FakeSocket:
-    def __init__(self):
-        self.sent = bytearray()
+    def __init__(self, server, hello: bool = True):
+        self.server = server
+        self.sock, theirs = socket.socketpair()
+        weakref.finalize(self, self.sock.close)  # the server closes its end when it stops or hangs up
+        self.sock.setblocking(False)
+        theirs.setblocking(False)
+        self.server_side = server.adopt(theirs, "by hand")
+        self.proto = c.ClientConnection()
+        self._received = bytearray()
+        self._seen = 0
+        self._eof = False
+        if hello:
+            self.feed(HELLO)
+            assert isinstance(self.replies()[0], h.HelloReply)
 
-    def send(self, data):
-        self.sent += data
-        return len(data)
+    def feed(self, data: bytes) -> None:
+        self.server.handle(self.server_side, data)
 
-    def fileno(self):
-        return 10**6
+    def send(self, *requests) -> None:
+        self.feed(b"".join(f.encode(r) for r in requests))
 
-    def close(self):
-        pass
+    def received(self) -> bytes:
+        """Every byte the server has sent on this connection."""
+        while not self._eof:
+            try:
+                data = self.sock.recv(1 << 16)
+            except BlockingIOError:
+                break
+            self._received += data
+            self._eof = not data
+        return bytes(self._received)
+
+    def replies(self) -> list:
+        new = self.received()[self._seen :]
+        self._seen += len(new)
+        return self.proto.receive_events(new)
+
+    @property
+    def open(self) -> bool:
+        self.received()
+        return not self._eof
 
 
 _requests = st.one_of(
@@ -544,43 +577,17 @@ def _wire(request) -> bytes:
 def test_any_sequence_of_requests_is_handled(requests):
     server = TCPStoreServer("127.0.0.1", 0, local_socket=False)
     try:
-        fake = _FakeSocket()
-        conn = _Connection(fake, "fuzz", 1 << 20, False)
-        server._conns[conn.fd] = conn
-        server._process(conn, HELLO + b"".join(_wire(r) for r in requests))
-        assert conn.fd in server._conns  # well-formed requests never get a connection closed
-        client = c.ClientConnection()
-        replies = client.receive_events(fake.sent)
+        client = _ByHand(server, hello=False)
+        client.feed(HELLO + b"".join(_wire(r) for r in requests))
+        replies = client.replies()
+        assert client.open  # well-formed requests never get a connection closed
         assert isinstance(replies[0], h.HelloReply)
         assert all(isinstance(r, f.RESPONSES) for r in replies[1:])
     finally:
         server.stop()  # never started: closes its sockets in this thread
 
 
-# -- queues and barriers, on the server's handlers directly (no loop, no timing) -------------------------
-
-
-class _FakeClient:
-    """A connection to ``server`` driven by hand: requests in, the replies it got since last asked."""
-
-    _fds = iter(range(10**6, 10**7))
-
-    def __init__(self, server):
-        self.server = server
-        self.sock = _FakeSocket()
-        self.conn = _Connection(self.sock, "fake", 1 << 20, False, fd=next(self._fds))
-        server._conns[self.conn.fd] = self.conn
-        self.proto = c.ClientConnection()
-        self.server._process(self.conn, HELLO)
-        self._seen = 0
-        assert isinstance(self.replies()[0], h.HelloReply)
-
-    def send(self, *requests) -> None:
-        self.server._process(self.conn, b"".join(f.encode(r) for r in requests))
-
-    def replies(self) -> list:
-        new, self._seen = bytes(self.sock.sent[self._seen :]), len(self.sock.sent)
-        return self.proto.receive_events(new)
+# -- queues and barriers, on a server driven by hand (no loop, no timing) -----------------------------
 
 
 @pytest.fixture
@@ -590,11 +597,11 @@ def bare_server():
     server.stop()  # never started: closes its sockets in this thread
 
 
-LONG = 3_600_000  # ms: only _expire() (called by hand) ends these waits
+LONG = 3_600_000  # ms: only expire() (called by hand) ends these waits
 
 
 def test_a_push_goes_to_the_oldest_parked_pop_then_wakes_one_wait(bare_server):
-    pop1, pop2, wait1, wait2, pusher = (_FakeClient(bare_server) for _ in range(5))
+    pop1, pop2, wait1, wait2, pusher = (_ByHand(bare_server) for _ in range(5))
     pop1.send(f.QueuePop(1, b"q", LONG))
     pop2.send(f.QueuePop(2, b"q", LONG))
     wait1.send(f.Wait(3, [b"q"], LONG))
@@ -608,14 +615,14 @@ def test_a_push_goes_to_the_oldest_parked_pop_then_wakes_one_wait(bare_server):
     assert wait2.replies() == []  # one wait per push
     pusher.send(f.QueueLen(8, b"q"), f.Check(9, [b"q"]))
     assert pusher.replies() == [f.Integer(8, 1), f.Bool(9, True)]
-    bare_server._expire(time.monotonic() + 2 * LONG / 1000)
+    bare_server.expire(time.monotonic() + 2 * LONG / 1000)
     assert wait2.replies() == [f.Ok(4)]  # its deadline found the queue non-empty: no timeout
     pusher.send(f.QueuePop(10, b"q", 0), f.QueuePop(11, b"q", 0))
     assert pusher.replies() == [f.Value(10, b"3"), f.TimedOut(11, [b"q"])]  # timeout 0: the non-blocking pop
 
 
 def test_a_set_releases_every_wait_on_the_name_but_no_pop(bare_server):
-    waiter, popper, writer = (_FakeClient(bare_server) for _ in range(3))
+    waiter, popper, writer = (_ByHand(bare_server) for _ in range(3))
     waiter.send(f.Wait(1, [b"q"], LONG), f.Get(2, b"q", LONG))
     popper.send(f.QueuePop(3, b"q", LONG))
     writer.send(f.Set(4, b"q", b"v"))
@@ -626,19 +633,19 @@ def test_a_set_releases_every_wait_on_the_name_but_no_pop(bare_server):
 
 
 def test_a_parked_pop_that_times_out_or_disconnects_takes_no_item(bare_server):
-    expires, leaves, pusher = (_FakeClient(bare_server) for _ in range(3))
+    expires, leaves, pusher = (_ByHand(bare_server) for _ in range(3))
     expires.send(f.QueuePop(1, b"q", 5))
     leaves.send(f.QueuePop(2, b"q", LONG))
-    bare_server._expire(time.monotonic() + 1)
+    bare_server.expire(time.monotonic() + 1)
     assert expires.replies() == [f.TimedOut(1, [b"q"])]
-    bare_server._close(leaves.conn)
+    bare_server.disconnect(leaves.server_side)
     pusher.send(f.QueuePush(3, b"q", b"kept"), f.QueueLen(4, b"q"))
     assert pusher.replies() == [f.Integer(4, 1)]
-    assert bare_server._poppers == {} and bare_server._waiting == {}
+    assert len(bare_server.parking) == 0 and bare_server.parking.waiting == {}
 
 
 def test_barrier_counts_in_its_key_and_releases_everyone_at_the_world_size(bare_server):
-    a, b, c, late, other = (_FakeClient(bare_server) for _ in range(5))
+    a, b, c, late, other = (_ByHand(bare_server) for _ in range(5))
     a.send(f.Barrier(1, b"b", 3, LONG))
     b.send(f.Barrier(2, b"b", 3, LONG))
     assert a.replies() == b.replies() == []
@@ -649,12 +656,12 @@ def test_barrier_counts_in_its_key_and_releases_everyone_at_the_world_size(bare_
     late.send(f.Barrier(5, b"b", 3, 0))
     assert late.replies() == [f.Ok(5)]  # a passed barrier does not hold later callers
     other.send(f.Barrier(6, b"c", 2, 5))
-    bare_server._expire(time.monotonic() + 1)
+    bare_server.expire(time.monotonic() + 1)
     assert other.replies() == [f.TimedOut(6, [b"c"])]
     other.send(f.Set(7, b"text", b"x"), f.Barrier(8, b"text", 2, LONG))
     (refused,) = other.replies()
     assert refused.__class__ is f.Error and refused.code == f.ERROR_NOT_AN_INTEGER
-    assert bare_server._barriers == {}
+    assert len(bare_server.parking) == 0
 
 
 def test_queue_and_barrier_over_a_real_connection(server):

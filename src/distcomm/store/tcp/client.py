@@ -37,7 +37,7 @@ from .. import rules
 from . import frames, handshake
 from .auth import AUTH_KEY_ENV, AUTH_KEY_FILE_ENV, DistStoreAuthError
 from .connection import NEED_DATA, ClientConnection
-from .server import local_socket_enabled
+from .listeners import local_socket_enabled
 
 _RECV_SIZE = 1 << 16
 _FIRST_RETRY_DELAY = 0.01

@@ -28,6 +28,7 @@ from __future__ import annotations
 import threading
 import weakref
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 from ...errors import DistStoreError
 from .. import rules
@@ -35,7 +36,9 @@ from ..base import Store
 from .auth import key_from_environment
 from .client import TCPStoreClient
 from .frames import DEFAULT_MAX_FRAME_SIZE
-from .server import TCPStoreServer
+
+if TYPE_CHECKING:
+    from .server import TCPStoreServer
 
 
 class _SharedServers:
@@ -55,6 +58,8 @@ class _SharedServers:
                 if entry is not None:
                     entry[1] += 1
                     return entry[0]
+            from .server import TCPStoreServer  # here, not at the top: a process that is no master never loads it
+
             server = TCPStoreServer(host, port, **server_options).start()
             if multi_tenant:
                 self._servers[(host, server.port)] = [server, 1]
