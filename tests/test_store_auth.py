@@ -20,9 +20,8 @@ from distcomm.errors import DistStoreError
 from distcomm.rendezvous import rendezvous
 from distcomm.store import TCPStore
 from distcomm.store.tcp import TCPStoreServer
-from distcomm.store.tcp import protocol as p
+from distcomm.store.tcp import connection as c, frames as f, handshake as h
 from distcomm.store.tcp.auth import DistStoreAuthError, key_from_environment
-from distcomm.store.tcp.server import _Connection
 from harness import free_port, run_world
 
 KEY = "3f6c0b2d9a8e4f71c5d2e6a9b0f1c3d4"  # what `secrets.token_hex(16)` looks like
@@ -165,7 +164,7 @@ def test_a_client_with_a_key_refuses_a_server_without_one(no_key_env):
 def test_a_client_with_a_key_refuses_a_server_that_skips_the_proof(no_key_env, monkeypatch):
     """A server from before authentication ignores the flag and answers OK: still refused."""
     plain = TCPStoreServer("127.0.0.1", 0, local_socket=False).start()
-    monkeypatch.setattr(p.ServerProtocol, "_hello_status", lambda self, hello: p.HELLO_STATUS_OK)
+    monkeypatch.setattr(c.ServerConnection, "hello_status", lambda self, hello: h.HELLO_STATUS_OK)
     no_key_env.setenv("DISTCOMM_AUTH_KEY", KEY)
     with pytest.raises(DistStoreAuthError, match="authenticate too"):
         _client(plain.port)
@@ -175,13 +174,7 @@ def test_a_client_with_a_key_refuses_a_server_that_skips_the_proof(no_key_env, m
 def test_a_server_that_cannot_prove_the_key_gets_no_request(no_key_env, monkeypatch):
     """A server accepting any proof (an impostor) is caught by the client's check of its proof."""
     server = TCPStoreServer("127.0.0.1", 0, local_socket=False, auth_key=b"the impostor's key").start()
-    real_check = p.ServerProtocol.reply_to_proof
-
-    def accepts_anything(self, proof, local_address=b""):
-        right = p.client_proof(self._auth_key, self._client_nonce, self._server_nonce)
-        return real_check(self, p.AuthProof(right), local_address)
-
-    monkeypatch.setattr(p.ServerProtocol, "reply_to_proof", accepts_anything)
+    monkeypatch.setattr(c.ServerConnection, "proof_is_right", lambda self, proof: True)  # accepts anything
     no_key_env.setenv("DISTCOMM_AUTH_KEY", KEY)
     with pytest.raises(DistStoreAuthError, match="authentication failed"):
         _client(server.port)
@@ -201,8 +194,9 @@ def test_the_server_keeps_serving_while_bad_clients_are_refused(master, keyed):
         with pytest.raises(DistStoreAuthError):
             _client(master.port)
     # raw connections: requests after a plain hello, and instead of a proof (more bytes than a proof)
-    stolen = p.encode_set(1, b"stolen", b"x" * 64)
-    for junk in (p.ClientProtocol.send(p.Hello()) + stolen, p.ClientProtocol.send(p.ClientAuth(b"k").hello()) + stolen):
+    stolen = f.encode_set(1, b"stolen", b"x" * 64)
+    for hello in (h.Hello(), h.ClientAuth(b"k").hello()):
+        junk = c.ClientConnection.send(hello) + stolen
         sock = socket.create_connection(("127.0.0.1", master.port), timeout=10)
         sock.sendall(junk)
         assert _closed(sock)
@@ -219,7 +213,7 @@ def test_the_server_keeps_serving_while_bad_clients_are_refused(master, keyed):
 # -- a key-holding server's handlers, driven by hand: nothing is processed before a right proof ---------
 
 
-from test_store_tcp_server import _FakeSocket  # noqa: E402 - a socket that records what is sent
+from test_store_tcp_server import _ByHand  # noqa: E402 - a connection to a server whose loop is not running
 from test_store_tcp_server import _closed_by_server as _closed  # noqa: E402 - EOF or reset within 10 s
 
 
@@ -233,55 +227,31 @@ def bare_server():
     server.stop()  # never started: closes its sockets in this thread
 
 
-class _Peer:
-    """A connection to ``server`` fed by hand; ``replies()`` parses what the server sent since last asked."""
-
-    _fds = iter(range(10**6, 10**7))
-
-    def __init__(self, server):
-        self.server, self.sock = server, _FakeSocket()
-        self.conn = _Connection(self.sock, "peer", 1 << 20, False, fd=next(self._fds), auth_key=server.auth_key)
-        server._conns[self.conn.fd] = self.conn
-        self.proto = p.ClientProtocol()
-        self._seen = 0
-
-    def feed(self, data: bytes) -> None:
-        self.server._process(self.conn, data)
-
-    def replies(self) -> list:
-        new, self._seen = bytes(self.sock.sent[self._seen :]), len(self.sock.sent)
-        return self.proto.receive_events(new)
-
-    @property
-    def open(self) -> bool:
-        return self.conn.fd in self.server._conns
-
-
-REQUESTS = p.encode_set(1, b"stolen", b"x") + p.encode(p.QueuePush(2, b"q", b"x")) + p.encode_add(3, b"n", 1)
+REQUESTS = f.encode_set(1, b"stolen", b"x") + f.encode(f.QueuePush(2, b"q", b"x")) + f.encode_add(3, b"n", 1)
 
 
 def _nothing_processed(server) -> None:
     assert server.table.values == {} and server.table.queue_len(b"q") == 0
-    assert server._waiting == {} and server._deadlines == []
+    assert len(server.parking) == 0 and server.parking.next_deadline is None  # nothing parked, ever
 
 
 def test_requests_with_a_plain_hello_are_dropped_unread(bare_server):
-    peer = _Peer(bare_server)
-    assert peer.conn.recv_size == p.AUTH_HELLO_SIZE  # the server reads no more than a handshake at a time
-    peer.feed(p.ClientProtocol.send(p.Hello()) + REQUESTS + p.encode_get(4, b"k", 3_600_000))
-    assert peer.replies() == [p.HelloReply(p.VERSION, p.HELLO_STATUS_AUTH_REQUIRED)]
+    peer = _ByHand(bare_server, hello=False)
+    assert peer.server_side.recv_size == h.AUTH_HELLO_SIZE  # the server reads no more than a handshake at a time
+    peer.feed(c.ClientConnection.send(h.Hello()) + REQUESTS + f.encode_get(4, b"k", 3_600_000))
+    assert peer.replies() == [h.HelloReply(h.VERSION, h.HELLO_STATUS_AUTH_REQUIRED)]
     assert not peer.open
     _nothing_processed(bare_server)
 
 
 def test_requests_after_a_wrong_proof_are_not_processed(bare_server):
-    peer = _Peer(bare_server)
-    auth = p.ClientAuth(b"wrong key")
-    peer.feed(p.ClientProtocol.send(auth.hello()))
+    peer = _ByHand(bare_server, hello=False)
+    auth = h.ClientAuth(b"wrong key")
+    peer.feed(c.ClientConnection.send(auth.hello()))
     (challenge,) = peer.replies()
-    assert challenge.__class__ is p.AuthChallenge
-    peer.feed(p.ClientProtocol.send(auth.proof(challenge)))
-    assert peer.replies() == [p.HelloReply(p.VERSION, p.HELLO_STATUS_AUTH_FAILED)]
+    assert challenge.__class__ is h.AuthChallenge
+    peer.feed(c.ClientConnection.send(auth.proof(challenge)))
+    assert peer.replies() == [h.HelloReply(h.VERSION, h.HELLO_STATUS_AUTH_FAILED)]
     assert not peer.open
     assert bare_server.stats["auth_refused"] == 1
     _nothing_processed(bare_server)
@@ -289,11 +259,11 @@ def test_requests_after_a_wrong_proof_are_not_processed(bare_server):
 
 @pytest.mark.parametrize("proof", ["wrong", "right"])
 def test_requests_sent_with_the_proof_close_the_connection_unprocessed(bare_server, proof):
-    peer = _Peer(bare_server)
-    auth = p.ClientAuth(SERVER_KEY if proof == "right" else b"wrong key")
-    peer.feed(p.ClientProtocol.send(auth.hello()))
+    peer = _ByHand(bare_server, hello=False)
+    auth = h.ClientAuth(SERVER_KEY if proof == "right" else b"wrong key")
+    peer.feed(c.ClientConnection.send(auth.hello()))
     (challenge,) = peer.replies()
-    peer.feed(p.ClientProtocol.send(auth.proof(challenge)) + REQUESTS)  # not waiting for the server's proof
+    peer.feed(c.ClientConnection.send(auth.proof(challenge)) + REQUESTS)  # not waiting for the server's proof
     assert peer.replies() == [] and not peer.open
     assert bare_server.stats["protocol_errors"] == 1
     _nothing_processed(bare_server)
@@ -302,34 +272,32 @@ def test_requests_sent_with_the_proof_close_the_connection_unprocessed(bare_serv
 def test_the_local_address_is_revealed_only_to_an_authenticated_client(bare_server):
     address = bare_server.local_address
     assert address  # this server offers a Unix socket
-    refused, wrong, right = _Peer(bare_server), _Peer(bare_server), _Peer(bare_server)
-    refused.feed(p.ClientProtocol.send(p.Hello()))
-    auth_wrong, auth_right = p.ClientAuth(b"wrong key"), p.ClientAuth(SERVER_KEY)
-    wrong.feed(p.ClientProtocol.send(auth_wrong.hello()))
-    right.feed(p.ClientProtocol.send(auth_right.hello()))
+    refused, wrong, right = (_ByHand(bare_server, hello=False) for _ in range(3))
+    refused.feed(c.ClientConnection.send(h.Hello()))
+    auth_wrong, auth_right = h.ClientAuth(b"wrong key"), h.ClientAuth(SERVER_KEY)
+    wrong.feed(c.ClientConnection.send(auth_wrong.hello()))
+    right.feed(c.ClientConnection.send(auth_right.hello()))
     (challenge,) = wrong.replies()
-    wrong.feed(p.ClientProtocol.send(auth_wrong.proof(challenge)))
+    wrong.feed(c.ClientConnection.send(auth_wrong.proof(challenge)))
     (challenge,) = right.replies()
-    assert address not in refused.sock.sent and address not in wrong.sock.sent and address not in right.sock.sent
-    right.feed(p.ClientProtocol.send(auth_right.proof(challenge)))
+    assert address not in refused.received() and address not in wrong.received() and address not in right.received()
+    right.feed(c.ClientConnection.send(auth_right.proof(challenge)))
     (accepted,) = right.replies()
-    assert accepted.__class__ is p.AuthAccepted and accepted.local_address == address
+    assert accepted.__class__ is h.AuthAccepted and accepted.local_address == address
     assert auth_right.server_proved(accepted)
-    assert right.conn.recv_size > p.AUTH_HELLO_SIZE
-    right.feed(REQUESTS + p.encode_get(4, b"stolen", 0))
-    assert right.replies() == [p.Integer(3, 1), p.Value(4, b"x")]  # now it is served
+    assert right.server_side.recv_size > h.AUTH_HELLO_SIZE
+    right.feed(REQUESTS + f.encode_get(4, b"stolen", 0))
+    assert right.replies() == [f.Integer(3, 1), f.Value(4, b"x")]  # now it is served
 
 
 def test_an_unfinished_handshake_is_closed_at_the_handshake_timeout(bare_server):
     import time
 
-    peer = _Peer(bare_server)
-    bare_server._mark_partial(peer.conn, time.monotonic())  # as _accept() does
-    auth = p.ClientAuth(SERVER_KEY)
-    peer.feed(p.ClientProtocol.send(auth.hello()))
-    assert peer.replies()[0].__class__ is p.AuthChallenge
-    bare_server._next_sweep = 0.0
-    bare_server._expire(time.monotonic() + 2 * bare_server.idle_timeout)  # never sends its proof
+    peer = _ByHand(bare_server, hello=False)  # adopted as the loop adopts what it accepts: the idle timer runs
+    auth = h.ClientAuth(SERVER_KEY)
+    peer.feed(c.ClientConnection.send(auth.hello()))
+    assert peer.replies()[0].__class__ is h.AuthChallenge
+    bare_server.expire(time.monotonic() + 2 * bare_server.idle_timeout)  # never sends its proof
     assert not peer.open and bare_server.stats["idle_closed"] == 1
 
 
@@ -429,10 +397,10 @@ def test_the_unix_socket_requires_authentication_too(master):
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(10)
     sock.connect(address)
-    sock.sendall(p.ClientProtocol.send(p.Hello()) + p.encode_set(1, b"stolen", b"x"))
-    proto = p.ClientProtocol()
-    while (event := proto.next_event()) is p.NEED_DATA:
+    sock.sendall(c.ClientConnection.send(h.Hello()) + f.encode_set(1, b"stolen", b"x"))
+    proto = c.ClientConnection()
+    while (event := proto.next_event()) is c.NEED_DATA:
         proto.receive_data(sock.recv(4096))
-    assert event == p.HelloReply(p.VERSION, p.HELLO_STATUS_AUTH_REQUIRED)
+    assert event == h.HelloReply(h.VERSION, h.HELLO_STATUS_AUTH_REQUIRED)
     assert _closed(sock)
     assert not master.check(["stolen"])

@@ -10,7 +10,7 @@ import struct
 
 import pytest
 
-from distcomm.store.tcp import protocol as p
+from distcomm.store.tcp import connection as c, frames as f, handshake as h
 
 
 def frame(length: int, opcode: str, request_id: str, *fields: str) -> bytes:
@@ -21,40 +21,40 @@ def frame(length: int, opcode: str, request_id: str, *fields: str) -> bytes:
 U32_1, U32_2 = "01000000", "02000000"
 
 REQUESTS = [
-    (p.Set(1, b"k", b"v"), frame(11, "01", U32_1, U32_1, "6b", "76")),
-    (p.Set(1, b"", b""), frame(9, "01", U32_1, "00000000")),
-    (p.Get(2, b"k", 1500), frame(14, "02", U32_2, "dc05000000000000", "6b")),
-    (p.Add(3, b"c", -2), frame(14, "03", "03000000", "feffffffffffffff", "63")),
-    (p.CompareSet(4, b"k", b"", b"d"), frame(15, "04", "04000000", U32_1, "6b", "00000000", "64")),
-    (p.Wait(5, [b"a", b"bc"], 0), frame(28, "05", "05000000", "0000000000000000", U32_2, U32_1, "61", U32_2, "6263")),
-    (p.Check(6, []), frame(9, "06", "06000000", "00000000")),
-    (p.NumKeys(7), frame(5, "07", "07000000")),
-    (p.DeleteKey(8, b"k"), frame(6, "08", "08000000", "6b")),
-    (p.Append(9, b"k", b"v"), frame(11, "09", "09000000", U32_1, "6b", "76")),
-    (p.MultiGet(10, [b"a"], 7), frame(22, "0a", "0a000000", "0700000000000000", U32_1, U32_1, "61")),
-    (p.MultiSet(11, [b"a"], [b"b"]), frame(23, "0b", "0b000000", U32_1, U32_1, "61", U32_1, U32_1, "62")),
-    (p.ListKeys(12), frame(5, "0c", "0c000000")),
-    (p.Join(0xFFFFFFFF), frame(5, "0d", "ffffffff")),
+    (f.Set(1, b"k", b"v"), frame(11, "01", U32_1, U32_1, "6b", "76")),
+    (f.Set(1, b"", b""), frame(9, "01", U32_1, "00000000")),
+    (f.Get(2, b"k", 1500), frame(14, "02", U32_2, "dc05000000000000", "6b")),
+    (f.Add(3, b"c", -2), frame(14, "03", "03000000", "feffffffffffffff", "63")),
+    (f.CompareSet(4, b"k", b"", b"d"), frame(15, "04", "04000000", U32_1, "6b", "00000000", "64")),
+    (f.Wait(5, [b"a", b"bc"], 0), frame(28, "05", "05000000", "0000000000000000", U32_2, U32_1, "61", U32_2, "6263")),
+    (f.Check(6, []), frame(9, "06", "06000000", "00000000")),
+    (f.NumKeys(7), frame(5, "07", "07000000")),
+    (f.DeleteKey(8, b"k"), frame(6, "08", "08000000", "6b")),
+    (f.Append(9, b"k", b"v"), frame(11, "09", "09000000", U32_1, "6b", "76")),
+    (f.MultiGet(10, [b"a"], 7), frame(22, "0a", "0a000000", "0700000000000000", U32_1, U32_1, "61")),
+    (f.MultiSet(11, [b"a"], [b"b"]), frame(23, "0b", "0b000000", U32_1, U32_1, "61", U32_1, U32_1, "62")),
+    (f.ListKeys(12), frame(5, "0c", "0c000000")),
+    (f.Join(0xFFFFFFFF), frame(5, "0d", "ffffffff")),
     # version 2: queues and barrier
-    (p.QueuePush(13, b"q", b"item"), frame(14, "0e", "0d000000", U32_1, "71", "6974656d")),
-    (p.QueuePush(13, b"q", b""), frame(10, "0e", "0d000000", U32_1, "71")),
-    (p.QueuePop(14, b"q", 300_000), frame(14, "0f", "0e000000", "e093040000000000", "71")),
-    (p.QueuePop(14, b"q", 0), frame(14, "0f", "0e000000", "0000000000000000", "71")),  # block=False
-    (p.QueueLen(15, b"qq"), frame(7, "10", "0f000000", "7171")),
-    (p.Barrier(16, b"b", 3, 250), frame(22, "11", "10000000", "0300000000000000", "fa00000000000000", "62")),
-    (p.Barrier(17, b"", 2**63 - 1, 2**64 - 1), frame(21, "11", "11000000", "ffffffffffffff7f", "ffffffffffffffff")),
+    (f.QueuePush(13, b"q", b"item"), frame(14, "0e", "0d000000", U32_1, "71", "6974656d")),
+    (f.QueuePush(13, b"q", b""), frame(10, "0e", "0d000000", U32_1, "71")),
+    (f.QueuePop(14, b"q", 300_000), frame(14, "0f", "0e000000", "e093040000000000", "71")),
+    (f.QueuePop(14, b"q", 0), frame(14, "0f", "0e000000", "0000000000000000", "71")),  # block=False
+    (f.QueueLen(15, b"qq"), frame(7, "10", "0f000000", "7171")),
+    (f.Barrier(16, b"b", 3, 250), frame(22, "11", "10000000", "0300000000000000", "fa00000000000000", "62")),
+    (f.Barrier(17, b"", 2**63 - 1, 2**64 - 1), frame(21, "11", "11000000", "ffffffffffffff7f", "ffffffffffffffff")),
 ]
 
 RESPONSES = [
-    (p.Ok(7), frame(5, "80", "07000000")),
-    (p.Value(8, b"xy"), frame(7, "81", "08000000", "7879")),
-    (p.Integer(9, -1), frame(13, "82", "09000000", "ffffffffffffffff")),
-    (p.Integer(9, 2**63 - 1), frame(13, "82", "09000000", "ffffffffffffff7f")),
-    (p.Bool(10, True), frame(6, "83", "0a000000", "01")),
-    (p.Bool(10, False), frame(6, "83", "0a000000", "00")),
-    (p.Values(11, [b"a", b""]), frame(18, "84", "0b000000", U32_2, U32_1, "61", "00000000")),
-    (p.TimedOut(12, [b"a"]), frame(14, "85", "0c000000", U32_1, U32_1, "61")),
-    (p.Error(13, p.ERROR_NOT_AN_INTEGER, b"no"), frame(8, "86", "0d000000", "01", "6e6f")),
+    (f.Ok(7), frame(5, "80", "07000000")),
+    (f.Value(8, b"xy"), frame(7, "81", "08000000", "7879")),
+    (f.Integer(9, -1), frame(13, "82", "09000000", "ffffffffffffffff")),
+    (f.Integer(9, 2**63 - 1), frame(13, "82", "09000000", "ffffffffffffff7f")),
+    (f.Bool(10, True), frame(6, "83", "0a000000", "01")),
+    (f.Bool(10, False), frame(6, "83", "0a000000", "00")),
+    (f.Values(11, [b"a", b""]), frame(18, "84", "0b000000", U32_2, U32_1, "61", "00000000")),
+    (f.TimedOut(12, [b"a"]), frame(14, "85", "0c000000", U32_1, U32_1, "61")),
+    (f.Error(13, f.ERROR_NOT_AN_INTEGER, b"no"), frame(8, "86", "0d000000", "01", "6e6f")),
 ]
 
 HELLO = b"DCKV\x02\x00\x00\x00"  # version 2: version 1 plus queues and barrier
@@ -63,17 +63,17 @@ HELLO_OK_LOCAL = b"DCKV\x02\x00\x00\x00\x04\x00\x00abc"
 HELLO_REFUSED = b"DCKV\x02\x00\x01\x00\x00\x00"
 
 
-def _server(max_frame_size: int = p.DEFAULT_MAX_FRAME_SIZE) -> p.ServerProtocol:
-    proto = p.ServerProtocol(max_frame_size)
+def _server(max_frame_size: int = f.DEFAULT_MAX_FRAME_SIZE) -> c.ServerConnection:
+    proto = c.ServerConnection(max_frame_size)
     proto.receive_data(HELLO)
-    assert proto.next_event() == p.Hello(2)
+    assert proto.next_event() == h.Hello(2)
     return proto
 
 
-def _client() -> p.ClientProtocol:
-    proto = p.ClientProtocol()
+def _client() -> c.ClientConnection:
+    proto = c.ClientConnection()
     proto.receive_data(HELLO_OK)
-    assert proto.next_event() == p.HelloReply(2, p.HELLO_STATUS_OK)
+    assert proto.next_event() == h.HelloReply(2, h.HELLO_STATUS_OK)
     return proto
 
 
@@ -81,61 +81,61 @@ def _client() -> p.ClientProtocol:
 
 
 def test_hello_bytes():
-    assert p.ClientProtocol.send(p.Hello()) == HELLO
-    assert p.ServerProtocol.send(p.HelloReply(2, p.HELLO_STATUS_OK)) == HELLO_OK
-    assert p.ServerProtocol.send(p.HelloReply(2, p.HELLO_STATUS_UNSUPPORTED_VERSION)) == HELLO_REFUSED
-    assert p.ServerProtocol.send(p.HelloReply(2, p.HELLO_STATUS_OK, b"\0abc")) == HELLO_OK_LOCAL
+    assert c.ClientConnection.send(h.Hello()) == HELLO
+    assert c.ServerConnection.send(h.HelloReply(2, h.HELLO_STATUS_OK)) == HELLO_OK
+    assert c.ServerConnection.send(h.HelloReply(2, h.HELLO_STATUS_UNSUPPORTED_VERSION)) == HELLO_REFUSED
+    assert c.ServerConnection.send(h.HelloReply(2, h.HELLO_STATUS_OK, b"\0abc")) == HELLO_OK_LOCAL
 
 
 def test_hello_reply_with_a_local_address_arriving_in_pieces():
-    client = p.ClientProtocol()
+    client = c.ClientConnection()
     events = []
     for i in range(len(HELLO_OK_LOCAL)):
         events += client.receive_events(HELLO_OK_LOCAL[i : i + 1])
-    assert events == [p.HelloReply(2, p.HELLO_STATUS_OK, b"\0abc")]
+    assert events == [h.HelloReply(2, h.HELLO_STATUS_OK, b"\0abc")]
     assert not client.has_partial_data
 
 
 @pytest.mark.parametrize("event, wire", REQUESTS, ids=lambda x: type(x).__name__ if not isinstance(x, bytes) else "")
 def test_request_encoding_and_decoding(event, wire):
-    assert p.ClientProtocol.send(event) == wire
+    assert c.ClientConnection.send(event) == wire
     server = _server()
     server.receive_data(wire)
     assert server.next_event() == event
-    assert server.next_event() is p.NEED_DATA
+    assert server.next_event() is c.NEED_DATA
 
 
 @pytest.mark.parametrize("event, wire", RESPONSES, ids=lambda x: type(x).__name__ if not isinstance(x, bytes) else "")
 def test_response_encoding_and_decoding(event, wire):
-    assert p.ServerProtocol.send(event) == wire
+    assert c.ServerConnection.send(event) == wire
     client = _client()
     assert client.receive_events(wire) == [event]
 
 
 def test_fast_encoders_match_the_generic_encoder():
-    assert p.encode_set(5, b"key", b"value") == p.encode(p.Set(5, b"key", b"value"))
-    assert p.encode_get(5, b"key", 300_000) == p.encode(p.Get(5, b"key", 300_000))
-    assert p.encode_add(5, b"key", -(2**63)) == p.encode(p.Add(5, b"key", -(2**63)))
-    assert p.encode_ok(5) == p.encode(p.Ok(5))
-    assert p.encode_value(5, b"v") == p.encode(p.Value(5, b"v"))
-    assert p.encode_integer(5, 42) == p.encode(p.Integer(5, 42))
-    assert p.encode_bool(5, True) == p.encode(p.Bool(5, True))
+    assert f.encode_set(5, b"key", b"value") == f.encode(f.Set(5, b"key", b"value"))
+    assert f.encode_get(5, b"key", 300_000) == f.encode(f.Get(5, b"key", 300_000))
+    assert f.encode_add(5, b"key", -(2**63)) == f.encode(f.Add(5, b"key", -(2**63)))
+    assert f.encode_ok(5) == f.encode(f.Ok(5))
+    assert f.encode_value(5, b"v") == f.encode(f.Value(5, b"v"))
+    assert f.encode_integer(5, 42) == f.encode(f.Integer(5, 42))
+    assert f.encode_bool(5, True) == f.encode(f.Bool(5, True))
 
 
 def test_each_side_sends_only_its_own_events():
     with pytest.raises(TypeError):
-        p.ClientProtocol.send(p.Ok(1))
+        c.ClientConnection.send(f.Ok(1))
     with pytest.raises(TypeError):
-        p.ServerProtocol.send(p.Set(1, b"k", b"v"))
+        c.ServerConnection.send(f.Set(1, b"k", b"v"))
     with pytest.raises(TypeError):
-        p.encode(p.Hello())
+        f.encode(h.Hello())
     with pytest.raises(ValueError):
-        p.encode(p.MultiSet(1, [b"a"], []))
+        f.encode(f.MultiSet(1, [b"a"], []))
 
 
 def test_version_policy():
-    assert p.ServerProtocol.reply_to(p.Hello(p.VERSION)) == p.HelloReply(p.VERSION, p.HELLO_STATUS_OK)
-    assert p.ServerProtocol.reply_to(p.Hello(99)).status == p.HELLO_STATUS_UNSUPPORTED_VERSION
+    assert c.ServerConnection.reply_to(h.Hello(h.VERSION)) == h.HelloReply(h.VERSION, h.HELLO_STATUS_OK)
+    assert c.ServerConnection.reply_to(h.Hello(99)).status == h.HELLO_STATUS_UNSUPPORTED_VERSION
 
 
 # -- incremental parsing --------------------------------------------------------------------------
@@ -143,11 +143,11 @@ def test_version_policy():
 
 def test_byte_by_byte_gives_the_same_events():
     stream = b"".join(wire for _, wire in REQUESTS)
-    server = p.ServerProtocol()
+    server = c.ServerConnection()
     events = []
     for i in range(len(HELLO + stream)):
         events += server.receive_events((HELLO + stream)[i : i + 1])
-    assert events == [p.Hello(2)] + [event for event, _ in REQUESTS]
+    assert events == [h.Hello(2)] + [event for event, _ in REQUESTS]
     assert not server.has_partial_data
 
 
@@ -163,19 +163,19 @@ def test_many_frames_in_one_chunk_and_a_split_frame():
 
 
 def test_partial_data_tracks_the_hello_and_frames():
-    server = p.ServerProtocol()
+    server = c.ServerConnection()
     assert server.has_partial_data  # no hello yet
     server.receive_data(HELLO[:3])
-    assert server.next_event() is p.NEED_DATA and server.has_partial_data
+    assert server.next_event() is c.NEED_DATA and server.has_partial_data
     server.receive_data(HELLO[3:])
-    assert server.next_event() == p.Hello(2)
+    assert server.next_event() == h.Hello(2)
     assert not server.has_partial_data
     server.receive_data(REQUESTS[0][1][:4])
-    assert server.next_event() is p.NEED_DATA and server.has_partial_data
+    assert server.next_event() is c.NEED_DATA and server.has_partial_data
 
 
 def test_empty_data_means_closed():
-    server = p.ServerProtocol()
+    server = c.ServerConnection()
     server.receive_data(b"")
     assert server.closed
 
@@ -184,33 +184,33 @@ def test_empty_data_means_closed():
 
 
 def test_wrong_magic_is_reported_at_the_first_wrong_byte():
-    server = p.ServerProtocol()
+    server = c.ServerConnection()
     server.receive_data(b"G")  # e.g. "GET / HTTP/1.1"
-    with pytest.raises(p.ProtocolError, match="bad magic"):
+    with pytest.raises(f.ProtocolError, match="bad magic"):
         server.next_event()
 
 
 @pytest.mark.parametrize("version", [1, 3])  # 1: before queues and barrier, whose opcodes it would not know
 def test_unsupported_version_is_parsed_then_refused(version):
-    server = p.ServerProtocol()
+    server = c.ServerConnection()
     server.receive_data(b"DCKV" + bytes([version]) + b"\x00\x00\x00")
     hello = server.next_event()
-    assert hello == p.Hello(version)
+    assert hello == h.Hello(version)
     assert server.send(server.reply_to(hello)) == HELLO_REFUSED
 
 
 def test_a_huge_length_prefix_is_refused_before_anything_else_arrives():
     server = _server(max_frame_size=1 << 20)
     server.receive_data(struct.pack("<Q", 2**40))  # only the 8 length bytes
-    with pytest.raises(p.ProtocolError, match="exceeds the maximum frame size"):
+    with pytest.raises(f.ProtocolError, match="exceeds the maximum frame size"):
         server.next_event()
-    assert p.DEFAULT_MAX_FRAME_SIZE < 2**40
+    assert f.DEFAULT_MAX_FRAME_SIZE < 2**40
 
 
 def test_a_huge_length_prefix_in_a_batch_is_refused():
     server = _server(max_frame_size=1 << 20)
-    with pytest.raises(p.ProtocolError, match="exceeds"):
-        server.receive_events(p.encode(p.NumKeys(1)) + struct.pack("<Q", 2**40) + b"\x01")
+    with pytest.raises(f.ProtocolError, match="exceeds"):
+        server.receive_events(f.encode(f.NumKeys(1)) + struct.pack("<Q", 2**40) + b"\x01")
 
 
 @pytest.mark.parametrize(
@@ -230,17 +230,17 @@ def test_a_huge_length_prefix_in_a_batch_is_refused():
 )
 def test_malformed_frames_raise_protocol_error(wire, message):
     server = _server()
-    with pytest.raises(p.ProtocolError, match=message):
+    with pytest.raises(f.ProtocolError, match=message):
         server.receive_events(wire)
 
 
 def test_bad_responses_raise_protocol_error():
     client = _client()
-    with pytest.raises(p.ProtocolError, match="not one byte 0 or 1"):
+    with pytest.raises(f.ProtocolError, match="not one byte 0 or 1"):
         client.receive_events(frame(6, "83", U32_1, "02"))
-    with pytest.raises(p.ProtocolError, match="not 8"):
+    with pytest.raises(f.ProtocolError, match="not 8"):
         _client().receive_events(frame(6, "82", U32_1, "02"))
-    with pytest.raises(p.ProtocolError, match="unknown opcode 0x01"):
+    with pytest.raises(f.ProtocolError, match="unknown opcode 0x01"):
         _client().receive_events(REQUESTS[0][1])  # a request sent to the client
 
 
@@ -251,18 +251,18 @@ def test_receive_events_equals_next_event_loop():
     b.receive_data(stream[:50])
     b.receive_data(stream[50:])
     via_loop = []
-    while (event := b.next_event()) is not p.NEED_DATA:
+    while (event := b.next_event()) is not c.NEED_DATA:
         via_loop.append(event)
     assert via_batch == via_loop == [event for event, _ in REQUESTS] * 3
 
 
 def test_receive_reply_picks_the_awaited_answer_and_drops_late_ones():
-    late = p.encode(p.Value(3, b"late"))
-    awaited = p.encode(p.Integer(4, 9))
+    late = f.encode(f.Value(3, b"late"))
+    awaited = f.encode(f.Integer(4, 9))
     client = _client()
-    assert client.receive_reply(awaited, 4) == p.Integer(4, 9)  # the fast path
+    assert client.receive_reply(awaited, 4) == f.Integer(4, 9)  # the fast path
     assert client.receive_reply(late + awaited[:5], 4) is None  # late answer dropped, reply incomplete
-    assert client.receive_reply(awaited[5:], 4) == p.Integer(4, 9)
+    assert client.receive_reply(awaited[5:], 4) == f.Integer(4, 9)
     assert not client.has_partial_data
 
 
@@ -287,8 +287,8 @@ def test_server_parser_never_fails_otherwise(chunks, cut):
     try:
         for i in range(0, len(stream), cut):
             for event in server.receive_events(stream[i : i + cut]):
-                assert isinstance(event, p.REQUESTS)
-    except p.ProtocolError:
+                assert isinstance(event, f.REQUESTS)
+    except f.ProtocolError:
         pass
 
 
@@ -314,38 +314,38 @@ AUTH_FAILED = b"DCKV\x02\x00\x05\x00\x00\x00"  # a wrong proof
 AUTH_UNAVAILABLE = b"DCKV\x02\x00\x06\x00\x00\x00"  # an authenticating client, a server without a key
 
 
-def _auth_server() -> p.ServerProtocol:
-    return p.ServerProtocol(auth_key=KEY, server_nonce=NS)
+def _auth_server() -> c.ServerConnection:
+    return c.ServerConnection(auth_key=KEY, server_nonce=NS)
 
 
 def test_auth_message_bytes():
-    auth = p.ClientAuth(KEY, nonce=NC)
-    assert p.ClientProtocol.send(auth.hello()) == AUTH_HELLO
-    assert p.ServerProtocol.send(p.AuthChallenge(2, NS)) == CHALLENGE
-    assert p.ClientProtocol.send(auth.proof(p.AuthChallenge(2, NS))) == CLIENT_PROOF  # 32 bytes, nothing else
-    assert p.ServerProtocol.send(p.AuthAccepted(2, SERVER_PROOF, b"\0abc")) == ACCEPTED
-    assert p.ServerProtocol.send(p.HelloReply(2, p.HELLO_STATUS_AUTH_REQUIRED)) == AUTH_REQUIRED
-    assert p.ServerProtocol.send(p.HelloReply(2, p.HELLO_STATUS_AUTH_FAILED)) == AUTH_FAILED
-    assert p.ServerProtocol.send(p.HelloReply(2, p.HELLO_STATUS_AUTH_UNAVAILABLE)) == AUTH_UNAVAILABLE
-    assert p.client_proof(KEY, NC, NS) == CLIENT_PROOF
-    assert p.server_proof(KEY, NC, NS, b"\0abc") == SERVER_PROOF
-    assert len(AUTH_HELLO) == p.AUTH_HELLO_SIZE == 40 and len(CLIENT_PROOF) == p.PROOF_SIZE
+    auth = h.ClientAuth(KEY, nonce=NC)
+    assert c.ClientConnection.send(auth.hello()) == AUTH_HELLO
+    assert c.ServerConnection.send(h.AuthChallenge(2, NS)) == CHALLENGE
+    assert c.ClientConnection.send(auth.proof(h.AuthChallenge(2, NS))) == CLIENT_PROOF  # 32 bytes, nothing else
+    assert c.ServerConnection.send(h.AuthAccepted(2, SERVER_PROOF, b"\0abc")) == ACCEPTED
+    assert c.ServerConnection.send(h.HelloReply(2, h.HELLO_STATUS_AUTH_REQUIRED)) == AUTH_REQUIRED
+    assert c.ServerConnection.send(h.HelloReply(2, h.HELLO_STATUS_AUTH_FAILED)) == AUTH_FAILED
+    assert c.ServerConnection.send(h.HelloReply(2, h.HELLO_STATUS_AUTH_UNAVAILABLE)) == AUTH_UNAVAILABLE
+    assert h.client_proof(KEY, NC, NS) == CLIENT_PROOF
+    assert h.server_proof(KEY, NC, NS, b"\0abc") == SERVER_PROOF
+    assert len(AUTH_HELLO) == h.AUTH_HELLO_SIZE == 40 and len(CLIENT_PROOF) == h.PROOF_SIZE
 
 
 def test_auth_handshake_from_hello_to_the_first_request():
-    server, client, auth = _auth_server(), p.ClientProtocol(), p.ClientAuth(KEY, nonce=NC)
-    assert server.receive_events(AUTH_HELLO) == [p.Hello(2, NC)]
-    assert server.send(server.reply_to_hello(p.Hello(2, NC))) == CHALLENGE
-    assert client.receive_events(CHALLENGE) == [p.AuthChallenge(2, NS)]
+    server, client, auth = _auth_server(), c.ClientConnection(), h.ClientAuth(KEY, nonce=NC)
+    assert server.receive_events(AUTH_HELLO) == [h.Hello(2, NC)]
+    assert server.send(server.reply_to_hello(h.Hello(2, NC))) == CHALLENGE
+    assert client.receive_events(CHALLENGE) == [h.AuthChallenge(2, NS)]
     assert client.has_partial_data  # still in the handshake: another reply follows
     assert not server.authenticated and server.has_partial_data  # the handshake timeout still runs
-    assert server.receive_events(CLIENT_PROOF) == [p.AuthProof(CLIENT_PROOF)]
-    accepted = server.reply_to_proof(p.AuthProof(CLIENT_PROOF), b"\0abc")
+    assert server.receive_events(CLIENT_PROOF) == [h.AuthProof(CLIENT_PROOF)]
+    accepted = server.reply_to_proof(h.AuthProof(CLIENT_PROOF), b"\0abc")
     assert server.send(accepted) == ACCEPTED
     assert server.authenticated and not server.has_partial_data
-    assert client.receive_events(ACCEPTED) == [p.AuthAccepted(2, SERVER_PROOF, b"\0abc")]
-    assert auth.proof(p.AuthChallenge(2, NS)).proof == CLIENT_PROOF
-    assert auth.server_proved(p.AuthAccepted(2, SERVER_PROOF, b"\0abc"))
+    assert client.receive_events(ACCEPTED) == [h.AuthAccepted(2, SERVER_PROOF, b"\0abc")]
+    assert auth.proof(h.AuthChallenge(2, NS)).proof == CLIENT_PROOF
+    assert auth.server_proved(h.AuthAccepted(2, SERVER_PROOF, b"\0abc"))
     set_wire = REQUESTS[0][1]
     assert server.receive_events(set_wire) == [REQUESTS[0][0]]  # requests flow only now
     assert client.receive_events(RESPONSES[0][1]) == [RESPONSES[0][0]]
@@ -356,29 +356,29 @@ def test_auth_handshake_byte_by_byte():
     events = []
     for i in range(len(AUTH_HELLO)):
         events += server.receive_events(AUTH_HELLO[i : i + 1])
-    assert events == [p.Hello(2, NC)]
+    assert events == [h.Hello(2, NC)]
     server.reply_to_hello(events[0])
     for i in range(len(CLIENT_PROOF)):
         events += server.receive_events(CLIENT_PROOF[i : i + 1])
-    assert events[1:] == [p.AuthProof(CLIENT_PROOF)]
-    client, replies = p.ClientProtocol(), []
+    assert events[1:] == [h.AuthProof(CLIENT_PROOF)]
+    client, replies = c.ClientConnection(), []
     for i, byte in enumerate(CHALLENGE + ACCEPTED):
         replies += client.receive_events(bytes([byte]))
-    assert replies == [p.AuthChallenge(2, NS), p.AuthAccepted(2, SERVER_PROOF, b"\0abc")]
+    assert replies == [h.AuthChallenge(2, NS), h.AuthAccepted(2, SERVER_PROOF, b"\0abc")]
 
 
 def test_the_server_proof_is_checked_and_binds_the_revealed_address():
-    auth = p.ClientAuth(KEY, nonce=NC)
-    assert not auth.server_proved(p.AuthAccepted(2, SERVER_PROOF, b"\0abc"))  # no challenge answered yet
-    auth.proof(p.AuthChallenge(2, NS))
-    assert auth.server_proved(p.AuthAccepted(2, SERVER_PROOF, b"\0abc"))
-    assert not auth.server_proved(p.AuthAccepted(2, SERVER_PROOF, b"\0abd"))  # another address
-    assert not auth.server_proved(p.AuthAccepted(2, bytes(32), b"\0abc"))
-    other = p.ClientAuth(b"another key", nonce=NC)
-    other.proof(p.AuthChallenge(2, NS))
-    assert not other.server_proved(p.AuthAccepted(2, SERVER_PROOF, b"\0abc"))
+    auth = h.ClientAuth(KEY, nonce=NC)
+    assert not auth.server_proved(h.AuthAccepted(2, SERVER_PROOF, b"\0abc"))  # no challenge answered yet
+    auth.proof(h.AuthChallenge(2, NS))
+    assert auth.server_proved(h.AuthAccepted(2, SERVER_PROOF, b"\0abc"))
+    assert not auth.server_proved(h.AuthAccepted(2, SERVER_PROOF, b"\0abd"))  # another address
+    assert not auth.server_proved(h.AuthAccepted(2, bytes(32), b"\0abc"))
+    other = h.ClientAuth(b"another key", nonce=NC)
+    other.proof(h.AuthChallenge(2, NS))
+    assert not other.server_proved(h.AuthAccepted(2, SERVER_PROOF, b"\0abc"))
     # the two directions differ: a server's proof cannot be reflected back as a client's
-    assert p.server_proof(KEY, NC, NS, b"") != p.client_proof(KEY, NC, NS)
+    assert h.server_proof(KEY, NC, NS, b"") != h.client_proof(KEY, NC, NS)
 
 
 UNAUTHENTICATED_REQUESTS = b"".join(wire for _, wire in REQUESTS)
@@ -393,9 +393,9 @@ UNAUTHENTICATED_REQUESTS = b"".join(wire for _, wire in REQUESTS)
     ids=["no key on the client", "no key on the server"],
 )
 def test_a_refused_hello_is_answered_and_nothing_after_it_is_parsed(server_key, hello, reply):
-    server = p.ServerProtocol(auth_key=server_key, server_nonce=NS)
+    server = c.ServerConnection(auth_key=server_key, server_nonce=NS)
     events = server.receive_events(hello + UNAUTHENTICATED_REQUESTS)
-    assert events == [p.Hello(2, hello[8:])]  # the requests were dropped unread
+    assert events == [h.Hello(2, hello[8:])]  # the requests were dropped unread
     assert server.send(server.reply_to_hello(events[0])) == reply
     assert server.receive_events(UNAUTHENTICATED_REQUESTS) == []
     assert not server.authenticated
@@ -405,9 +405,9 @@ def test_a_wrong_proof_is_refused_and_nothing_after_it_is_parsed():
     server = _auth_server()
     (hello,) = server.receive_events(AUTH_HELLO)
     server.reply_to_hello(hello)
-    wrong = p.client_proof(b"another key", NC, NS)
-    assert server.receive_events(wrong) == [p.AuthProof(wrong)]
-    assert server.send(server.reply_to_proof(p.AuthProof(wrong), b"\0abc")) == AUTH_FAILED
+    wrong = h.client_proof(b"another key", NC, NS)
+    assert server.receive_events(wrong) == [h.AuthProof(wrong)]
+    assert server.send(server.reply_to_proof(h.AuthProof(wrong), b"\0abc")) == AUTH_FAILED
     assert server.receive_events(UNAUTHENTICATED_REQUESTS) == [] and not server.authenticated
 
 
@@ -421,21 +421,21 @@ def test_a_wrong_proof_is_refused_and_nothing_after_it_is_parsed():
 )
 def test_bytes_beyond_the_fixed_size_handshake_are_a_protocol_error(after_hello):
     server = _auth_server()
-    with pytest.raises(p.ProtocolError, match="authentication proof"):
+    with pytest.raises(f.ProtocolError, match="authentication proof"):
         server.receive_events(AUTH_HELLO + after_hello)
 
 
 def test_bytes_after_the_proof_before_its_answer_are_a_protocol_error():
     server = _auth_server()
-    assert server.receive_events(AUTH_HELLO + CLIENT_PROOF) == [p.Hello(2, NC), p.AuthProof(CLIENT_PROOF)]
-    with pytest.raises(p.ProtocolError, match="before the server answered"):
+    assert server.receive_events(AUTH_HELLO + CLIENT_PROOF) == [h.Hello(2, NC), h.AuthProof(CLIENT_PROOF)]
+    with pytest.raises(f.ProtocolError, match="before the server answered"):
         server.receive_events(REQUESTS[0][1])
 
 
 def test_a_plain_hello_to_a_keyless_server_is_unchanged_by_the_auth_support():
-    server = p.ServerProtocol(auth_key=None)
-    assert server.receive_events(HELLO) == [p.Hello(2)]
-    assert server.send(server.reply_to_hello(p.Hello(2))) == HELLO_OK
+    server = c.ServerConnection(auth_key=None)
+    assert server.receive_events(HELLO) == [h.Hello(2)]
+    assert server.send(server.reply_to_hello(h.Hello(2))) == HELLO_OK
     assert server.authenticated
 
 
@@ -447,8 +447,8 @@ def test_a_plain_hello_to_a_keyless_server_is_unchanged_by_the_auth_support():
     ],
 )
 def test_malformed_auth_replies_raise_protocol_error(wire, message):
-    with pytest.raises(p.ProtocolError, match=message):
-        p.ClientProtocol().receive_events(wire)
+    with pytest.raises(f.ProtocolError, match=message):
+        c.ClientConnection().receive_events(wire)
 
 
 @settings(max_examples=150, deadline=None)
@@ -459,11 +459,11 @@ def test_a_key_holding_server_parses_no_request_before_a_right_proof(chunks, cut
     try:
         for i in range(0, len(stream), cut):
             for event in server.receive_events(stream[i : i + cut]):
-                assert isinstance(event, (p.Hello, p.AuthProof))
-                if isinstance(event, p.Hello):
+                assert isinstance(event, (h.Hello, h.AuthProof))
+                if isinstance(event, h.Hello):
                     server.reply_to_hello(event)
                 else:
-                    assert server.reply_to_proof(event).status == p.HELLO_STATUS_AUTH_FAILED
-    except p.ProtocolError:
+                    assert server.reply_to_proof(event).status == h.HELLO_STATUS_AUTH_FAILED
+    except f.ProtocolError:
         pass
     assert not server.authenticated

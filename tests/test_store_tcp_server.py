@@ -15,6 +15,7 @@ import sys
 import textwrap
 import threading
 import time
+import weakref
 from datetime import timedelta
 
 import pytest
@@ -22,17 +23,17 @@ import pytest
 from distcomm.errors import DistNetworkError, DistStoreError, DistStoreTimeoutError
 from distcomm.store import TCPStore
 from distcomm.store.tcp import TCPStoreServer
-from distcomm.store.tcp import protocol as p
+from distcomm.store.tcp import connection as c, frames as f, handshake as h
 from distcomm.store.tcp.client import TCPStoreClient
 from harness import free_port
 
-HELLO = p.ClientProtocol.send(p.Hello())
+HELLO = c.ClientConnection.send(h.Hello())
 IDLE = 0.4  # the test server's idle timeout, in seconds
 
 
-def _hello_reply(sock: socket.socket) -> p.HelloReply:
-    proto = p.ClientProtocol()
-    while (event := proto.next_event()) is p.NEED_DATA:
+def _hello_reply(sock: socket.socket) -> h.HelloReply:
+    proto = c.ClientConnection()
+    while (event := proto.next_event()) is c.NEED_DATA:
         proto.receive_data(sock.recv(1))  # byte by byte: leave what follows the reply in the socket
     return event
 
@@ -112,14 +113,14 @@ def test_wrong_magic(server, good_client):
 def test_wrong_version_gets_a_refusal_naming_our_version_then_close(server, good_client):
     sock = _raw(server)
     sock.sendall(b"DCKV\x63\x00\x00\x00")  # version 99
-    assert _hello_reply(sock) == p.HelloReply(p.VERSION, p.HELLO_STATUS_UNSUPPORTED_VERSION)
+    assert _hello_reply(sock) == h.HelloReply(h.VERSION, h.HELLO_STATUS_UNSUPPORTED_VERSION)
     assert _closed_by_server(sock)
     _still_served(server, good_client)
 
 
 def test_wrong_version_client_error_names_both_versions(server, monkeypatch):
-    newer_server = staticmethod(lambda hello: p.HelloReply(3, p.HELLO_STATUS_UNSUPPORTED_VERSION))
-    monkeypatch.setattr(p.ServerProtocol, "reply_to", newer_server)
+    newer_server = staticmethod(lambda hello: h.HelloReply(3, h.HELLO_STATUS_UNSUPPORTED_VERSION))
+    monkeypatch.setattr(c.ServerConnection, "reply_to", newer_server)
     with pytest.raises(DistNetworkError, match="speaks protocol version 3 and refused this client's version 2"):
         TCPStoreClient("127.0.0.1", server.port, timeout=5)
 
@@ -127,7 +128,7 @@ def test_wrong_version_client_error_names_both_versions(server, monkeypatch):
 def test_length_prefix_of_2_to_the_40(server, good_client):
     sock = _raw(server)
     sock.sendall(HELLO)
-    assert _hello_reply(sock).status == p.HELLO_STATUS_OK
+    assert _hello_reply(sock).status == h.HELLO_STATUS_OK
     sock.sendall(struct.pack("<Q", 2**40))  # and nothing more: refused on the prefix alone
     assert _closed_by_server(sock)
     _still_served(server, good_client)
@@ -136,7 +137,7 @@ def test_length_prefix_of_2_to_the_40(server, good_client):
 def test_a_frame_over_the_server_maximum(server, good_client):
     sock = _raw(server)
     try:
-        sock.sendall(HELLO + p.encode_set(1, b"k", b"v" * ((1 << 20) + 1)))
+        sock.sendall(HELLO + f.encode_set(1, b"k", b"v" * ((1 << 20) + 1)))
     except (BrokenPipeError, ConnectionResetError):
         pass  # the server refused on the length prefix and closed while the 1 MiB body was still going out
     assert _closed_by_server(sock)
@@ -156,7 +157,7 @@ def test_a_client_sending_one_byte_at_a_time_is_closed(server, good_client):
 
     def drip():
         # a valid hello and frame, but one byte every IDLE/3 seconds: never completes in time
-        for byte in HELLO + p.encode_set(1, b"key", b"value"):
+        for byte in HELLO + f.encode_set(1, b"key", b"value"):
             try:
                 sock.send(bytes([byte]))
             except OSError:
@@ -185,8 +186,8 @@ def test_idle_between_frames_is_not_closed(server):
 
 def test_a_client_closing_while_parked(server, good_client):
     sock = _raw(server)
-    sock.sendall(HELLO + p.encode_get(1, b"never-set-yet", 60_000))
-    assert _hello_reply(sock).status == p.HELLO_STATUS_OK
+    sock.sendall(HELLO + f.encode_get(1, b"never-set-yet", 60_000))
+    assert _hello_reply(sock).status == h.HELLO_STATUS_OK
     sock.close()
     time.sleep(0.05)
     good_client.set("never-set-yet", "now")  # wakes nobody, breaks nothing
@@ -205,13 +206,13 @@ def test_a_thousand_concurrent_clients(server):
         for sock in socks:
             sock.sendall(HELLO)
         for sock in socks:
-            assert _hello_reply(sock).status == p.HELLO_STATUS_OK
+            assert _hello_reply(sock).status == h.HELLO_STATUS_OK
         for i, sock in enumerate(socks):
-            sock.sendall(p.encode_add(i, b"joined", 1))
+            sock.sendall(f.encode_add(i, b"joined", 1))
         totals = []
         for i, sock in enumerate(socks):
-            proto = p.ClientProtocol()
-            proto.receive_data(p.ServerProtocol.send(p.HelloReply()))
+            proto = c.ClientConnection()
+            proto.receive_data(c.ServerConnection.send(h.HelloReply()))
             proto.next_event()
             events = []
             while not events:
@@ -232,7 +233,7 @@ def test_a_late_answer_to_an_abandoned_get_does_not_desync_the_client(server):
     client = TCPStoreClient("127.0.0.1", server.port, timeout=10)
     setter = TCPStore("127.0.0.1", server.port)
     with client._lock:  # give up on a GET client-side while the server still holds it (60 s)
-        assert client._exchange("get", p.encode_get(77, b"late", 60_000), 77, wait=0.05) is None
+        assert client._exchange("get", f.encode_get(77, b"late", 60_000), 77, wait=0.05) is None
     setter.set("late", "value")  # the server now answers request 77, which nobody waits for
     time.sleep(0.05)
     assert client.add(b"n", 5) == 5  # request ids tell the late Value from the Integer
@@ -303,7 +304,7 @@ def test_port_in_use_raises_at_once_naming_host_and_port():
 
 def test_master_listens_only_on_the_host_it_was_given():
     master = TCPStore("127.0.0.1", 0, None, True)
-    assert master._server._listener.getsockname()[0] == "127.0.0.1"
+    assert master._server.listeners.tcp.getsockname()[0] == "127.0.0.1"
     master.close()
 
 
@@ -465,18 +466,18 @@ def test_master_in_process_connection_after_stop():
 
 def test_the_largest_timeout_a_client_can_send(server, good_client):
     sock = _raw(server)
-    sock.sendall(HELLO + p.encode_get(1, b"forever", 2**64 - 1) + p.encode(p.Wait(2, [b"forever"], 2**64 - 1)))
-    assert _hello_reply(sock).status == p.HELLO_STATUS_OK
+    sock.sendall(HELLO + f.encode_get(1, b"forever", 2**64 - 1) + f.encode(f.Wait(2, [b"forever"], 2**64 - 1)))
+    assert _hello_reply(sock).status == h.HELLO_STATUS_OK
     time.sleep(0.05)
     _still_served(server, good_client)  # the loop survived a deadline ~5.8e8 years away
     good_client.set("forever", "now")
-    proto = p.ClientProtocol()
-    proto.receive_data(p.ServerProtocol.send(p.HelloReply()))
+    proto = c.ClientConnection()
+    proto.receive_data(c.ServerConnection.send(h.HelloReply()))
     proto.next_event()
     events = []
     while len(events) < 2:
         events += proto.receive_events(sock.recv(4096))
-    assert events == [p.Value(1, b"now"), p.Ok(2)]
+    assert events == [f.Value(1, b"now"), f.Ok(2)]
     sock.close()
 
 
@@ -485,99 +486,108 @@ def test_the_largest_timeout_a_client_can_send(server, good_client):
 from hypothesis import example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from distcomm.store.tcp.server import _Connection  # noqa: E402
 
+class _ByHand:
+    """A client connection to a server whose loop is not running, driven through the server's public
+    seams: ``adopt`` takes one end of a socket pair as if the loop had accepted it, ``feed`` hands the
+    server bytes as its loop would after a read, ``replies()`` parses what it wrote back since last
+    asked, and ``open`` says whether it has closed the connection. Nothing waits on time."""
 
-class _FakeSocket:
-    def __init__(self):
-        self.sent = bytearray()
+    def __init__(self, server, hello: bool = True):
+        self.server = server
+        self.sock, theirs = socket.socketpair()
+        weakref.finalize(self, self.sock.close)  # the server closes its end when it stops or hangs up
+        self.sock.setblocking(False)
+        theirs.setblocking(False)
+        self.server_side = server.adopt(theirs, "by hand")
+        self.proto = c.ClientConnection()
+        self._received = bytearray()
+        self._seen = 0
+        self._eof = False
+        if hello:
+            self.feed(HELLO)
+            assert isinstance(self.replies()[0], h.HelloReply)
 
-    def send(self, data):
-        self.sent += data
-        return len(data)
+    def feed(self, data: bytes) -> None:
+        self.server.handle(self.server_side, data)
 
-    def fileno(self):
-        return 10**6
+    def send(self, *requests) -> None:
+        self.feed(b"".join(f.encode(r) for r in requests))
 
-    def close(self):
-        pass
+    def received(self) -> bytes:
+        """Every byte the server has sent on this connection."""
+        while not self._eof:
+            try:
+                data = self.sock.recv(1 << 16)
+            except BlockingIOError:
+                break
+            self._received += data
+            self._eof = not data
+        return bytes(self._received)
+
+    def replies(self) -> list:
+        new = self.received()[self._seen :]
+        self._seen += len(new)
+        return self.proto.receive_events(new)
+
+    @property
+    def open(self) -> bool:
+        self.received()
+        return not self._eof
 
 
 _requests = st.one_of(
-    st.builds(p.Set, st.integers(0, 9), st.binary(max_size=4), st.binary(max_size=8)),
-    st.builds(p.Get, st.integers(0, 9), st.binary(max_size=4), st.sampled_from([0, 1, 2**64 - 1])),
-    st.builds(p.Add, st.integers(0, 9), st.binary(max_size=4), st.integers(-(2**63), 2**63 - 1)),
-    st.builds(p.CompareSet, st.integers(0, 9), st.binary(max_size=4), st.binary(max_size=4), st.binary(max_size=4)),
-    st.builds(p.Wait, st.integers(0, 9), st.lists(st.binary(max_size=4), max_size=3), st.sampled_from([0, 5])),
-    st.builds(p.MultiGet, st.integers(0, 9), st.lists(st.binary(max_size=4), max_size=3), st.sampled_from([0, 5])),
-    st.builds(p.MultiSet, st.integers(0, 9), st.lists(st.binary(max_size=4), max_size=3),
+    st.builds(f.Set, st.integers(0, 9), st.binary(max_size=4), st.binary(max_size=8)),
+    st.builds(f.Get, st.integers(0, 9), st.binary(max_size=4), st.sampled_from([0, 1, 2**64 - 1])),
+    st.builds(f.Add, st.integers(0, 9), st.binary(max_size=4), st.integers(-(2**63), 2**63 - 1)),
+    st.builds(f.CompareSet, st.integers(0, 9), st.binary(max_size=4), st.binary(max_size=4), st.binary(max_size=4)),
+    st.builds(f.Wait, st.integers(0, 9), st.lists(st.binary(max_size=4), max_size=3), st.sampled_from([0, 5])),
+    st.builds(f.MultiGet, st.integers(0, 9), st.lists(st.binary(max_size=4), max_size=3), st.sampled_from([0, 5])),
+    st.builds(f.MultiSet, st.integers(0, 9), st.lists(st.binary(max_size=4), max_size=3),
               st.lists(st.binary(max_size=4), max_size=3)),
-    st.builds(p.DeleteKey, st.integers(0, 9), st.binary(max_size=4)),
-    st.builds(p.Append, st.integers(0, 9), st.binary(max_size=4), st.binary(max_size=4)),
-    st.builds(p.Check, st.integers(0, 9), st.lists(st.binary(max_size=4), max_size=3)),
-    st.builds(p.NumKeys, st.integers(0, 9)),
-    st.builds(p.ListKeys, st.integers(0, 9)),
-    st.builds(p.QueuePush, st.integers(0, 9), st.binary(max_size=4), st.binary(max_size=4)),
-    st.builds(p.QueuePop, st.integers(0, 9), st.binary(max_size=4), st.sampled_from([0, 5, 2**64 - 1])),
-    st.builds(p.QueueLen, st.integers(0, 9), st.binary(max_size=4)),
-    st.builds(p.Barrier, st.integers(0, 9), st.binary(max_size=4), st.integers(-(2**63), 2**63 - 1),
+    st.builds(f.DeleteKey, st.integers(0, 9), st.binary(max_size=4)),
+    st.builds(f.Append, st.integers(0, 9), st.binary(max_size=4), st.binary(max_size=4)),
+    st.builds(f.Check, st.integers(0, 9), st.lists(st.binary(max_size=4), max_size=3)),
+    st.builds(f.NumKeys, st.integers(0, 9)),
+    st.builds(f.ListKeys, st.integers(0, 9)),
+    st.builds(f.QueuePush, st.integers(0, 9), st.binary(max_size=4), st.binary(max_size=4)),
+    st.builds(f.QueuePop, st.integers(0, 9), st.binary(max_size=4), st.sampled_from([0, 5, 2**64 - 1])),
+    st.builds(f.QueueLen, st.integers(0, 9), st.binary(max_size=4)),
+    st.builds(f.Barrier, st.integers(0, 9), st.binary(max_size=4), st.integers(-(2**63), 2**63 - 1),
               st.sampled_from([0, 5, 2**64 - 1])),
 )
 
 
+def _list(items) -> bytes:
+    return struct.pack("<I", len(items)) + b"".join(struct.pack("<I", len(item)) + item for item in items)
+
+
 def _wire(request) -> bytes:
-    if isinstance(request, p.MultiSet) and len(request.keys) != len(request.values):
-        keys, values = p._items(request.keys), p._items(request.values)  # a mismatched pair, on purpose
-        payload = keys + values
-        return struct.pack("<QBI", 5 + len(payload), p.MultiSet.OPCODE, request.request_id) + payload
-    return p.encode(request)
+    if isinstance(request, f.MultiSet) and len(request.keys) != len(request.values):
+        payload = _list(request.keys) + _list(request.values)  # a mismatched pair, on purpose
+        return struct.pack("<QBI", 5 + len(payload), f.MultiSet.OPCODE, request.request_id) + payload
+    return f.encode(request)
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(_requests, max_size=12))
-@example([p.Wait(0, [b""], 5), p.Set(0, b"", b"")])  # the set answers the wait in the same batch
-@example([p.QueuePop(0, b"q", 5), p.QueuePush(1, b"q", b"x")])  # the push answers the pop in the same batch
-@example([p.Set(0, b"b", b"text"), p.Barrier(1, b"b", 2, 5)])  # a barrier on a non-integer key: refused
+@example([f.Wait(0, [b""], 5), f.Set(0, b"", b"")])  # the set answers the wait in the same batch
+@example([f.QueuePop(0, b"q", 5), f.QueuePush(1, b"q", b"x")])  # the push answers the pop in the same batch
+@example([f.Set(0, b"b", b"text"), f.Barrier(1, b"b", 2, 5)])  # a barrier on a non-integer key: refused
 def test_any_sequence_of_requests_is_handled(requests):
     server = TCPStoreServer("127.0.0.1", 0, local_socket=False)
     try:
-        fake = _FakeSocket()
-        conn = _Connection(fake, "fuzz", 1 << 20, False)
-        server._conns[conn.fd] = conn
-        server._process(conn, HELLO + b"".join(_wire(r) for r in requests))
-        assert conn.fd in server._conns  # well-formed requests never get a connection closed
-        client = p.ClientProtocol()
-        replies = client.receive_events(fake.sent)
-        assert isinstance(replies[0], p.HelloReply)
-        assert all(isinstance(r, p.RESPONSES) for r in replies[1:])
+        client = _ByHand(server, hello=False)
+        client.feed(HELLO + b"".join(_wire(r) for r in requests))
+        replies = client.replies()
+        assert client.open  # well-formed requests never get a connection closed
+        assert isinstance(replies[0], h.HelloReply)
+        assert all(isinstance(r, f.RESPONSES) for r in replies[1:])
     finally:
         server.stop()  # never started: closes its sockets in this thread
 
 
-# -- queues and barriers, on the server's handlers directly (no loop, no timing) -------------------------
-
-
-class _FakeClient:
-    """A connection to ``server`` driven by hand: requests in, the replies it got since last asked."""
-
-    _fds = iter(range(10**6, 10**7))
-
-    def __init__(self, server):
-        self.server = server
-        self.sock = _FakeSocket()
-        self.conn = _Connection(self.sock, "fake", 1 << 20, False, fd=next(self._fds))
-        server._conns[self.conn.fd] = self.conn
-        self.proto = p.ClientProtocol()
-        self.server._process(self.conn, HELLO)
-        self._seen = 0
-        assert isinstance(self.replies()[0], p.HelloReply)
-
-    def send(self, *requests) -> None:
-        self.server._process(self.conn, b"".join(p.encode(r) for r in requests))
-
-    def replies(self) -> list:
-        new, self._seen = bytes(self.sock.sent[self._seen :]), len(self.sock.sent)
-        return self.proto.receive_events(new)
+# -- queues and barriers, on a server driven by hand (no loop, no timing) -----------------------------
 
 
 @pytest.fixture
@@ -587,71 +597,71 @@ def bare_server():
     server.stop()  # never started: closes its sockets in this thread
 
 
-LONG = 3_600_000  # ms: only _expire() (called by hand) ends these waits
+LONG = 3_600_000  # ms: only expire() (called by hand) ends these waits
 
 
 def test_a_push_goes_to_the_oldest_parked_pop_then_wakes_one_wait(bare_server):
-    pop1, pop2, wait1, wait2, pusher = (_FakeClient(bare_server) for _ in range(5))
-    pop1.send(p.QueuePop(1, b"q", LONG))
-    pop2.send(p.QueuePop(2, b"q", LONG))
-    wait1.send(p.Wait(3, [b"q"], LONG))
-    wait2.send(p.Wait(4, [b"q"], LONG))
+    pop1, pop2, wait1, wait2, pusher = (_ByHand(bare_server) for _ in range(5))
+    pop1.send(f.QueuePop(1, b"q", LONG))
+    pop2.send(f.QueuePop(2, b"q", LONG))
+    wait1.send(f.Wait(3, [b"q"], LONG))
+    wait2.send(f.Wait(4, [b"q"], LONG))
     assert pop1.replies() == pop2.replies() == wait1.replies() == wait2.replies() == []
-    pusher.send(p.QueuePush(5, b"q", b"1"), p.QueuePush(6, b"q", b"2"))  # no replies: like SET
-    assert pop1.replies() == [p.Value(1, b"1")] and pop2.replies() == [p.Value(2, b"2")]
+    pusher.send(f.QueuePush(5, b"q", b"1"), f.QueuePush(6, b"q", b"2"))  # no replies: like SET
+    assert pop1.replies() == [f.Value(1, b"1")] and pop2.replies() == [f.Value(2, b"2")]
     assert wait1.replies() == wait2.replies() == []  # the pops took both items: the queue stayed empty
-    pusher.send(p.QueuePush(7, b"q", b"3"))
-    assert wait1.replies() == [p.Ok(3)]
+    pusher.send(f.QueuePush(7, b"q", b"3"))
+    assert wait1.replies() == [f.Ok(3)]
     assert wait2.replies() == []  # one wait per push
-    pusher.send(p.QueueLen(8, b"q"), p.Check(9, [b"q"]))
-    assert pusher.replies() == [p.Integer(8, 1), p.Bool(9, True)]
-    bare_server._expire(time.monotonic() + 2 * LONG / 1000)
-    assert wait2.replies() == [p.Ok(4)]  # its deadline found the queue non-empty: no timeout
-    pusher.send(p.QueuePop(10, b"q", 0), p.QueuePop(11, b"q", 0))
-    assert pusher.replies() == [p.Value(10, b"3"), p.TimedOut(11, [b"q"])]  # timeout 0: the non-blocking pop
+    pusher.send(f.QueueLen(8, b"q"), f.Check(9, [b"q"]))
+    assert pusher.replies() == [f.Integer(8, 1), f.Bool(9, True)]
+    bare_server.expire(time.monotonic() + 2 * LONG / 1000)
+    assert wait2.replies() == [f.Ok(4)]  # its deadline found the queue non-empty: no timeout
+    pusher.send(f.QueuePop(10, b"q", 0), f.QueuePop(11, b"q", 0))
+    assert pusher.replies() == [f.Value(10, b"3"), f.TimedOut(11, [b"q"])]  # timeout 0: the non-blocking pop
 
 
 def test_a_set_releases_every_wait_on_the_name_but_no_pop(bare_server):
-    waiter, popper, writer = (_FakeClient(bare_server) for _ in range(3))
-    waiter.send(p.Wait(1, [b"q"], LONG), p.Get(2, b"q", LONG))
-    popper.send(p.QueuePop(3, b"q", LONG))
-    writer.send(p.Set(4, b"q", b"v"))
-    assert waiter.replies() == [p.Ok(1), p.Value(2, b"v")]
+    waiter, popper, writer = (_ByHand(bare_server) for _ in range(3))
+    waiter.send(f.Wait(1, [b"q"], LONG), f.Get(2, b"q", LONG))
+    popper.send(f.QueuePop(3, b"q", LONG))
+    writer.send(f.Set(4, b"q", b"v"))
+    assert waiter.replies() == [f.Ok(1), f.Value(2, b"v")]
     assert popper.replies() == []
-    writer.send(p.QueuePush(5, b"q", b"item"))
-    assert popper.replies() == [p.Value(3, b"item")]
+    writer.send(f.QueuePush(5, b"q", b"item"))
+    assert popper.replies() == [f.Value(3, b"item")]
 
 
 def test_a_parked_pop_that_times_out_or_disconnects_takes_no_item(bare_server):
-    expires, leaves, pusher = (_FakeClient(bare_server) for _ in range(3))
-    expires.send(p.QueuePop(1, b"q", 5))
-    leaves.send(p.QueuePop(2, b"q", LONG))
-    bare_server._expire(time.monotonic() + 1)
-    assert expires.replies() == [p.TimedOut(1, [b"q"])]
-    bare_server._close(leaves.conn)
-    pusher.send(p.QueuePush(3, b"q", b"kept"), p.QueueLen(4, b"q"))
-    assert pusher.replies() == [p.Integer(4, 1)]
-    assert bare_server._poppers == {} and bare_server._waiting == {}
+    expires, leaves, pusher = (_ByHand(bare_server) for _ in range(3))
+    expires.send(f.QueuePop(1, b"q", 5))
+    leaves.send(f.QueuePop(2, b"q", LONG))
+    bare_server.expire(time.monotonic() + 1)
+    assert expires.replies() == [f.TimedOut(1, [b"q"])]
+    bare_server.disconnect(leaves.server_side)
+    pusher.send(f.QueuePush(3, b"q", b"kept"), f.QueueLen(4, b"q"))
+    assert pusher.replies() == [f.Integer(4, 1)]
+    assert len(bare_server.parking) == 0 and bare_server.parking.waiting == {}
 
 
 def test_barrier_counts_in_its_key_and_releases_everyone_at_the_world_size(bare_server):
-    a, b, c, late, other = (_FakeClient(bare_server) for _ in range(5))
-    a.send(p.Barrier(1, b"b", 3, LONG))
-    b.send(p.Barrier(2, b"b", 3, LONG))
+    a, b, c, late, other = (_ByHand(bare_server) for _ in range(5))
+    a.send(f.Barrier(1, b"b", 3, LONG))
+    b.send(f.Barrier(2, b"b", 3, LONG))
     assert a.replies() == b.replies() == []
-    other.send(p.Get(3, b"b", 0))
-    assert other.replies() == [p.Value(3, b"2")]  # the arrivals, as torch's TCPStore keeps them
-    c.send(p.Barrier(4, b"b", 3, LONG))
-    assert c.replies() == [p.Ok(4)] and a.replies() == [p.Ok(1)] and b.replies() == [p.Ok(2)]
-    late.send(p.Barrier(5, b"b", 3, 0))
-    assert late.replies() == [p.Ok(5)]  # a passed barrier does not hold later callers
-    other.send(p.Barrier(6, b"c", 2, 5))
-    bare_server._expire(time.monotonic() + 1)
-    assert other.replies() == [p.TimedOut(6, [b"c"])]
-    other.send(p.Set(7, b"text", b"x"), p.Barrier(8, b"text", 2, LONG))
+    other.send(f.Get(3, b"b", 0))
+    assert other.replies() == [f.Value(3, b"2")]  # the arrivals, as torch's TCPStore keeps them
+    c.send(f.Barrier(4, b"b", 3, LONG))
+    assert c.replies() == [f.Ok(4)] and a.replies() == [f.Ok(1)] and b.replies() == [f.Ok(2)]
+    late.send(f.Barrier(5, b"b", 3, 0))
+    assert late.replies() == [f.Ok(5)]  # a passed barrier does not hold later callers
+    other.send(f.Barrier(6, b"c", 2, 5))
+    bare_server.expire(time.monotonic() + 1)
+    assert other.replies() == [f.TimedOut(6, [b"c"])]
+    other.send(f.Set(7, b"text", b"x"), f.Barrier(8, b"text", 2, LONG))
     (refused,) = other.replies()
-    assert refused.__class__ is p.Error and refused.code == p.ERROR_NOT_AN_INTEGER
-    assert bare_server._barriers == {}
+    assert refused.__class__ is f.Error and refused.code == f.ERROR_NOT_AN_INTEGER
+    assert len(bare_server.parking) == 0
 
 
 def test_queue_and_barrier_over_a_real_connection(server):

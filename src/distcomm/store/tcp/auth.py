@@ -3,7 +3,7 @@
 Why the store, and why a shared key: everything a job trusts is found through its store — the
 peer-to-peer transport's session token, the shared-memory segments' names, the addresses object
 collectives unpickle from — so a process that can talk to the store can join the job. With a key,
-the store's server and each client prove to each other that they hold it (protocol.py: a mutual
+the store's server and each client prove to each other that they hold it (handshake.py: a mutual
 HMAC-SHA256 challenge-response over fresh nonces; the key never crosses the wire), and so
 authenticating the store's clients authenticates the job.
 

@@ -15,9 +15,9 @@ arrives, so the connection stays usable.
 
 Connecting retries with exponential backoff and jitter until the store timeout: the master may not
 be listening yet when workers start, and a thousand workers must not retry in lockstep. A client on
-the server's host then moves to the server's Unix socket if the handshake offers one (protocol.py).
+the server's host then moves to the server's Unix socket if the handshake offers one (handshake.py).
 
-With ``auth_key`` the client demands mutual authentication (protocol.py): it proves it holds the
+With ``auth_key`` the client demands mutual authentication (handshake.py): it proves it holds the
 key, and sends no request until the server has proven it too — on the Unix socket again, as on
 TCP. A server that cannot (no key, another key, an older distcomm) is refused with
 DistStoreAuthError at once, without retrying: waiting does not change a key.
@@ -34,9 +34,10 @@ import time
 
 from ...errors import DistNetworkError, DistStoreError
 from .. import rules
-from . import protocol as p
+from . import frames, handshake
 from .auth import AUTH_KEY_ENV, AUTH_KEY_FILE_ENV, DistStoreAuthError
-from .server import local_socket_enabled
+from .connection import NEED_DATA, ClientConnection
+from .listeners import local_socket_enabled
 
 _RECV_SIZE = 1 << 16
 _FIRST_RETRY_DELAY = 0.01
@@ -58,35 +59,35 @@ class _Refused(Exception):
     """The peer answered, but not as a compatible distcomm TCPStore server; retrying will not help."""
 
 
-def _handshake(sock, proto: p.ClientProtocol, where: str, auth_key: bytes | None = None):
+def _handshake(sock, proto: ClientConnection, where: str, auth_key: bytes | None = None):
     """Hello (and, with ``auth_key``, the mutual proof); the server's final reply, which holds its local address."""
     if auth_key is None:
-        sock.sendall(proto.send(p.Hello(p.VERSION)))
+        sock.sendall(proto.send(handshake.Hello(handshake.VERSION)))
         reply = _handshake_reply(sock, proto, where)
-        if reply.__class__ is not p.HelloReply or reply.status != p.HELLO_STATUS_OK:
+        if reply.__class__ is not handshake.HelloReply or reply.status != handshake.HELLO_STATUS_OK:
             raise _refusal(reply, where, False)
         return reply
-    auth = p.ClientAuth(auth_key)
+    auth = handshake.ClientAuth(auth_key)
     sock.sendall(proto.send(auth.hello()))
     challenge = _handshake_reply(sock, proto, where)
-    if challenge.__class__ is not p.AuthChallenge:
+    if challenge.__class__ is not handshake.AuthChallenge:
         raise _refusal(challenge, where, True)
     sock.sendall(proto.send(auth.proof(challenge)))
     accepted = _handshake_reply(sock, proto, where)
-    if accepted.__class__ is not p.AuthAccepted:
+    if accepted.__class__ is not handshake.AuthAccepted:
         raise _refusal(accepted, where, True)
     if not auth.server_proved(accepted):
         raise _authentication_failed(where)
     return accepted
 
 
-def _handshake_reply(sock, proto: p.ClientProtocol, where: str):
+def _handshake_reply(sock, proto: ClientConnection, where: str):
     while True:
         try:
             event = proto.next_event()
-        except p.ProtocolError as exc:
+        except frames.ProtocolError as exc:
             raise _Refused(f"{where} is not a distcomm TCPStore server ({exc})") from None
-        if event is not p.NEED_DATA:
+        if event is not NEED_DATA:
             return event
         data = sock.recv(4096)
         if not data:
@@ -107,19 +108,19 @@ def _authentication_failed(where: str) -> DistStoreAuthError:
 def _refusal(event, where: str, authenticating: bool) -> Exception:
     """The error for a handshake reply that is not the one this client needed."""
     status = getattr(event, "status", None)
-    if status == p.HELLO_STATUS_UNSUPPORTED_VERSION:
+    if status == handshake.HELLO_STATUS_UNSUPPORTED_VERSION:
         return _Refused(
             f"the TCPStore server at {where} speaks protocol version {event.version} and refused this client's "
-            f"version {p.VERSION}; run the same distcomm version on every rank"
+            f"version {handshake.VERSION}; run the same distcomm version on every rank"
         )
-    if status == p.HELLO_STATUS_AUTH_REQUIRED:
+    if status == handshake.HELLO_STATUS_AUTH_REQUIRED:
         return DistStoreAuthError(
             f"the TCPStore server at {where} requires authentication, and this process has no key: set "
             f"{_KEY_VARIABLES} for it as the job's other processes do."
         )
-    if status == p.HELLO_STATUS_AUTH_FAILED:
+    if status == handshake.HELLO_STATUS_AUTH_FAILED:
         return _authentication_failed(where)
-    if authenticating and status in (p.HELLO_STATUS_AUTH_UNAVAILABLE, p.HELLO_STATUS_OK):
+    if authenticating and status in (handshake.HELLO_STATUS_AUTH_UNAVAILABLE, handshake.HELLO_STATUS_OK):
         return DistStoreAuthError(
             f"this process has an authentication key (from {_KEY_VARIABLES}), so it demands that the TCPStore "
             f"server at {where} authenticate too, but that server does not (it was started without a key, or by "
@@ -138,7 +139,7 @@ def _move_to_local_socket(address: bytes, timeout: float, max_frame_size: int, a
     try:
         sock.settimeout(timeout)
         sock.connect(address)
-        proto = p.ClientProtocol(max_frame_size)
+        proto = ClientConnection(max_frame_size)
         _handshake(sock, proto, "the server's local socket", auth_key)
     except (OSError, _Refused, DistStoreAuthError):  # stay on the TCP connection, authenticated already
         sock.close()
@@ -149,7 +150,7 @@ def _move_to_local_socket(address: bytes, timeout: float, max_frame_size: int, a
 
 def connect(
     host: str, port: int, timeout: float, max_frame_size: int, auth_key: bytes | None = None
-) -> tuple[socket.socket, p.ClientProtocol]:
+) -> tuple[socket.socket, ClientConnection]:
     """A handshaken connection to ``host``:``port``, retrying until ``timeout`` seconds have passed."""
     where = f"{host}:{port}"
     deadline = time.monotonic() + timeout
@@ -162,7 +163,7 @@ def connect(
         try:
             sock = socket.create_connection((host, port), timeout=max(remaining, 0.01))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            proto = p.ClientProtocol(max_frame_size)
+            proto = ClientConnection(max_frame_size)
             reply = _handshake(sock, proto, where, auth_key)
             if reply.local_address and local_socket_enabled():
                 timeout_local = min(max(remaining, 0.01), 5.0)
@@ -206,7 +207,7 @@ class TCPStoreClient:
         host: str,
         port: int,
         timeout: float,
-        max_frame_size: int = p.DEFAULT_MAX_FRAME_SIZE,
+        max_frame_size: int = frames.DEFAULT_MAX_FRAME_SIZE,
         *,
         local=None,
         auth_key: bytes | None = None,
@@ -220,7 +221,7 @@ class TCPStoreClient:
         if local is None:
             self._sock, self._proto = connect(host, port, timeout, max_frame_size, auth_key)
         else:
-            self._sock, self._proto = local, p.ClientProtocol(max_frame_size)
+            self._sock, self._proto = local, ClientConnection(max_frame_size)
             try:
                 _handshake(local, self._proto, self.where, auth_key)
             except _Refused as exc:
@@ -273,7 +274,7 @@ class TCPStoreClient:
                 event = proto.receive_reply(data, request_id)
                 if event is not None:
                     return event
-        except p.ProtocolError as exc:
+        except frames.ProtocolError as exc:
             self._broken(operation, f"the server sent bytes that are not this protocol ({exc})")
         except OSError as exc:
             self._broken(operation, str(exc) or type(exc).__name__)
@@ -291,7 +292,7 @@ class TCPStoreClient:
         """One non-blocking request (an event without its id yet); its response, errors raised."""
         with self._lock:
             self._next_id = request.request_id = (self._next_id + 1) & 0xFFFFFFFF
-            response = self._exchange(operation, p.encode(request), request.request_id, self.reply_timeout)
+            response = self._exchange(operation, frames.encode(request), request.request_id, self.reply_timeout)
         return self._checked(operation, response)
 
     def _checked(self, operation: str, response):
@@ -300,9 +301,9 @@ class TCPStoreClient:
                 f"{operation}: the TCPStore server at {self.where} did not answer within "
                 f"{rules.format_seconds(self.reply_timeout)}; it may be hung or overloaded"
             )
-        if response.__class__ is p.Error:
+        if response.__class__ is frames.Error:
             message = response.message.decode("utf-8", "replace")
-            if response.code == p.ERROR_NOT_AN_INTEGER:
+            if response.code == frames.ERROR_NOT_AN_INTEGER:
                 raise ValueError(message)
             raise DistStoreError(f"{operation}: the TCPStore server at {self.where} refused the request: {message}")
         return response
@@ -311,8 +312,9 @@ class TCPStoreClient:
         """A GET/WAIT/MULTI_GET: the server answers by ``timeout``; the client waits a grace period more."""
         with self._lock:
             self._next_id = request.request_id = (self._next_id + 1) & 0xFFFFFFFF
-            response = self._exchange(operation, p.encode(request), request.request_id, timeout + reply_grace(timeout))
-        if response is None or response.__class__ is p.TimedOut:
+            wait = timeout + reply_grace(timeout)
+            response = self._exchange(operation, frames.encode(request), request.request_id, wait)
+        if response is None or response.__class__ is frames.TimedOut:
             missing = None if response is None else [k.decode("utf-8", "replace") for k in response.missing_keys]
             raise rules.timeout_error(operation, keys, timeout, missing, where=f"TCPStore {self.where}")
         return response
@@ -320,14 +322,14 @@ class TCPStoreClient:
     # -- requests (set, get and add skip building an event: they are the hot path) ----------------
 
     def set(self, key: bytes, value: bytes) -> None:
-        """One send and no reply (see protocol.py); the next request on this connection comes after it."""
+        """One send and no reply (see frames.py); the next request on this connection comes after it."""
         with self._lock:
             self._next_id = request_id = (self._next_id + 1) & 0xFFFFFFFF
             sock = self._sock
             if sock is None:
                 raise DistNetworkError(f"set: this TCPStore client's connection to {self.where} is closed")
             try:
-                sock.sendall(p.encode_set(request_id, key, value))
+                sock.sendall(frames.encode_set(request_id, key, value))
             except OSError as exc:
                 self._broken("set", str(exc) or type(exc).__name__)
 
@@ -338,10 +340,10 @@ class TCPStoreClient:
             wait, ms = timeout + reply_grace(timeout), _milliseconds(timeout)
         with self._lock:
             self._next_id = request_id = (self._next_id + 1) & 0xFFFFFFFF
-            response = self._exchange("get", p.encode_get(request_id, key.encode(), ms), request_id, wait)
-        if response.__class__ is p.Value:
+            response = self._exchange("get", frames.encode_get(request_id, key.encode(), ms), request_id, wait)
+        if response.__class__ is frames.Value:
             return response.value
-        if response is None or response.__class__ is p.TimedOut:
+        if response is None or response.__class__ is frames.TimedOut:
             missing = None if response is None else [key]
             raise rules.timeout_error("get", [key], timeout, missing, where=f"TCPStore {self.where}")
         return self._checked("get", response).value
@@ -349,39 +351,39 @@ class TCPStoreClient:
     def add(self, key: bytes, amount: int) -> int:
         with self._lock:
             self._next_id = request_id = (self._next_id + 1) & 0xFFFFFFFF
-            response = self._exchange("add", p.encode_add(request_id, key, amount), request_id, self.reply_timeout)
-        if response.__class__ is p.Integer:
+            response = self._exchange("add", frames.encode_add(request_id, key, amount), request_id, self.reply_timeout)
+        if response.__class__ is frames.Integer:
             return response.value
         return self._checked("add", response).value
 
     def compare_set(self, key: bytes, expected: bytes, desired: bytes) -> bytes:
-        return self._call("compare_set", p.CompareSet(0, key, expected, desired)).value
+        return self._call("compare_set", frames.CompareSet(0, key, expected, desired)).value
 
     def wait(self, keys: list[str], timeout: float) -> None:
-        request = p.Wait(0, [k.encode() for k in keys], _milliseconds(timeout))
+        request = frames.Wait(0, [k.encode() for k in keys], _milliseconds(timeout))
         self._blocking_call("wait", keys, timeout, request)
 
     def check(self, keys: list[bytes]) -> bool:
-        return self._call("check", p.Check(0, keys)).value
+        return self._call("check", frames.Check(0, keys)).value
 
     def num_keys(self) -> int:
-        return self._call("num_keys", p.NumKeys(0)).value
+        return self._call("num_keys", frames.NumKeys(0)).value
 
     def delete_key(self, key: bytes) -> bool:
-        return self._call("delete_key", p.DeleteKey(0, key)).value
+        return self._call("delete_key", frames.DeleteKey(0, key)).value
 
     def append(self, key: bytes, value: bytes) -> None:
-        self._call("append", p.Append(0, key, value))
+        self._call("append", frames.Append(0, key, value))
 
     def multi_get(self, keys: list[str], timeout: float) -> list[bytes]:
-        request = p.MultiGet(0, [k.encode() for k in keys], _milliseconds(timeout))
+        request = frames.MultiGet(0, [k.encode() for k in keys], _milliseconds(timeout))
         return self._blocking_call("multi_get", keys, timeout, request).values
 
     def multi_set(self, keys: list[bytes], values: list[bytes]) -> None:
-        self._call("multi_set", p.MultiSet(0, keys, values))
+        self._call("multi_set", frames.MultiSet(0, keys, values))
 
     def list_keys(self) -> list[bytes]:
-        return self._call("list_keys", p.ListKeys(0)).values
+        return self._call("list_keys", frames.ListKeys(0)).values
 
     def queue_push(self, key: bytes, value: bytes) -> None:
         """One send and no reply, like set()."""
@@ -391,34 +393,35 @@ class TCPStoreClient:
             if sock is None:
                 raise DistNetworkError(f"queue_push: this TCPStore client's connection to {self.where} is closed")
             try:
-                sock.sendall(p.encode(p.QueuePush(request_id, key, value)))
+                sock.sendall(frames.encode(frames.QueuePush(request_id, key, value)))
             except OSError as exc:
                 self._broken("queue_push", str(exc) or type(exc).__name__)
 
     def queue_pop(self, key: str, block: bool, timeout: float) -> bytes:
         """The server takes the item for us (parked until one is pushed); timeout 0 on the wire = do not wait."""
         wait = timeout if block else 0.0
-        request = p.QueuePop(0, key.encode(), _milliseconds(wait))
+        request = frames.QueuePop(0, key.encode(), _milliseconds(wait))
         with self._lock:
             self._next_id = request.request_id = (self._next_id + 1) & 0xFFFFFFFF
-            response = self._exchange("queue_pop", p.encode(request), request.request_id, wait + reply_grace(wait))
-        if response.__class__ is p.Value:
+            response = self._exchange("queue_pop", frames.encode(request), request.request_id, wait + reply_grace(wait))
+        if response.__class__ is frames.Value:
             return response.value
-        if response.__class__ is p.TimedOut and not block:
+        if response.__class__ is frames.TimedOut and not block:
             raise rules.queue_empty_error()
-        if response is None or response.__class__ is p.TimedOut:
+        if response is None or response.__class__ is frames.TimedOut:
             raise rules.queue_timeout_error(key, timeout, where=f"TCPStore {self.where}")
         return self._checked("queue_pop", response).value
 
     def queue_len(self, key: bytes) -> int:
-        return self._call("queue_len", p.QueueLen(0, key)).value
+        return self._call("queue_len", frames.QueueLen(0, key)).value
 
     def barrier(self, key: str, world_size: int, timeout: float) -> None:
-        request = p.Barrier(0, key.encode(), world_size, _milliseconds(timeout))
+        request = frames.Barrier(0, key.encode(), world_size, _milliseconds(timeout))
         with self._lock:
             self._next_id = request.request_id = (self._next_id + 1) & 0xFFFFFFFF
-            response = self._exchange("barrier", p.encode(request), request.request_id, timeout + reply_grace(timeout))
-        if response is None or response.__class__ is p.TimedOut:
+            wait = timeout + reply_grace(timeout)
+            response = self._exchange("barrier", frames.encode(request), request.request_id, wait)
+        if response is None or response.__class__ is frames.TimedOut:
             try:  # how many arrived, for the message
                 arrived = int(self.get(key, 0.0))
             except (DistStoreError, ValueError):
@@ -427,7 +430,7 @@ class TCPStoreClient:
         self._checked("barrier", response)
 
     def join(self) -> int:
-        return self._call("join", p.Join(0)).value
+        return self._call("join", frames.Join(0)).value
 
     def set_timeout(self, timeout: float) -> None:
         """The store's default timeout: bounds every reply, and get()'s wait."""

@@ -20,7 +20,7 @@ import time
 class LocalSocket:
     def __init__(self, server):
         self._server = server
-        self.conn = None  # the server's _Connection for this client, set by connect_local()
+        self.peer = None  # the server's Peer for this client, set by connect_local()
         self._inbox = bytearray()
         self._arrived = threading.Condition(threading.Lock())
         self._timeout: float | None = None
@@ -31,7 +31,7 @@ class LocalSocket:
     def sendall(self, data: bytes) -> None:
         if self._closed:
             raise BrokenPipeError(32, "the local TCPStore connection is closed")
-        self._server.handle_local(self.conn, data)
+        self._server.handle(self.peer, data)
 
     def recv(self, size: int) -> bytes:
         with self._arrived:
@@ -55,8 +55,8 @@ class LocalSocket:
         self._timeout = timeout
 
     def close(self) -> None:
-        if not self._closed and self.conn is not None:
-            self._server.close_local(self.conn)  # which calls shutdown() below
+        if not self._closed and self.peer is not None:
+            self._server.disconnect(self.peer)  # which calls shutdown_from_server() below
 
     # -- what the server calls ----------------------------------------------------------------------
 

@@ -8,21 +8,13 @@ as a batch of requests from one connection is handled, with one send. One lock g
 loop takes it once per batch of ready connections, and only the master's own in-process client
 (``connect_local``, local.py) ever competes for it.
 
-How blocking requests work: GET/WAIT/MULTI_GET whose keys are missing are *parked* — recorded under
-each missing key and in a deadline heap — and answered by the write that completes them, or with
-TIMED_OUT when the deadline the client sent passes. Nothing polls. Responses carry the request id,
-so a client that gave up early just ignores a late answer.
+What the loop does, and what it leaves to others: it accepts connections on its listeners
+(listeners.py), reads each one, lets the connection's ServerConnection (connection.py) cut the
+bytes into events, gives every event to its handler (handlers.py), and sends what the handlers
+answer. Requests that must wait are the handlers' business and Parking's (parking.py); the loop
+only wakes up when the earliest of them is due, and answers what is due then.
 
-Queues and barriers park the same way, in a line per name, oldest first. A QUEUE_PUSH hands its
-item straight to the oldest parked QUEUE_POP (so an item is never in the queue while a pop waits,
-and never goes to two pops); with no pop waiting it stays in the queue and releases at most one
-WAIT parked on that queue name (torch: "wait with queues will only wake one waiting worker"). A
-WAIT whose deadline finds its keys present (a queue filled while another WAIT got the wake-up) is
-answered OK, not TIMED_OUT. A BARRIER counts its arrival in the key's value, like ADD; the arrival
-that reaches the world size answers every BARRIER parked on that key. A connection that closes
-takes its parked requests out of every line, so a push never goes to a pop nobody will read.
-
-What protects the server: each connection has its own ServerProtocol (which checks every length
+What protects the server: each connection has its own ServerConnection (which checks every length
 before buffering for it); a protocol error closes only that connection. A connection that has not
 finished its hello, or has part of a frame buffered, for longer than ``idle_timeout`` seconds is
 closed (slowloris, a peer that connects and never speaks); a connection idle *between* frames is
@@ -31,146 +23,71 @@ buffer must drain first), so it cannot make the server buffer without bound. Whe
 because the process is out of file descriptors, the server says so (a warning naming the limit)
 and retries shortly instead of spinning.
 
-Where it listens: on exactly the host and port it was given (port 0: a free one). On Linux it also
-listens on an abstract-namespace Unix socket whose name carries a random token, and tells clients
-that name in the TCP handshake (see protocol.py): clients on the same host move there, which costs
-the kernel about a third less per request than loopback TCP. The socket is reachable only from this
-host's network namespace, by a client that was already accepted over TCP. ``local_socket=False``
-(or DISTCOMM_STORE_LOCAL_SOCKET=0) turns it off.
-
 Authentication (``auth_key``; TCPStore passes the key from DISTCOMM_AUTH_KEY_FILE/DISTCOMM_AUTH_KEY,
 see auth.py): every connection — TCP, the Unix socket, and the master's in-process one alike, so
-there is no path around it — must prove it holds the key before any request is parsed (protocol.py
+there is no path around it — must prove it holds the key before any request is parsed (handshake.py
 holds the handshake and refuses everything else), and the Unix socket's name is revealed only in
 the answer to a correct proof. Until then the server reads at most AUTH_HELLO_SIZE bytes at a time
 from the connection, a wrong proof or a refused hello gets its refusal and the connection closed,
 and a handshake not finished within ``idle_timeout`` (the handshake timeout) is closed like any
 unfinished hello. ``stats["auth_refused"]`` counts connections refused for authentication.
+
+Threads: the loop runs in its own thread. The public methods that take bytes or connections
+(``connect_local``, ``handle``, ``disconnect``, ``adopt``, ``expire``) may be called from any
+thread: they take the lock. ``answer`` and ``count_join`` are for handlers, which already run
+under it.
 """
 
 from __future__ import annotations
 
 import errno
-import heapq
 import itertools
 import logging
-import os
 import socket
-import sys
 import threading
 import time
 import warnings
 
-from ...errors import DistNetworkError
 from ..table import KeyTable
-from . import protocol as p
+from .connection import ServerConnection
+from .frames import DEFAULT_MAX_FRAME_SIZE, ProtocolError
+from .handlers import HANDLERS, deadline_reply
+from .handshake import AUTH_HELLO_SIZE
+from .listeners import DEFAULT_BACKLOG, Listeners, accept_pending, raise_open_file_limit
 from .local import LocalSocket
+from .parking import Parked, Parking
 from .poller import Poller
 
 log = logging.getLogger(__name__)
 
 DEFAULT_IDLE_TIMEOUT = 60.0
-DEFAULT_BACKLOG = 4096  # the kernel caps this at net.core.somaxconn
 _ACCEPT_PAUSE_ON_EMFILE = 0.2
 _MAX_POLL_TIMEOUT = 3600.0  # a client may send any timeout; epoll cannot take every float
 _RECV_SIZE = 1 << 16
 
 
-def raise_open_file_limit() -> tuple[int, int]:
-    """Raise this process's RLIMIT_NOFILE soft limit to its hard limit; return (soft, hard) after."""
-    try:
-        import resource
-    except ImportError:  # not POSIX
-        return (-1, -1)
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
-    if soft != resource.RLIM_INFINITY and soft < target:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            soft = target
-        except (ValueError, OSError):
-            pass
-    return soft, hard
+class Peer:
+    """One client's connection, as the server holds it: its socket, its ServerConnection, and what
+    the socket has not taken yet."""
 
+    __slots__ = ("sock", "fd", "connection", "out", "partial_deadline", "closing", "name", "local", "recv_size")
 
-def open_listener(host: str, port: int, backlog: int = DEFAULT_BACKLOG) -> socket.socket:
-    """A listening socket on exactly ``host``:``port`` (port 0: a free one). DistNetworkError at once if taken."""
-    where = f"{host}:{port}"
-    try:
-        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as exc:
-        raise DistNetworkError(f"TCPStore server cannot resolve host {host!r} to listen on {where}: {exc}") from None
-    family, kind, proto, _, address = infos[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # allows TIME_WAIT, not a live listener
-        if family == socket.AF_INET6:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        sock.bind(address)
-        sock.listen(backlog)
-    except OSError as exc:
-        sock.close()
-        if exc.errno == errno.EADDRINUSE:
-            raise DistNetworkError(
-                f"TCPStore server cannot listen on {where}: the address is already in use (EADDRINUSE). Another "
-                f"process, or another TCPStore master in this process, holds that port: choose another port, pass "
-                f"port=0 to take a free one, or pass multi_tenant=True to share one server within a process."
-            ) from None
-        name = errno.errorcode.get(exc.errno or 0, "error")
-        raise DistNetworkError(f"TCPStore server cannot listen on {where}: {exc.strerror} ({name})") from None
-    sock.setblocking(False)
-    return sock
-
-
-def local_socket_enabled() -> bool:
-    """Whether same-host clients may use the server's Unix socket (DISTCOMM_STORE_LOCAL_SOCKET=0: no)."""
-    return sys.platform.startswith("linux") and os.environ.get("DISTCOMM_STORE_LOCAL_SOCKET", "1") != "0"
-
-
-def open_local_listener(port: int, backlog: int) -> socket.socket | None:
-    """An abstract-namespace Unix listener with an unguessable name, or None where there is none."""
-    name = b"\0distcomm-store-%d-%s" % (port, os.urandom(12).hex().encode())
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.bind(name)
-        sock.listen(backlog)
-    except OSError:
-        sock.close()
-        return None
-    sock.setblocking(False)
-    return sock
-
-
-class _Connection:
-    __slots__ = ("sock", "fd", "proto", "out", "partial_deadline", "parked", "closing", "peer", "local", "recv_size")
-
-    def __init__(self, sock, peer, max_frame_size: int, local: bool, fd: int | None = None,
+    def __init__(self, sock, name, max_frame_size: int, local: bool, fd: int | None = None,
                  auth_key: bytes | None = None):
         self.sock = sock
         self.fd = sock.fileno() if fd is None else fd
-        self.proto = p.ServerProtocol(max_frame_size, auth_key)
+        self.connection = ServerConnection(max_frame_size, auth_key)
         # until it has authenticated, a connection is read no more than its handshake's fixed size
-        self.recv_size = _RECV_SIZE if auth_key is None else p.AUTH_HELLO_SIZE
+        self.recv_size = _RECV_SIZE if auth_key is None else AUTH_HELLO_SIZE
         self.out = bytearray()  # responses the socket did not take yet
         self.partial_deadline: float | None = None
-        self.parked: set = set()
         self.closing = False  # close once the output is flushed (after a refused hello)
-        self.peer = peer
+        self.name = name  # the peer's address, for the log
         self.local = local  # came in through the Unix socket, or from this process (connect_local)
 
-
-class _Parked:
-    """A blocking request waiting for keys (GET/WAIT/MULTI_GET), or in a line (QUEUE_POP, BARRIER)."""
-
-    __slots__ = ("conn", "request", "keys", "missing", "deadline", "done", "line")
-
-    def __init__(self, conn, request, keys, missing, deadline, line=None):
-        self.conn, self.request, self.keys, self.missing, self.deadline = conn, request, keys, missing, deadline
-        self.done = False
-        self.line = line  # (registry, key): the line this request waits in, if any
-
-    def __lt__(self, other):  # heap ties
-        return id(self) < id(other)
+    def lift_read_limit(self) -> None:
+        """The client proved it holds the key: read as much as it sends from now on."""
+        self.recv_size = _RECV_SIZE
 
 
 class TCPStoreServer:
@@ -182,35 +99,28 @@ class TCPStoreServer:
         port: int,
         *,
         idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
-        max_frame_size: int = p.DEFAULT_MAX_FRAME_SIZE,
+        max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
         backlog: int = DEFAULT_BACKLOG,
         local_socket: bool | None = None,
         auth_key: bytes | None = None,
     ):
         self.auth_key = bytes(auth_key) if auth_key else None
         self.open_file_limit = raise_open_file_limit()[0]
-        self._listener = open_listener(host, port, backlog)
+        self.listeners = Listeners(host, port, backlog, local_socket)
         self.host = host
-        self.port = self._listener.getsockname()[1]
-        if local_socket is None:
-            local_socket = local_socket_enabled()
-        self._local_listener = open_local_listener(self.port, backlog) if local_socket else None
-        self.local_address = self._local_listener.getsockname() if self._local_listener else b""
-        self._listeners = [s for s in (self._listener, self._local_listener) if s is not None]
+        self.port = self.listeners.port
+        self.local_address = self.listeners.local_address
         self.idle_timeout = idle_timeout
         self.max_frame_size = max_frame_size
         self.table = KeyTable()
+        self.parking = Parking()
         self.joined = 0
         self.stats = {
             "accepted": 0, "protocol_errors": 0, "idle_closed": 0, "accept_fd_exhausted": 0, "auth_refused": 0,
         }
         self._joined_changed = threading.Condition()
-        self._waiting: dict[bytes, list[_Parked]] = {}
-        self._poppers: dict[bytes, list[_Parked]] = {}  # parked QUEUE_POPs per queue, oldest first
-        self._barriers: dict[bytes, list[_Parked]] = {}  # parked BARRIERs per key
-        self._deadlines: list = []
-        self._conns: dict[int, _Connection] = {}
-        self._partial: dict[_Connection, float] = {}
+        self._peers: dict[int, Peer] = {}
+        self._partial: dict[Peer, float] = {}
         self._poller = Poller()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -221,37 +131,16 @@ class TCPStoreServer:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # the table and connections: the loop's batch, or one local request
         self._local_ids = itertools.count(-1, -1)  # local connections have no fd: negative keys
-        self._replying_to: _Connection | None = None  # the connection _process() is answering
+        self._replying_to: Peer | None = None  # the connection _process() is answering
         self._replies: list[bytes] = []
-        self._handlers = {
-            p.Hello: self._on_hello,
-            p.AuthProof: self._on_auth_proof,
-            p.Set: self._on_set,
-            p.Get: self._on_get,
-            p.Add: self._on_add,
-            p.CompareSet: self._on_compare_set,
-            p.Wait: self._on_wait,
-            p.Check: self._on_check,
-            p.NumKeys: self._on_num_keys,
-            p.DeleteKey: self._on_delete_key,
-            p.Append: self._on_append,
-            p.MultiGet: self._on_multi_get,
-            p.MultiSet: self._on_multi_set,
-            p.ListKeys: self._on_list_keys,
-            p.Join: self._on_join,
-            p.QueuePush: self._on_queue_push,
-            p.QueuePop: self._on_queue_pop,
-            p.QueueLen: self._on_queue_len,
-            p.Barrier: self._on_barrier,
-        }
 
     def __repr__(self) -> str:
-        return f"TCPStoreServer({self.host}:{self.port}, {len(self._conns)} clients)"
+        return f"TCPStoreServer({self.host}:{self.port}, {len(self._peers)} clients)"
 
     # -- lifetime ---------------------------------------------------------------------------------
 
     def start(self) -> "TCPStoreServer":
-        for listener in self._listeners:
+        for listener in self.listeners.sockets:
             self._poller.register(listener.fileno())
         self._poller.register(self._wake_r.fileno())
         self._thread = threading.Thread(target=self._run, name=f"TCPStoreServer:{self.port}", daemon=True)
@@ -271,13 +160,22 @@ class TCPStoreServer:
 
     @property
     def num_clients(self) -> int:
-        return len(self._conns)
+        return len(self._peers)
 
     def wait_for_joins(self, count: int, timeout: float) -> int:
         """Block (in the caller's thread) until ``count`` stores sent JOIN, or ``timeout``; return the count."""
         with self._joined_changed:
             self._joined_changed.wait_for(lambda: self.joined >= count or self._stopping, timeout)
             return self.joined
+
+    def count_join(self) -> int:
+        """One more store sent JOIN (wakes wait_for_joins); the count so far."""
+        with self._joined_changed:
+            self.joined += 1
+            self._joined_changed.notify_all()
+            return self.joined
+
+    # -- connections from outside the loop --------------------------------------------------------
 
     def connect_local(self) -> LocalSocket:
         """A connection for a client in this process: its requests run in its own thread, no socket.
@@ -287,25 +185,49 @@ class TCPStoreServer:
         write that completes it or at its deadline.
         """
         local = LocalSocket(self)
-        conn = _Connection(local, "local", self.max_frame_size, True, fd=next(self._local_ids), auth_key=self.auth_key)
-        local.conn = conn
+        peer = Peer(local, "local", self.max_frame_size, True, fd=next(self._local_ids), auth_key=self.auth_key)
+        local.peer = peer
         with self._lock:
-            self._conns[conn.fd] = conn
+            self._peers[peer.fd] = peer
         return local
 
-    def handle_local(self, conn: _Connection, data: bytes) -> None:
-        """``data`` sent by a local client: handled now, in the caller's thread."""
+    def adopt(self, sock: socket.socket, name, local: bool = False) -> Peer:
+        """Serve ``sock``, a connected non-blocking socket, as if the loop had accepted it (``local``:
+        it came through the Unix socket, so it is not told that socket's name). The loop's accept
+        does this; tests use it to drive a server whose loop is not running."""
         with self._lock:
-            if conn.fd not in self._conns:
+            return self._adopt(sock, name, local)
+
+    def handle(self, peer: Peer, data: bytes) -> None:
+        """``data`` received from ``peer``: handled now, in the caller's thread (a local client's)."""
+        with self._lock:
+            if peer.fd not in self._peers:
                 raise ConnectionResetError(errno.ECONNRESET, "the TCPStore server has stopped")
-            had_deadline = self._deadlines[0][0] if self._deadlines else None
-            self._process(conn, data)
-            if self._deadlines and self._deadlines[0][0] != had_deadline:
+            parking = self.parking
+            had_deadline = parking.next_deadline
+            self._process(peer, data)
+            if parking.next_deadline != had_deadline:
                 self._wake()  # the loop must recompute its poll timeout for the new deadline
 
-    def close_local(self, conn: _Connection) -> None:
+    def disconnect(self, peer: Peer) -> None:
+        """Close ``peer``'s connection, as when its client hangs up: its parked requests are dropped."""
         with self._lock:
-            self._close(conn)
+            self._close(peer)
+
+    def expire(self, now: float) -> None:
+        """Do what is due by ``now``: answer the parked requests whose deadline passed, close the
+        connections stuck in a handshake or a frame for longer than ``idle_timeout``."""
+        with self._lock:
+            self._expire(now)
+
+    def answer(self, parked: Parked, reply: bytes) -> None:
+        """Send ``reply`` to the client that parked ``parked``, which is released (for handlers)."""
+        self.parking.release(parked)
+        peer = parked.owner
+        if peer is self._replying_to:
+            self._replies.append(reply)
+        elif peer.fd in self._peers:
+            self._send(peer, reply)
 
     def _wake(self) -> None:
         try:
@@ -318,8 +240,8 @@ class TCPStoreServer:
     def _run(self) -> None:
         poll = self._poller.poll
         readable, writable = self._poller.READ, self._poller.WRITE
-        conns = self._conns
-        listeners = {listener.fileno(): listener for listener in self._listeners}
+        peers = self._peers
+        listeners = {listener.fileno(): listener for listener in self.listeners.sockets}
         wake_fd = self._wake_r.fileno()
         lock = self._lock
         try:
@@ -327,17 +249,17 @@ class TCPStoreServer:
                 events = poll(self._poll_timeout())
                 with lock:  # shared with in-process clients (connect_local), taken once per batch
                     for fd, mask in events:
-                        conn = conns.get(fd)
-                        if conn is not None:
+                        peer = peers.get(fd)
+                        if peer is not None:
                             if mask & readable:
-                                self._read(conn)
-                            if mask & writable and conn.fd in conns:
-                                self._flush(conn)
+                                self._read(peer)
+                            if mask & writable and peer.fd in peers:
+                                self._flush(peer)
                         elif fd in listeners:
                             self._accept(listeners[fd])
                         elif fd == wake_fd:
                             self._drain_wake()
-                    if self._deadlines or self._partial or self._accept_paused_until:
+                    if self.parking.next_deadline is not None or self._partial or self._accept_paused_until:
                         self._expire(time.monotonic())
         except Exception:  # pragma: no cover - a bug; make it loud rather than a silent dead server
             log.exception("TCPStoreServer on port %d crashed", self.port)
@@ -346,9 +268,7 @@ class TCPStoreServer:
             self._close_everything()
 
     def _poll_timeout(self) -> float | None:
-        timeout = None
-        if self._deadlines:
-            timeout = self._deadlines[0][0]
+        timeout = self.parking.next_deadline
         if self._partial:
             timeout = self._next_sweep if timeout is None else min(timeout, self._next_sweep)
         if self._accept_paused_until:
@@ -364,27 +284,20 @@ class TCPStoreServer:
             pass
 
     def _accept(self, listener: socket.socket) -> None:
-        local = listener is self._local_listener
-        for _ in range(512):
-            try:
-                sock, peer = listener.accept()
-            except BlockingIOError:
-                return
-            except OSError as exc:
-                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    self._pause_accepting(listener, exc)
-                    return
-                if exc.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EPERM):
-                    continue
-                raise
-            sock.setblocking(False)
-            if not local:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Connection(sock, peer, self.max_frame_size, local, auth_key=self.auth_key)
-            self._conns[conn.fd] = conn
-            self._poller.register(conn.fd)
-            self._mark_partial(conn, time.monotonic())
-            self.stats["accepted"] += 1
+        local = listener is self.listeners.local
+        accepted, exhausted = accept_pending(listener)
+        for sock, name in accepted:
+            self._adopt(sock, name, local)
+        if exhausted is not None:
+            self._pause_accepting(listener, exhausted)
+
+    def _adopt(self, sock, name, local: bool) -> Peer:
+        peer = Peer(sock, name, self.max_frame_size, local, auth_key=self.auth_key)
+        self._peers[peer.fd] = peer
+        self._poller.register(peer.fd)
+        self._mark_partial(peer, time.monotonic())
+        self.stats["accepted"] += 1
+        return peer
 
     def _pause_accepting(self, listener: socket.socket, exc: OSError) -> None:
         """Out of file descriptors: stop polling the listener briefly instead of spinning on it."""
@@ -392,7 +305,7 @@ class TCPStoreServer:
         if self.stats["accept_fd_exhausted"] == 1:
             warnings.warn(
                 f"TCPStore server on port {self.port} cannot accept more clients: {exc.strerror} "
-                f"({errno.errorcode.get(exc.errno, exc.errno)}) with {len(self._conns)} clients connected and an "
+                f"({errno.errorcode.get(exc.errno, exc.errno)}) with {len(self._peers)} clients connected and an "
                 f"open-file limit (RLIMIT_NOFILE) of {self.open_file_limit}. Raise the limit (ulimit -n) to serve more "
                 f"clients; pending clients wait in the listen backlog until a descriptor frees up.",
                 RuntimeWarning,
@@ -402,129 +315,128 @@ class TCPStoreServer:
         self._paused_listeners.append(listener)
         self._accept_paused_until = time.monotonic() + _ACCEPT_PAUSE_ON_EMFILE
 
-    def _read(self, conn: _Connection) -> None:
+    def _read(self, peer: Peer) -> None:
         try:
-            data = conn.sock.recv(conn.recv_size)
+            data = peer.sock.recv(peer.recv_size)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
-            self._close(conn)
+            self._close(peer)
             return
         if not data:
-            self._close(conn)
+            self._close(peer)
             return
-        self._process(conn, data)
+        self._process(peer, data)
 
-    def _process(self, conn: _Connection, data: bytes) -> None:
+    def _process(self, peer: Peer, data: bytes) -> None:
         """Handle every complete request in ``data`` and send the replies, in order, with one send."""
-        proto = conn.proto
-        handlers = self._handlers
-        # a request in this batch may complete one this connection parked earlier: _finish() puts
+        connection = peer.connection
+        handlers = HANDLERS
+        # a request in this batch may complete one this connection parked earlier: answer() puts
         # that reply in line here too, so the hello reply always goes first
-        self._replying_to, self._replies = conn, []
+        self._replying_to, self._replies = peer, []
         replies = self._replies
         try:
-            for event in proto.receive_events(data):
-                answer = handlers[event.__class__](conn, event)
+            for event in connection.receive_events(data):
+                answer = handlers[event.__class__](self, peer, event)
                 if answer is not None:
                     replies.append(answer)
-                if conn.closing:
+                if peer.closing:
                     break
-        except p.ProtocolError as exc:
+        except ProtocolError as exc:
             self.stats["protocol_errors"] += 1
-            log.info("TCPStore server: closing %s: %s", conn.peer, exc)
-            self._close(conn)
+            log.info("TCPStore server: closing %s: %s", peer.name, exc)
+            self._close(peer)
             return
         finally:
             self._replying_to = None
-        if proto.has_partial_data:
-            if conn.partial_deadline is None:
-                self._mark_partial(conn, time.monotonic())
-        elif conn.partial_deadline is not None:
-            conn.partial_deadline = None
-            del self._partial[conn]
+        if connection.has_partial_data:
+            if peer.partial_deadline is None:
+                self._mark_partial(peer, time.monotonic())
+        elif peer.partial_deadline is not None:
+            peer.partial_deadline = None
+            del self._partial[peer]
         if replies:
-            self._send(conn, replies[0] if len(replies) == 1 else b"".join(replies))
+            self._send(peer, replies[0] if len(replies) == 1 else b"".join(replies))
 
-    def _mark_partial(self, conn: _Connection, now: float) -> None:
-        conn.partial_deadline = now + self.idle_timeout
+    def _mark_partial(self, peer: Peer, now: float) -> None:
+        peer.partial_deadline = now + self.idle_timeout
         if not self._partial:
             self._next_sweep = now + min(self.idle_timeout / 4, 1.0)
-        self._partial[conn] = conn.partial_deadline
+        self._partial[peer] = peer.partial_deadline
 
-    def _send(self, conn: _Connection, data: bytes) -> None:
+    def _send(self, peer: Peer, data: bytes) -> None:
         """Send now what the socket takes; keep the rest and poll for writability."""
-        if conn.out:
-            conn.out += data
+        if peer.out:
+            peer.out += data
             return
         try:
-            sent = conn.sock.send(data)
+            sent = peer.sock.send(data)
         except (BlockingIOError, InterruptedError):
             sent = 0
         except OSError:
-            self._close(conn)
+            self._close(peer)
             return
         if sent < len(data):
-            conn.out += data[sent:]
+            peer.out += data[sent:]
             # and stop reading it: a client that does not read its answers cannot grow our buffer
-            self._poller.modify(conn.fd, writable=True)
-        elif conn.closing:
-            self._close(conn)
+            self._poller.modify(peer.fd, writable=True)
+        elif peer.closing:
+            self._close(peer)
 
-    def _flush(self, conn: _Connection) -> None:
-        out = conn.out
+    def _flush(self, peer: Peer) -> None:
+        out = peer.out
         try:
-            sent = conn.sock.send(out)
+            sent = peer.sock.send(out)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
-            self._close(conn)
+            self._close(peer)
             return
         del out[:sent]
         if not out:
-            if conn.closing:
-                self._close(conn)
+            if peer.closing:
+                self._close(peer)
                 return
-            self._poller.modify(conn.fd, writable=False)
+            self._poller.modify(peer.fd, writable=False)
 
     def _expire(self, now: float) -> None:
-        deadlines = self._deadlines
-        while deadlines and deadlines[0][0] <= now:
-            _, parked = heapq.heappop(deadlines)
-            if not parked.done:
-                self._finish(parked, self._at_deadline(parked))
+        table = self.table
+        for parked in self.parking.expired(now):
+            self.answer(parked, deadline_reply(table, parked))
         if self._partial and now >= self._next_sweep:
             self._next_sweep = now + min(self.idle_timeout / 4, 1.0)
-            expired = [conn for conn, deadline in self._partial.items() if deadline <= now]
-            for conn in expired:
+            expired = [peer for peer, deadline in self._partial.items() if deadline <= now]
+            for peer in expired:
                 self.stats["idle_closed"] += 1
-                log.info("TCPStore server: closing %s: no complete hello or frame in %.3g s", conn.peer, self.idle_timeout)
-                self._close(conn)
+                log.info("TCPStore server: closing %s: no complete hello or frame in %.3g s", peer.name,
+                         self.idle_timeout)
+                self._close(peer)
         if self._accept_paused_until and now >= self._accept_paused_until:
             self._accept_paused_until = 0.0
             for listener in self._paused_listeners:
                 self._poller.register(listener.fileno())
             self._paused_listeners.clear()
 
-    def _close(self, conn: _Connection) -> None:
-        if self._conns.pop(conn.fd, None) is None:
+    def _close(self, peer: Peer) -> None:
+        if self._peers.pop(peer.fd, None) is None:
             return
-        self._partial.pop(conn, None)
-        for parked in list(conn.parked):
-            self._unpark(parked)
-        if conn.fd < 0:  # a LocalSocket
-            conn.sock.shutdown_from_server()
+        self._partial.pop(peer, None)
+        self.parking.cancel(peer)
+        if peer.fd < 0:  # a LocalSocket
+            peer.sock.shutdown_from_server()
             return
         try:
-            self._poller.unregister(conn.fd)
+            self._poller.unregister(peer.fd)
         except (KeyError, ValueError, OSError):
             pass
-        conn.sock.close()
+        peer.sock.close()
 
     def _close_everything(self) -> None:
-        for conn in list(self._conns.values()):
-            self._close(conn)
-        for sock in (*self._listeners, self._wake_r, self._wake_w):
+        for peer in list(self._peers.values()):
+            self._close(peer)
+        self.listeners.close()
+        for sock in (self._wake_r, self._wake_w):
             try:
                 sock.close()
             except OSError:
@@ -535,254 +447,3 @@ class TCPStoreServer:
             pass
         with self._joined_changed:
             self._joined_changed.notify_all()
-
-    # -- parking ------------------------------------------------------------------------------------
-
-    def _park(self, conn: _Connection, request, keys: list, missing: list, timeout_ms: int, line=None):
-        """Answer later: when every key in ``missing`` is written, or (in ``line``, a (registry, key)
-        pair) when its turn comes; or at the deadline."""
-        if timeout_ms == 0:
-            return p.encode(p.TimedOut(request.request_id, missing or keys))
-        parked = _Parked(conn, request, keys, set(missing), time.monotonic() + timeout_ms / 1000.0, line)
-        for key in parked.missing:
-            self._waiting.setdefault(key, []).append(parked)
-        if line is not None:
-            registry, key = line
-            registry.setdefault(key, []).append(parked)
-        heapq.heappush(self._deadlines, (parked.deadline, parked))
-        conn.parked.add(parked)
-        return None
-
-    def _unpark(self, parked: _Parked) -> None:
-        parked.done = True
-        parked.conn.parked.discard(parked)
-        if parked.line is not None:
-            registry, key = parked.line
-            line = registry.get(key)
-            if line is not None:
-                try:
-                    line.remove(parked)
-                except ValueError:
-                    pass
-                if not line:
-                    del registry[key]
-        for key in parked.missing:
-            waiters = self._waiting.get(key)
-            if waiters is not None:
-                try:
-                    waiters.remove(parked)
-                except ValueError:
-                    pass
-                if not waiters:
-                    del self._waiting[key]
-
-    def _finish(self, parked: _Parked, reply: bytes) -> None:
-        self._unpark(parked)
-        conn = parked.conn
-        if conn is self._replying_to:
-            self._replies.append(reply)
-        elif conn.fd in self._conns:
-            self._send(conn, reply)
-
-    def _written(self, key: bytes) -> None:
-        """``key`` now exists: answer the parked requests it completes."""
-        waiters = self._waiting.pop(key, None)
-        if not waiters:
-            return
-        for parked in waiters:
-            parked.missing.discard(key)
-            if parked.missing or parked.done:
-                continue
-            still_missing = self._still_missing(parked)  # a key may have been deleted meanwhile
-            if still_missing:
-                parked.missing.update(still_missing)
-                for k in still_missing:
-                    self._waiting.setdefault(k, []).append(parked)
-                continue
-            self._finish(parked, self._completed(parked.request))
-
-    def _still_missing(self, parked: _Parked) -> list:
-        """The keys ``parked`` still lacks; a WAIT (not GET/MULTI_GET) takes a non-empty queue as present."""
-        if parked.request.__class__ is p.Wait:
-            return self.table.absent(parked.keys)
-        return self.table.missing(parked.keys)
-
-    def _at_deadline(self, parked: _Parked) -> bytes:
-        request = parked.request
-        kind = request.__class__
-        if kind is p.QueuePop or kind is p.Barrier:
-            return p.encode(p.TimedOut(request.request_id, [request.key]))
-        missing = self._still_missing(parked)
-        if not missing:  # a WAIT on a queue another WAIT was woken for: its condition holds
-            return self._completed(request)
-        return p.encode(p.TimedOut(request.request_id, missing))
-
-    def _completed(self, request) -> bytes:
-        values = self.table.values
-        kind = type(request)
-        if kind is p.Get:
-            return p.encode_value(request.request_id, values[request.key])
-        if kind is p.MultiGet:
-            return p.encode(p.Values(request.request_id, [values[k] for k in request.keys]))
-        return p.encode_ok(request.request_id)
-
-    # -- requests: each returns the reply's bytes, or None (parked, or SET, which has no reply) -----
-
-    def _on_hello(self, conn, hello):
-        reply = conn.proto.reply_to_hello(hello)  # decides version and authentication
-        if reply.__class__ is p.HelloReply:
-            if reply.status != p.HELLO_STATUS_OK:
-                conn.closing = True  # after the reply, which tells the client why
-                if reply.status != p.HELLO_STATUS_UNSUPPORTED_VERSION:
-                    self._auth_refused(conn, reply.status)
-            elif not conn.local:
-                reply.local_address = self.local_address
-        return conn.proto.send(reply)
-
-    def _on_auth_proof(self, conn, proof):
-        reply = conn.proto.reply_to_proof(proof, b"" if conn.local else self.local_address)
-        if reply.__class__ is p.AuthAccepted:
-            conn.recv_size = _RECV_SIZE
-        else:
-            conn.closing = True
-            self._auth_refused(conn, reply.status)
-        return conn.proto.send(reply)
-
-    def _auth_refused(self, conn, status: int) -> None:
-        self.stats["auth_refused"] += 1
-        reason = {
-            p.HELLO_STATUS_AUTH_REQUIRED: "offered no authentication",
-            p.HELLO_STATUS_AUTH_FAILED: "failed authentication (wrong key)",
-            p.HELLO_STATUS_AUTH_UNAVAILABLE: "asked for authentication, which this server has no key for",
-        }.get(status, f"refused with status {status}")
-        log.info("TCPStore server on port %d: refused %s: it %s", self.port, conn.peer, reason)
-
-    def _on_set(self, conn, req):  # no reply: see protocol.py
-        self.table.values[req.key] = req.value
-        if self._waiting:
-            self._written(req.key)
-
-    def _on_get(self, conn, req):
-        value = self.table.values.get(req.key)
-        if value is not None:
-            return p.encode_value(req.request_id, value)
-        return self._park(conn, req, [req.key], [req.key], req.timeout_ms)
-
-    def _on_add(self, conn, req):
-        try:
-            total = self.table.add(req.key, req.amount)
-        except ValueError as exc:
-            return p.encode(p.Error(req.request_id, p.ERROR_NOT_AN_INTEGER, str(exc).encode("utf-8")))
-        if self._waiting:
-            self._written(req.key)
-        return p.encode_integer(req.request_id, total)
-
-    def _on_compare_set(self, conn, req):
-        returned, changed = self.table.compare_set(req.key, req.expected, req.desired)
-        if changed and self._waiting:
-            self._written(req.key)
-        return p.encode_value(req.request_id, returned)
-
-    def _on_wait(self, conn, req):
-        missing = self.table.absent(req.keys)
-        if not missing:
-            return p.encode_ok(req.request_id)
-        return self._park(conn, req, req.keys, missing, req.timeout_ms)
-
-    def _on_check(self, conn, req):
-        return p.encode_bool(req.request_id, not self.table.absent(req.keys))
-
-    def _on_num_keys(self, conn, req):
-        return p.encode_integer(req.request_id, len(self.table) + (1 if self.joined else 0))
-
-    def _on_delete_key(self, conn, req):
-        return p.encode_bool(req.request_id, self.table.delete(req.key))
-
-    def _on_append(self, conn, req):
-        self.table.append(req.key, req.value)
-        if self._waiting:
-            self._written(req.key)
-        return p.encode_ok(req.request_id)
-
-    def _on_multi_get(self, conn, req):
-        missing = self.table.missing(req.keys)
-        if not missing:
-            values = self.table.values
-            return p.encode(p.Values(req.request_id, [values[k] for k in req.keys]))
-        return self._park(conn, req, req.keys, missing, req.timeout_ms)
-
-    def _on_multi_set(self, conn, req):
-        if len(req.keys) != len(req.values):
-            message = f"multi_set(): {len(req.keys)} keys but {len(req.values)} values"
-            return p.encode(p.Error(req.request_id, p.ERROR_BAD_REQUEST, message.encode()))
-        self.table.multi_set(req.keys, req.values)
-        if self._waiting:
-            for key in req.keys:
-                self._written(key)
-        return p.encode_ok(req.request_id)
-
-    def _on_list_keys(self, conn, req):
-        return p.encode(p.Values(req.request_id, list(self.table.values)))
-
-    def _on_join(self, conn, req):
-        with self._joined_changed:
-            self.joined += 1
-            self._joined_changed.notify_all()
-        return p.encode_integer(req.request_id, self.joined)
-
-    def _on_queue_push(self, conn, req):  # no reply, like SET
-        poppers = self._poppers.get(req.key)
-        if poppers:
-            parked = poppers[0]  # the oldest parked pop takes the item; _finish() takes it out of line
-            self._finish(parked, p.encode_value(parked.request.request_id, req.value))
-            return None
-        self.table.queue_push(req.key, req.value)
-        if self._waiting:
-            self._wake_one_wait(req.key)
-        return None
-
-    def _wake_one_wait(self, key: bytes) -> None:
-        """The queue ``key`` has an item now: release the oldest WAIT parked on it, only that one."""
-        waiters = self._waiting.get(key)
-        if not waiters:
-            return
-        for parked in waiters:
-            if parked.request.__class__ is p.Wait and not parked.done:
-                break
-        else:
-            return  # only GET/MULTI_GET, which wait for the key to be set, not for a queue
-        waiters.remove(parked)
-        if not waiters:
-            del self._waiting[key]
-        parked.missing.discard(key)
-        if parked.missing:
-            return
-        still_missing = self._still_missing(parked)
-        if still_missing:
-            parked.missing.update(still_missing)
-            for k in still_missing:
-                self._waiting.setdefault(k, []).append(parked)
-            return
-        self._finish(parked, p.encode_ok(parked.request.request_id))
-
-    def _on_queue_pop(self, conn, req):
-        value = self.table.queue_pop(req.key)
-        if value is not None:
-            return p.encode_value(req.request_id, value)
-        return self._park(conn, req, [req.key], [], req.timeout_ms, line=(self._poppers, req.key))
-
-    def _on_queue_len(self, conn, req):
-        return p.encode_integer(req.request_id, self.table.queue_len(req.key))
-
-    def _on_barrier(self, conn, req):
-        try:
-            arrived = self.table.add(req.key, 1)
-        except ValueError as exc:
-            return p.encode(p.Error(req.request_id, p.ERROR_NOT_AN_INTEGER, str(exc).encode("utf-8")))
-        if self._waiting:
-            self._written(req.key)  # the counter is a key: a get/wait on it sees the count
-        if arrived < req.world_size:
-            return self._park(conn, req, [req.key], [], req.timeout_ms, line=(self._barriers, req.key))
-        for parked in list(self._barriers.get(req.key, ())):
-            self._finish(parked, p.encode_ok(parked.request.request_id))
-        return p.encode_ok(req.request_id)

@@ -28,14 +28,17 @@ from __future__ import annotations
 import threading
 import weakref
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 from ...errors import DistStoreError
 from .. import rules
 from ..base import Store
-from . import protocol as p
 from .auth import key_from_environment
 from .client import TCPStoreClient
-from .server import TCPStoreServer
+from .frames import DEFAULT_MAX_FRAME_SIZE
+
+if TYPE_CHECKING:
+    from .server import TCPStoreServer
 
 
 class _SharedServers:
@@ -55,6 +58,8 @@ class _SharedServers:
                 if entry is not None:
                     entry[1] += 1
                     return entry[0]
+            from .server import TCPStoreServer  # here, not at the top: a process that is no master never loads it
+
             server = TCPStoreServer(host, port, **server_options).start()
             if multi_tenant:
                 self._servers[(host, server.port)] = [server, 1]
@@ -133,7 +138,7 @@ class TCPStore(Store):
             else None
         )
         self._port = self._server.port if self._server is not None else port
-        max_frame_size = server_options.get("max_frame_size", p.DEFAULT_MAX_FRAME_SIZE)
+        max_frame_size = server_options.get("max_frame_size", DEFAULT_MAX_FRAME_SIZE)
         try:
             # the master talks to its own server in-process (see local.py); everyone else over the network
             local = self._server.connect_local() if self._server is not None else None
