@@ -1,0 +1,193 @@
+"""distcomm as a torch c10d backend: torch's own API, DDP, FSDP and DTensor on backend "distcomm".
+
+Each world runs torch.distributed (not distcomm's API). Collectives are compared on the same inputs
+with torch's gloo in the same processes (a gloo default group and a "distcomm" group of the same
+ranks), or with a single-process reference where gloo has no such operation.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from harness import run_world  # noqa: E402
+
+SRC = str(Path(__file__).resolve().parent.parent / "src")
+
+
+def _init(rank, world, backend="distcomm"):
+    import torch.distributed as dist
+
+    import distcomm.torch_backend  # noqa: F401 - registers "distcomm"
+
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    return dist
+
+
+def _close(dist):
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# -- every collective, against gloo --------------------------------------------------------------
+def _collectives(group, rank, world):
+    """Results of torch.distributed's collectives on ``group`` (None: the default group)."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    out = {}
+    base = torch.arange(6, dtype=torch.float32) + rank * 10
+
+    for name in ["SUM", "MAX", "MIN", "PRODUCT"]:
+        x = base.clone() / 7 + 1
+        dist.all_reduce(x, op=getattr(dist.ReduceOp, name), group=group)
+        out[f"all_reduce_{name}"] = x
+    for name in ["BAND", "BOR", "BXOR"]:
+        x = torch.arange(5, dtype=torch.int64) * (rank + 3)
+        dist.all_reduce(x, op=getattr(dist.ReduceOp, name), group=group)
+        out[f"all_reduce_{name}"] = x
+    big = torch.arange(300_000, dtype=torch.float64) * (rank + 1)
+    dist.all_reduce(big, group=group)
+    out["all_reduce_big"] = big
+    x = base.clone()
+    work = dist.all_reduce(x, async_op=True, group=group)
+    work.wait()
+    out["all_reduce_async"] = x
+    out["future"] = work.get_future().wait()[0].clone()
+
+    x = base.clone()
+    dist.broadcast(x, src=world - 1, group=group)
+    out["broadcast"] = x
+    x = base.clone()
+    dist.reduce(x, dst=0, group=group)
+    out["reduce"] = x if rank == 0 else None
+
+    outs = [torch.empty(6) for _ in range(world)]
+    dist.all_gather(outs, base, group=group)
+    out["all_gather"] = torch.stack(outs)
+    flat = torch.empty(6 * world)
+    dist.all_gather_into_tensor(flat, base, group=group)
+    out["all_gather_into_tensor"] = flat
+    gathered = [torch.empty(6) for _ in range(world)] if rank == 0 else None
+    dist.gather(base, gathered, dst=0, group=group)
+    out["gather"] = torch.stack(gathered) if rank == 0 else None
+    x = torch.empty(6)
+    dist.scatter(x, [base + 100 * r for r in range(world)] if rank == 0 else None, src=0, group=group)
+    out["scatter"] = x
+    x = torch.empty(3)
+    dist.reduce_scatter(x, [base[:3] * (r + 1) for r in range(world)], group=group)
+    out["reduce_scatter"] = x
+    x = torch.empty(2)
+    dist.reduce_scatter_tensor(x, torch.arange(2.0 * world) + rank, group=group)
+    out["reduce_scatter_tensor"] = x
+
+    ins = [torch.full((2,), float(rank * 10 + r)) for r in range(world)]  # gloo: equal sizes only
+    outs = [torch.empty(2) for _ in range(world)]
+    dist.all_to_all(outs, ins, group=group)
+    out["all_to_all"] = torch.cat(outs)
+    send_splits = [r + 1 for r in range(world)]
+    recv_splits = [rank + 1] * world
+    inp = torch.arange(float(sum(send_splits) * 2)).reshape(-1, 2) + rank * 100
+    res = torch.empty(sum(recv_splits), 2)
+    dist.all_to_all_single(res, inp, recv_splits, send_splits, group=group)
+    out["all_to_all_single"] = res
+    dist.barrier(group=group)
+
+    # point-to-point on a ring
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    x = torch.empty(4)
+    if rank % 2 == 0:
+        dist.send(base[:4], dst=nxt, group=group)
+        dist.recv(x, src=prv, group=group)
+    else:
+        dist.recv(x, src=prv, group=group)
+        dist.send(base[:4], dst=nxt, group=group)
+    out["send_recv"] = x
+    y = torch.empty(4)
+    reqs = dist.batch_isend_irecv([
+        dist.P2POp(dist.isend, base[:4] * 2, nxt, group=group),
+        dist.P2POp(dist.irecv, y, prv, group=group),
+    ])
+    for r in reqs:
+        r.wait()
+    out["batch_isend_irecv"] = y
+    if rank == 0:
+        srcs = set()
+        for _ in range(world - 1):
+            z = torch.empty(1)
+            srcs.add(dist.recv(z, group=group))
+        out["recv_any"] = sorted(srcs)
+    else:
+        dist.send(torch.tensor([float(rank)]), dst=0, group=group)
+        out["recv_any"] = None
+
+    # object collectives
+    objs = [{"rank": rank, "text": "x" * rank}] if rank == 1 else [None]
+    dist.broadcast_object_list(objs, src=1, group=group)
+    out["broadcast_object_list"] = objs
+    everyone = [None] * world
+    dist.all_gather_object(everyone, ("r", rank), group=group)
+    out["all_gather_object"] = everyone
+    got = [None] * world if rank == 0 else None
+    dist.gather_object({"k": rank}, got, dst=0, group=group)
+    out["gather_object"] = got
+    one = [None]
+    dist.scatter_object_list(one, [f"to{r}" for r in range(world)] if rank == 0 else None, src=0, group=group)
+    out["scatter_object_list"] = one
+
+    # functional collectives resolve the group by its name
+    fgroup = group if group is not None else dist.group.WORLD
+    out["funcol_all_reduce"] = funcol.all_reduce(base, "sum", fgroup)
+    out["funcol_all_gather"] = funcol.all_gather_tensor(base, 0, fgroup)
+    out["funcol_reduce_scatter"] = funcol.reduce_scatter_tensor(torch.arange(2.0 * world) + rank, "sum", 0, fgroup)
+    # clone(): a plain copy, which also waits for a functional collective's result
+    return {k: (torch.Tensor(v.clone()) if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
+
+
+def _compare(a, b, where):
+    assert a.keys() == b.keys()
+    for key in a:
+        x, y = a[key], b[key]
+        if isinstance(x, torch.Tensor):
+            # floats: summation order differs between algorithms (three ranks round differently)
+            same = torch.allclose(x, y, rtol=1e-6) if x.is_floating_point() else torch.equal(x, y)
+            assert same and x.shape == y.shape, f"{where}: {key}: {x} != {y}"
+        else:
+            assert x == y, f"{where}: {key}: {x!r} != {y!r}"
+
+
+def _vs_gloo(rank, world):
+    dist = _init(rank, world, backend="gloo")  # the default group is torch's gloo
+    group = dist.new_group(backend="distcomm")
+    assert dist.get_backend(group) == "distcomm"
+    mine = _collectives(group, rank, world)
+    theirs = _collectives(None, rank, world)
+    _compare(mine, theirs, f"rank {rank}")
+
+    # AVG and PREMUL_SUM: torch's gloo has neither; against the arithmetic
+    x = torch.arange(4.0) + rank
+    dist.all_reduce(x, op=dist.ReduceOp.AVG, group=group)
+    assert torch.allclose(x, torch.arange(4.0) + (world - 1) / 2)
+    x = torch.arange(4.0) + rank
+    dist.all_reduce(x, op=dist._make_nccl_premul_sum(0.5), group=group)
+    assert torch.allclose(x, 0.5 * (world * torch.arange(4.0) + world * (world - 1) / 2))
+    # a subgroup of ranks 0 and the last
+    sub = dist.new_group([0, world - 1], backend="distcomm")
+    if rank in (0, world - 1):
+        y = torch.tensor([float(rank)])
+        dist.all_reduce(y, group=sub)
+        assert y.item() == world - 1
+    _close(dist)
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_collectives_match_gloo(world):
+    assert run_world(_vs_gloo, world, timeout=120) == [True] * world
