@@ -191,3 +191,111 @@ def _vs_gloo(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_collectives_match_gloo(world):
     assert run_world(_vs_gloo, world, timeout=120) == [True] * world
+
+
+# -- torch's DDP and ZeRO on init_process_group("distcomm") ---------------------------------------
+def _model(seed, unused=False):
+    torch.manual_seed(seed)
+    layers = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    if not unused:
+        return layers
+
+    class WithUnused(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.spare = layers, torch.nn.Linear(8, 4)  # spare gets no gradient
+
+        def forward(self, x):
+            return self.body(x)
+
+    return WithUnused()
+
+
+def _batch(rank, step, micro=0):
+    g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
+    return torch.randn(5, 8, generator=g), torch.randn(5, 4, generator=g)
+
+
+def _loss(model, x, y):
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def _reference(world, steps, micro, unused):
+    """One process: the gradient of every step is the mean over ranks (and sum over micro-batches)."""
+    model = _model(0, unused)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        opt.zero_grad()
+        for r in range(world):
+            for m in range(micro):
+                (_loss(model, *_batch(r, step, m)) / world).backward()
+        opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def _ddp(rank, world, mode):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    _init(rank, world)
+    assert dist.get_backend() == "distcomm"
+    unused = mode == "unused"
+    model = DDP(_model(rank, unused), find_unused_parameters=unused)  # rank 0's weights win
+    if mode == "hook":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
+    if mode == "zero":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    micro = 2 if mode == "no_sync" else 1
+    for step in range(3):
+        opt.zero_grad()
+        if micro == 2:
+            with model.no_sync():
+                _loss(model, *_batch(rank, step, 0)).backward()
+        _loss(model, *_batch(rank, step, micro - 1)).backward()
+        opt.step()
+    expected = _reference(world, 3, micro, unused)
+    got = [p.detach() for p in model.module.parameters()]
+    for i, (a, b) in enumerate(zip(got, expected)):
+        assert torch.allclose(a, b, atol=1e-6), f"rank {rank}: parameter {i} differs from the reference"
+    _close(dist)
+    return True
+
+
+@pytest.mark.parametrize("mode", ["default", "unused", "no_sync", "hook", "zero"])
+def test_ddp_matches_single_process(mode):
+    assert run_world(_ddp, 2, args=(mode,), timeout=120) == [True, True]
+
+
+def _ddp_peer_killed(rank, world):
+    import signal
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import distcomm.torch_backend  # noqa: F401
+
+    dist.init_process_group("distcomm", rank=rank, world_size=world, timeout=timedelta(seconds=15))
+    model = DDP(_model(0))
+    if rank == 1:
+        # dies inside backward, while DDP's reducer has buckets in flight on the others
+        model.module[0].weight.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
+    try:
+        for step in range(3):
+            _loss(model, *_batch(rank, step)).backward()
+    except Exception as exc:  # noqa: BLE001 - what the survivor saw is the result
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_ddp_peer_killed_in_backward_raises_naming_the_rank():
+    results = run_world(_ddp_peer_killed, 3, timeout=90, expect_failure=[1])
+    for rank in (0, 2):
+        assert results[rank] != "no error", results
+        assert "rank 1" in results[rank], results[rank]
