@@ -299,3 +299,97 @@ def test_ddp_peer_killed_in_backward_raises_naming_the_rank():
     for rank in (0, 2):
         assert results[rank] != "no error", results
         assert "rank 1" in results[rank], results[rank]
+
+
+# -- FSDP2, DeviceMesh, DTensor, distributed checkpoint ------------------------------------------
+def _resize_after_collective(rank, world):
+    """FSDP frees and regrows parameter storages: a collective must leave them resizable."""
+    import torch.distributed as dist
+
+    _init(rank, world, backend="cpu:distcomm")
+    for n in (2, 100_000):  # the shared-memory latency path and the general one
+        t = torch.ones(n)
+        dist.all_reduce(t)
+        out = torch.empty(n * world)
+        dist.all_gather_into_tensor(out, t)
+        for x in (t, out):
+            nbytes = x.untyped_storage().nbytes()
+            x.untyped_storage().resize_(0)
+            x.untyped_storage().resize_(nbytes)
+    _close(dist)
+    return True
+
+
+def test_storage_stays_resizable_after_collectives():
+    assert run_world(_resize_after_collective, 2, timeout=60) == [True, True]
+
+
+def _fsdp2_and_checkpoint(rank, world, ckpt_dir):
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    _init(rank, world)
+    mesh = init_device_mesh("cpu", (world,))
+    model = _model(0)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        opt.zero_grad()
+        _loss(model, *_batch(rank, step)).backward()
+        opt.step()
+    expected = _reference(world, 3, 1, False)
+    got = [p.full_tensor().detach() for p in model.parameters()]
+    for i, (a, b) in enumerate(zip(got, expected)):
+        assert torch.allclose(a, b, atol=1e-6), f"rank {rank}: FSDP2 parameter {i} differs from the reference"
+
+    # distributed checkpoint: save the sharded state, spoil it, load it back
+    dcp.save({"model": model.state_dict()}, checkpoint_id=ckpt_dir)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().zero_()
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=ckpt_dir)
+    model.load_state_dict(state["model"])
+    got = [p.full_tensor().detach() for p in model.parameters()]
+    for i, (a, b) in enumerate(zip(got, expected)):
+        assert torch.allclose(a, b, atol=1e-6), f"rank {rank}: parameter {i} not restored by the checkpoint"
+    _close(dist)
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fsdp2_fully_shard_and_checkpoint(world, tmp_path):
+    assert run_world(_fsdp2_and_checkpoint, world, args=(str(tmp_path / "ckpt"),), timeout=150) == [True] * world
+
+
+def _dtensor(rank, world):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    _init(rank, world)
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)  # the same full matrices on every rank
+    a, b = torch.randn(6 * world, 5), torch.randn(5, 3 * world)
+    expected = a @ b
+    row = distribute_tensor(a, mesh, [Shard(0)]) @ distribute_tensor(b, mesh, [Replicate()])
+    col = distribute_tensor(a, mesh, [Replicate()]) @ distribute_tensor(b, mesh, [Shard(1)])
+    for name, c in (("row", row), ("col", col)):
+        assert torch.allclose(c.full_tensor(), expected, atol=1e-5), f"rank {rank}: {name}-sharded matmul"
+    # the contraction dimension sharded: partial sums, reduced by an all_reduce on redistribute
+    k = 2 * world
+    a2, b2 = torch.randn(4, k), torch.randn(k, 3)
+    partial = distribute_tensor(a2, mesh, [Shard(1)]) @ distribute_tensor(b2, mesh, [Shard(0)])
+    assert torch.allclose(partial.redistribute(mesh, [Replicate()]).to_local(), a2 @ b2, atol=1e-5)
+    _close(dist)
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_dtensor_sharded_matmul(world):
+    assert run_world(_dtensor, world, timeout=120) == [True] * world
