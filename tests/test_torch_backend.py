@@ -393,3 +393,63 @@ def _dtensor(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_dtensor_sharded_matmul(world):
     assert run_world(_dtensor, world, timeout=120) == [True] * world
+
+
+# -- the autoload entry point -------------------------------------------------------------------
+# pyproject.toml declares the entry point; installing it would repoint this machine's editable
+# install, so these tests give a subprocess the same entry point through a dist-info of its own.
+_AUTOLOAD_PROGRAM = textwrap.dedent("""
+    import sys, time
+    import torch
+    import torch.distributed as dist
+    registered = "DISTCOMM" in dist.Backend._plugins
+    lazy = "distcomm" not in sys.modules
+    if registered:
+        store = dist.HashStore()
+        dist.init_process_group("distcomm", store=store, rank=0, world_size=1)
+        t = torch.ones(3)
+        dist.all_reduce(t)
+        assert dist.get_backend() == "distcomm" and t.tolist() == [1.0, 1.0, 1.0]
+        dist.destroy_process_group()
+    print(registered, lazy)
+""")
+
+
+def _autoload_env(tmp_path, **extra):
+    info = tmp_path / "distcomm_autoload_test-0.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: distcomm-autoload-test\nVersion: 0\n")
+    (info / "entry_points.txt").write_text("[torch.backends]\ndistcomm = distcomm_torch_autoload:register\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), SRC]), **extra)
+    return env
+
+
+def test_autoload_registers_distcomm_lazily(tmp_path):
+    env = _autoload_env(tmp_path)
+    out = subprocess.run([sys.executable, "-c", _AUTOLOAD_PROGRAM], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "True"]  # registered at import torch, distcomm not imported
+
+
+def test_autoload_off_with_torch_device_backend_autoload_0(tmp_path):
+    env = _autoload_env(tmp_path, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    out = subprocess.run([sys.executable, "-c", _AUTOLOAD_PROGRAM], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "True"]
+
+
+def test_autoload_hook_is_cheap():
+    """The hook's own cost at import torch: importing it and registering (budget: 10 ms)."""
+    code = textwrap.dedent("""
+        import time, torch
+        t = time.perf_counter()
+        import distcomm_torch_autoload
+        distcomm_torch_autoload.register()
+        print(time.perf_counter() - t)
+    """)
+    env = dict(os.environ, PYTHONPATH=SRC, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout) < 0.010
