@@ -453,3 +453,38 @@ def test_autoload_hook_is_cheap():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert float(out.stdout) < 0.010
+
+
+# -- the Work torch receives ---------------------------------------------------------------------
+def test_torch_work_failure_is_an_error_for_wait_and_future():
+    import threading
+
+    from distcomm.errors import PeerLostError
+    from distcomm.torch_backend import TorchWork
+    from distcomm.work import Work
+
+    result = [torch.ones(2)]
+    error = PeerLostError("all_reduce #3 on rank 0 (peer rank 1): rank 1 exited")
+    for finish_later in (False, True):
+        inner = Work("all_reduce", result)
+        work = TorchWork(result, [inner])
+        if finish_later:
+            fut = work.get_future()  # taken while pending: completed by the Work's completion
+            threading.Timer(0.05, inner._finish, args=(error,)).start()
+        else:
+            inner._finish(error)
+            fut = work.get_future()
+        with pytest.raises(PeerLostError, match="peer rank 1"):
+            work.wait()
+        with pytest.raises(Exception, match="peer rank 1"):
+            fut.wait()  # a failed future, not a success holding an exception (what C++ sees)
+        assert fut.done()
+    failed_inline = TorchWork(result, error=error)
+    with pytest.raises(Exception, match="peer rank 1"):
+        failed_inline.get_future().wait()
+    ok = Work("all_reduce", result)
+    pending = TorchWork(result, [ok])
+    fut = pending.get_future()
+    ok._finish(None)
+    assert fut.wait() is result or torch.equal(fut.wait()[0], result[0])
+    assert pending.is_completed() and pending.is_success()

@@ -182,9 +182,6 @@ class DistcommProcessGroup(tdist.ProcessGroup):
             return TorchWork(done)
         return self._run(lambda a: self.group.barrier(a, done), done)
 
-    def monitored_barrier(self, timeout=None, wait_all_ranks=False):
-        self.group.monitored_barrier(timeout, wait_all_ranks)
-
     # torch 2.13 names the single-tensor collectives *_single; older callers (and the C++
     # trampoline's fallbacks) use these names
     _allgather_base = all_gather_single
