@@ -61,6 +61,31 @@ class Buffer:
             self._writeback(self.flat)
 
 
+class _TensorMemory:
+    """An object numpy reads an array interface from, holding the tensor it describes alive."""
+
+    __slots__ = ("tensor", "__array_interface__")
+
+
+def tensor_memory(t, storage: np.dtype, count: int | None = None) -> np.ndarray:
+    """A contiguous CPU tensor's elements as a flat numpy array of ``storage`` dtype, sharing memory.
+
+    Not ``Tensor.numpy()``: that marks the tensor's storage non-resizable for good, and FSDP frees
+    and regrows its parameters' storages (``untyped_storage().resize_``) between collectives, which
+    then fails with "Trying to resize storage that is not resizable". The array reads the memory
+    through the data pointer instead and keeps the tensor alive; like any view, it must not outlive
+    a resize of that storage (every collective drops its arrays when it returns).
+    """
+    count = t.numel() if count is None else count  # count: elements from the data pointer on
+    if count == 0:
+        return np.empty(0, dtype=storage)  # an empty tensor may have no data pointer at all
+    holder = _TensorMemory()
+    holder.tensor = t
+    holder.__array_interface__ = {"data": (t.data_ptr(), False), "shape": (count,),
+                                  "typestr": storage.str, "version": 3}
+    return np.asarray(holder)
+
+
 def _tensor_buffer(t, name: str) -> Buffer:
     torch = _torch()
     if t.device.type != "cpu":
@@ -79,11 +104,7 @@ def _tensor_buffer(t, name: str) -> Buffer:
     shape = tuple(base.shape)
     contiguous = base.is_contiguous()
     work = base if contiguous else base.contiguous()
-    if dtype.name == "bfloat16":
-        arr = work.view(torch.int16).numpy().view(np.uint16)
-    else:
-        arr = work.numpy()
-    flat = arr.reshape(-1)
+    flat = tensor_memory(work, dtype.storage)
     if contiguous and not t.is_conj():
         return Buffer(t, flat, dtype, shape, None)
 
@@ -95,10 +116,11 @@ def _tensor_buffer(t, name: str) -> Buffer:
             # copy_ refuses to write several elements into one memory location, so write through
             # a numpy view of the same strides, as gloo's reduction of the storage does (every
             # element of an expanded dimension holds the same value, so each location gets it).
-            view = t.detach()
-            if dtype.name == "bfloat16":
-                view = view.view(torch.int16)
-            view.numpy()[...] = flat_result.reshape(shape)
+            span = 1 + sum((n - 1) * st for n, st in zip(shape, t.stride()))  # the elements they reach
+            whole = tensor_memory(t.detach(), dtype.storage, span)
+            view = np.lib.stride_tricks.as_strided(
+                whole, shape, [st * dtype.storage.itemsize for st in t.stride()])
+            view[...] = flat_result.reshape(shape)
             return
         with torch.no_grad():
             t.copy_(_from_storage(flat_result, shape, dtype))

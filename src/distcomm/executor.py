@@ -48,6 +48,11 @@ class OrderedExecutor:
             self._busy = True
             return True
 
+    def idle(self) -> bool:
+        """Nothing running or queued: a snapshot, for callers choosing between running a call
+        inline and queueing it (torch's C++ callers issue every call async; see torch_backend)."""
+        return not (self._busy or self._queue)
+
     def leave_inline(self) -> None:
         with self._lock:
             self._busy = False

@@ -37,6 +37,7 @@ from functools import partial
 
 import numpy as np
 
+from ...buffers import tensor_memory
 from ...dtypes import from_numpy
 from ...errors import DistBackendError
 from ...profiling import profiling
@@ -61,7 +62,18 @@ def _torch_flat(t) -> np.ndarray | None:
         or not t.is_contiguous()
     ):
         return None
-    return t.detach().numpy().reshape(-1)
+    # not Tensor.numpy(), which would make the tensor's storage non-resizable (see tensor_memory)
+    storage = _STORAGE.get(t.dtype)
+    return tensor_memory(t, storage if storage is not None else _storage_of(t.dtype))
+
+
+_STORAGE: dict = {}  # torch dtype -> numpy dtype of its elements, learnt once per dtype
+
+
+def _storage_of(dtype) -> np.dtype:
+    torch = sys.modules["torch"]
+    _STORAGE[dtype] = storage = torch.empty(0, dtype=dtype).numpy().dtype  # an empty scratch tensor
+    return storage
 
 
 def build(pg, ctx, limit: int) -> FastPath:

@@ -1,0 +1,247 @@
+"""DistcommProcessGroup: a torch c10d ProcessGroup whose operations run on a distcomm ProcessGroup.
+
+torch (2.13) lets Python implement a process group by subclassing ``torch.distributed.ProcessGroup``
+(its pybind trampoline ``PyProcessGroup`` forwards C++ virtual calls, such as DDP's reducer's
+``allreduce``, to the Python methods here). torch's c10d Backend has no such trampoline, which is
+why this is a ProcessGroup and not a Backend; ``_new_process_group_helper`` then uses the object as
+the group itself. Each method takes torch's arguments (lists of tensors and an options object),
+turns them into distcomm Buffers and calls distcomm's ProcessGroup, whose ranks are this group's.
+
+Every call from torch looks asynchronous (torch's Python API waits on the Work itself when the
+user asked for a synchronous call; DDP's buckets are issued async). An operation issued while the
+group is idle runs inline and returns a completed Work: a small all_reduce does not pay a thread
+hand-off. Only when earlier work is still queued does it go to the group's worker thread, behind it.
+
+torch private names used (torch's own seams for Python backends): ``torch.distributed.Work``
+subclassed (work.py), ``ProcessGroup.__init__(rank, size)``. Reduce ops are read from torch's
+``ReduceOp`` object (``.op`` and, for PREMUL_SUM, ``.factor``).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+
+from .. import backends
+from ..buffers import SparseBuffer, as_buffer, as_buffers
+from ..process_group import ProcessGroup
+from ..transport.base import ANY_SOURCE
+from ..types import PremulSum, RedOpType
+from .store import TorchStore
+from .work import TorchWork
+
+BACKEND_NAME = "distcomm"
+DEFAULT_ENGINE = "gloo"  # distcomm's default: shared memory within a host, TCP between hosts
+
+
+def reduce_op(op) -> Any:
+    """torch's ReduceOp (an object with ``.op``, and ``.factor`` for PREMUL_SUM) as distcomm's."""
+    kind = RedOpType(int(getattr(op, "op", op)))
+    if kind is RedOpType.PREMUL_SUM:
+        return PremulSum(op.factor)
+    return kind
+
+
+def _timeout(value) -> timedelta:
+    # torch's default options carry a negative timedelta meaning "the group's"
+    return value if isinstance(value, timedelta) and value.total_seconds() > 0 else timedelta(minutes=30)
+
+
+class DistcommProcessGroup(tdist.ProcessGroup):
+    """A torch ProcessGroup over a distcomm ProcessGroup (``self.group``) of the same ranks."""
+
+    def __init__(self, group: ProcessGroup):
+        super().__init__(group.rank(), group.size())
+        self.group = group
+        self._name = ""
+        self._desc = ""
+
+    # -- identity -------------------------------------------------------------------------------
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name (C++ virtual)
+        return BACKEND_NAME
+
+    # torch's ProcessGroup keeps its name in its backends, and this group registers none: without
+    # these, functional collectives and DeviceMesh (which find a group by name) fail "name not set"
+    def getGroupName(self) -> str:  # noqa: N802 - torch's names (C++ virtuals)
+        return self._name
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._name = name
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return self._desc
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._desc = desc
+
+    def __repr__(self) -> str:
+        return f"<distcomm torch ProcessGroup rank={self.group.rank()} size={self.group.size()}>"
+
+    # -- running ----------------------------------------------------------------------------------
+    def _run(self, call, result) -> TorchWork:
+        """``call(async_op)`` issues the operation: inline when the group is idle (then the Work is
+        complete, or holds the error), else queued behind the group's earlier work."""
+        if self.group.executor.idle():
+            try:
+                call(False)
+            except Exception as exc:  # noqa: BLE001 - delivered by wait(), as an async failure is
+                return TorchWork(result, error=exc)
+            return TorchWork(result)
+        return TorchWork(result, [call(True)])
+
+    # -- collectives ------------------------------------------------------------------------------
+    def allreduce(self, tensors, opts=None):
+        op = reduce_op(opts.reduceOp) if opts is not None else RedOpType.SUM
+        tensor = tensors[0]
+        if tensor.is_sparse:
+            sparse = SparseBuffer(tensor)
+            return self._run(lambda a: self.group.allreduce_sparse(sparse, a, tensors), tensors)
+        if isinstance(op, RedOpType) and self.group.executor.idle() and self.group.fast_all_reduce(tensor, op):
+            return TorchWork(tensors)
+        buf = as_buffer(tensor)
+        return self._run(lambda a: self.group.allreduce(buf, op, a, tensors), tensors)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        op = reduce_op(opts.reduceOp) if opts is not None else RedOpType.SUM
+        bufs = as_buffers(tensors)
+        return self._run(lambda a: self.group.allreduce_coalesced(bufs, op, a, tensors), tensors)
+
+    def broadcast(self, tensors, opts):
+        buf = as_buffer(tensors[0])
+        return self._run(lambda a: self.group.broadcast(buf, opts.rootRank, a, tensors), tensors)
+
+    def reduce(self, tensors, opts):
+        buf = as_buffer(tensors[0])
+        op = reduce_op(opts.reduceOp)
+        return self._run(lambda a: self.group.reduce(buf, op, opts.rootRank, a, tensors), tensors)
+
+    def allgather(self, output_lists, inputs, opts=None):
+        outs, inp = as_buffers(output_lists[0]), as_buffer(inputs[0])
+        return self._run(lambda a: self.group.allgather(outs, inp, a, output_lists), output_lists)
+
+    def all_gather_single(self, output, input, opts=None):  # noqa: A002 - torch's names
+        out, inp = as_buffer(output), as_buffer(input)
+        return self._run(lambda a: self.group.allgather_into_tensor(out, inp, a, [output]), [output])
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        pairs = [(as_buffer(o), as_buffer(i)) for o, i in zip(outputs, inputs)]
+        return self._run_each(
+            [lambda a, o=o, i=i: self.group.allgather_into_tensor(o, i, a) for o, i in pairs], outputs)
+
+    def allgather_coalesced(self, output_lists, inputs, opts=None):
+        outs = [as_buffers(lst) for lst in output_lists]
+        ins = as_buffers(inputs)
+        return self._run(lambda a: self.group.allgather_coalesced(outs, ins, a, output_lists), output_lists)
+
+    def gather(self, output_lists, inputs, opts):
+        root = opts.rootRank
+        outs = as_buffers(output_lists[0]) if self.group.rank() == root else None
+        inp = as_buffer(inputs[0])
+        return self._run(lambda a: self.group.gather(outs, inp, root, a, output_lists), output_lists)
+
+    def scatter(self, outputs, input_lists, opts):
+        root = opts.rootRank
+        out = as_buffer(outputs[0])
+        ins = as_buffers(input_lists[0]) if self.group.rank() == root else None
+        return self._run(lambda a: self.group.scatter(out, ins, root, a, outputs), outputs)
+
+    def reduce_scatter(self, outputs, input_lists, opts):
+        op = reduce_op(opts.reduceOp)
+        out, ins = as_buffer(outputs[0]), as_buffers(input_lists[0])
+        return self._run(lambda a: self.group.reduce_scatter(out, ins, op, a, outputs), outputs)
+
+    def reduce_scatter_single(self, output, input, opts):  # noqa: A002 - torch's name
+        op = reduce_op(opts.reduceOp)
+        out, inp = as_buffer(output), as_buffer(input)
+        return self._run(lambda a: self.group.reduce_scatter_tensor(out, inp, op, a, [output]), [output])
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
+        op = reduce_op(opts.reduceOp)
+        pairs = [(as_buffer(o), as_buffer(i)) for o, i in zip(outputs, inputs)]
+        return self._run_each(
+            [lambda a, o=o, i=i: self.group.reduce_scatter_tensor(o, i, op, a) for o, i in pairs], outputs)
+
+    def alltoall(self, outputs, inputs, opts=None):
+        outs, ins = as_buffers(outputs), as_buffers(inputs)
+        return self._run(lambda a: self.group.alltoall(outs, ins, a, outputs), outputs)
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):  # noqa: A002
+        size = self.group.size()
+        out, inp = as_buffer(output), as_buffer(input)
+        recv_counts = _counts(output, output_split_sizes, size)
+        send_counts = _counts(input, input_split_sizes, size)
+        return self._run(
+            lambda a: self.group.alltoall_base(out, inp, recv_counts, send_counts, a, [output]), [output])
+
+    def barrier(self, opts=None):
+        done = [torch.empty(0)]  # torch's barrier Work carries a tensor list too
+        if self.group.executor.idle() and self.group.fast_barrier():
+            return TorchWork(done)
+        return self._run(lambda a: self.group.barrier(a, done), done)
+
+    # torch 2.13 names the single-tensor collectives *_single; older callers (and the C++
+    # trampoline's fallbacks) use these names
+    _allgather_base = all_gather_single
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+    _reduce_scatter_base = reduce_scatter_single
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+    alltoall_base = all_to_all_single
+
+    # -- point-to-point ---------------------------------------------------------------------------
+    def send(self, tensors, dst, tag=0):
+        return TorchWork(tensors, [self.group.send(as_buffer(tensors[0]), dst, tag)])
+
+    def recv(self, tensors, src, tag=0):
+        return TorchWork(tensors, [self.group.recv(as_buffer(tensors[0]), src, tag)])
+
+    def recv_anysource(self, tensors, tag=0):
+        return TorchWork(tensors, [self.group.recv(as_buffer(tensors[0]), ANY_SOURCE, tag)])
+
+    # -- helpers and lifetime ---------------------------------------------------------------------
+    def _run_each(self, calls, result) -> TorchWork:
+        """Several operations issued in order (a coalesced call), as one Work."""
+        works, error = [], None
+        for call in calls:
+            work = self._run(call, result)
+            if work.exception() is not None:
+                error = work.exception()
+                break
+            works.extend(work.works)
+        return TorchWork(result, works, error)
+
+    def shutdown(self) -> None:
+        self.group.close()
+        self.group.engine.close()
+
+    def abort(self) -> None:
+        self.shutdown()
+
+
+def _counts(tensor, split_sizes, size: int) -> list[int]:
+    """Per-rank element counts of torch's split sizes (rows of dim 0; none given: equal blocks)."""
+    if not split_sizes:
+        return [tensor.numel() // size] * size
+    row = tensor.numel() // tensor.shape[0] if tensor.dim() and tensor.shape[0] else 1
+    return [s * row for s in split_sizes]
+
+
+def create(common_opts, backend_options=None) -> DistcommProcessGroup:
+    """torch's creator (``extended_api=True``): ``common_opts`` is a ``_DistributedBackendOptions``
+    (store, group_rank, group_size, timeout, group_id, global_ranks_in_group).
+
+    ``backend_options`` (init_process_group's ``pg_options``) may name the distcomm engine in an
+    ``engine`` attribute: "gloo" (default), "shm" or "tcp"."""
+    rank, size = common_opts.group_rank, common_opts.group_size
+    timeout = _timeout(common_opts.timeout)
+    engine_name = getattr(backend_options, "engine", None) or DEFAULT_ENGINE
+    store = TorchStore(common_opts.store)
+    engine = backends.connect(engine_name, store, rank, size, timeout.total_seconds())
+    global_ranks = list(common_opts.global_ranks_in_group) or list(range(size))
+    group = ProcessGroup(
+        0, str(common_opts.group_id), global_ranks, global_ranks[rank], engine, BACKEND_NAME, timeout,
+        engine_name=engine_name, store=store, engine_ranks=range(size),
+    )
+    return DistcommProcessGroup(group)
