@@ -169,11 +169,14 @@ class NodeAgent:
         for local_rank in range(c.nproc_per_node):
             rank = offset + local_rank
             env = dict(base)
+            # @record (torch's or distcomm's) opens this file without creating its directory
+            error_dir = os.path.join(self._tmp, f"attempt_{attempt}", str(local_rank))
+            os.makedirs(error_dir, exist_ok=True)
             env.update(
                 RANK=str(rank),
                 LOCAL_RANK=str(local_rank),
                 ROLE_RANK=str(rank),
-                TORCHELASTIC_ERROR_FILE=os.path.join(self._tmp, f"attempt_{attempt}", str(local_rank), "error.json"),
+                TORCHELASTIC_ERROR_FILE=os.path.join(error_dir, "error.json"),
             )
             extra = [f"{c.local_rank_arg}={local_rank}"] if c.local_rank_arg else []
             specs.append(WorkerSpec(local_rank, rank, c.entrypoint + extra + list(c.args), env))
