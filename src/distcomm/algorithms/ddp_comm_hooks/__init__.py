@@ -57,11 +57,7 @@ class DDPCommHookType(Enum):
 
 def _noop(bucket):
     """torch's debugging noop hook: the local gradient unreduced (to measure communication cost)."""
-    import torch
-
-    fut = torch.futures.Future()
-    fut.set_result(bucket.buffer())
-    return fut
+    return default_hooks.completed_future(bucket.buffer())
 
 
 def register_ddp_comm_hook(comm_hook_type: DDPCommHookType, model, state=None) -> None:

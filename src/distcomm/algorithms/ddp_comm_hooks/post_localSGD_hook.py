@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 from ..._api.groups import new_subgroups
 from . import default_hooks
 
@@ -50,9 +48,7 @@ def post_localSGD_hook(state: PostLocalSGDState, bucket):
         state.maybe_increase_iter(bucket)
         return default_hooks.allreduce_fut(state.process_group, buffer)
     if not state.post_local_gradient_allreduce:
-        fut = torch.futures.Future()  # nothing to communicate: the local gradient as it is
-        fut.set_result(buffer)
-        return fut
+        return default_hooks.completed_future(buffer)  # nothing to communicate: the local gradient
     if state.subgroup is None:
         state.subgroup, _ = new_subgroups()
     return default_hooks.allreduce_fut(state.subgroup, buffer)

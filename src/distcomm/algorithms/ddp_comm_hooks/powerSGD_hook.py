@@ -164,27 +164,20 @@ def _should_compress(n: int, m: int, rank: int, min_rate: float) -> tuple[bool, 
     return low_rank * min_rate < dense, dense, low_rank
 
 
-def _completed(tensor):
-    """A future already holding ``tensor``.
-
-    PowerSGD needs each all_reduce's result before it can start the next one, so the hook waits
-    for each in turn, in the thread DDP called it from. Waiting inside a future's callback instead
-    (torch's way) can deadlock with distcomm: a callback may run on the thread that executes the
-    collectives, and it would then wait for a collective queued behind itself.
-    """
-    fut = torch.futures.Future()
-    fut.set_result(tensor)
-    return fut
+# PowerSGD needs each all_reduce's result before it can start the next one, so the hooks wait for
+# each in turn, in the thread DDP called them from, and return a completed future. Waiting inside
+# a future's callback instead (torch's way) can deadlock with distcomm: a callback may run on the
+# thread that executes the collectives, and it would then wait for a collective queued behind it.
+_completed = default_hooks.completed_future
 
 
 def powerSGD_hook(state: PowerSGDState, bucket):
     """Rank-``matrix_approximation_rank`` PowerSGD of each gradient matrix of the bucket."""
-    group = default_hooks.group_or_world(state.process_group)
-    world_size = group.size()
-    buffer = bucket.buffer()
-    if state.iter < state.start_powerSGD_iter:
+    group, buffer = default_hooks.group_or_world(state.process_group), bucket.buffer()
+    if state.iter < state.start_powerSGD_iter:  # plain averaging until PowerSGD starts
         state.maybe_increase_iter(bucket)
         return default_hooks.allreduce_fut(group, buffer)
+    world_size = group.size()
 
     index = bucket.index()
     before = state._add_error(index, buffer)
@@ -272,12 +265,11 @@ def powerSGD_hook(state: PowerSGDState, bucket):
 
 def batched_powerSGD_hook(state: PowerSGDState, bucket):
     """PowerSGD of the whole bucket as one zero-padded square matrix (one P and one Q per bucket)."""
-    group = default_hooks.group_or_world(state.process_group)
-    world_size = group.size()
-    buffer = bucket.buffer()
-    if state.iter < state.start_powerSGD_iter:
+    group, buffer = default_hooks.group_or_world(state.process_group), bucket.buffer()
+    if state.iter < state.start_powerSGD_iter:  # plain averaging until PowerSGD starts
         state.maybe_increase_iter(bucket)
         return default_hooks.allreduce_fut(group, buffer)
+    world_size = group.size()
 
     length = buffer.shape[0]
     side = math.ceil(math.sqrt(length))

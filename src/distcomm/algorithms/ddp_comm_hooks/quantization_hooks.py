@@ -53,12 +53,6 @@ def _quantized_average(process_group, rows, qparams, quantize, dequantize):
     return total, group.size()
 
 
-def _completed(tensor):
-    fut = torch.futures.Future()
-    fut.set_result(tensor)
-    return fut
-
-
 def quantization_pertensor_hook(process_group, bucket):
     """Average the bucket over the group as uint8 values with one scale and zero point per rank."""
     tensor = bucket.buffer()
@@ -70,7 +64,7 @@ def quantization_pertensor_hook(process_group, bucket):
         return torch.tensor([float(scale), float(zero_point)], dtype=torch.float32, device=x.device)
 
     total, size = _quantized_average(process_group, tensor, qparams, _quantize, _dequantize)
-    return _completed(total / size)
+    return default_hooks.completed_future(total / size)
 
 
 def quantization_perchannel_hook(process_group, bucket, bucket_size: int = 512):
@@ -88,4 +82,4 @@ def quantization_perchannel_hook(process_group, bucket, bucket_size: int = 512):
         return lambda x, scales, zero_points: fn(x, scales[:, None], zero_points[:, None])
 
     total, size = _quantized_average(process_group, rows, qparams, per_row(_quantize), per_row(_dequantize))
-    return _completed(total.flatten()[: tensor.shape[0]] / size)
+    return default_hooks.completed_future(total.flatten()[: tensor.shape[0]] / size)
