@@ -29,7 +29,10 @@ def test_passes_local_rank_argument(tmp_path):
         assert f"local_rank_arg={rank} LOCAL_RANK={rank} RANK={rank} WORLD_SIZE=2" in lines[rank]
         assert f"MASTER=127.0.0.1:{port}" in lines[rank]
         assert "rest=['a']" in lines[rank]
-    assert "--local_rank" in r.stderr  # the one-line note about the legacy convention
+        assert f"argv=['--local-rank={rank}', 'a']" in lines[rank]  # torch >= 2.0's spelling
+    # torch's deprecation FutureWarning (was a distcomm note naming --local_rank)
+    assert "FutureWarning: The module distcomm.launch is deprecated" in r.stderr
+    assert "If your script expects `--local-rank` argument to be set" in r.stderr
 
 
 def test_use_env_sets_only_the_variable(tmp_path):

@@ -290,9 +290,11 @@ def test_redirects_tee_and_log_dir(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     assert "meet" not in r.stdout  # stdout redirected to files only
-    assert "[rank0]: stderr line of rank 0" in r.stderr  # rank 0's stderr is teed
+    # rank 0's stderr is teed: torchrun's tee header [<role><local_rank>]: (was "[rank0]: ...")
+    assert "[default0]:stderr line of rank 0" in r.stderr
     assert "stderr line of rank 1" not in r.stderr  # rank 1's stderr: redirected only
-    attempt = logs / "myjob" / "attempt_0"
+    (run_dir,) = logs.glob("myjob_*")  # torchrun's <run_id>_<random> (was <log-dir>/myjob)
+    attempt = run_dir / "attempt_0"
     assert "meet" in (attempt / "0" / "stdout.log").read_text()
     assert (attempt / "0" / "stderr.log").read_text() == "stderr line of rank 0\n"
     assert "meet" in (attempt / "1" / "stdout.log").read_text()
@@ -377,7 +379,8 @@ def test_traceback_tail_keeps_the_whole_chain():
 
 def test_stream_sink_and_router(tmp_path):
     out, err = io.BytesIO(), io.BytesIO()
-    router = OutputRouter({1: STD_OUT}, {0: STD_ERR}, str(tmp_path), ranks_filter={0, 1}, stdout=out, stderr=err)
+    router = OutputRouter({1: STD_OUT}, {0: STD_ERR}, str(tmp_path), ranks_filter={0, 1}, stdout=out, stderr=err,
+                          rank_prefix=True)
     o0, e0 = router.sinks(0, 4, str(tmp_path))
     o1, e1 = router.sinks(1, 5, str(tmp_path))
     o2, _ = OutputRouter({}, {}, None, ranks_filter={0}, stdout=out, stderr=err).sinks(2, 6, None)
@@ -390,7 +393,7 @@ def test_stream_sink_and_router(tmp_path):
     for sink in (o1, e0, e1):
         sink.close()
     assert out.getvalue() == b"[rank4]: abc\n[rank4]: def\n[rank4]: g\n"
-    assert err.getvalue() == b"[rank4]: teed\n"
+    assert err.getvalue() == b"[default0]:teed\n"  # torchrun's tee header (was "[rank4]: teed")
     assert (tmp_path / "1" / "stdout.log").read_bytes() == b"to file only\n"
     assert (tmp_path / "0" / "stderr.log").read_bytes() == b"teed\n"
     assert not (tmp_path / "0" / "stdout.log").exists()

@@ -16,9 +16,19 @@ What the launcher does
   rank 0 included. Launchers of other nodes connect to it; launchers meet there before each round.
 - Ranks: node ``n``'s workers get ranks ``offset(n) + local_rank`` where ``offset(n)`` is the sum
   of the lower nodes' ``--nproc-per-node`` (``n * nproc`` when every node runs the same count).
-- Output: every line a worker prints is written as ``[rank<N>]: <line>``, to the launcher's stdout
-  or stderr as the worker wrote it; lines never interleave mid-line. ``--redirects``/``--tee``
-  send streams to ``<log-dir>/<run_id>/attempt_<k>/<local_rank>/{stdout,stderr}.log``.
+- Output, as torchrun: a worker's stdout/stderr reach the launcher's stdout/stderr unchanged
+  (forwarded a whole line at a time, so lines of different workers never interleave mid-line).
+  ``--redirects``/``-r`` and ``--tee``/``-t`` (``3``, or per local rank ``0:1,1:2``; 1 stdout,
+  2 stderr, 3 both) send streams to ``<log-dir>/<run_id>_<random>/attempt_<k>/<local_rank>/
+  {stdout,stderr}.log`` (torchrun's layout; a temporary directory without ``--log-dir``), redirect
+  to the file only, tee to the file and the console. Teed console lines carry torchrun's header
+  ``[<role><local_rank>]:`` or the template of ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` (also
+  ``--log-line-prefix-template``; ``${role_name}``, ``${rank}``, ``${local_rank}``).
+  ``--local-ranks-filter 0,1`` shows only those local ranks on the console (files get all).
+  Why no rank prefix by default: distcomm-run is a drop-in for torchrun, and scripts that parse
+  a worker's output (``| grep loss``, JSON lines, a log collector) were written against torchrun's
+  unprefixed lines. Attribution is one flag away: ``--rank-prefix`` (distcomm's own, or
+  ``PET_RANK_PREFIX=1``) writes ``[rank<N>]: `` before every line that is not teed.
 - Failure: the first worker to exit non-zero (or by a signal) is the root cause. The launcher
   stops the other workers (SIGTERM, then SIGKILL after ``--shutdown-timeout`` s, default 30), on
   every node, then prints a summary with that worker's rank, exit code or signal, pid, host, time
@@ -67,8 +77,9 @@ OMP_NUM_THREADS                  ``1`` when unset and more than one worker runs 
 ===============================  ==================================================================
 
 Python workers run as ``python -u script args`` (``-m module`` with ``--module``); ``--no-python``
-runs the script as a program. The legacy launcher (``python -m distcomm.launch``) adds
-``--local_rank=<LOCAL_RANK>`` before the script's arguments unless ``--use_env`` is given.
+runs the script as a program. The legacy launcher (``python -m distcomm.launch``, deprecated with
+a FutureWarning as torch's) adds ``--local-rank=<LOCAL_RANK>`` before the script's arguments unless
+``--use-env`` is given.
 """
 
 from __future__ import annotations
@@ -167,7 +178,16 @@ def get_args_parser(prog: str = "distcomm-run") -> argparse.ArgumentParser:
     p.add_argument("-t", "--tee", action=_Env, type=str, default="",
                    help="Send worker streams to log files and the console (same format as --redirects).")
     p.add_argument(*_both("local-ranks-filter"), action=_Env, type=str, default="",
-                   help="Only show the console output of these local ranks, e.g. 0,1.")
+                   help="Only show the console output of these local ranks, e.g. 0,1 (log files "
+                        "still get every rank's).")
+    p.add_argument(*_both("log-line-prefix-template"), action=_Env, type=str,
+                   default=os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
+                   help="Prefix of teed console lines, with ${role_name}, ${rank}, ${local_rank} "
+                        "(torchrun reads it from TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE, the default "
+                        "here). Default: [${role_name}${local_rank}]:")
+    p.add_argument(*_both("rank-prefix"), action=_EnvFlag,
+                   help="distcomm only: put '[rank<N>]: ' before every console line that is not "
+                        "teed (torchrun shows those lines unchanged).")
     p.add_argument(*_both("node-rank"), action=_Env, type=int, default=0,
                    help="Rank of this node (0..nnodes-1); node rank 0 hosts the job store.")
     p.add_argument(*_both("master-addr"), action=_Env, type=str, default="127.0.0.1",
@@ -235,6 +255,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         tee=parse_std_spec(args.tee, nproc, "--tee"),
         log_dir=args.log_dir,
         local_ranks_filter=parse_ranks_filter(args.local_ranks_filter),
+        log_line_prefix_template=args.log_line_prefix_template,
+        rank_prefix=args.rank_prefix,
         role=args.role,
         signals=[s for s in args.signals_to_handle.split(",") if s.strip()],
         script_name=args.training_script,
@@ -245,7 +267,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
 def run(args: argparse.Namespace, local_rank_arg: str | None = None) -> int:
     """Launch from parsed arguments; the exit code.
 
-    ``local_rank_arg`` (the legacy launcher's ``"--local_rank"``) is passed to each worker as
+    ``local_rank_arg`` (the legacy launcher's ``"--local-rank"``) is passed to each worker as
     ``<local_rank_arg>=<LOCAL_RANK>`` before the script's own arguments.
     """
     try:

@@ -24,6 +24,9 @@ def launcher_env(pid_dir=None, **extra) -> dict:
     env = dict(os.environ)
     env.pop("OMP_NUM_THREADS", None)
     env.pop("PYTHONUNBUFFERED", None)
+    # the tests tell workers' lines apart by rank: ask for distcomm-run's rank prefix (torchrun's
+    # default, unprefixed output is checked in test_launcher_parity.py with PET_RANK_PREFIX=0)
+    env["PET_RANK_PREFIX"] = "1"
     if pid_dir is not None:
         env["TEST_PID_DIR"] = str(pid_dir)
     env.update(extra)

@@ -58,7 +58,9 @@ class NodeAgent:
     def __init__(self, config: LaunchConfig, router: OutputRouter | None = None):
         self.config = config
         self.router = router or OutputRouter(
-            config.redirects, config.tee, config.log_dir, config.local_ranks_filter
+            config.redirects, config.tee, config.log_dir, config.local_ranks_filter,
+            role=config.role, prefix_template=config.log_line_prefix_template,
+            rank_prefix=config.rank_prefix,
         )
         self.host = config.local_addr or socket.gethostname()
         self.job = Coordinator(config)
@@ -167,11 +169,14 @@ class NodeAgent:
         for local_rank in range(c.nproc_per_node):
             rank = offset + local_rank
             env = dict(base)
+            # @record (torch's or distcomm's) opens this file without creating its directory
+            error_dir = os.path.join(self._tmp, f"attempt_{attempt}", str(local_rank))
+            os.makedirs(error_dir, exist_ok=True)
             env.update(
                 RANK=str(rank),
                 LOCAL_RANK=str(local_rank),
                 ROLE_RANK=str(rank),
-                TORCHELASTIC_ERROR_FILE=os.path.join(self._tmp, f"attempt_{attempt}", str(local_rank), "error.json"),
+                TORCHELASTIC_ERROR_FILE=os.path.join(error_dir, "error.json"),
             )
             extra = [f"{c.local_rank_arg}={local_rank}"] if c.local_rank_arg else []
             specs.append(WorkerSpec(local_rank, rank, c.entrypoint + extra + list(c.args), env))
@@ -182,10 +187,10 @@ class NodeAgent:
             return None
         if self._log_root is None:
             base = self.config.log_dir or tempfile.mkdtemp(prefix="distcomm-run-logs-")
-            root, n = os.path.join(base, self.job.run_id), 0
-            while os.path.exists(root):
-                n += 1
-                root = os.path.join(base, f"{self.job.run_id}_{n}")
+            os.makedirs(base, exist_ok=True)
+            # torchrun's layout, which log collectors glob for: a fresh <run_id>_<random> per run,
+            # so a reused --log-dir and --rdzv-id never mix two runs' files
+            root = tempfile.mkdtemp(prefix=f"{self.job.run_id}_", dir=base)
             self._log_root = root
             notice(f"worker logs in {root}")
         return os.path.join(self._log_root, f"attempt_{attempt}")

@@ -155,6 +155,8 @@ class LaunchConfig:
     tee: dict[int, int] = field(default_factory=dict)
     log_dir: str | None = None
     local_ranks_filter: set[int] | None = None
+    log_line_prefix_template: str | None = None  # teed lines' prefix (torchrun's template)
+    rank_prefix: bool = False           # distcomm's: "[rank<N>]: " before every other console line
     role: str = "default"
     local_rank_arg: str | None = None   # legacy launch: f"{local_rank_arg}={local_rank}" before args
     signals: Sequence[str] = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # forwarded to workers

@@ -9,7 +9,14 @@ traceback from the stderr tail, so user scripts need no decorator.
 
 Destinations per (local rank, stream), as torchrun's --redirects/--tee: console only (default),
 file only (redirect), file and console (tee). --local-ranks-filter limits the console only.
-Log files get the raw lines; the console gets ``[rank<N>]: `` in front of each.
+Log files get the raw lines. On the console, as torchrun:
+
+- a stream that is not teed is shown as the worker wrote it (torchrun hands the worker the
+  launcher's own stdout/stderr); with ``--rank-prefix`` (distcomm's) each line gets ``[rank<N>]: ``;
+- a teed line gets torchrun's TailLog header: ``[<role><local_rank>]:`` (``[default0]:line``), or
+  the prefix template (``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` / ``--log-line-prefix-template``)
+  with ``${role_name}``, ``${rank}``, ``${local_rank}`` substituted (``string.Template``, unknown
+  names left as written).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import collections
 import os
 import sys
+from string import Template
 from typing import BinaryIO
 
 from .config import STD_ERR, STD_OUT
@@ -83,11 +91,18 @@ class OutputRouter:
         ranks_filter: set[int] | None,
         stdout: BinaryIO | None = None,
         stderr: BinaryIO | None = None,
+        *,
+        role: str = "default",
+        prefix_template: str | None = None,
+        rank_prefix: bool = False,
     ):
         self.redirects = redirects
         self.tee = tee
         self.log_dir = log_dir
         self.ranks_filter = ranks_filter
+        self.role = role
+        self.prefix_template = prefix_template
+        self.rank_prefix = rank_prefix
         self.stdout = stdout if stdout is not None else sys.stdout.buffer
         self.stderr = stderr if stderr is not None else sys.stderr.buffer
 
@@ -103,8 +118,20 @@ class OutputRouter:
                 os.makedirs(directory, exist_ok=True)
                 logfile = open(os.path.join(directory, f"{stream}.log"), "wb", buffering=0)
             shown = (teed or not redirected) and (self.ranks_filter is None or local_rank in self.ranks_filter)
-            made.append(StreamSink(console if shown else None, f"[rank{rank}]: ".encode(), logfile))
+            made.append(StreamSink(console if shown else None, self._prefix(teed, local_rank, rank), logfile))
         return made[0], made[1]
+
+    def _prefix(self, teed: bool, local_rank: int, rank: int) -> bytes:
+        if teed:
+            if self.prefix_template:  # torchrun ignores an empty template too
+                text = Template(self.prefix_template).safe_substitute(
+                    role_name=self.role, rank=rank, local_rank=local_rank
+                )
+            else:
+                text = f"[{self.role}{local_rank}]:"
+        else:
+            text = f"[rank{rank}]: " if self.rank_prefix else ""
+        return text.encode()
 
     @property
     def wants_files(self) -> bool:

@@ -13,18 +13,35 @@ from ... import world
 from ..._api.collectives import all_reduce
 
 
-def _group(state):
-    return state if state is not None else world.group.WORLD
+def group_or_world(process_group):
+    """The group a hook reduces over: ``process_group``, or the world when it is None."""
+    return process_group if process_group is not None else world.group.WORLD
+
+
+_group = group_or_world
+
+
+def allreduce_fut(process_group, tensor):
+    """Average ``tensor`` in place over the group (divide first, then all_reduce); a future whose
+    value is ``tensor``. The other hooks fall back to it (PowerSGD before it starts, ...)."""
+    group = group_or_world(process_group)
+    tensor.div_(group.size())
+    fut = all_reduce(tensor, group=group, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+def completed_future(tensor):
+    """A future already holding ``tensor``: what a hook returns when it has nothing left to wait
+    for (it communicated synchronously, or not at all)."""
+    fut = torch.futures.Future()
+    fut.set_result(tensor)
+    return fut
 
 
 def allreduce_hook(process_group, bucket):
     """Average the bucket over the group with one all_reduce; DDP's results are unchanged by
     registering it (it is what DDP does without a hook). A starting point for custom hooks."""
-    group = _group(process_group)
-    tensor = bucket.buffer()
-    tensor.div_(group.size())
-    fut = all_reduce(tensor, group=group, async_op=True).get_future()
-    return fut.then(lambda f: f.value()[0])
+    return allreduce_fut(process_group, bucket.buffer())
 
 
 def _compressed_allreduce(dtype, process_group, bucket):

@@ -1,0 +1,1 @@
+"""``distcomm.elastic``: the parts of ``torch.distributed.elastic`` that training scripts import."""

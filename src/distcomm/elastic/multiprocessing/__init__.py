@@ -1,0 +1,1 @@
+"""``distcomm.elastic.multiprocessing``: see ``errors`` (``record``)."""
