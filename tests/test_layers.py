@@ -21,7 +21,7 @@ LAYERS = [
     (4, ["process_group"]),
     (5, ["world"]),
     (6, ["_api"]),
-    (7, ["__init__", "distributed_c10d", "parallel", "optim", "nn", "algorithms", "utils", "torch_backend"]),
+    (7, ["__init__", "distributed_c10d", "parallel", "optim", "nn", "algorithms", "utils", "torch_backend", "elastic"]),
     (8, ["run", "launch", "_launcher", "multiprocessing", "bench", "demo"]),
 ]
 LAYER_OF = {name: level for level, names in LAYERS for name in names}
