@@ -278,6 +278,9 @@ class FileStore(Store):
         with self._lock:
             self._finalizer()
 
+    def has_extended_api(self) -> bool:
+        return True  # append, multi_get, multi_set and list_keys are native
+
     def clone(self) -> "FileStore":
         """Another FileStore object over this one's open file, e.g. for another thread.
 

@@ -205,6 +205,9 @@ class TCPStore(Store):
         """False: the server is distcomm's Python event loop, not torch's libuv one."""
         return False
 
+    def has_extended_api(self) -> bool:
+        return True  # append, multi_get, multi_set and list_keys are requests of their own
+
     def set_timeout(self, timeout: timedelta) -> None:
         super().set_timeout(timeout)
         self._client.set_timeout(self._timeout_s)

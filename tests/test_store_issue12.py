@@ -1,0 +1,121 @@
+"""Issue 12: what torch 2.13's stores do at their edges — keywords, repr, error types and texts, a
+user's Store subclass, a FileStore opened twice, PrefixStore(prefix, None), tcp:// rendezvous edges.
+
+Each test runs the same thing on torch's class and on distcomm's and compares. Where distcomm's
+message adds advice, it adds it after torch's text, so a regex written against torch still matches.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+from datetime import timedelta
+
+import pytest
+
+import distcomm.store as ours
+from distcomm.errors import DistNetworkError, DistStoreError
+
+torch_dist = pytest.importorskip("torch.distributed")
+
+
+def outcome(call):
+    """(exception type name, message) of ``call()``, or ("ok", result)."""
+    try:
+        return "ok", call()
+    except Exception as exc:  # noqa: BLE001 - the point is to record whatever it raises
+        return type(exc).__name__, str(exc)
+
+
+def torch_regex(text: str) -> str:
+    """A regex a user would write against torch's message: the text, digits generalised. Of torch's
+    internal-assert messages only the last sentence ("Not implemented.") is the message; the rest
+    locates torch's C++ source and asks to report a bug, which no user matches on."""
+    text = re.sub(r"^fn INTERNAL ASSERT FAILED at .*please report a bug to PyTorch\. ", "", text)
+    return re.sub(r"\\?\d+", r"\\d+", re.escape(text))
+
+
+def assert_like(theirs, mine):
+    """``mine`` raises the type ``theirs`` does (by name; distcomm's are its own classes) and its
+    message matches a regex written on torch's."""
+    their_type, their_text = theirs
+    my_type, my_text = mine
+    assert my_type == their_type, (mine, theirs)
+    assert re.search(torch_regex(their_text), my_text), (my_text, their_text)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# -- 3: a user's Store subclass ----------------------------------------------------------------------
+
+
+def _user_store(base):
+    class UserStore(base):
+        """A store written the torch way: public set/get only."""
+
+        def __init__(self):
+            super().__init__()
+            self.data = {}
+
+        def set(self, key, value):
+            self.data[key] = value.encode() if isinstance(value, str) else value
+
+        def get(self, key):
+            return self.data[key]
+
+    return UserStore()
+
+
+EXTENDED_CALLS = [
+    ("has_extended_api", ()),
+    ("append", ("k", "v")),
+    ("compare_set", ("k", "a", "b")),
+    ("multi_set", (["k1", "k2"], ["v1", "v2"])),
+    ("multi_get", (["k1", "k2"],)),
+    ("multi_get", (["k1", "absent"],)),
+    ("list_keys", ()),
+    ("add", ("n", 1)),
+    ("wait", (["k"],)),
+    ("check", (["k"],)),
+    ("num_keys", ()),
+    ("delete_key", ("k",)),
+    ("barrier", ("b", 1)),
+    ("clone", ()),
+    ("queue_len", ("q",)),
+]
+
+
+@pytest.mark.parametrize("name,args", EXTENDED_CALLS, ids=[f"{n}-{i}" for i, (n, _) in enumerate(EXTENDED_CALLS)])
+def test_a_user_subclass_gets_torch_s_base_store_behaviour(name, args):
+    theirs = outcome(lambda: getattr(_user_store(torch_dist.Store), name)(*args))
+    mine = outcome(lambda: getattr(_user_store(ours.Store), name)(*args))
+    if theirs[0] == "ok":
+        assert mine == theirs
+    else:
+        assert_like(theirs, mine)
+
+
+def test_a_user_subclass_falls_back_like_torch_and_prefix_store_forwards_has_extended_api():
+    theirs, mine = _user_store(torch_dist.Store), _user_store(ours.Store)
+    for store in (theirs, mine):
+        store.multi_set(["a", "b"], ["1", "2"])
+    assert theirs.multi_get(["a", "b"]) == mine.multi_get(["a", "b"]) == [b"1", b"2"]
+    for wrapped in (torch_dist.PrefixStore("p", theirs), ours.PrefixStore("p", mine)):
+        assert wrapped.has_extended_api() is False
+    for wrapped in (torch_dist.PrefixStore("p", torch_dist.HashStore()), ours.PrefixStore("p", ours.HashStore())):
+        assert wrapped.has_extended_api() is True
+    assert torch_dist.Store().has_extended_api() is ours.Store().has_extended_api() is False
+    assert_like(outcome(lambda: torch_dist.Store().set("x", "y")), outcome(lambda: ours.Store().set("x", "y")))
+
+
+# -- 5: PrefixStore(prefix, None) -------------------------------------------------------------------
+
+
+def test_prefix_store_over_none_raises_like_torch():
+    theirs = outcome(lambda: torch_dist.PrefixStore("p", None))
+    assert theirs == ("ValueError", "store argument cannot be None")
+    assert outcome(lambda: ours.PrefixStore("p", None)) == theirs
