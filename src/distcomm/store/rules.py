@@ -163,11 +163,17 @@ def timeout_seconds(timeout) -> float:
 
 
 def format_seconds(seconds: float) -> str:
+    """A duration for distcomm's own words: "2 seconds", "1.5 seconds", "100 ms"."""
     if seconds >= 1 and seconds == int(seconds):
-        return f"{int(seconds)} s"
+        return f"{int(seconds)} seconds"
     if seconds >= 1:
-        return f"{seconds:.3g} s"
+        return f"{seconds:.3g} seconds"
     return f"{seconds * 1000:.0f} ms"
+
+
+def torch_milliseconds(seconds: float) -> str:
+    """A duration as torch's C++ messages print one: whole milliseconds, no space ("100ms")."""
+    return f"{int(round(seconds * 1000))}ms"
 
 
 def timeout_error(

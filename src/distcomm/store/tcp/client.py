@@ -185,15 +185,20 @@ def connect(
             last_error = exc
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            hint = (
-                "connected, but the server did not complete the handshake (is it overloaded, or out of file "
-                "descriptors?)"
-                if isinstance(last_error, (socket.timeout, ConnectionResetError))
-                else "is the master (is_master=True) running, and are host and port right?"
-            )
+            if isinstance(last_error, socket.gaierror):
+                hint = f"the host name {host!r} does not resolve: check the master's address (MASTER_ADDR, tcp://)"
+            elif isinstance(last_error, (socket.timeout, ConnectionResetError)):
+                hint = (
+                    "connected, but the server did not complete the handshake (is it overloaded, or out of file "
+                    "descriptors?)"
+                )
+            else:
+                hint = "is the master (is_master=True) running, and are host and port right?"
+            # torch's sentence first (a DNS failure too is retried until the timeout there), then ours
             raise DistNetworkError(
-                f"could not connect to the TCPStore server at {where} within {rules.format_seconds(timeout)} "
-                f"({attempts} attempts; last error: {last_error}); {hint}"
+                f"The client socket has timed out after {rules.torch_milliseconds(timeout)} while trying to "
+                f"connect to ({host}, {port}). Could not connect to the TCPStore server at {where} within "
+                f"{rules.format_seconds(timeout)} ({attempts} attempts; last error: {last_error}); {hint}"
             ) from None
         time.sleep(min(remaining, random.uniform(delay / 2, delay)))
         delay = min(delay * 2, _MAX_RETRY_DELAY)

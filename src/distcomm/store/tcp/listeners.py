@@ -55,7 +55,13 @@ def open_listener(host: str, port: int, backlog: int = DEFAULT_BACKLOG) -> socke
     try:
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
-        raise DistNetworkError(f"TCPStore server cannot resolve host {host!r} to listen on {where}: {exc}") from None
+        # torch words the cause this way (its master only finds out through its own client, after
+        # the whole timeout); here it fails at once, since no wait makes a name resolve
+        raise DistNetworkError(
+            f"The network addresses of ({host}, {port}) cannot be retrieved (gai error: {exc.errno} - "
+            f"{exc.strerror}). TCPStore server cannot resolve host {host!r} to listen on {where}: check the "
+            f"master's address (MASTER_ADDR, tcp://)"
+        ) from None
     family, kind, proto, _, address = infos[0]
     sock = socket.socket(family, kind, proto)
     try:
