@@ -159,3 +159,116 @@ def test_connect_timeout_raises_like_torch():
     theirs = outcome(lambda: torch_dist.TCPStore("127.0.0.1", port, None, False, timedelta(milliseconds=300)))
     mine = outcome(lambda: ours.TCPStore("127.0.0.1", port, None, False, timedelta(milliseconds=300)))
     assert_like(theirs, mine)
+
+
+# -- 1, 2: TCPStore's keywords, repr and messages ---------------------------------------------------
+
+
+def test_tcp_store_takes_torch_s_keywords_in_torch_s_order():
+    import inspect
+
+    theirs = re.search(r"__init__\(self: [^,]+, (.*)\) -> None", torch_dist.TCPStore.__init__.__doc__).group(1)
+    their_names = [part.split(":")[0].strip() for part in re.split(r", (?=\w+:)", theirs)]
+    assert their_names[-2:] == ["master_listen_fd", "use_libuv"]
+    assert list(inspect.signature(ours.TCPStore).parameters)[: len(their_names)] == their_names
+
+
+@pytest.mark.parametrize("use_libuv", [True, False, None])
+def test_libuv_backend_reports_what_torch_reports(use_libuv):
+    kwargs = {} if use_libuv is None else {"use_libuv": use_libuv}
+    stores = [cls.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=10), **kwargs) for cls in (torch_dist, ours)]
+    assert stores[0].libuvBackend == stores[1].libuvBackend == (use_libuv is not False)
+    assert stores[1].clone().libuvBackend == stores[1].libuvBackend
+    stores[1].close()
+
+
+@pytest.mark.parametrize("listening", [True, False])
+def test_master_listen_fd_is_adopted_like_torch(listening):
+    import os
+
+    for cls in (torch_dist, ours):
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        if listening:
+            sock.listen()
+        port = sock.getsockname()[1]
+        fd = sock.detach()  # the store owns it from here, as in torch
+        master = cls.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=10), master_listen_fd=fd)
+        assert master.port == port
+        client = cls.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=10))
+        master.set("k", "v")
+        assert client.get("k") == b"v"
+        del client, master
+        import gc
+
+        gc.collect()
+        with pytest.raises(OSError):
+            os.fstat(fd)  # closed with the store
+
+
+def test_master_listen_fd_errors_like_torch():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        other = port + 1 if port < 65535 else port - 1
+        theirs = outcome(lambda: torch_dist.TCPStore("127.0.0.1", other, 1, True, master_listen_fd=sock.fileno()))
+        mine = outcome(lambda: ours.TCPStore("127.0.0.1", other, 1, True, master_listen_fd=sock.fileno()))
+        assert_like(theirs, mine)
+        sock.getsockname()  # still the caller's, still open
+    theirs = outcome(lambda: torch_dist.TCPStore("127.0.0.1", 0, 1, True, master_listen_fd=9999))
+    assert_like(theirs, outcome(lambda: ours.TCPStore("127.0.0.1", 0, 1, True, master_listen_fd=9999)))
+
+
+def test_repr_has_torch_s_shape():
+    shape = r"^TCPStore\(client=TCPClient\(.*\), server=(TCPServer\(port={port}\)|<nullptr>)\)$"
+    for cls in (torch_dist, ours):
+        master = cls.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10))
+        client = cls.TCPStore("127.0.0.1", master.port, None, False, timedelta(seconds=10))
+        assert re.match(shape.format(port=master.port), repr(master)) and f"TCPServer(port={master.port})" in repr(master)
+        assert re.match(shape.format(port=master.port), repr(client)) and repr(client).endswith("server=<nullptr>)")
+
+
+def test_world_size_zero_and_port_in_use_raise_like_torch():
+    assert_like(
+        outcome(lambda: torch_dist.TCPStore("127.0.0.1", 0, 0, True)), outcome(lambda: ours.TCPStore("127.0.0.1", 0, 0, True))
+    )
+    taken = torch_dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10))
+    theirs = outcome(lambda: torch_dist.TCPStore("127.0.0.1", taken.port, None, True, timedelta(seconds=2)))
+    mine = outcome(lambda: ours.TCPStore("127.0.0.1", taken.port, None, True, timedelta(seconds=2)))
+    assert_like(theirs, mine)
+
+
+def _timeouts(module, kind, tmp_path):
+    short = timedelta(milliseconds=100)
+    if kind == "tcp":
+        store = module.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10))
+    elif kind == "hash":
+        store = module.HashStore()
+    elif kind == "prefix-tcp":
+        store = module.PrefixStore("pre", module.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10)))
+    else:
+        store = module.FileStore(str(tmp_path / f"{module.__name__}.store"), 1)
+    store.set_timeout(short)
+    calls = {
+        "get": lambda: store.get("k"),
+        "wait": lambda: store.wait(["k", "j"], short),
+        "multi_get": lambda: store.multi_get(["k"]),
+        "barrier": lambda: store.barrier("b", 2, short),
+    }
+    if kind != "file":  # torch's FileStore has no queues
+        calls["queue_pop"] = lambda: store.queue_pop("q")
+    return {name: outcome(call) for name, call in calls.items()}
+
+
+@pytest.mark.parametrize("kind", ["tcp", "hash", "file", "prefix-tcp"])
+def test_timeouts_raise_like_torch(kind, tmp_path):
+    theirs, mine = _timeouts(torch_dist, kind, tmp_path), _timeouts(ours, kind, tmp_path)
+    for name in theirs:
+        assert_like(theirs[name], mine[name])
+
+
+def test_waiting_for_workers_times_out_like_torch():
+    theirs = outcome(lambda: torch_dist.TCPStore("127.0.0.1", 0, 3, True, timedelta(milliseconds=500)))
+    mine = outcome(lambda: ours.TCPStore("127.0.0.1", 0, 3, True, timedelta(milliseconds=500)))
+    assert_like(theirs, mine)

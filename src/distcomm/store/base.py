@@ -236,12 +236,13 @@ class Store:
             self.set(released_key, b"1")
         try:
             self.wait([released_key], timedelta(seconds=timeout))
-        except DistStoreTimeoutError:
+        except DistStoreTimeoutError as exc:
+            lead = getattr(exc, "torch_message", rules.TORCH_WAIT_TIMEOUT)  # torch's store fails in its wait()
             try:
                 arrived = int(self._get(arrived_key, 0))
             except (RuntimeError, ValueError):  # a timeout, or a subclass without _get
                 arrived = None
-            raise rules.barrier_timeout_error(key, world_size, timeout, arrived, where=repr(self)) from None
+            raise rules.barrier_timeout_error(key, world_size, timeout, arrived, repr(self), lead) from None
 
 
 def _not_implemented(method: str) -> RuntimeError:

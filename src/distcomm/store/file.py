@@ -342,7 +342,10 @@ class FileStore(Store):
                     return values
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise rules.timeout_error(operation, keys, timeout, missing, where=repr(self))
+                # torch's FileStore gets (multi_get included) one key at a time, and names the first missing
+                get = operation in ("get", "multi_get")
+                lead = rules.file_get_lead(missing[0], timeout) if get else rules.TORCH_WAIT_TIMEOUT
+                raise rules.timeout_error(operation, keys, timeout, missing, repr(self), lead)
             time.sleep(min(interval, remaining))
             interval = min(interval * 2, _POLL_MAX)
 
