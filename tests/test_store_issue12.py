@@ -7,6 +7,7 @@ message adds advice, it adds it after torch's text, so a regex written against t
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 from datetime import timedelta
@@ -272,3 +273,32 @@ def test_waiting_for_workers_times_out_like_torch():
     theirs = outcome(lambda: torch_dist.TCPStore("127.0.0.1", 0, 3, True, timedelta(milliseconds=500)))
     mine = outcome(lambda: ours.TCPStore("127.0.0.1", 0, 3, True, timedelta(milliseconds=500)))
     assert_like(theirs, mine)
+
+
+# -- 4: one FileStore path opened twice -------------------------------------------------------------
+
+
+def test_a_file_store_opened_twice_in_one_process_works_like_torch(tmp_path):
+    for module in (torch_dist, ours):
+        path = str(tmp_path / f"{module.__name__}.store")
+        first = module.FileStore(path, 1)
+        second = module.FileStore(path, 1)  # distcomm said "left over from an earlier run"
+        first.set("k", "v")
+        assert second.get("k") == b"v"
+        second.add("n", 2)
+        assert first.add("n", 1) == 3
+    first.close()  # distcomm's: the other user still has it open, so the file stays
+    assert second.get("k") == b"v" and os.path.exists(path)
+    second.close()
+    assert not os.path.exists(path)
+
+
+def test_a_file_whose_users_all_closed_is_still_a_leftover(tmp_path):
+    path = str(tmp_path / "fs")
+    first, second = ours.FileStore(path, 1), ours.FileStore(path, 1)
+    os.link(path, str(tmp_path / "keep"))  # the file outlives its removal under another name
+    first.close()
+    second.close()
+    os.rename(str(tmp_path / "keep"), path)
+    with pytest.raises(DistStoreError, match="left over from an earlier run"):
+        ours.FileStore(path, 1)
