@@ -39,6 +39,12 @@ _handlers: dict[str, RendezvousHandler] = {}
 __all__ = ["rendezvous", "register_rendezvous_handler"]
 
 
+class NodeArgumentsTwiceError(AssertionError, ValueError):
+    """rank/world_size given both in the URL and as arguments. torch raises AssertionError (with the
+    text kept word for word above); distcomm raised ValueError before, so it is both, and code
+    written for either catches it."""
+
+
 def register_rendezvous_handler(scheme: str, handler: RendezvousHandler) -> None:
     """Register ``handler`` for URLs ``scheme://...``.
 
@@ -64,9 +70,9 @@ def rendezvous(url: str, rank: int = -1, world_size: int = -1, **kwargs) -> Iter
     query = dict(parse_qsl(parsed.query))
     if rank != -1 or world_size != -1:
         if "rank" in query or "world_size" in query:
-            raise ValueError(
-                f"The url: {url} has node-specific arguments (rank, world_size) already; pass them either in the "
-                f"URL or as arguments, not both"
+            raise NodeArgumentsTwiceError(
+                f"The url: {url} has node-specific arguments(rank, world_size) already. Pass them either in the "
+                f"URL or as arguments, not both."
             )
         if rank != -1:
             query["rank"] = str(int(rank))

@@ -7,8 +7,9 @@ implements on already-checked arguments. A store therefore never repeats validat
 store rejects a bad argument with the same error.
 
 A subclass implements ``_set _get _add _compare_set _wait _check _num_keys _delete_key _append
-_multi_get _multi_set _list_keys``, and for queues ``_queue_push _queue_pop _queue_len`` (without
-them the queue methods raise NotImplementedError, as torch's base Store does). ``timeout`` is in
+_multi_get _multi_set _list_keys``, and for queues ``_queue_push _queue_pop _queue_len``. A user's
+subclass may instead override the public methods, as it would torch's Store: what it leaves out
+fails (or falls back) as on torch's base Store, and ``has_extended_api()`` is False for it. ``timeout`` is in
 seconds in those methods. ``barrier`` has a default built on ``_add _set _wait`` (torch's own
 default, with its key names); TCPStore replaces it with one request. ``clone`` is per store.
 """
@@ -102,8 +103,13 @@ class Store:
         return self._list_keys()
 
     def has_extended_api(self) -> bool:
-        """True: append, multi_get, multi_set and list_keys are implemented natively."""
-        return True
+        """Whether append, multi_get, multi_set and list_keys are implemented natively.
+
+        False here, as for torch's base Store (a user's subclass gets the fallbacks below unless it
+        says otherwise); distcomm's HashStore, FileStore and TCPStore say True, and a PrefixStore
+        answers for the store it wraps.
+        """
+        return False
 
     # -- queues -----------------------------------------------------------------------------------
 
@@ -147,7 +153,7 @@ class Store:
 
         The returned store can be used concurrently with the original object, e.g. one per thread.
         """
-        raise NotImplementedError(f"{type(self).__name__} does not implement clone()")
+        raise _pure_virtual("clone")  # torch's base Store
 
     # -- lifetime -------------------------------------------------------------------------------
 
@@ -161,42 +167,55 @@ class Store:
         self.close()
 
     # -- what a store implements -----------------------------------------------------------------
+    # What a store lacks fails as it does on torch's base Store, so that a user's subclass written
+    # for torch (overriding the public set/get/... directly) behaves the same here: set, get and
+    # compare_set raise RuntimeError "... Not implemented." (torch's Python trampoline), add, wait,
+    # check, num_keys and delete_key raise RuntimeError "Tried to call pure virtual function ..."
+    # (torch's C++ pure virtuals, text kept so a regex written against torch matches), and
+    # append/multi_get/multi_set fall back to compare_set/get/set as torch's C++ Store does. The
+    # fallbacks call the *public* methods: those are what such a subclass overrides.
 
     def _set(self, key: str, value: bytes) -> None:
-        raise NotImplementedError
+        raise _not_implemented("set")
 
     def _get(self, key: str, timeout: float) -> bytes:
-        raise NotImplementedError
+        raise _not_implemented("get")
 
     def _add(self, key: str, amount: int) -> int:
-        raise NotImplementedError
+        raise _pure_virtual("add")
 
     def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
-        raise NotImplementedError
+        raise _not_implemented("compare_set")
 
     def _wait(self, keys: list[str], timeout: float) -> None:
-        raise NotImplementedError
+        raise _pure_virtual("wait")
 
     def _check(self, keys: list[str]) -> bool:
-        raise NotImplementedError
+        raise _pure_virtual("check")
 
     def _num_keys(self) -> int:
-        raise NotImplementedError
+        raise _pure_virtual("getNumKeys")
 
     def _delete_key(self, key: str) -> bool:
-        raise NotImplementedError
+        raise _pure_virtual("deleteKey")
 
     def _append(self, key: str, value: bytes) -> None:
-        raise NotImplementedError
+        """torch's Store::append: a compare_set loop (never get(), which could block on a missing key)."""
+        expected = value
+        current = self.compare_set(key, b"", expected)
+        while current != expected:
+            expected = current + value
+            current = self.compare_set(key, current, expected)
 
     def _multi_get(self, keys: list[str], timeout: float) -> list[bytes]:
-        raise NotImplementedError
+        return [self.get(key) for key in keys]  # torch's Store::multiGet: one get() per key
 
     def _multi_set(self, keys: list[str], values: list[bytes]) -> None:
-        raise NotImplementedError
+        for key, value in zip(keys, values):  # torch's Store::multiSet: one set() per key
+            self.set(key, value)
 
     def _list_keys(self) -> list[str]:
-        raise NotImplementedError
+        raise NotImplementedError("listKeys support is not implemented.")  # torch's text
 
     def _queue_push(self, key: str, value: bytes) -> None:
         raise NotImplementedError("queue support is not implemented.")  # torch's text
@@ -211,14 +230,27 @@ class Store:
         """torch's default barrier: count arrivals at ``<key>/num_members``; the last to arrive sets
         ``<key>/last_member``, which everyone waits for. Kept key for key, so a job mixing torch and
         distcomm stores' helpers sees the same keys."""
+        # the public add/set/wait, as torch's virtual calls: a user's subclass overrides those
         arrived_key, released_key = key + "/num_members", key + "/last_member"
-        if self._add(arrived_key, 1) == world_size:
-            self._set(released_key, b"1")
+        if self.add(arrived_key, 1) == world_size:
+            self.set(released_key, b"1")
         try:
-            self._wait([released_key], timeout)
-        except DistStoreTimeoutError:
+            self.wait([released_key], timedelta(seconds=timeout))
+        except DistStoreTimeoutError as exc:
+            lead = getattr(exc, "torch_message", rules.TORCH_WAIT_TIMEOUT)  # torch's store fails in its wait()
             try:
                 arrived = int(self._get(arrived_key, 0))
-            except (DistStoreTimeoutError, ValueError):
+            except (RuntimeError, ValueError):  # a timeout, or a subclass without _get
                 arrived = None
-            raise rules.barrier_timeout_error(key, world_size, timeout, arrived, where=repr(self)) from None
+            raise rules.barrier_timeout_error(key, world_size, timeout, arrived, repr(self), lead) from None
+
+
+def _not_implemented(method: str) -> RuntimeError:
+    """torch's base Store, for a method its Python subclass did not override: RuntimeError ending
+    "Not implemented." (torch prefixes an internal-assert location; the method is named here instead)."""
+    return RuntimeError(f"Store.{method}() is not overridden by this Store subclass: Not implemented.")
+
+
+def _pure_virtual(method: str) -> RuntimeError:
+    """torch's text for a C++ pure virtual method its Python subclass did not override."""
+    return RuntimeError(f'Tried to call pure virtual function "::c10d::Store::{method}"')

@@ -37,7 +37,8 @@ Who uses the file, and when it is removed. Each FileStore instance appends a JOI
 file and a LEAVE when it is closed (``close()``, garbage collection, or interpreter exit). As in
 torch, the last user removes the file: with ``world_size`` > 0, the close that brings the number
 of LEAVEs to ``world_size`` (so a rank that finishes before another has even opened the file does
-not delete it from under it); with ``world_size`` = -1, the close that leaves no member open.
+not delete it from under it); with ``world_size`` = -1, the close that leaves no member open. In
+both cases never while another user still has it open.
 Removal happens under the lock, and a process that opened the path just before it was removed
 notices (its descriptor's file has no links any more) and starts over with a new file.
 
@@ -46,7 +47,9 @@ file that already has records checks its members: a member that joined and never
 this host (same host name and boot id), whose process is gone (no such pid, or the pid now belongs
 to a process with another start time) is proof of a crash, and the open fails with a DistStoreError
 naming the path, the dead pids and the fix (delete the file). So does a file whose ``world_size``
-users have all already finished, a file of a different ``world_size``, and a file with a torn
+users have all already finished and none is open any more (while one is, the file is a live job's,
+and more opens than ``world_size`` are allowed, as in torch), a file of a different ``world_size``,
+and a file with a torn
 record at its end (a writer died mid-append). Members on other hosts cannot be checked and are
 presumed alive. An empty file is a new store (torch's docs ask for "non-existent or empty").
 """
@@ -264,7 +267,10 @@ class FileStore(Store):
                 f"FileStore: {self.path} was created with world_size={log.world_size}, not {self._world_size}; "
                 f"it belongs to another job: {fix}"
             )
-        if self._world_size > 0 and log.joined >= self._world_size:
+        # More opens than world_size is a leftover only when none of them is still open: a file some
+        # live user holds open (none is dead, checked above) belongs to a running job, e.g. the same
+        # path opened twice in one process with world_size=1, which torch allows
+        if self._world_size > 0 and log.joined >= self._world_size and not log.members:
             raise DistStoreError(
                 f"FileStore: {self.path} has already been opened by world_size={self._world_size} users "
                 f"({log.left} of them finished); it is left over from an earlier run: {fix}"
@@ -277,6 +283,9 @@ class FileStore(Store):
             return
         with self._lock:
             self._finalizer()
+
+    def has_extended_api(self) -> bool:
+        return True  # append, multi_get, multi_set and list_keys are native
 
     def clone(self) -> "FileStore":
         """Another FileStore object over this one's open file, e.g. for another thread.
@@ -339,7 +348,10 @@ class FileStore(Store):
                     return values
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise rules.timeout_error(operation, keys, timeout, missing, where=repr(self))
+                # torch's FileStore gets (multi_get included) one key at a time, and names the first missing
+                get = operation in ("get", "multi_get")
+                lead = rules.file_get_lead(missing[0], timeout) if get else rules.TORCH_WAIT_TIMEOUT
+                raise rules.timeout_error(operation, keys, timeout, missing, repr(self), lead)
             time.sleep(min(interval, remaining))
             interval = min(interval * 2, _POLL_MAX)
 
@@ -494,7 +506,8 @@ def _leave_now(fd: int, path: str, member_id: bytes, world_size: int) -> None:
             os.write(fd, _record(_LEAVE, member_id))
             log.members.pop(member_id, None)
             finished = log.left + 1
-            if (world_size > 0 and finished >= world_size) or (world_size <= 0 and not log.members):
+            # never from under a user still holding it open (torch's would: its counter is all it has)
+            if not log.members and (world_size <= 0 or finished >= world_size):
                 os.unlink(path)
     except (OSError, DistStoreError):
         pass  # best effort, as torch's destructor: a stale file is caught by the next open

@@ -52,6 +52,9 @@ class HashStore(Store):
     def __repr__(self) -> str:
         return f"HashStore({len(self._table)} keys)"
 
+    def has_extended_api(self) -> bool:
+        return True  # append, multi_get, multi_set and list_keys are native
+
     def clone(self) -> "HashStore":
         """This store itself, as torch's HashStore.clone() returns: it is already safe to share between threads."""
         return self

@@ -24,6 +24,8 @@ class PrefixStore(Store):
     def __init__(self, prefix: str, store: Store):
         if not isinstance(prefix, str):
             raise TypeError(f"PrefixStore prefix is a str, got {type(prefix).__name__}: {prefix!r}")
+        if store is None:
+            raise ValueError("store argument cannot be None")  # torch's type and text
         if not isinstance(store, Store):
             raise TypeError(f"PrefixStore wraps a Store, got {type(store).__name__}")
         self._prefix = prefix + "/"
@@ -54,6 +56,9 @@ class PrefixStore(Store):
     @property
     def _timeout_s(self) -> float:  # the base class reads the default timeout from here
         return rules.timeout_seconds(self._store.timeout)
+
+    def has_extended_api(self) -> bool:
+        return self._store.has_extended_api()  # as torch's: whatever the wrapped store answers
 
     def clone(self) -> "PrefixStore":
         """A PrefixStore with the same prefix over a clone of the underlying store."""

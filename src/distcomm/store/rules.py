@@ -163,15 +163,56 @@ def timeout_seconds(timeout) -> float:
 
 
 def format_seconds(seconds: float) -> str:
+    """A duration for distcomm's own words: "2 seconds", "1.5 seconds", "100 ms"."""
     if seconds >= 1 and seconds == int(seconds):
-        return f"{int(seconds)} s"
+        return f"{int(seconds)} second{'s' if seconds != 1 else ''}"
     if seconds >= 1:
-        return f"{seconds:.3g} s"
+        return f"{seconds:.3g} seconds"
     return f"{seconds * 1000:.0f} ms"
 
 
+def torch_milliseconds(seconds: float) -> str:
+    """A duration as torch's C++ messages print one: whole milliseconds, no space ("100ms")."""
+    return f"{int(round(seconds * 1000))}ms"
+
+
+# Timeout errors begin with torch's own sentence for that store and call (``lead``), so a regex
+# written against torch matches; distcomm's account of what was missing, where, and what to do
+# follows it. torch's sentences: HashStore "Wait timeout" for everything; FileStore
+# file_get_lead() for get, "Wait timeout" otherwise; TCPStore tcp_wait_lead() for get/wait/
+# multi_get/queue_pop and tcp_barrier_lead() for barrier.
+TORCH_WAIT_TIMEOUT = "Wait timeout"
+
+
+def _timeout(lead: str, text: str) -> DistStoreTimeoutError:
+    """``lead`` (torch's sentence), then distcomm's ``text``. The error keeps ``lead`` as
+    ``torch_message``: a store that builds one operation on another (the default barrier on wait)
+    raises with the sentence torch's store would have raised."""
+    error = DistStoreTimeoutError(f"{lead}. {text}")
+    error.torch_message = lead
+    return error
+
+
+def tcp_wait_lead(keys: Iterable[str], seconds: float) -> str:
+    """torch's TCPStore: its keys carry a "/" of their own on the wire, and its message shows them so."""
+    return f"wait timeout after {torch_milliseconds(seconds)}, keys: " + ", ".join("/" + k for k in keys)
+
+
+def tcp_barrier_lead(key: str, seconds: float) -> str:
+    return f"barrier timeout after {torch_milliseconds(seconds)}, key: {key}"
+
+
+def file_get_lead(key: str, seconds: float) -> str:
+    return f"Timeout waiting for key: {key} after {int(round(seconds * 1000))} ms"
+
+
 def timeout_error(
-    operation: str, keys: Iterable[str], seconds: float, missing: Iterable[str] | None = None, where: str = ""
+    operation: str,
+    keys: Iterable[str],
+    seconds: float,
+    missing: Iterable[str] | None = None,
+    where: str = "",
+    lead: str = TORCH_WAIT_TIMEOUT,
 ) -> DistStoreTimeoutError:
     """The error of a get/wait that did not see its keys in time; names the keys and the timeout."""
     keys = list(keys)
@@ -183,14 +224,16 @@ def timeout_error(
     if where:
         text += f" in {where}"
     text += "; the process that sets them may have failed or be slow (raise the store timeout if it is only slow)"
-    return DistStoreTimeoutError(text)
+    return _timeout(lead, text)
 
 
 def queue_empty_error() -> QueueEmptyError:
     return QueueEmptyError("queue is empty")  # torch's text, word for word
 
 
-def queue_timeout_error(key: str, seconds: float, where: str = "") -> DistStoreTimeoutError:
+def queue_timeout_error(
+    key: str, seconds: float, where: str = "", lead: str = TORCH_WAIT_TIMEOUT
+) -> DistStoreTimeoutError:
     """The error of a blocking queue_pop() that found nothing in time."""
     text = f"queue_pop: timed out after {format_seconds(seconds)} waiting for an item in queue {key!r}"
     if where:
@@ -199,11 +242,16 @@ def queue_timeout_error(key: str, seconds: float, where: str = "") -> DistStoreT
         "; nothing was pushed meanwhile (or other poppers took every item). "
         "Raise the store timeout, or pop with block=False"
     )
-    return DistStoreTimeoutError(text)
+    return _timeout(lead, text)
 
 
 def barrier_timeout_error(
-    key: str, world_size: int, seconds: float, arrived: int | None = None, where: str = ""
+    key: str,
+    world_size: int,
+    seconds: float,
+    arrived: int | None = None,
+    where: str = "",
+    lead: str = TORCH_WAIT_TIMEOUT,
 ) -> DistStoreTimeoutError:
     """The error of a barrier() that not enough workers reached in time."""
     text = f"barrier: timed out after {format_seconds(seconds)} at key {key!r}"
@@ -213,4 +261,4 @@ def barrier_timeout_error(
     if where:
         text += f" in {where}"
     text += "; a worker may have failed, be slow, or use another key or world_size"
-    return DistStoreTimeoutError(text)
+    return _timeout(lead, text)

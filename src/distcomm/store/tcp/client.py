@@ -55,6 +55,12 @@ def _timeval(seconds: float) -> bytes:
     return struct.pack("ll", whole, int((seconds - whole) * 1e6))
 
 
+def _address(address: tuple) -> str:
+    """An IP socket address as torch prints one: ``1.2.3.4:80``, ``[::1]:80``."""
+    host, port = address[0], address[1]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 class _Refused(Exception):
     """The peer answered, but not as a compatible distcomm TCPStore server; retrying will not help."""
 
@@ -185,15 +191,20 @@ def connect(
             last_error = exc
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            hint = (
-                "connected, but the server did not complete the handshake (is it overloaded, or out of file "
-                "descriptors?)"
-                if isinstance(last_error, (socket.timeout, ConnectionResetError))
-                else "is the master (is_master=True) running, and are host and port right?"
-            )
+            if isinstance(last_error, socket.gaierror):
+                hint = f"the host name {host!r} does not resolve: check the master's address (MASTER_ADDR, tcp://)"
+            elif isinstance(last_error, (socket.timeout, ConnectionResetError)):
+                hint = (
+                    "connected, but the server did not complete the handshake (is it overloaded, or out of file "
+                    "descriptors?)"
+                )
+            else:
+                hint = "is the master (is_master=True) running, and are host and port right?"
+            # torch's sentence first (a DNS failure too is retried until the timeout there), then ours
             raise DistNetworkError(
-                f"could not connect to the TCPStore server at {where} within {rules.format_seconds(timeout)} "
-                f"({attempts} attempts; last error: {last_error}); {hint}"
+                f"The client socket has timed out after {rules.torch_milliseconds(timeout)} while trying to "
+                f"connect to ({host}, {port}). Could not connect to the TCPStore server at {where} within "
+                f"{rules.format_seconds(timeout)} ({attempts} attempts; last error: {last_error}); {hint}"
             ) from None
         time.sleep(min(remaining, random.uniform(delay / 2, delay)))
         delay = min(delay * 2, _MAX_RETRY_DELAY)
@@ -245,6 +256,23 @@ class TCPStoreClient:
     @property
     def closed(self) -> bool:
         return self._sock is None
+
+    def describe(self) -> str:
+        """This connection as torch's TCPStore repr shows its client:
+        ``TCPClient(SocketImpl(fd=.., addr=.., remote=..))``. The master's in-process connection has
+        no socket, and the Unix socket's name is not shown (knowing it is what lets a client in)."""
+        sock = self._sock
+        if sock is None:
+            return "TCPClient(closed)"
+        if not isinstance(sock, socket.socket):
+            return f"TCPClient(in-process, remote={self.where})"
+        try:
+            fd, local, remote = sock.fileno(), sock.getsockname(), sock.getpeername()
+        except OSError:
+            return "TCPClient(closed)"
+        if sock.family == socket.AF_UNIX:
+            return f"TCPClient(SocketImpl(fd={fd}, addr=unix, remote=unix:{self.where}))"
+        return f"TCPClient(SocketImpl(fd={fd}, addr={_address(local)}, remote={_address(remote)}))"
 
     # -- the round trip -----------------------------------------------------------------------------
 
@@ -316,7 +344,9 @@ class TCPStoreClient:
             response = self._exchange(operation, frames.encode(request), request.request_id, wait)
         if response is None or response.__class__ is frames.TimedOut:
             missing = None if response is None else [k.decode("utf-8", "replace") for k in response.missing_keys]
-            raise rules.timeout_error(operation, keys, timeout, missing, where=f"TCPStore {self.where}")
+            raise rules.timeout_error(
+                operation, keys, timeout, missing, f"TCPStore {self.where}", rules.tcp_wait_lead(keys, timeout)
+            )
         return response
 
     # -- requests (set, get and add skip building an event: they are the hot path) ----------------
@@ -345,7 +375,9 @@ class TCPStoreClient:
             return response.value
         if response is None or response.__class__ is frames.TimedOut:
             missing = None if response is None else [key]
-            raise rules.timeout_error("get", [key], timeout, missing, where=f"TCPStore {self.where}")
+            raise rules.timeout_error(
+                "get", [key], timeout, missing, f"TCPStore {self.where}", rules.tcp_wait_lead([key], timeout)
+            )
         return self._checked("get", response).value
 
     def add(self, key: bytes, amount: int) -> int:
@@ -409,7 +441,7 @@ class TCPStoreClient:
         if response.__class__ is frames.TimedOut and not block:
             raise rules.queue_empty_error()
         if response is None or response.__class__ is frames.TimedOut:
-            raise rules.queue_timeout_error(key, timeout, where=f"TCPStore {self.where}")
+            raise rules.queue_timeout_error(key, timeout, f"TCPStore {self.where}", rules.tcp_wait_lead([key], timeout))
         return self._checked("queue_pop", response).value
 
     def queue_len(self, key: bytes) -> int:
@@ -426,7 +458,9 @@ class TCPStoreClient:
                 arrived = int(self.get(key, 0.0))
             except (DistStoreError, ValueError):
                 arrived = None
-            raise rules.barrier_timeout_error(key, world_size, timeout, arrived, where=f"TCPStore {self.where}")
+            raise rules.barrier_timeout_error(
+                key, world_size, timeout, arrived, f"TCPStore {self.where}", rules.tcp_barrier_lead(key, timeout)
+            )
         self._checked("barrier", response)
 
     def join(self) -> int:

@@ -25,7 +25,7 @@ import os
 import socket
 import sys
 
-from ...errors import DistNetworkError
+from ...errors import DistNetworkError, DistStoreError
 
 DEFAULT_BACKLOG = 4096  # the kernel caps this at net.core.somaxconn
 _FD_EXHAUSTED = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
@@ -55,7 +55,13 @@ def open_listener(host: str, port: int, backlog: int = DEFAULT_BACKLOG) -> socke
     try:
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
-        raise DistNetworkError(f"TCPStore server cannot resolve host {host!r} to listen on {where}: {exc}") from None
+        # torch words the cause this way (its master only finds out through its own client, after
+        # the whole timeout); here it fails at once, since no wait makes a name resolve
+        raise DistNetworkError(
+            f"The network addresses of ({host}, {port}) cannot be retrieved (gai error: {exc.errno} - "
+            f"{exc.strerror}). TCPStore server cannot resolve host {host!r} to listen on {where}: check the "
+            f"master's address (MASTER_ADDR, tcp://)"
+        ) from None
     family, kind, proto, _, address = infos[0]
     sock = socket.socket(family, kind, proto)
     try:
@@ -67,13 +73,46 @@ def open_listener(host: str, port: int, backlog: int = DEFAULT_BACKLOG) -> socke
     except OSError as exc:
         sock.close()
         if exc.errno == errno.EADDRINUSE:
+            # torch's text first (its default, libuv, server's), then which address and what to do
             raise DistNetworkError(
+                f"The server socket has failed to listen on any local network address. port: {port}, useIpv6: "
+                f"false, code: -{errno.EADDRINUSE}, name: EADDRINUSE, message: address already in use. "
                 f"TCPStore server cannot listen on {where}: the address is already in use (EADDRINUSE). Another "
                 f"process, or another TCPStore master in this process, holds that port: choose another port, pass "
                 f"port=0 to take a free one, or pass multi_tenant=True to share one server within a process."
             ) from None
         name = errno.errorcode.get(exc.errno or 0, "error")
         raise DistNetworkError(f"TCPStore server cannot listen on {where}: {exc.strerror} ({name})") from None
+    sock.setblocking(False)
+    return sock
+
+
+def adopt_listener(fd: int, port: int, backlog: int = DEFAULT_BACKLOG) -> socket.socket:
+    """The socket a caller already bound (torch's ``master_listen_fd``), listening, as open_listener's.
+
+    The server owns it from here and closes it when it stops, as torch's does. ``port`` is the port
+    the caller promised the ranks; 0 means "whatever the socket is bound to". Errors are torch's
+    (type and text), the fd left to the caller.
+    """
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError as exc:
+        code = exc.errno or 0
+        raise DistNetworkError(
+            f"Failed to open existing socket. socket: {fd}, code: {-code}, name: {errno.errorcode.get(code, '?')}, "
+            f"message: {(exc.strerror or str(exc)).lower()}"
+        ) from None
+    bound = sock.getsockname()[1] if sock.family in (socket.AF_INET, socket.AF_INET6) else None
+    if bound is None or (port != 0 and bound != port):
+        sock.detach()  # the fd stays the caller's: nothing was adopted
+        if bound is None:
+            raise DistNetworkError(f"listen fd {fd} is not a TCP socket (family {sock.family!r})")
+        raise DistStoreError(f"listen fd {fd} is bound to port {bound}, expected to be bound to port {port}")
+    try:
+        sock.listen(backlog)  # torch accepts a socket that is only bound; on a listening one this is harmless
+    except OSError as exc:
+        sock.detach()
+        raise DistNetworkError(f"TCPStore server cannot listen on fd {fd} (port {bound}): {exc.strerror}") from None
     sock.setblocking(False)
     return sock
 
@@ -127,8 +166,15 @@ def accept_pending(listener: socket.socket) -> tuple[list, OSError | None]:
 class Listeners:
     """One server's listening sockets: ``tcp``, and ``local`` (the Unix socket, or None)."""
 
-    def __init__(self, host: str, port: int, backlog: int = DEFAULT_BACKLOG, local_socket: bool | None = None):
-        self.tcp = open_listener(host, port, backlog)
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        backlog: int = DEFAULT_BACKLOG,
+        local_socket: bool | None = None,
+        listen_fd: int | None = None,
+    ):
+        self.tcp = open_listener(host, port, backlog) if listen_fd is None else adopt_listener(listen_fd, port, backlog)
         self.port = self.tcp.getsockname()[1]
         if local_socket is None:
             local_socket = local_socket_enabled()

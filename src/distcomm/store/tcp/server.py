@@ -103,10 +103,11 @@ class TCPStoreServer:
         backlog: int = DEFAULT_BACKLOG,
         local_socket: bool | None = None,
         auth_key: bytes | None = None,
+        listen_fd: int | None = None,
     ):
         self.auth_key = bytes(auth_key) if auth_key else None
         self.open_file_limit = raise_open_file_limit()[0]
-        self.listeners = Listeners(host, port, backlog, local_socket)
+        self.listeners = Listeners(host, port, backlog, local_socket, listen_fd)
         self.host = host
         self.port = self.listeners.port
         self.local_address = self.listeners.local_address

@@ -25,6 +25,7 @@ distcomm-run's launcher and its workers, which inherit its environment — gets 
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from datetime import timedelta
@@ -93,6 +94,10 @@ class TCPStore(Store):
     will connect (clients + 1 for the master); with ``wait_for_workers`` the master's constructor
     returns once they all have. ``port=0`` on the master picks a free port, readable as ``.port``.
 
+    torch's ``master_listen_fd`` (a socket the caller bound, and maybe listens on, for the master
+    to serve on instead of binding ``port``; the server owns and closes it) and ``use_libuv``
+    (accepted and reported by ``libuvBackend``; distcomm has one server either way) are honoured.
+
     distcomm extensions, keyword-only, for a master: ``idle_timeout`` (seconds a connection may sit
     on an unfinished hello or frame, default 60), ``max_frame_size`` (bytes, default 1 GiB; also the
     limit a client accepts), ``backlog`` (listen backlog, default 4096), ``local_socket`` (offer the
@@ -112,6 +117,8 @@ class TCPStore(Store):
         timeout: timedelta = rules.DEFAULT_TIMEOUT,
         wait_for_workers: bool = True,
         multi_tenant: bool = False,
+        master_listen_fd: int | None = None,
+        use_libuv: bool = True,
         **server_options,
     ):
         super().__init__(timeout)
@@ -124,7 +131,12 @@ class TCPStore(Store):
         if world_size is not None and world_size < 0:
             world_size = None  # torch: a negative value means a non-fixed number of users
         if world_size == 0:
-            raise ValueError("world_size must be positive (or None/-1 for a non-fixed number of stores)")
+            raise ValueError(  # torch's sentence, then what to pass
+                "TCPStore world size cannot be 0. Pass the number of stores (clients + 1 for the master), or "
+                "None/-1 for a non-fixed number of stores"
+            )
+        if master_listen_fd is not None and (isinstance(master_listen_fd, bool) or not isinstance(master_listen_fd, int)):
+            raise TypeError(f"master_listen_fd is an int or None, got {type(master_listen_fd).__name__}")
         if not is_master and port == 0:
             raise ValueError("a TCPStore client needs the master's port; port=0 only means 'pick one' on the master")
         if "auth_key" in server_options:
@@ -132,6 +144,11 @@ class TCPStore(Store):
         self._auth_key = key_from_environment()  # before listening: a bad key file fails here
         self._host = host_name
         self._world_size = world_size
+        # distcomm has one server, its own event loop; like torch it reports the backend asked for,
+        # so code that branches on libuvBackend takes the branch it takes under torch
+        self._use_libuv = bool(use_libuv)
+        if is_master and master_listen_fd is not None:
+            server_options["listen_fd"] = master_listen_fd  # adopted, as torch does; a client ignores it
         self._server = (
             _shared_servers.acquire(host_name, port, multi_tenant, auth_key=self._auth_key, **server_options)
             if is_master
@@ -162,8 +179,9 @@ class TCPStore(Store):
     def _wait_for_workers(self, world_size: int) -> None:
         joined = self._server.wait_for_joins(world_size, self._timeout_s)
         if joined < world_size:
+            # torch's sentences first; torch counts whole seconds ("Timed out after 1 seconds" for 0.7 s)
             raise DistStoreError(
-                f"Timed out after {rules.format_seconds(self._timeout_s)} waiting for clients. "
+                f"Timed out after {max(1, math.ceil(self._timeout_s))} seconds waiting for clients. "
                 f"{joined}/{world_size} clients joined. The TCPStore master at {self._host}:{self._port} expected "
                 f"world_size={world_size} stores (the master's own included); check that every rank started and "
                 f"reaches this host and port."
@@ -174,7 +192,7 @@ class TCPStore(Store):
         store = TCPStore.__new__(TCPStore)
         Store.__init__(store, timedelta(seconds=self._timeout_s))
         store._host, store._port, store._world_size, store._server = self._host, self._port, None, None
-        store._auth_key = self._auth_key
+        store._auth_key, store._use_libuv = self._auth_key, self._use_libuv
         local = self._server.connect_local() if self._server is not None else None
         store._client = TCPStoreClient(
             self._client.host, self._port, self._timeout_s, local=local, auth_key=self._auth_key
@@ -187,8 +205,9 @@ class TCPStore(Store):
         self._finalizer()
 
     def __repr__(self) -> str:
-        role = "master" if self._server is not None else "client"
-        return f"TCPStore({self._host}:{self._port}, {role})"
+        # torch's shape: TCPStore(client=TCPClient(SocketImpl(...)), server=TCPServer(port=P) or <nullptr>)
+        server = f"TCPServer(port={self._port})" if self._server is not None else "<nullptr>"
+        return f"TCPStore(client={self._client.describe()}, server={server})"
 
     @property
     def host(self) -> str:
@@ -202,8 +221,13 @@ class TCPStore(Store):
 
     @property
     def libuvBackend(self) -> bool:  # noqa: N802 - torch's name
-        """False: the server is distcomm's Python event loop, not torch's libuv one."""
-        return False
+        """``use_libuv`` as given (default True), as torch reports it. distcomm has one server (its
+        Python event loop) whatever the value; reporting the value keeps code that branches on it
+        on the branch it takes under torch."""
+        return self._use_libuv
+
+    def has_extended_api(self) -> bool:
+        return True  # append, multi_get, multi_set and list_keys are requests of their own
 
     def set_timeout(self, timeout: timedelta) -> None:
         super().set_timeout(timeout)
