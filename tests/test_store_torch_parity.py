@@ -1,4 +1,4 @@
-"""Issue 12: what torch 2.13's stores do at their edges — keywords, repr, error types and texts, a
+"""What torch 2.13's stores do at their edges — keywords, repr, error types and texts, a
 user's Store subclass, a FileStore opened twice, PrefixStore(prefix, None), tcp:// rendezvous edges.
 
 Each test runs the same thing on torch's class and on distcomm's and compares. Where distcomm's
