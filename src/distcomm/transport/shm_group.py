@@ -150,23 +150,85 @@ class GroupShm:
         self._consumed_floor = 0  # a lower bound of every peer's CONSUMED (acquire's cache)
         self._views: dict = {}
         self._views_dtype = self._views_count = self._views_last = None
+        self._build_round_steps()
         for q in self._peers:  # tell each owner we have mapped its segment
             segments[q].buf[_OPENED_AT + rank] = 1
             transport.bell_of(ranks[q]).ring()
+
+    def _build_round_steps(self) -> None:
+        """The steps every round takes, as closures over this group's memory, set as instance
+        attributes: ``open_round``, ``publish``, ``check_posts``, ``exchange``, ``consume``. Every
+        algorithm and the latency path call these same functions; closures because the latency
+        path takes three of them per call, and a bound method's lookups of ``self`` attributes cost
+        it a measurable part of a small barrier (docs/performance-notes.md)."""
+        nslots = self.nslots
+        mine, my_headers, headers = self._mine, self._my_headers, self.headers
+        peers, peer_ctl = self._peers, self._peer_ctl
+        poll_posted, wait_posts, mismatch = self._poll_posted, self._wait_posts, self._mismatch
+        ring_posted, ring_consumed, reserve = self._ring_posted, self._ring_consumed, self._reserve
+
+        def open_round(seq: int, sig: int, channel) -> int:
+            """The next round's number, once every peer has read our slot's previous use (step 1).
+            ``channel(seq, sig)`` makes the call's Channel if we must sleep."""
+            k = self.round = self.round + 1
+            need = k - nslots
+            if need > self._consumed_floor:  # the floor only rises: most rounds read no counter at all
+                reserve(need, seq, sig, channel)
+            return k
+
+        def publish(k: int, seq: int, sig: int, nbytes: int, extra: int = 0) -> None:
+            """Step 3 with the call's numbers: the header of my slot of round k, then ``posted = k``,
+            then a ring for each peer whose wait this completes (see _wake_posted)."""
+            h = my_headers[k % nslots]
+            h[S_SEQ] = seq
+            h[S_SIG] = sig
+            h[S_NBYTES] = nbytes
+            h[S_EXTRA] = extra
+            h[S_ROUND] = k
+            mine[POSTED] = k
+            fence()
+            for c in peer_ctl:
+                if c[AWAITING]:  # someone asleep: see whom this post completes
+                    ring_posted()
+                    break
+
+        def check_posts(k: int, seq: int, sig: int, nbytes: int | None, among=peers) -> None:
+            """Raise a mismatch naming the first of ``among`` whose header of round k is not ours."""
+            slot = k % nslots
+            for q in among:
+                h = headers[q][slot]
+                if h[S_ROUND] != k or h[S_SEQ] != seq or h[S_SIG] != sig or (nbytes is not None and h[S_NBYTES] != nbytes):
+                    raise mismatch(q, k, h, seq, sig, nbytes)
+
+        def exchange(k: int, seq: int, sig: int, nbytes: int, channel, extra: int = 0) -> None:
+            """Post round k (our slot holds ``nbytes``), wait until every peer has, check their
+            headers (steps 3 and 4). A wait begins by spinning (a core per rank) or yielding (more
+            ranks than cores) for the wait policy's spin or yield time without publishing anything;
+            past that it sleeps as ``wait_posted`` does, with the Channel ``channel(seq, sig)`` makes."""
+            publish(k, seq, sig, nbytes, extra)
+            for c in peer_ctl:
+                if c[POSTED] < k:
+                    if not poll_posted(k):
+                        wait_posts(k, channel(seq, sig), peers, 0)
+                    break
+            check_posts(k, seq, sig, nbytes)
+
+        def consume(k: int) -> None:
+            """Done reading round k (step 6): peers may reuse their slots of round k."""
+            mine[CONSUMED] = k
+            fence()
+            for c in peer_ctl:
+                if c[REUSING]:  # someone waits to reuse a slot: see whom this completes
+                    ring_consumed()
+                    break
+
+        self.open_round, self.publish, self.check_posts = open_round, publish, check_posts
+        self.exchange, self.consume = exchange, consume
 
     # -- rounds -------------------------------------------------------------------------------
     def next_round(self) -> int:
         self.round += 1
         return self.round
-
-    def open_round(self, seq: int, sig: int, channel) -> int:
-        """The next round's number, once every peer has read our slot's previous use (step 1).
-        ``channel(seq, sig)`` makes the call's Channel if we must sleep."""
-        k = self.round = self.round + 1
-        need = k - self.nslots
-        if need > self._consumed_floor:  # the floor only rises: most rounds read no counter at all
-            self._reserve(need, seq, sig, channel)
-        return k
 
     def acquire(self, k: int, ch) -> np.ndarray:
         """My slot for round k (uint8, slot_bytes), once every peer has read its previous use."""
@@ -210,30 +272,7 @@ class GroupShm:
     def post(self, k: int, ch, nbytes: int, extra: int = 0) -> None:
         """Publish my slot of round k (its header first, then the counter), and wake the peers
         whose wait this completes (see _wake_posters)."""
-        self._publish(k, ch.key.seq, ch.signature, nbytes, extra)
-
-    def _publish(self, k: int, seq: int, sig: int, nbytes: int, extra: int) -> None:
-        h = self._my_headers[k % self.nslots]
-        h[S_SEQ] = seq
-        h[S_SIG] = sig
-        h[S_NBYTES] = nbytes
-        h[S_EXTRA] = extra
-        h[S_ROUND] = k
-        self._mine[POSTED] = k
-        self._wake_posted()
-
-    def exchange(self, k: int, seq: int, sig: int, nbytes: int, channel, extra: int = 0) -> None:
-        """Post round k (our slot holds ``nbytes``), wait until every peer has, check their headers
-        (steps 3 and 4). A wait begins by spinning (a core per rank) or yielding (more ranks than
-        cores) for the wait policy's spin or yield time without publishing anything; past that it
-        sleeps as ``wait_posted`` does, with the Channel ``channel(seq, sig)`` makes."""
-        self._publish(k, seq, sig, nbytes, extra)
-        for c in self._peer_ctl:
-            if c[POSTED] < k:
-                if not self._poll_posted(k):
-                    self._wait_posts(k, channel(seq, sig), self._peers, 0)
-                break
-        self._check_posts(k, seq, sig, nbytes, self._peers)
+        self.publish(k, ch.key.seq, ch.signature, nbytes, extra)
 
     def _poll_posted(self, k: int) -> bool:
         """Spin or yield until every peer has posted round k (True), at most the policy's budget."""
@@ -265,6 +304,10 @@ class GroupShm:
         costs the poster one read.
         """
         fence()
+        self._ring_posted()
+
+    def _ring_posted(self) -> None:
+        """_wake_posted after its fence: ring the peers whose wait for posts is now complete."""
         ctl = self.ctl
         for q, c, bell in self._peer_info:
             want = c[AWAITING]
@@ -309,16 +352,7 @@ class GroupShm:
                     src = peers[0] + 1 if len(peers) == 1 else 0 if len(peers) == self.size - 1 else AWAIT_ANY
                     self._wait_posts(k, ch, peers, src)
                     break
-        self._check_posts(k, ch.key.seq, ch.signature, nbytes, peers)
-
-    def _check_posts(self, k: int, seq: int, sig: int, nbytes: int | None, peers) -> None:
-        """Raise a mismatch naming the first of ``peers`` whose header of round k is not ours."""
-        slot = k % self.nslots
-        headers = self.headers
-        for q in peers:
-            h = headers[q][slot]
-            if h[S_ROUND] != k or h[S_SEQ] != seq or h[S_SIG] != sig or (nbytes is not None and h[S_NBYTES] != nbytes):
-                raise self._mismatch(q, k, h, seq, sig, nbytes)
+        self.check_posts(k, ch.key.seq, ch.signature, nbytes, peers)
 
     def _wait_posts(self, k: int, ch, peers, src: int) -> None:
         """Wait until every member of ``peers`` has ``posted >= k``; ``src`` says whom to a poster
@@ -383,11 +417,9 @@ class GroupShm:
         """Member q's slot of round k (uint8)."""
         return self.slots[q][k % self.nslots]
 
-    def consume(self, k: int) -> None:
-        """Done reading round k: peers may reuse their slots of round k. A peer waiting for that
-        (its ``REUSING``) is rung by the consumer that completes its wait (as in _wake_posted)."""
-        self._mine[CONSUMED] = k
-        fence()
+    def _ring_consumed(self) -> None:
+        """After ``consumed`` moved (and a fence): ring each peer waiting to reuse a slot (its
+        ``REUSING``) whose wait is now complete (Dekker's pattern, as in _wake_posted)."""
         ctl = self.ctl
         for q, c, bell in self._peer_info:
             need = c[REUSING]

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import sys
 from functools import partial
+from typing import NoReturn
 
 import numpy as np
 
@@ -112,26 +113,14 @@ def build(pg, ctx, limit: int) -> FastPath:
         plans[(op, np_dtype)] = entry
         return entry
 
-    def run(op: str, seq: int, sig: int, flat, reduce_all) -> None:
-        """The round of call ``seq`` (a barrier's when ``flat`` is None), the group claimed; then
-        release it. After a failure within a round the group's shared memory is unusable: mark
-        it, and raise the error (a transport's in the words of the operation, as ShmCollectives
-        does)."""
-        try:
-            if flat is None:
-                observe.current is None or observe.current("latency_barrier")  # one check when unobserved
-                barrier_round(ctx, seq, sig, barrier_channel)
-            else:
-                observe.current is None or observe.current("latency_all_reduce")
-                all_reduce_round(ctx, seq, sig, all_reduce_channel, flat, reduce_all)
-        except TransportError as exc:
+    def fail(exc: BaseException, op: str, seq: int, sig: int) -> NoReturn:
+        """After a failure within a round the group's shared memory is unusable: mark it, and raise
+        the error (a transport's in the words of the operation, as ShmCollectives does)."""
+        if isinstance(exc, TransportError):
             ctx.broken = str(exc)
             raise pg.channel(op, seq, sig).translate(exc, None) from None
-        except BaseException as exc:
-            ctx.broken = f"{type(exc).__name__}: {exc}"
-            raise
-        finally:
-            leave()
+        ctx.broken = f"{type(exc).__name__}: {exc}"
+        raise exc
 
     # -- the calls ------------------------------------------------------------------------------
     def small_all_reduce(tensor, op) -> bool:
@@ -154,7 +143,14 @@ def build(pg, ctx, limit: int) -> FastPath:
         if entry is None or profiling() is not None or not enter():
             return False
         sig, reduce_all, dtype = entry
-        run("all_reduce", next_seq(), sig, flat, reduce_all)
+        seq = next_seq()
+        try:
+            observe.current is None or observe.current("latency_all_reduce")  # one check when unobserved
+            all_reduce_round(ctx, seq, sig, all_reduce_channel, flat, reduce_all)
+        except BaseException as exc:
+            fail(exc, "all_reduce", seq, sig)
+        finally:
+            leave()
         if op is RedOpType.AVG:
             finish(op, flat, size, dtype)
         return True
@@ -162,7 +158,14 @@ def build(pg, ctx, limit: int) -> FastPath:
     def small_barrier() -> bool:
         if ctx.broken is not None or profiling() is not None or not enter():
             return False
-        run("barrier", next_seq(), barrier_sig, None, None)
+        seq = next_seq()
+        try:
+            observe.current is None or observe.current("latency_barrier")
+            barrier_round(ctx, seq, barrier_sig, barrier_channel)
+        except BaseException as exc:
+            fail(exc, "barrier", seq, barrier_sig)
+        finally:
+            leave()
         return True
 
     return FastPath(small_all_reduce, small_barrier)
