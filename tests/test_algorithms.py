@@ -23,8 +23,8 @@ from distcomm._algorithms import reference, select
 from distcomm.dtypes import from_name
 from distcomm.errors import CollectiveMismatchError, DistTimeoutError, PeerLostError
 from distcomm.transport.base import Channel, MessageKey
-from distcomm.transport.inproc import run_threads
 from distcomm.types import RedOpType
+from inproc_threads import run_threads
 
 ALLREDUCE = ["ring", "ring_pipelined", "recursive_doubling", "halving_doubling"]
 BROADCAST = ["binomial", "scatter_allgather"]

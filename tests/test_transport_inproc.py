@@ -10,7 +10,8 @@ import pytest
 
 from distcomm.errors import CollectiveMismatchError, DistTimeoutError, PeerLostError
 from distcomm.transport.base import ANY_SOURCE, Channel, MessageKey, TransportError
-from distcomm.transport.inproc import InprocTransport, run_threads
+from distcomm.transport.inproc import InprocTransport
+from inproc_threads import run_threads
 
 K = MessageKey(group=0, kind=0, seq=0)
 K2 = MessageKey(group=0, kind=0, seq=1)
