@@ -6,6 +6,10 @@ send completes only when received), so an algorithm that relies on buffered send
 instead of passing by luck. Inputs are chosen so that every reduction is exact whatever the order
 (small integers; powers of two for bfloat16 products), so results must equal the reference exactly;
 a separate test uses random floats and checks every rank ends bit-identical.
+
+World sizes 1 to 4 (one rank, two, a non-power of two, a power of two above two: every branch of
+the algorithms) run in the fast tier (``pytest -m "not slow"``); 5 to 8 are marked slow, as their
+threads take most of this module's time on 2 cores.
 """
 
 from __future__ import annotations
@@ -29,7 +33,15 @@ from inproc_threads import run_threads
 ALLREDUCE = ["ring", "ring_pipelined", "recursive_doubling", "halving_doubling"]
 BROADCAST = ["binomial", "scatter_allgather"]
 ALLGATHER = ["ring", "bruck"]
-WORLDS = range(1, 9)
+FAST_WORLDS = 4  # the largest world size in the fast tier
+
+
+def worlds(*sizes: int, fast: int = FAST_WORLDS) -> list:
+    """World sizes as parameters, those above ``fast`` marked slow."""
+    return [p if p <= fast else pytest.param(p, marks=pytest.mark.slow) for p in sizes]
+
+
+WORLDS = worlds(*range(1, 9))
 
 VALID_OPS = {
     "bool": [RedOpType.SUM, RedOpType.PRODUCT, RedOpType.MIN, RedOpType.MAX, RedOpType.BAND, RedOpType.BOR, RedOpType.BXOR],
@@ -136,7 +148,7 @@ def test_reference_allreduce_is_rank_ordered_fold(p):
         assert_same(got, expected)
 
 
-@pytest.mark.parametrize("p", [1, 2, 5])
+@pytest.mark.parametrize("p", worlds(1, 2, 5))
 def test_reference_data_movement(p):
     count = 3
 
@@ -210,7 +222,7 @@ def test_allreduce_large(algo, p):
         assert_same(got, expected)
 
 
-@pytest.mark.parametrize("p", [3, 5, 6, 8])
+@pytest.mark.parametrize("p", worlds(3, 5, 6, 8))
 @pytest.mark.parametrize("algo", ALLREDUCE)
 def test_allreduce_random_floats_bit_identical_on_every_rank(algo, p):
     fn = select.choose("allreduce", 0, p, algo=algo)
@@ -399,7 +411,8 @@ def test_barrier_waits_for_everyone(p):
 
 # -- the pipelined ring with small segments: many segments per block, blocks that are not multiples
 # of the segment, windows smaller and larger than the number of segments ------------------------------
-@pytest.mark.parametrize("p", WORLDS)
+# (thousands of 4-byte segments between threads: from 4 ranks on, only in the full suite)
+@pytest.mark.parametrize("p", worlds(*range(1, 9), fast=3))
 @pytest.mark.parametrize("segment_bytes,window", [(4, 1), (8, 2), (12, 3), (4, 8), (1 << 20, 4)])
 def test_allreduce_ring_pipelined_segments(p, segment_bytes, window):
     from distcomm._algorithms.allreduce_ring_pipelined import allreduce_ring_pipelined
@@ -411,7 +424,7 @@ def test_allreduce_ring_pipelined_segments(p, segment_bytes, window):
     check_allreduce_fn(fn, p, 50, "uint8", RedOpType.PRODUCT, seed=2)
 
 
-@pytest.mark.parametrize("p", [2, 3, 5])
+@pytest.mark.parametrize("p", worlds(2, 3, 5))
 def test_allreduce_ring_pipelined_random_floats_bit_identical(p):
     """Segments change nothing about the order of reduction: the same bits as the plain ring."""
     from distcomm._algorithms.allreduce_ring_pipelined import allreduce_ring_pipelined
@@ -475,7 +488,7 @@ MISMATCH_CASES = [
 
 
 @pytest.mark.parametrize("op_name,algo", MISMATCH_CASES)
-@pytest.mark.parametrize("p", [2, 3, 5])
+@pytest.mark.parametrize("p", worlds(2, 3, 5))
 def test_count_mismatch_raises(op_name, algo, p):
     fn = select.choose(op_name, 0, p, algo=algo)
     reduce = R.reducer(RedOpType.SUM, from_name("float32"))
@@ -561,7 +574,7 @@ def test_select_unknown_names(monkeypatch):
         select.choose("allscatter", 8, 2)
 
 
-@pytest.mark.parametrize("p", [3, 4])
+@pytest.mark.parametrize("p", worlds(3, 4, fast=3))
 def test_large_data_movement(p):
     """1<<20 float32 elements through every non-all_reduce algorithm that is chosen for large sizes."""
     count = (1 << 20) // p

@@ -1,8 +1,13 @@
-"""python -m distcomm.launch, the legacy launcher, as the seed's "Launch utility" describes it."""
+"""python -m distcomm.launch, the legacy launcher, as the seed's "Launch utility" describes it.
+
+Tiers: one launch in the fast tier (``pytest -m "not slow"``), the ``--use-env`` launch slow.
+"""
 
 from __future__ import annotations
 
 import os
+
+import pytest
 
 from launcher_scripts.support import SCRIPTS, free_port, run_launcher
 
@@ -32,6 +37,7 @@ def test_passes_local_rank_argument(tmp_path):
     assert "--local_rank" in r.stderr  # the one-line note about the legacy convention
 
 
+@pytest.mark.slow
 def test_use_env_sets_only_the_variable(tmp_path):
     r = run_launcher(["--nproc_per_node", "2", "--master_port", "0", "--use_env", LEGACY_WORKER], tmp_path,
                      module="distcomm.launch")

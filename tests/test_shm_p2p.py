@@ -5,6 +5,9 @@ Sizes that go inline through a ring, that are read directly from the sender's me
 4 KiB rings); messages that arrive before their receive (unexpected), tags received out of order,
 the non-overtaking order of one tag, ANY_SOURCE, batch_isend_irecv, and a size
 mismatch reported as an error on the receiver.
+
+Tiers: the fast tier (``pytest -m "not slow"``) runs the default (inline and direct reads); the
+streaming through small rings is slow.
 """
 
 from __future__ import annotations
@@ -90,7 +93,7 @@ def p2p_body(rank, world):
 
 @pytest.mark.parametrize(
     "env",
-    [{}, {"DISTCOMM_SHM_DIRECT": "0", "DISTCOMM_SHM_RING_BYTES": "4096"}],
+    [{}, pytest.param({"DISTCOMM_SHM_DIRECT": "0", "DISTCOMM_SHM_RING_BYTES": "4096"}, marks=pytest.mark.slow)],
     ids=["direct-reads", "streaming-4k-rings"],
 )
 def test_point_to_point(env):

@@ -1,6 +1,12 @@
 """One conformance suite, run against every store kind (HashStore, FileStore, TCPStore master and
 client, and PrefixStore over each): torch.distributed.Store semantics, return values, errors and
-timeouts. The expected values were taken from torch 2.13's own stores (see test_store_torch_oracle)."""
+timeouts. The expected values were taken from torch 2.13's own stores (see test_store_torch_oracle).
+
+Tiers: the fast tier (``pytest -m "not slow"``) runs the suite on every store and on PrefixStore
+over a HashStore; PrefixStore over the others (the same prefixing, over stores the fast tier already
+covers) is slow, as is the wake-one wait (it sleeps to let two waiters block) except on HashStore
+and a TCPStore client.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +22,16 @@ from store_kinds import KINDS
 SHORT = timedelta(milliseconds=50)
 
 
-@pytest.fixture(params=sorted(KINDS))
+SLOW_KINDS = {"prefix-file", "prefix-tcp-master", "prefix-tcp-client"}
+
+
+def kinds(fast: set[str] | None = None) -> list:
+    """Every store kind as a parameter; those not in ``fast`` (default: all but SLOW_KINDS) marked slow."""
+    fast = set(KINDS) - SLOW_KINDS if fast is None else fast
+    return [k if k in fast else pytest.param(k, marks=pytest.mark.slow) for k in sorted(KINDS)]
+
+
+@pytest.fixture(params=kinds())
 def opened(request):
     opened = KINDS[request.param]()
     yield opened
@@ -423,6 +438,7 @@ def _first_to_finish(finished, limit=30.0):
     raise AssertionError("no waiter returned")
 
 
+@pytest.mark.parametrize("opened", kinds(fast={"hash", "tcp-client"}), indirect=True)
 def test_a_push_wakes_one_wait_on_the_queue(opened, store):
     """torch: "wait with queues will only wake one waiting worker rather than all"."""
     # on a HashStore, wait() blocks on the same object; everywhere else each waiter has its own handle

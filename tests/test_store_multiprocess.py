@@ -1,13 +1,20 @@
 """Stores across processes (tests/harness.py worlds, each with a hard deadline): an exact total from
 16 processes doing 1000 add() each on TCPStore and on FileStore, blocking get/wait/multi_get
 released by a set from another process, through the env:// rendezvous, and several processes
-popping one queue, blocking and not, with every pushed item popped exactly once."""
+popping one queue, blocking and not, with every pushed item popped exactly once.
+
+Tiers: the fast tier (``pytest -m "not slow"``) keeps the blocking calls released from another
+process; the 16 processes and the queue poppers are slow (test_store_conformance has both on
+threads, in the fast tier).
+"""
 
 from __future__ import annotations
 
 import os
 import time
 from datetime import timedelta
+
+import pytest
 
 from distcomm.errors import QueueEmptyError
 from distcomm.rendezvous import rendezvous
@@ -39,6 +46,7 @@ def _sixteen_adders(rank: int, world_size: int, file_path: str) -> tuple[int, in
     return tuple(totals)
 
 
+@pytest.mark.slow
 def test_sixteen_processes_add_an_exact_total(tmp_path):
     path = str(tmp_path / "filestore")
     results = run_world(_sixteen_adders, 16, args=(path,), timeout=120)
@@ -121,6 +129,7 @@ def _one_queue_many_poppers(rank: int, world_size: int, file_path: str) -> list[
     return popped
 
 
+@pytest.mark.slow
 def test_processes_popping_one_queue_get_every_item_exactly_once(tmp_path):
     results = run_world(_one_queue_many_poppers, 4, args=(str(tmp_path / "queue-file"),), timeout=120)
     for store_index in (0, 1):  # TCPStore, FileStore
