@@ -5,9 +5,8 @@ asserted is what a user relies on: a table per op, every row checked with 0 wron
 comparison and speedup columns with --compare torch, the plot and JSON files, and a world that
 fails or hangs being reported and killed instead of hanging the tool.
 
-Tiers: the fast tier (``pytest -m "not slow"``) runs the tool once (a world of two, numpy only) and
-the in-process tests of its plan and report; the run against torch, the failed and hung worlds and
-the signals to the tool are slow.
+Tiers: the runs of the tool and of its worlds are slow; the fast tier (``pytest -m "not slow"``)
+keeps the in-process tests of its options, plan, bus bandwidth and overview table.
 """
 
 from __future__ import annotations
@@ -46,6 +45,7 @@ def _wrong_columns(fields: list[str]) -> list[str]:
     return [fields[6]] if len(fields) == 7 else [fields[6], fields[10]]
 
 
+@pytest.mark.slow
 def test_world_of_two_prints_a_checked_table_per_op(tmp_path):
     out = tmp_path / "r.json"
     result = _bench(*TINY, "--budget", "0.01", "--sync-each", "--ops", "all", "--json", str(out))  # automatic counts

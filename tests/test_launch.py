@@ -1,6 +1,6 @@
 """python -m distcomm.launch, the legacy launcher, as the seed's "Launch utility" describes it.
 
-Tiers: one launch in the fast tier (``pytest -m "not slow"``), the ``--use-env`` launch slow.
+Tiers: the launches are slow; the fast tier (``pytest -m "not slow"``) keeps the option parsing.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ def _lines(stdout: str) -> dict[int, str]:
     return {int(line[len("[rank"):line.index("]")]): line for line in stdout.splitlines() if "local_rank_arg" in line}
 
 
+@pytest.mark.slow
 def test_passes_local_rank_argument(tmp_path):
     port = free_port()
     r = run_launcher(

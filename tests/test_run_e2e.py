@@ -1,8 +1,8 @@
 """End to end: a torchrun-style script (init_process_group("gloo"), then all_reduce) under
 distcomm-run, through a restart that must rendezvous afresh on the launcher's long-lived store.
 
-Tiers: the fast tier (``pytest -m "not slow"``) keeps the refused key file (the launcher stops before
-any worker); the launches are slow (test_run's fast tests launch workers).
+Tiers: slow (each test starts the launcher); test_run's fast tier launches workers, and the key file
+checks are in test_store_auth's.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import os
 import pytest
 
 from launcher_scripts.support import SCRIPTS, launcher_env, run_launcher
+
+pytestmark = pytest.mark.slow
 
 SCRIPT = os.path.join(SCRIPTS, "allreduce_worker.py")
 
@@ -28,12 +30,10 @@ def _run_with_one_restart(tmp_path, *script_args):
             assert f"[rank{rank}]: rank {rank}/2 restart {restart} sum [3.0, 3.0, 3.0, 3.0]" in r.stdout
 
 
-@pytest.mark.slow
 def test_store_built_from_the_env_contract(tmp_path):
     _run_with_one_restart(tmp_path, "--explicit-store")
 
 
-@pytest.mark.slow
 def test_init_process_group_with_no_arguments(tmp_path):
     _run_with_one_restart(tmp_path)
 
@@ -68,7 +68,6 @@ dist.destroy_process_group()
 '''
 
 
-@pytest.mark.slow
 def test_a_key_set_for_the_launcher_authenticates_the_whole_job(tmp_path):
     key = tmp_path / "job.key"
     key.write_text("a0b1c2d3e4f5a6b7c8d9e0f1a2b3c4d5\n")

@@ -13,11 +13,11 @@
 * A barrier through it holds every rank until the last arrives, shares rounds with all_reduces and
   with the general path's barrier, and a barrier met by another collective names both sides.
 
-Tiers: the result tables (every dtype and op, torch tensors: each rank imports torch), the declines
-(torch again) and the timeout (a rank sleeps it out) are slow. The fast tier (``pytest -m "not
-slow"``) keeps the mismatch and the mixed rounds here, and test_differential's fast world compares
-what this path gives with torch: its small synchronous all_reduces take it (test_shm_variants_ran
-checks that they did). The barrier tests are slow.
+Tiers: the fast tier (``pytest -m "not slow"``) keeps the mixed rounds here (both paths in one
+round), and test_differential's fast world compares what this path gives with torch: its small
+synchronous all_reduces take it (test_shm_variants_ran checks that they did). The rest is slow: the
+result tables (every dtype and op, torch tensors: each rank imports torch), the declines (torch
+again), the errors (the timeout makes a rank sleep it out) and the barriers.
 """
 
 from __future__ import annotations
@@ -217,6 +217,7 @@ def mismatch_body(rank, world):
     return message, "no error after"
 
 
+@pytest.mark.slow
 def test_latency_path_mismatch_names_the_peer_and_breaks_the_group():
     results = run_world(mismatch_body, 2, timeout=60)
     for rank, (message, after) in enumerate(results):

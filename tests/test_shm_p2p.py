@@ -6,8 +6,10 @@ Sizes that go inline through a ring, that are read directly from the sender's me
 the non-overtaking order of one tag, ANY_SOURCE, batch_isend_irecv, and a size
 mismatch reported as an error on the receiver.
 
-Tiers: the fast tier (``pytest -m "not slow"``) runs the default (inline and direct reads); the
-streaming through small rings is slow.
+Tiers: slow (a world of 3 per variant). In the fast tier (``pytest -m "not slow"``),
+test_differential's world of 2 runs point-to-point on the default engine (shared memory on one
+host) against torch: send/recv with tags and empty messages, any source, isend/irecv and
+batch_isend_irecv.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import numpy as np
 import pytest
 
 from harness import run_world
+
+pytestmark = pytest.mark.slow
 
 
 def _data(rank: int, n: int, salt: int = 0) -> np.ndarray:
@@ -93,7 +97,7 @@ def p2p_body(rank, world):
 
 @pytest.mark.parametrize(
     "env",
-    [{}, pytest.param({"DISTCOMM_SHM_DIRECT": "0", "DISTCOMM_SHM_RING_BYTES": "4096"}, marks=pytest.mark.slow)],
+    [{}, {"DISTCOMM_SHM_DIRECT": "0", "DISTCOMM_SHM_RING_BYTES": "4096"}],
     ids=["direct-reads", "streaming-4k-rings"],
 )
 def test_point_to_point(env):

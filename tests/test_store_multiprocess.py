@@ -3,9 +3,8 @@
 released by a set from another process, through the env:// rendezvous, and several processes
 popping one queue, blocking and not, with every pushed item popped exactly once.
 
-Tiers: the fast tier (``pytest -m "not slow"``) keeps the blocking calls released from another
-process; the 16 processes and the queue poppers are slow (test_store_conformance has both on
-threads, in the fast tier).
+Tiers: slow. The fast tier (``pytest -m "not slow"``) has the same calls on threads
+(test_store_conformance), and its multi-process tests rendezvous through TCPStore.
 """
 
 from __future__ import annotations
@@ -20,6 +19,8 @@ from distcomm.errors import QueueEmptyError
 from distcomm.rendezvous import rendezvous
 from distcomm.store import FileStore, TCPStore
 from harness import run_world
+
+pytestmark = pytest.mark.slow
 
 ADDS = 1000
 
@@ -46,7 +47,6 @@ def _sixteen_adders(rank: int, world_size: int, file_path: str) -> tuple[int, in
     return tuple(totals)
 
 
-@pytest.mark.slow
 def test_sixteen_processes_add_an_exact_total(tmp_path):
     path = str(tmp_path / "filestore")
     results = run_world(_sixteen_adders, 16, args=(path,), timeout=120)
@@ -129,7 +129,6 @@ def _one_queue_many_poppers(rank: int, world_size: int, file_path: str) -> list[
     return popped
 
 
-@pytest.mark.slow
 def test_processes_popping_one_queue_get_every_item_exactly_once(tmp_path):
     results = run_world(_one_queue_many_poppers, 4, args=(str(tmp_path / "queue-file"),), timeout=120)
     for store_index in (0, 1):  # TCPStore, FileStore

@@ -5,8 +5,9 @@ is left out here, with the reason: add() on a non-integer over TCP (torch's libu
 connection), a zero timeout (torch's HashStore waits forever, its TCPStore does not wait), and the
 text of error messages.
 
-Tiers: torch's FileStore runs and the wake-one waits (they sleep to let both waiters block) are
-slow; the fast tier (``pytest -m "not slow"``) keeps the other comparisons, HashStore and TCPStore.
+Tiers: torch's FileStore runs, the queues and barriers through PrefixStore and the wake-one waits
+(they sleep to let both waiters block) are slow; the fast tier (``pytest -m "not slow"``) keeps the
+other comparisons, on HashStore and TCPStore.
 """
 
 from __future__ import annotations
@@ -212,7 +213,7 @@ def _pairs(kind, tmp_path):
     return _pair(kind, tmp_path)
 
 
-@pytest.mark.parametrize("kind", ["hash", "tcp", "prefix-hash", "prefix-tcp"])
+@pytest.mark.parametrize("kind", ["hash", "tcp", pytest.param("prefix-hash", marks=pytest.mark.slow), pytest.param("prefix-tcp", marks=pytest.mark.slow)])
 def test_queues_like_torch(kind, tmp_path):
     mine, theirs = _pairs(kind, tmp_path)
     got, expected = outcomes(mine, QUEUE_SCRIPT), outcomes(theirs, QUEUE_SCRIPT)
@@ -220,7 +221,8 @@ def test_queues_like_torch(kind, tmp_path):
     assert expected[11:14] == ["QueueEmptyError", "QueueEmptyError", "RuntimeError"]  # the oracle did raise
 
 
-@pytest.mark.parametrize("kind", ["hash", "tcp", pytest.param("file", marks=pytest.mark.slow), "prefix-hash", "prefix-tcp"])
+@pytest.mark.parametrize("kind", ["hash", "tcp", pytest.param("file", marks=pytest.mark.slow), pytest.param("prefix-hash", marks=pytest.mark.slow),
+                                  pytest.param("prefix-tcp", marks=pytest.mark.slow)])
 def test_barrier_like_torch(kind, tmp_path):
     script = BARRIER_SCRIPT
     if kind.startswith("prefix-"):
