@@ -1,7 +1,7 @@
 # The two commands the README promises. Each installs what it needs first.
 PYTHON ?= python3
 
-.PHONY: demo test install bench bench-readme
+.PHONY: demo test test-fast install bench bench-readme
 
 install:
 	$(PYTHON) -m pip install -q -e '.[test]'
@@ -11,6 +11,11 @@ demo: install
 
 test: install
 	$(PYTHON) -m pytest -q tests
+
+# The fast tier: every test not marked slow (a representative case of every collective, engine and
+# feature), under a minute on 2 cores; `make test` runs the whole suite.
+test-fast: install
+	$(PYTHON) -m pytest -q -m "not slow" tests
 
 bench: install
 	$(PYTHON) -m distcomm.bench --compare torch

@@ -15,6 +15,10 @@
   hang, a killed peer making the others fail promptly with PeerLostError naming it, and, in the
   same world, a third-party engine, get_backend, overlapping groups used asynchronously at once, the
   seed's *_multigpu functions against numpy, and torch.profiler traces.
+
+Tiers: the bad-argument world (three processes importing torch, three runs of every call) and the
+scenario world (which waits out deliberate timeouts) are slow; the killed-peer world and the
+surface tests run in the fast tier too (``pytest -m "not slow"``).
 """
 
 from __future__ import annotations
@@ -100,6 +104,7 @@ def _case_names():
     return names
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("name", _case_names())
 def test_bad_arguments_like_torch(name, engine):
@@ -132,6 +137,7 @@ def test_bad_arguments_like_torch(name, engine):
     assert not problems, f"{name} on distcomm:{engine}:\n" + "\n".join(problems)
 
 
+@pytest.mark.slow
 def test_torch_side_stayed_in_step():
     """The oracle's own run is sound: every check collective after every call was right."""
     results = error_world()
@@ -272,6 +278,7 @@ def _outcome(rank, name):
     return scenario_world()[rank][name]
 
 
+@pytest.mark.slow
 def test_monitored_barrier_names_the_missing_rank():
     raised = _outcome(0, "monitored_barrier/one_missing")
     assert raised[0] == "raised" and "RuntimeError" in raised[1], raised
@@ -284,6 +291,7 @@ def test_monitored_barrier_names_the_missing_rank():
                                "for send/recv from rank 0. Please check rank 0 logs for faulty rank."), other[3]
 
 
+@pytest.mark.slow
 def test_monitored_barrier_wait_all_ranks_lists_every_missing_rank():
     raised = _outcome(0, "monitored_barrier/wait_all_ranks")
     assert raised[0] == "raised", raised
@@ -291,12 +299,14 @@ def test_monitored_barrier_wait_all_ranks_lists_every_missing_rank():
     assert f"Ranks {missing} failed to pass monitoredBarrier in 1500 ms" in raised[3], raised[3]
 
 
+@pytest.mark.slow
 def test_monitored_barrier_passes_when_everyone_arrives():
     for rank in range(WS):
         assert _outcome(rank, "monitored_barrier/all_arrive") == ("returned", "None")
         assert _outcome(rank, "monitored_barrier/float_timeout") == ("returned", "None")
 
 
+@pytest.mark.slow
 def test_timeout_names_op_seq_rank_and_peer():
     for rank in range(WS - 1):
         raised = _outcome(rank, "timeout/all_reduce")
@@ -307,6 +317,7 @@ def test_timeout_names_op_seq_rank_and_peer():
         assert _outcome(rank, "timeout/all_reduce_seconds") < 60  # the group's 1.5 s, not the world's 60 s
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("what", ["size", "op", "dtype", "collective"])
 def test_collective_mismatch_raises_and_does_not_hang(what, engine):
@@ -354,6 +365,7 @@ def test_killed_peer_all_reduce_fails_everywhere():
     assert all(results[r]["survivors_sum"] == sum(range(WS - 1)) for r in range(WS - 1))
 
 
+@pytest.mark.slow
 def test_third_party_engine_in_a_real_world():
     for rank in range(WS):
         r = _outcome(rank, "third_party")
@@ -363,18 +375,21 @@ def test_third_party_engine_in_a_real_world():
     assert info["sum"] == sum(range(1, WS + 1)) and info["sends"] > 0
 
 
+@pytest.mark.slow
 def test_overlapping_groups_async_interleaved():
     for rank in range(WS):
         r = scenario_world()[rank]["overlapping_groups"]
         assert r == "ok", r
 
 
+@pytest.mark.slow
 def test_multigpu_functions_against_numpy():
     for rank in range(WS):
         r = scenario_world()[rank]["multigpu"]
         assert r == "ok", r
 
 
+@pytest.mark.slow
 def test_what_distcomm_adds_to_gloo():
     """recv_object_list from any source, non-contiguous send/recv, p2p futures (see _extensions)."""
     for rank in range(WS):
@@ -382,6 +397,7 @@ def test_what_distcomm_adds_to_gloo():
         assert r == "ok", r
 
 
+@pytest.mark.slow
 def test_profiler_trace_shows_all_reduce():
     for rank in range(WS):
         names = scenario_world()[rank]["profiler_events"]

@@ -4,6 +4,9 @@ No timing asserts: the machine is shared and the numbers are noise at these size
 asserted is what a user relies on: a table per op, every row checked with 0 wrong elements, the
 comparison and speedup columns with --compare torch, the plot and JSON files, and a world that
 fails or hangs being reported and killed instead of hanging the tool.
+
+Tiers: the runs of the tool and of its worlds are slow; the fast tier (``pytest -m "not slow"``)
+keeps the in-process tests of its options, plan, bus bandwidth and overview table.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ def _wrong_columns(fields: list[str]) -> list[str]:
     return [fields[6]] if len(fields) == 7 else [fields[6], fields[10]]
 
 
+@pytest.mark.slow
 def test_world_of_two_prints_a_checked_table_per_op(tmp_path):
     out = tmp_path / "r.json"
     result = _bench(*TINY, "--budget", "0.01", "--sync-each", "--ops", "all", "--json", str(out))  # automatic counts
@@ -59,6 +63,7 @@ def test_world_of_two_prints_a_checked_table_per_op(tmp_path):
     assert all(collectives.MIN_ITERS <= r["iters"] <= collectives.MAX_ITERS and r["warmup"] >= 1 for r in rows_json)
 
 
+@pytest.mark.slow
 def test_compare_torch_prints_both_with_speedup_and_plots(tmp_path):
     pytest.importorskip("torch")
     png = tmp_path / "bench.png"
@@ -132,6 +137,7 @@ def _hang(rank, send):
     time.sleep(60)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target, expected", [(_fail_on_rank_one, "rank 1 failed: ValueError: rank one is broken"),
                                               (_hang, "no rank reported for 3 s")])
 def test_a_failed_or_hung_world_is_reported_and_killed(target, expected):
@@ -157,6 +163,7 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("signum", ["SIGTERM", "SIGKILL"])
 def test_killing_the_tool_kills_its_world(signum):

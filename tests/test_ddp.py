@@ -259,7 +259,8 @@ def _find_unused(rank, ws, results):
                              "buckets": len(ours.reducer.buckets)}
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+# the world of 3 only in the full suite (see training_helpers)
+@pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.slow)], ids=["world2", "world3"])
 def world(request):
     from training_helpers import shared_world
 
@@ -341,6 +342,7 @@ def test_unused_parameter_error_names_parameters_under_debug(world):
         assert f"Parameters which did not receive grad for rank {rank}: a.weight" in debug
 
 
+@pytest.mark.slow  # it reads the world of 3 (a subgroup of ranks 0 and 2), which only the full suite starts
 def test_ddp_on_a_subgroup():
     from training_helpers import shared_world
 

@@ -1,5 +1,6 @@
 """The main demo end to end: python -m distcomm.demo launches distcomm-run with 2 workers, every
-rank reports each epoch, rank 0 the accuracy. A short run (the full one is `make demo`)."""
+rank reports each epoch, rank 0 the accuracy. A short run (the full one is `make demo`), still
+slow: it trains a CNN on 2 processes that import torch."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 pytest.importorskip("torch")
 
 
+@pytest.mark.slow
 def test_demo_runs_under_distcomm_run():
     cmd = [sys.executable, "-m", "distcomm.demo", "--nproc", "2", "--epochs", "2", "--train-size", "1536",
            "--test-size", "256", "--lr", "0.1"]

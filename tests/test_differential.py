@@ -12,10 +12,15 @@ first differing element.
 World sizes 5 to 8 (oversubscribed on a small machine) run the shared-memory engines only, on a
 reduced set of cases (diff_cases.reduced_cases: rooted cases with the last rank as root,
 all_reduce's op table on four dtypes, no aliases), against torch as well; the "shm/direct" variant
-runs the all_reduce cases only (diff_cases.VARIANT_CASES). One spawn of 8 processes runs all
-seven worlds in turn (diff_cases.run_worlds), so torch is imported once per process.
+runs the all_reduce cases only (diff_cases.VARIANT_CASES). One spawn runs, in turn, every world the
+selected tests need, with only the engines they need (diff_cases.run_worlds): 8 processes and
+seven worlds for the whole module, so torch is imported once per process.
 test_shm_variants_ran checks, from counters kept in every rank, that each forced variant really
 ran the algorithms it names (the variables are read at init_process_group, per plan).
+
+The fast tier (``pytest -m "not slow"``) keeps world size 2 on the default engine and on "tcp"
+(FAST): every case, against torch, in one spawn of 2 processes. The other worlds and engine
+variants are marked slow.
 
 Where torch's gloo cannot run a case, distcomm is compared with a reference computed here from the
 same deterministic inputs (torch's elementwise operators, not distcomm's code):
@@ -37,7 +42,6 @@ Deliberate differences checked as distcomm's own semantics:
 
 from __future__ import annotations
 
-import functools
 import multiprocessing as mp
 import os
 import pickle
@@ -61,6 +65,10 @@ LARGE_WORLD_SIZES = [5, 6, 7, 8]  # reduced cases (diff_cases.reduced_cases), no
 LARGE_ENGINES = ["gloo", "shm", "shm/readv"]
 WORLD_TIMEOUT = 420  # seconds for one world (every plan); generous: shared machine
 TOTAL_TIMEOUT = 480  # seconds for all the worlds, one after the other in one spawn (about 2 min normally)
+# (world size, engine) pairs in the fast tier: the default engine (shared memory on one host) and
+# the tcp engine, every case. Starting the ranks and torch's own run are most of their cost, and a
+# third engine or world would add to it for little: every other pair is marked slow.
+FAST = {(2, "gloo"), (2, "tcp")}
 
 # (world size, engine, case) -> reason, for distcomm bugs owned by others (see the report);
 # strict, so a fix makes the test fail until the entry is removed.
@@ -95,23 +103,47 @@ def plan_port() -> int:
     return free_port()
 
 
-def world_results(ws: int):
+def tier(ws: int, engine: str | None = None) -> list:
+    """The marks of a test of world size ``ws`` on ``engine`` (None: of torch's run alone): slow
+    unless the pair is in FAST (torch's run: unless some engine of that world size is)."""
+    fast = any(w == ws and engine in (None, e) for w, e in FAST)
+    return [] if fast else [pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def results_by_world(request):
+    """{world size: per-rank results} for the worlds and engines this session's selected tests of
+    this module need, from one spawn; or the exception of the spawn.
+
+    Derived from the selection so that the fast tier (or a ``-k`` run) pays for its own worlds
+    only, not for all seven."""
+    wanted: dict[int, set[str]] = {}
+    for item in request.session.items:
+        params = item.callspec.params if item.module is request.module and hasattr(item, "callspec") else {}
+        if "ws" in params:
+            wanted.setdefault(params["ws"], set()).update([params["engine"]] if "engine" in params else [])
+    return all_world_results(wanted)
+
+
+def world_results(results_by_world, ws: int):
     """The per-rank results of the world of ``ws`` (a list by rank), or the exception of the run."""
-    results = all_world_results()
-    return results if isinstance(results, Exception) else results[ws]
+    return results_by_world if isinstance(results_by_world, Exception) else results_by_world[ws]
 
 
-@functools.lru_cache(maxsize=None)
-def all_world_results():
-    """{world size: per-rank results} for every world, or the exception of the spawn.
+def all_world_results(wanted: dict[int, set[str]]):
+    """{world size: per-rank results} for the worlds in ``wanted`` ({world size: engines}; torch's
+    run is always there), or the exception of the spawn.
 
-    One spawn of 8 processes runs the worlds one after the other (diff_cases.run_worlds), the ranks
-    above a world's size waiting: starting processes and importing torch is paid once, not once per
-    world (on 2 cores, 8 torch imports take longer than running a world)."""
-    nprocs = max(WORLD_SIZES + LARGE_WORLD_SIZES)
+    One spawn of as many processes as the largest world runs the worlds one after the other
+    (diff_cases.run_worlds), the ranks above a world's size waiting: starting processes and
+    importing torch is paid once, not once per world (on 2 cores, 8 torch imports take longer than
+    running a world)."""
+    nprocs = max(wanted)
     worlds = []
     for ws in WORLD_SIZES + LARGE_WORLD_SIZES:
-        engines = ENGINES if ws in WORLD_SIZES else LARGE_ENGINES
+        if ws not in wanted:
+            continue
+        engines = [e for e in (ENGINES if ws in WORLD_SIZES else LARGE_ENGINES) if e in wanted[ws]]
         plans = [("torch", "gloo", plan_port())] + [("distcomm", e, plan_port()) for e in engines]
         worlds.append((ws, plans, ws in LARGE_WORLD_SIZES))
     barrier = mp.get_context("spawn").Barrier(nprocs)
@@ -147,13 +179,13 @@ def _items():
                     continue
                 reason = next((r for n in names for r in (XFAIL.get((ws, engine, n)), XFAIL.get((None, engine, n)),
                                                           XFAIL.get((None, None, n))) if r), None)
-                marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+                marks = tier(ws, engine) + ([pytest.mark.xfail(strict=True, reason=reason)] if reason else [])
                 yield pytest.param(ws, engine, names, case, id=f"ws{ws}-{engine}-{case.name}", marks=marks)
 
 
 @pytest.mark.parametrize("ws,engine,names,case", list(_items()))
-def test_differential(ws, engine, names, case):
-    results = world_results(ws)
+def test_differential(results_by_world, ws, engine, names, case):
+    results = world_results(results_by_world, ws)
     if isinstance(results, Exception):
         raise AssertionError(f"the world of {ws} failed: {results}")
     problems = []
@@ -173,11 +205,11 @@ def test_differential(ws, engine, names, case):
     assert not problems, f"{case.name} at world size {ws} on distcomm:{engine}:\n" + "\n".join(problems)
 
 
-@pytest.mark.parametrize("ws", WORLD_SIZES + LARGE_WORLD_SIZES)
-def test_oracle_stayed_in_step(ws):
+@pytest.mark.parametrize("ws", [pytest.param(ws, marks=tier(ws)) for ws in WORLD_SIZES + LARGE_WORLD_SIZES])
+def test_oracle_stayed_in_step(results_by_world, ws):
     """torch's own run had no timeouts or lost connections: otherwise every case after the first
     would differ for a reason that is not distcomm's (this names the first)."""
-    results = world_results(ws)
+    results = world_results(results_by_world, ws)
     if isinstance(results, Exception):
         raise AssertionError(f"the world of {ws} failed: {results}")
     for rank in range(ws):
@@ -216,9 +248,10 @@ SHM_VARIANT_ALGOS: dict[str, tuple[set, set]] = {
 SHM_VARIANT_ALGOS["gloo"] = SHM_VARIANT_ALGOS["shm"]  # the default engine on one host
 
 
-@pytest.mark.parametrize("ws,engine", [(ws, e) for ws, engines, _, _ in _worlds() for e in engines])
-def test_shm_variants_ran(ws, engine):
-    results = world_results(ws)
+@pytest.mark.parametrize("ws,engine", [pytest.param(ws, e, marks=tier(ws, e)) for ws, engines, _, _ in _worlds()
+                                       for e in engines])
+def test_shm_variants_ran(results_by_world, ws, engine):
+    results = world_results(results_by_world, ws)
     if isinstance(results, Exception):
         raise AssertionError(f"the world of {ws} failed: {results}")
     for rank in range(ws):

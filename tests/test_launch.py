@@ -1,8 +1,13 @@
-"""python -m distcomm.launch, the legacy launcher, as the seed's "Launch utility" describes it."""
+"""python -m distcomm.launch, the legacy launcher, as the seed's "Launch utility" describes it.
+
+Tiers: the launches are slow; the fast tier (``pytest -m "not slow"``) keeps the option parsing.
+"""
 
 from __future__ import annotations
 
 import os
+
+import pytest
 
 from launcher_scripts.support import SCRIPTS, free_port, run_launcher
 
@@ -15,6 +20,7 @@ def _lines(stdout: str) -> dict[int, str]:
     return {int(line[len("[rank"):line.index("]")]): line for line in stdout.splitlines() if "local_rank_arg" in line}
 
 
+@pytest.mark.slow
 def test_passes_local_rank_argument(tmp_path):
     port = free_port()
     r = run_launcher(
@@ -35,6 +41,7 @@ def test_passes_local_rank_argument(tmp_path):
     assert "If your script expects `--local-rank` argument to be set" in r.stderr
 
 
+@pytest.mark.slow
 def test_use_env_sets_only_the_variable(tmp_path):
     r = run_launcher(["--nproc_per_node", "2", "--master_port", "0", "--use_env", LEGACY_WORKER], tmp_path,
                      module="distcomm.launch")

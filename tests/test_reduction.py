@@ -5,7 +5,8 @@
 * premultiply / finish against torch's mul / div;
 * bfloat16 rounding against torch's conversion on random bit patterns;
 * one real 2-process torch.distributed gloo all_reduce for bool, integer overflow, float16 and
-  bfloat16 semantics (tests/harness.py run_world).
+  bfloat16 semantics (tests/harness.py run_world), slow: both processes import torch (the fast
+  tier, ``pytest -m "not slow"``, meets gloo in test_differential's world of 2 instead).
 """
 
 from __future__ import annotations
@@ -315,6 +316,7 @@ def _gloo_rank(rank, world_size):
     return {k: (to_numpy(inputs[k], k[0]), to_numpy(cases[k], k[0])) for k in cases}
 
 
+@pytest.mark.slow
 def test_semantics_match_torch_gloo_all_reduce():
     """bool ops, integer wrap, float16/bfloat16 rounding and AVG against a real 2-process gloo world."""
     results = run_world(_gloo_rank, 2, timeout=120)

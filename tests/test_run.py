@@ -3,6 +3,10 @@
 The workers (launcher_scripts/worker.py) meet through the launcher-hosted store using only the
 environment contract, then fail as told. Every test that starts workers checks that none of them
 (nor the processes they started) is left behind.
+
+Tiers: every launcher run starts a few Python processes (seconds on 2 shared cores), so the fast
+tier (``pytest -m "not slow"``) keeps one, the environment contract, and the in-process tests of
+options, failure descriptions and output; the other runs are slow.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ def test_workers_meet_with_the_env_contract(tmp_path):
     assert_no_leftovers(tmp_path, 2)
 
 
+@pytest.mark.slow
 def test_console_script_with_underscored_options(tmp_path):
     exe = shutil.which("distcomm-run") or os.path.join(os.path.dirname(sys.executable), "distcomm-run")
     args = [exe, "--nproc_per_node", "2", "--master_port", "0", "--monitor_interval", "0.05",
@@ -74,6 +79,7 @@ def test_console_script_with_underscored_options(tmp_path):
     assert_no_leftovers(tmp_path, 2)
 
 
+@pytest.mark.slow
 def test_output_lines_never_interleave(tmp_path):
     # Each worker writes 400 long lines in 37-byte fragments; the console must show whole lines.
     r = run_launcher(["--standalone", "--nproc-per-node", "2", WORKER, "--no-meet", "--lines", "400"], tmp_path)
@@ -89,6 +95,7 @@ def test_output_lines_never_interleave(tmp_path):
     assert seen == {0: list(range(400)), 1: list(range(400))}
 
 
+@pytest.mark.slow
 def test_worker_exception_summary_and_cleanup(tmp_path):
     # Rank 1 raises; rank 0 (which started a grandchild process) would hang: it must be stopped.
     r = run_launcher(
@@ -109,6 +116,7 @@ def test_worker_exception_summary_and_cleanup(tmp_path):
     assert_no_leftovers(tmp_path, 4)  # 2 workers + 2 grandchildren
 
 
+@pytest.mark.slow
 def test_sigkilled_worker_and_sigterm_ignoring_peer(tmp_path):
     pids, shm = tmp_path / "pids", tmp_path / "shm"
     pids.mkdir()
@@ -129,6 +137,7 @@ def test_sigkilled_worker_and_sigterm_ignoring_peer(tmp_path):
     assert os.listdir(shm) == ["distcomm-otherrun-0-x"]  # the killed workers' segments were unlinked
 
 
+@pytest.mark.slow
 def test_restarts_use_a_fresh_round(tmp_path):
     # Rank 1 fails in rounds 0 and 1; round 2 succeeds. A worker seeing stale keys would raise.
     r = run_launcher(
@@ -146,6 +155,7 @@ def test_restarts_use_a_fresh_round(tmp_path):
     assert_no_leftovers(tmp_path, 6)
 
 
+@pytest.mark.slow
 def test_restarts_exhausted(tmp_path):
     r = run_launcher(
         ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
@@ -159,6 +169,7 @@ def test_restarts_exhausted(tmp_path):
     assert_no_leftovers(tmp_path, 4)
 
 
+@pytest.mark.slow
 def test_port_in_use_names_the_port_and_the_fix(tmp_path):
     with socket.socket() as busy:
         busy.bind(("0.0.0.0", 0))
@@ -187,6 +198,7 @@ def _two_nodes(tmp_path, worker_args, extra=()):
     return (node0.returncode, out0, err0), (node1.returncode, node1.stdout, node1.stderr)
 
 
+@pytest.mark.slow
 def test_two_launchers_form_one_job(tmp_path):
     (rc0, out0, err0), (rc1, out1, err1) = _two_nodes(tmp_path, [])
     assert rc0 == 0, err0
@@ -202,6 +214,7 @@ def test_two_launchers_form_one_job(tmp_path):
     assert_no_leftovers(tmp_path, 4)
 
 
+@pytest.mark.slow
 def test_failure_on_one_node_stops_both(tmp_path):
     (rc0, out0, err0), (rc1, out1, err1) = _two_nodes(
         tmp_path, ["--fail-rank", "3", "--others", "hang"], extra=["--shutdown-timeout", "5"]
@@ -214,6 +227,7 @@ def test_failure_on_one_node_stops_both(tmp_path):
     assert_no_leftovers(tmp_path, 4)
 
 
+@pytest.mark.slow
 def test_losing_node_rank_0_stops_the_other_node(tmp_path):
     # Node rank 0's launcher (the store's host) is SIGKILLed: its workers die with it, and node
     # rank 1's launcher notices the store is gone, stops its workers and exits non-zero.
@@ -236,6 +250,7 @@ def test_losing_node_rank_0_stops_the_other_node(tmp_path):
     assert_no_leftovers(tmp_path, 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_to_launcher_is_forwarded_and_cleanup_hooks_run(tmp_path, sig):
     pids, hook_log = tmp_path / "pids", tmp_path / "hooks.log"
@@ -265,6 +280,7 @@ def test_signal_to_launcher_is_forwarded_and_cleanup_hooks_run(tmp_path, sig):
     assert_no_leftovers(pids, 2)
 
 
+@pytest.mark.slow
 def test_sigkilled_launcher_leaves_no_orphans(tmp_path):
     launcher = start_launcher(
         ["--standalone", "--nproc-per-node", "2", WORKER, "--no-meet", "--fail-rank", "9", "--others", "hang"],
@@ -280,6 +296,7 @@ def test_sigkilled_launcher_leaves_no_orphans(tmp_path):
     assert_no_leftovers(tmp_path, 2)
 
 
+@pytest.mark.slow
 def test_redirects_tee_and_log_dir(tmp_path):
     logs, pids = tmp_path / "logs", tmp_path / "pids"
     pids.mkdir()
@@ -302,6 +319,7 @@ def test_redirects_tee_and_log_dir(tmp_path):
     assert "worker logs in" in r.stderr
 
 
+@pytest.mark.slow
 def test_module_mode_and_nproc_auto(tmp_path):
     r = run_launcher(["--standalone", "--nproc-per-node", "auto", "-m", "worker", "x", "--", "y"], tmp_path, cwd=SCRIPTS)
     assert r.returncode == 0, r.stderr
@@ -310,6 +328,7 @@ def test_module_mode_and_nproc_auto(tmp_path):
     assert found[0]["argv"] == ["x", "--", "y"]
 
 
+@pytest.mark.slow
 def test_no_python(tmp_path):
     script = os.path.join(SCRIPTS, "rank_echo.sh")
     r = run_launcher(["--standalone", "--nproc-per-node", "2", "--no-python", script, "hi"], tmp_path)
@@ -317,6 +336,7 @@ def test_no_python(tmp_path):
     assert "[rank1]: shell rank 1 of 2 local 1 args hi" in r.stdout
 
 
+@pytest.mark.slow
 def test_missing_program_is_a_worker_failure(tmp_path):
     r = run_launcher(["--standalone", "--no-python", str(tmp_path / "nope")], tmp_path)
     assert r.returncode == 1

@@ -1,5 +1,9 @@
 """End to end: a torchrun-style script (init_process_group("gloo"), then all_reduce) under
-distcomm-run, through a restart that must rendezvous afresh on the launcher's long-lived store."""
+distcomm-run, through a restart that must rendezvous afresh on the launcher's long-lived store.
+
+Tiers: slow (each test starts the launcher); test_run's fast tier launches workers, and the key file
+checks are in test_store_auth's.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,8 @@ import os
 import pytest
 
 from launcher_scripts.support import SCRIPTS, launcher_env, run_launcher
+
+pytestmark = pytest.mark.slow
 
 SCRIPT = os.path.join(SCRIPTS, "allreduce_worker.py")
 

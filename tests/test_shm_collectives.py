@@ -13,6 +13,11 @@ slot size with messages of a few MiB, and the generic algorithms over the shared
 (``DISTCOMM_SHM_COLLECTIVES=0``).
 
 Worlds are oversubscribed on this 2-core machine (up to 8 ranks): sizes stay small.
+
+Tiers: the fast tier (``pytest -m "not slow"``) runs every collective on "shm" at world sizes 2
+(slots only) and 3 (single-copy reads); the other worlds and engines, the all_to_all straddling the
+single-copy threshold, the multi-MiB messages and the torch tensors (each rank imports torch) are
+slow. The default engine meets torch in test_differential's fast world.
 """
 
 from __future__ import annotations
@@ -202,10 +207,11 @@ def world_body(rank, world, backend, salt):
     [
         ("shm", 2, SLOTS),
         ("shm", 3, READV),
-        ("shm", 8, SLOTS),
-        ("gloo", 4, READV),
-        (None, 3, {}),
-        ("shm", 4, {"DISTCOMM_SHM_COLLECTIVES": "0", "DISTCOMM_SHM_RING_BYTES": "4096"}),
+        pytest.param("shm", 8, SLOTS, marks=pytest.mark.slow),
+        pytest.param("gloo", 4, READV, marks=pytest.mark.slow),
+        pytest.param(None, 3, {}, marks=pytest.mark.slow),
+        pytest.param("shm", 4, {"DISTCOMM_SHM_COLLECTIVES": "0", "DISTCOMM_SHM_RING_BYTES": "4096"},
+                     marks=pytest.mark.slow),
     ],
     ids=["shm-2", "shm-3", "shm-8", "gloo-4", "default-slots-3", "shm-rings-only-4"],
 )
@@ -250,6 +256,7 @@ def large_body(rank, world):
     return "ok"
 
 
+@pytest.mark.slow
 def test_large_messages_default_slots():
     assert run_world(large_body, 2, timeout=120) == ["ok"] * 2
 
@@ -275,6 +282,7 @@ def torch_body(rank, world):
     return "ok"
 
 
+@pytest.mark.slow
 def test_torch_tensors_bfloat16_and_non_contiguous():
     assert run_world(torch_body, 2, env=CHUNKY, timeout=120) == ["ok"] * 2
 
@@ -305,6 +313,7 @@ def a2a_straddle_body(rank, world):
     return "ok"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_all_to_all_ranks_disagreeing_on_single_copy(world):
     env = {"DISTCOMM_SHM_THRESHOLD_READV_BYTES": "2048", "DISTCOMM_SHM_SLOT_BYTES": "4096"}

@@ -8,6 +8,11 @@
 * "shm" refuses ranks on different hosts with a message naming the alternatives.
 * Segments: none left in the segment directory after setup, after destroy, after an exception and
   after exiting without destroy (each test gets its own directory under /dev/shm).
+
+Tiers: the fast tier (``pytest -m "not slow"``) keeps the segment cleanup of a rank that exits
+without destroying its group and the default engine across two hosts (the only test of the hybrid
+transport); the rest is slow. (test_api_errors' killed-peer world, which is fast, kills a rank of
+the default engine, shared memory on one host.)
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ def dead_peer_body(rank, world):
     return "no error", ""
 
 
+@pytest.mark.slow
 def test_dead_peer_fails_fast_naming_it():
     world = 3
     results = run_world(dead_peer_body, world, expect_failure=[world - 1], timeout=90)
@@ -80,6 +86,7 @@ def closed_peer_body(rank, world):
     return "no error"
 
 
+@pytest.mark.slow
 def test_closed_peer_is_reported():
     kind, message = run_world(closed_peer_body, 2, timeout=60)[0]
     assert kind == "PeerLostError" and "rank 1 closed its transport" in message, message
@@ -114,6 +121,7 @@ def timeout_and_mismatch_body(rank, world):
     return out
 
 
+@pytest.mark.slow
 def test_timeout_and_mismatch_name_the_peer():
     results = run_world(timeout_and_mismatch_body, 2, timeout=90)
     for name in ("collective", "recv"):
@@ -136,6 +144,7 @@ def hosts_body(rank, world):
     return "no error"
 
 
+@pytest.mark.slow
 def test_shm_refuses_ranks_on_different_hosts():
     for message in run_world(hosts_body, 2, timeout=60):
         assert "needs every rank on one host" in message and "'gloo'" in message, message
@@ -161,7 +170,8 @@ def cleanup_body(rank, world, how):
     return seen  # "exit": leave without destroying anything
 
 
-@pytest.mark.parametrize("how", ["destroy", "exception", "exit"])
+@pytest.mark.parametrize("how", [pytest.param("destroy", marks=pytest.mark.slow),
+                                 pytest.param("exception", marks=pytest.mark.slow), "exit"])
 def test_no_segment_left_behind(seg_dir, how):
     world = 3
     results = run_world(cleanup_body, world, args=(how,), env={"DISTCOMM_SHM_DIR": seg_dir},
@@ -248,5 +258,6 @@ def group_churn_body(rank, world):
     return "ok"
 
 
+@pytest.mark.slow
 def test_destroying_a_group_frees_its_shared_memory():
     assert run_world(group_churn_body, 3, timeout=120) == ["ok"] * 3

@@ -12,6 +12,12 @@
   test_dead_peer_fails_fast_naming_it, whose all_reduce takes this path.)
 * A barrier through it holds every rank until the last arrives, shares rounds with all_reduces and
   with the general path's barrier, and a barrier met by another collective names both sides.
+
+Tiers: the fast tier (``pytest -m "not slow"``) keeps the mixed rounds here (both paths in one
+round), and test_differential's fast world compares what this path gives with torch: its small
+synchronous all_reduces take it (test_shm_variants_ran checks that they did). The rest is slow: the
+result tables (every dtype and op, torch tensors: each rank imports torch), the declines (torch
+again), the errors (the timeout makes a rank sleep it out) and the barriers.
 """
 
 from __future__ import annotations
@@ -142,6 +148,7 @@ def results_body(rank, world):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
 def test_latency_path_results_match_reference_and_general_path(world):
     run_world(results_body, world, timeout=150)
@@ -192,6 +199,7 @@ def declines_body(rank, world):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_latency_path_declines_what_it_does_not_handle():
     run_world(declines_body, 3, timeout=90)
 
@@ -217,6 +225,7 @@ def mismatch_body(rank, world):
     return message, "no error after"
 
 
+@pytest.mark.slow
 def test_latency_path_mismatch_names_the_peer_and_breaks_the_group():
     results = run_world(mismatch_body, 2, timeout=60)
     for rank, (message, after) in enumerate(results):
@@ -246,6 +255,7 @@ def timeout_body(rank, world):
     return "no error"
 
 
+@pytest.mark.slow
 def test_latency_path_timeout_names_the_missing_rank():
     results = run_world(timeout_body, 2, timeout=60)
     assert results[1] == "stayed away"
@@ -320,6 +330,7 @@ def barrier_body(rank, world):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_barrier_latency_path_holds_everyone_and_shares_rounds():
     run_world(barrier_body, 3, timeout=60)
 
@@ -342,6 +353,7 @@ def barrier_mismatch_body(rank, world):
     return "no error"
 
 
+@pytest.mark.slow
 def test_barrier_latency_path_mismatch_names_the_peer():
     results = run_world(barrier_mismatch_body, 2, timeout=60)
     assert "barrier #3" in results[0] and "rank 1" in results[0], results[0]

@@ -5,6 +5,11 @@ Sizes that go inline through a ring, that are read directly from the sender's me
 4 KiB rings); messages that arrive before their receive (unexpected), tags received out of order,
 the non-overtaking order of one tag, ANY_SOURCE, batch_isend_irecv, and a size
 mismatch reported as an error on the receiver.
+
+Tiers: slow (a world of 3 per variant). In the fast tier (``pytest -m "not slow"``),
+test_differential's world of 2 runs point-to-point on the default engine (shared memory on one
+host) against torch: send/recv with tags and empty messages, any source, isend/irecv and
+batch_isend_irecv.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import numpy as np
 import pytest
 
 from harness import run_world
+
+pytestmark = pytest.mark.slow
 
 
 def _data(rank: int, n: int, salt: int = 0) -> np.ndarray:

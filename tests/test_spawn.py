@@ -1,4 +1,8 @@
-"""distcomm.multiprocessing.spawn, called as torch.multiprocessing.spawn is."""
+"""distcomm.multiprocessing.spawn, called as torch.multiprocessing.spawn is.
+
+Tiers: each test spawns processes; the fast tier (``pytest -m "not slow"``) keeps a successful
+spawn, the rest is slow.
+"""
 
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ def test_runs_fn_with_index_and_args(tmp_path):
     assert len({c[1] for c in contents.values()}) == 3  # three processes
 
 
+@pytest.mark.slow
 def test_child_exception_is_reraised_with_index_and_traceback(tmp_path):
     with pytest.raises(mp.ProcessRaisedException) as info:
         mp.spawn(spawn_fns.fail, args=("raise", 1, str(tmp_path)), nprocs=3)
@@ -35,6 +40,7 @@ def test_child_exception_is_reraised_with_index_and_traceback(tmp_path):
     assert_no_leftovers(tmp_path, 2)  # the other children were stopped
 
 
+@pytest.mark.slow
 def test_exit_code_and_signal(tmp_path):
     with pytest.raises(mp.ProcessExitedException) as info:
         mp.spawn(spawn_fns.fail, args=("exit", 0, str(tmp_path)), nprocs=2)
@@ -47,6 +53,7 @@ def test_exit_code_and_signal(tmp_path):
     assert_no_leftovers(tmp_path, 2)
 
 
+@pytest.mark.slow
 def test_join_false_returns_a_context():
     ctx = mp.spawn(spawn_fns.sleep_then_return, args=(0.5,), nprocs=2, join=False)
     assert isinstance(ctx, mp.ProcessContext)
@@ -66,6 +73,7 @@ def test_exceptions_pickle():
     assert isinstance(r, mp.ProcessException) and (r.error_index, r.error_pid) == (1, 5)
 
 
+@pytest.mark.slow
 def test_usable_without_torch_and_reexports_multiprocessing(tmp_path):
     code = (
         "import sys; sys.modules['torch'] = None\n"  # any import of torch would fail

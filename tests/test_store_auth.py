@@ -4,7 +4,8 @@ messages that say what to do; a key-holding server parses nothing from a connect
 authenticated (checked on its handlers, without a loop) and keeps serving the others; key files
 that others can read are refused; and a 2-process job initialises through env:// with a key.
 
-The exact bytes of the handshake are in test_store_protocol.py.
+The exact bytes of the handshake are in test_store_protocol.py. The 2-process job is slow; the fast
+tier (``pytest -m "not slow"``) keeps the rest.
 """
 
 from __future__ import annotations
@@ -384,6 +385,7 @@ def _gather_objects(rank: int, world_size: int) -> list:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_processes_init_process_group_and_all_gather_object_with_a_key(key_file, no_key_env):
     results = run_world(_gather_objects, 2, env={"DISTCOMM_AUTH_KEY_FILE": key_file}, timeout=120)
     expected = [{"rank": 0, "payload": ("", 0)}, {"rank": 1, "payload": ("x", 1)}]

@@ -1,6 +1,13 @@
 """One conformance suite, run against every store kind (HashStore, FileStore, TCPStore master and
 client, and PrefixStore over each): torch.distributed.Store semantics, return values, errors and
-timeouts. The expected values were taken from torch 2.13's own stores (see test_store_torch_oracle)."""
+timeouts. The expected values were taken from torch 2.13's own stores (see test_store_torch_oracle).
+
+Tiers: the fast tier (``pytest -m "not slow"``) runs the suite on a HashStore, a FileStore, a
+TCPStore client over TCP and a PrefixStore over a HashStore. The other kinds are slow: the master's
+own connection and a same-host client (the same protocol over the server's Unix socket), which the
+fast tier's multi-process tests use to rendezvous, and the same prefixing over the other stores; so
+is the wake-one wait (it sleeps to let two waiters block) except on the TCP client.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +23,16 @@ from store_kinds import KINDS
 SHORT = timedelta(milliseconds=50)
 
 
-@pytest.fixture(params=sorted(KINDS))
+SLOW_KINDS = {"tcp-master", "tcp-client", "prefix-file", "prefix-tcp-master", "prefix-tcp-client"}
+
+
+def kinds(fast: set[str] | None = None) -> list:
+    """Every store kind as a parameter; those not in ``fast`` (default: all but SLOW_KINDS) marked slow."""
+    fast = set(KINDS) - SLOW_KINDS if fast is None else fast
+    return [k if k in fast else pytest.param(k, marks=pytest.mark.slow) for k in sorted(KINDS)]
+
+
+@pytest.fixture(params=kinds())
 def opened(request):
     opened = KINDS[request.param]()
     yield opened
@@ -423,6 +439,7 @@ def _first_to_finish(finished, limit=30.0):
     raise AssertionError("no waiter returned")
 
 
+@pytest.mark.parametrize("opened", kinds(fast={"tcp-client-over-tcp"}), indirect=True)
 def test_a_push_wakes_one_wait_on_the_queue(opened, store):
     """torch: "wait with queues will only wake one waiting worker rather than all"."""
     # on a HashStore, wait() blocks on the same object; everywhere else each waiter has its own handle

@@ -1,7 +1,11 @@
 """Stores across processes (tests/harness.py worlds, each with a hard deadline): an exact total from
 16 processes doing 1000 add() each on TCPStore and on FileStore, blocking get/wait/multi_get
 released by a set from another process, through the env:// rendezvous, and several processes
-popping one queue, blocking and not, with every pushed item popped exactly once."""
+popping one queue, blocking and not, with every pushed item popped exactly once.
+
+Tiers: slow. The fast tier (``pytest -m "not slow"``) has the same calls on threads
+(test_store_conformance), and its multi-process tests rendezvous through TCPStore.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +13,14 @@ import os
 import time
 from datetime import timedelta
 
+import pytest
+
 from distcomm.errors import QueueEmptyError
 from distcomm.rendezvous import rendezvous
 from distcomm.store import FileStore, TCPStore
 from harness import run_world
+
+pytestmark = pytest.mark.slow
 
 ADDS = 1000
 

@@ -2,7 +2,11 @@
 late answers, lost connections, port conflicts, and the file-descriptor limit.
 
 Every bad-input case checks two things: the offending connection is closed, and a client that was
-connected before keeps being served (and a new one can still connect)."""
+connected before keeps being served (and a new one can still connect).
+
+Tiers: the cases that wait on the server's timers or open hundreds of connections are slow; the
+fast tier (``pytest -m "not slow"``) keeps the others.
+"""
 
 from __future__ import annotations
 
@@ -144,6 +148,7 @@ def test_a_frame_over_the_server_maximum(server, good_client):
     _still_served(server, good_client)
 
 
+@pytest.mark.slow
 def test_a_connection_that_never_sends(server, good_client):
     sock = _raw(server)
     assert _closed_by_server(sock, within=IDLE + 5)
@@ -151,6 +156,7 @@ def test_a_connection_that_never_sends(server, good_client):
     assert server.stats["idle_closed"] >= 1
 
 
+@pytest.mark.slow
 def test_a_client_sending_one_byte_at_a_time_is_closed(server, good_client):
     sock = _raw(server)
     closed = threading.Event()
@@ -176,6 +182,7 @@ def test_a_client_sending_one_byte_at_a_time_is_closed(server, good_client):
     _still_served(server, good_client)
 
 
+@pytest.mark.slow
 def test_idle_between_frames_is_not_closed(server):
     client = TCPStore("127.0.0.1", server.port)
     client.set("k", "v")
@@ -197,6 +204,7 @@ def test_a_client_closing_while_parked(server, good_client):
 # -- many clients -----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_thousand_concurrent_clients(server):
     count = 1000
     socks = []
@@ -264,6 +272,7 @@ def test_lost_server_raises_network_error(server):
         store.set("k", "v")
 
 
+@pytest.mark.slow
 def test_client_retries_until_the_server_comes_up():
     port = free_port()
     servers = []
@@ -387,6 +396,7 @@ _EMFILE_SERVER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_running_out_of_file_descriptors_is_reported():
     proc = subprocess.Popen([sys.executable, "-c", _EMFILE_SERVER], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)

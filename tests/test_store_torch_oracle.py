@@ -4,6 +4,10 @@ Where torch's stores disagree with each other, distcomm follows the documented r
 is left out here, with the reason: add() on a non-integer over TCP (torch's libuv server drops the
 connection), a zero timeout (torch's HashStore waits forever, its TCPStore does not wait), and the
 text of error messages.
+
+Tiers: torch's FileStore runs, the queues and barriers through PrefixStore and the wake-one waits
+(they sleep to let both waiters block) are slow; the fast tier (``pytest -m "not slow"``) keeps the
+other comparisons, on HashStore and TCPStore.
 """
 
 from __future__ import annotations
@@ -90,7 +94,7 @@ def _pair(kind, tmp_path):
             torch_dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=10)))
 
 
-@pytest.mark.parametrize("kind", ["hash", "file", "tcp"])
+@pytest.mark.parametrize("kind", ["hash", pytest.param("file", marks=pytest.mark.slow), "tcp"])
 def test_same_results_as_torch(kind, tmp_path):
     mine, theirs = _pair(kind, tmp_path)
     assert run(mine, SCRIPT) == run(theirs, SCRIPT)
@@ -209,7 +213,7 @@ def _pairs(kind, tmp_path):
     return _pair(kind, tmp_path)
 
 
-@pytest.mark.parametrize("kind", ["hash", "tcp", "prefix-hash", "prefix-tcp"])
+@pytest.mark.parametrize("kind", ["hash", "tcp", pytest.param("prefix-hash", marks=pytest.mark.slow), pytest.param("prefix-tcp", marks=pytest.mark.slow)])
 def test_queues_like_torch(kind, tmp_path):
     mine, theirs = _pairs(kind, tmp_path)
     got, expected = outcomes(mine, QUEUE_SCRIPT), outcomes(theirs, QUEUE_SCRIPT)
@@ -217,7 +221,8 @@ def test_queues_like_torch(kind, tmp_path):
     assert expected[11:14] == ["QueueEmptyError", "QueueEmptyError", "RuntimeError"]  # the oracle did raise
 
 
-@pytest.mark.parametrize("kind", ["hash", "tcp", "file", "prefix-hash", "prefix-tcp"])
+@pytest.mark.parametrize("kind", ["hash", "tcp", pytest.param("file", marks=pytest.mark.slow), pytest.param("prefix-hash", marks=pytest.mark.slow),
+                                  pytest.param("prefix-tcp", marks=pytest.mark.slow)])
 def test_barrier_like_torch(kind, tmp_path):
     script = BARRIER_SCRIPT
     if kind.startswith("prefix-"):
@@ -324,6 +329,7 @@ def _one_push_wakes(store, clones) -> tuple[int, bool]:
     return woken_by_one, both
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["tcp", "hash"])
 def test_a_push_wakes_one_wait_like_torch(kind, tmp_path):
     mine, theirs = _pair(kind, tmp_path)

@@ -1,4 +1,8 @@
-"""InprocTransport: the Transport contract (matching, checks, copies, deadlines, loss) on threads."""
+"""InprocTransport: the Transport contract (matching, checks, copies, deadlines, loss) on threads.
+
+The thread-safety stress (6 ranks, 200 messages to every peer) is slow; the rest is in the fast tier
+(``pytest -m "not slow"``).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,8 @@ import pytest
 
 from distcomm.errors import CollectiveMismatchError, DistTimeoutError, PeerLostError
 from distcomm.transport.base import ANY_SOURCE, Channel, MessageKey, TransportError
-from distcomm.transport.inproc import InprocTransport, run_threads
+from distcomm.transport.inproc import InprocTransport
+from inproc_threads import run_threads
 
 K = MessageKey(group=0, kind=0, seq=0)
 K2 = MessageKey(group=0, kind=0, seq=1)
@@ -283,6 +288,7 @@ def test_run_threads_reports_failures_and_hangs():
         run_threads(2, hang, timeout=0.2)
 
 
+@pytest.mark.slow
 def test_many_threads_hammering_one_world():
     """Thread safety: 6 ranks, each sending 200 messages to every other rank, any order of arrival."""
     n, rounds = 6, 200

@@ -8,6 +8,10 @@ distcomm's TCPStore, and a rank that dies.
 No timing assertions (the machine is shared). "Fails promptly" is checked structurally: the wait
 gets a deadline longer than the harness's, so a failure found by waiting out the deadline would be
 a killed world, not the asserted error.
+
+Tiers: the multi-process tests are slow; the fast tier (``pytest -m "not slow"``) keeps the
+in-process ones. The tcp engine between processes runs there too, in test_differential's fast
+world and in test_api_errors' killed-peer world.
 """
 
 from __future__ import annotations
@@ -487,6 +491,7 @@ def pingpong_body(rank, world):
     return "ok"
 
 
+@pytest.mark.slow
 def test_pingpong_and_simultaneous_64mib_between_processes():
     assert run_world(pingpong_body, 2, timeout=120) == ["ok", "ok"]
 
@@ -522,6 +527,7 @@ def all_pairs_body(rank, world):
     return "ok"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [3, 4])
 def test_all_pairs_between_processes(world):
     assert run_world(all_pairs_body, world, timeout=120) == ["ok"] * world
@@ -560,6 +566,7 @@ def dead_peer_body(rank, world):
     return "lost" if out[0] == other + 10 else f"bad data {out}"
 
 
+@pytest.mark.slow
 def test_killed_peer_fails_pending_requests_promptly():
     results = run_world(dead_peer_body, 3, timeout=60, expect_failure=[1])
     assert results[0] == "lost" and results[2] == "lost", results

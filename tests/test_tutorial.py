@@ -5,6 +5,9 @@ differing only in the line that imports ``dist`` (checked here). ``run_all.py <f
 every program of one framework in one process (torch imported once; the programs fork their
 ranks), and the test compares each program's lines — sorted, since ranks print in any order —
 between the two. The SGD program's losses are compared within float rounding; the others exactly.
+
+The runs are slow (both drivers import torch and fork up to 4 ranks per program); the fast tier
+(``pytest -m "not slow"``) keeps the check of the import lines.
 """
 
 from __future__ import annotations
@@ -101,6 +104,7 @@ EXPECTED = {  # what torch's versions print (sorted), spelled out so the oracle 
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("program", [p for p in PROGRAMS if p != "sgd"])
 def test_prints_what_torch_prints(program):
     theirs = _lines("torch", program)
@@ -121,6 +125,7 @@ def _losses(framework: str) -> dict[tuple[int, int], float]:
     return losses
 
 
+@pytest.mark.slow
 def test_distributed_sgd_same_losses():
     theirs, ours = _losses("torch"), _losses("distcomm")
     assert sorted(theirs) == [(r, e) for r in range(2) for e in range(10)]

@@ -114,7 +114,8 @@ def world_checks(rank, ws, dc, tdist):
     return results
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+# the world of 3 only in the full suite (see training_helpers)
+@pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.slow)], ids=["world2", "world3"])
 def world(request):
     from training_helpers import shared_world
 

@@ -3,6 +3,9 @@ and torch.distributed side by side in the same processes, so one spawn pays for 
 
 Each rank initializes distcomm's default group from the harness's env:// variables and torch's
 gloo group on a second port given by the test; the functions below compare the two.
+
+The world of 2 runs in the fast tier (``pytest -m "not slow"``): every training module's checks
+against torch, in one spawn. The world of 3 (uneven shards, a rank in the middle) is marked slow.
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ def _build(name: str, rank: int, batch: int):
 
     if name == "demo-cnn":
         from ..demo import make_net
-        from ..utils.digits import make_digits
+        from ..demo.digits import make_digits
 
         images, labels = make_digits(batch, seed=100 + rank)
         return make_net, torch.from_numpy(images), torch.from_numpy(labels), F.nll_loss

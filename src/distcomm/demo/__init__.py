@@ -5,7 +5,7 @@
 of "Writing Distributed Applications with PyTorch" with ``import distcomm as dist`` in place of
 ``import torch.distributed as dist``:
 
-- the dataset (16x16 digits made on the spot by ``distcomm.utils.digits``; no download) is split
+- the dataset (16x16 digits made on the spot by ``distcomm.demo.digits``; no download) is split
   with the tutorial's DataPartitioner, one partition per rank, batch size 128 / world size;
 - every step, ``average_gradients(model)`` all_reduces each gradient and divides by the world
   size (``--ddp``: DistributedDataParallel does it instead, bucketed and overlapped);
@@ -70,7 +70,7 @@ def make_net():
 def digits_dataset(n: int, seed: int):
     import torch
 
-    from .utils.digits import make_digits
+    from .digits import make_digits
 
     images, labels = make_digits(n, seed)
     return torch.utils.data.TensorDataset(torch.from_numpy(images), torch.from_numpy(labels))
@@ -80,7 +80,7 @@ def partition_dataset(dist, train_size: int):
     """The tutorial's partition_dataset: one DataPartitioner partition per rank, batch 128/size."""
     import torch
 
-    from .utils.data import DataPartitioner
+    from ..utils.data import DataPartitioner
 
     dataset = digits_dataset(train_size, seed=1)
     size = dist.get_world_size()
@@ -101,7 +101,7 @@ def evaluate(dist, model, test_size: int) -> float:
     """Accuracy on the held-out digits: each rank scores its share, the counts are summed."""
     import torch
 
-    from .utils.data import DistributedSampler
+    from ..utils.data import DistributedSampler
 
     test = digits_dataset(test_size, seed=2)
     loader = torch.utils.data.DataLoader(test, batch_size=256, sampler=DistributedSampler(test, shuffle=False))
@@ -225,7 +225,3 @@ def main(argv: list[str] | None = None) -> int:
         print("the demo trains a torch model: install torch first (pip install -e '.[torch]')", file=sys.stderr)
         return 1
     return launch(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """Measure the TCP transport alone: ping-pong latency and bandwidth between two processes.
 
-    python -m distcomm.transport._pingpong [--iters 2000] [--big-iters 10]
+    python -m distcomm.bench pingpong [--iters 2000] [--big-iters 10]
 
 Why a script and not a test: timings on a shared 2-core machine are noise-prone, so they are
 reported, never asserted. Prints the median and best round trip for 8 B (and for an 8 B exchange, both ranks sending at
@@ -20,14 +20,14 @@ import time
 
 import numpy as np
 
-from .base import MessageKey
+from ..transport.base import MessageKey
 
 KEY = MessageKey(0, 0, 0)
 
 
 def _transport_rank(rank: int, port: int, iters: int, big_iters: int, q) -> None:
     from ..store import TCPStore
-    from .tcp import TcpTransport
+    from ..transport.tcp import TcpTransport
 
     store = TCPStore("127.0.0.1", port, 2, rank == 0)
     t = TcpTransport.connect(store, rank, 2, 30.0)
@@ -115,7 +115,7 @@ def _run(target, args) -> dict:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m distcomm.bench pingpong", description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--big-iters", type=int, default=10)
     a = ap.parse_args(argv)
