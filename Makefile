@@ -6,7 +6,8 @@ PYTHON ?= python3
 install:
 	$(PYTHON) -m pip install -q -e '.[test]'
 
-demo: install
+demo:
+	$(PYTHON) -m pip install -q -e '.[demo]'
 	$(PYTHON) -m distcomm.demo
 
 test: install
