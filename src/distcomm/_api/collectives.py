@@ -52,10 +52,10 @@ def all_reduce(tensor, op=RedOpType.SUM, group=None, async_op: bool = False):
     pg = args.resolve_group(group, "all_reduce")
     if pg is None:
         return None
+    if not async_op and pg.fast_all_reduce(tensor, op):
+        return None  # the engine's fast path did the whole call (it declines sparse tensors)
     if is_sparse(tensor):
         return _all_reduce_sparse(pg, tensor, op, async_op)
-    if not async_op and pg.fast_all_reduce(tensor, op):
-        return None  # the engine's fast path did the whole call
     buf = args.tensor(tensor, "all_reduce", writes=True)
     op = _check_op(op, buf.dtype, "all_reduce")
     return pg.allreduce(buf, op, async_op, [tensor])

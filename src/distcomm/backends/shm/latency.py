@@ -9,7 +9,7 @@ time (docs/performance-notes.md). This path skips everything but the round.
 
 It runs the very round of the general path: ``allreduce_direct.one_round`` (every rank copies its
 data into its slot, posts, waits for every post, reduces all p copies in rank order into its
-buffer and consumes the round) and ``barrier_slots.one_round`` (the same without data), over
+buffer and consumes the round) and the three steps of ``barrier_slots.one_round`` (the same without data), over
 GroupShm's round API; the Channel they would need to sleep is made only then
 (``ProcessGroup.channel``). What does not change from call to call is looked up once, when the
 group's shared memory exists: the executor, the reducer and message signature of each (op, dtype).
@@ -47,7 +47,7 @@ from ...signatures import signature
 from ...transport.base import TransportError
 from ...types import RedOpType
 from ..engine import FastPath
-from . import allreduce_direct, barrier_slots, observe
+from . import allreduce_direct, observe
 
 _ndarray = np.ndarray
 
@@ -84,7 +84,8 @@ def build(pg, ctx, limit: int) -> FastPath:
     enter, leave = executor.enter_inline, executor.leave_inline
     next_seq = pg.next_seq
     size = ctx.size
-    all_reduce_round, barrier_round = allreduce_direct.one_round, barrier_slots.one_round
+    all_reduce_round = allreduce_direct.one_round
+    open_round, exchange, consume = ctx.open_round, ctx.exchange, ctx.consume
     all_reduce_channel, barrier_channel = partial(pg.channel, "all_reduce"), partial(pg.channel, "barrier")
     plans: dict = {}  # (op, numpy dtype) -> (signature, reduce_all, DType), once checked
     barrier_sig = signature("barrier")
@@ -161,7 +162,10 @@ def build(pg, ctx, limit: int) -> FastPath:
         seq = next_seq()
         try:
             observe.current is None or observe.current("latency_barrier")
-            barrier_round(ctx, seq, barrier_sig, barrier_channel)
+            # barrier_slots.one_round's three steps, without its frame: a barrier is nothing else
+            k = open_round(seq, barrier_sig, barrier_channel)
+            exchange(k, seq, barrier_sig, 0, barrier_channel)
+            consume(k)
         except BaseException as exc:
             fail(exc, "barrier", seq, barrier_sig)
         finally:
