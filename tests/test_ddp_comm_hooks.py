@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 
+pytestmark = pytest.mark.slow  # worlds of 2 that import torch and train under both DDPs
+
 pytest.importorskip("torch")
 
 from test_ddp import _data, _model, _train  # noqa: E402  the same model, data and SGD as test_ddp

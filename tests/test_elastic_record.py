@@ -80,6 +80,7 @@ WORKER = textwrap.dedent(
 
 @pytest.mark.parametrize("module", ["distcomm.elastic.multiprocessing.errors",
                                     "torch.distributed.elastic.multiprocessing.errors"])
+@pytest.mark.slow
 def test_launcher_summary_uses_the_error_file(module, tmp_path):
     if module.startswith("torch"):
         pytest.importorskip(module)

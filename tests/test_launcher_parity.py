@@ -84,6 +84,7 @@ def torch_available():
     pytest.importorskip("torch.distributed.run")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_console_and_files_match_torchrun(case, tmp_path, torch_available):
     script = _printer(tmp_path)
@@ -98,6 +99,7 @@ def test_console_and_files_match_torchrun(case, tmp_path, torch_available):
     assert seen["distcomm.run"] == seen["torch.distributed.run"]
 
 
+@pytest.mark.slow
 def test_prefix_template_from_torch_variable_and_option(tmp_path, torch_available):
     script = _printer(tmp_path)
     template = "<${role_name}|${rank}|${local_rank}|${unknown}> "
@@ -120,6 +122,7 @@ def test_rank_prefix_is_opt_in(tmp_path):
     assert "[rank0]: err 0 0" in tagged.stderr.splitlines()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("use_env", [[], ["--use-env"], ["--use_env"]])
 def test_legacy_launch_matches_torch(use_env, tmp_path, torch_available):
     args = ["--nproc-per-node", "2", "--master-port", "0", *use_env, LEGACY_WORKER, "x"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import collections
+import functools
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "src" / "distcomm"
@@ -37,6 +38,7 @@ def modules() -> dict[str, Path]:
     return found
 
 
+@functools.lru_cache(maxsize=None)
 def import_graph() -> dict[str, set[str]]:
     mods = modules()
     graph: dict[str, set[str]] = collections.defaultdict(set)

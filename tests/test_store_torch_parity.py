@@ -126,6 +126,7 @@ def test_prefix_store_over_none_raises_like_torch():
 # -- 6, 7: tcp:// rendezvous -----------------------------------------------------------------------
 
 
+@pytest.mark.slow  # waits out a timeout
 def test_tcp_rendezvous_to_a_host_that_does_not_resolve_raises_like_torch():
     from torch.distributed import rendezvous as torch_rendezvous
 
@@ -155,6 +156,7 @@ def test_rank_in_the_url_and_the_arguments_raises_like_torch():
         rendezvous(url, rank=0, world_size=2)
 
 
+@pytest.mark.slow  # waits out a timeout
 def test_connect_timeout_raises_like_torch():
     port = free_port()
     theirs = outcome(lambda: torch_dist.TCPStore("127.0.0.1", port, None, False, timedelta(milliseconds=300)))
@@ -262,6 +264,7 @@ def _timeouts(module, kind, tmp_path):
     return {name: outcome(call) for name, call in calls.items()}
 
 
+@pytest.mark.slow  # waits out a timeout
 @pytest.mark.parametrize("kind", ["tcp", "hash", "file", "prefix-tcp"])
 def test_timeouts_raise_like_torch(kind, tmp_path):
     theirs, mine = _timeouts(torch_dist, kind, tmp_path), _timeouts(ours, kind, tmp_path)
@@ -269,6 +272,7 @@ def test_timeouts_raise_like_torch(kind, tmp_path):
         assert_like(theirs[name], mine[name])
 
 
+@pytest.mark.slow  # waits out a timeout
 def test_waiting_for_workers_times_out_like_torch():
     theirs = outcome(lambda: torch_dist.TCPStore("127.0.0.1", 0, 3, True, timedelta(milliseconds=500)))
     mine = outcome(lambda: ours.TCPStore("127.0.0.1", 0, 3, True, timedelta(milliseconds=500)))

@@ -188,6 +188,7 @@ def _vs_gloo(rank, world):
     return True
 
 
+@pytest.mark.slow  # worlds importing torch twice (gloo and distcomm groups)
 @pytest.mark.parametrize("world", [2, 3])
 def test_collectives_match_gloo(world):
     assert run_world(_vs_gloo, world, timeout=120) == [True] * world
@@ -267,6 +268,7 @@ def _ddp(rank, world, mode):
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["default", "unused", "no_sync", "hook", "zero"])
 def test_ddp_matches_single_process(mode):
     assert run_world(_ddp, 2, args=(mode,), timeout=120) == [True, True]
@@ -294,6 +296,7 @@ def _ddp_peer_killed(rank, world):
     return "no error"
 
 
+@pytest.mark.slow
 def test_ddp_peer_killed_in_backward_raises_naming_the_rank():
     results = run_world(_ddp_peer_killed, 3, timeout=90, expect_failure=[1])
     for rank in (0, 2):
@@ -320,6 +323,7 @@ def _resize_after_collective(rank, world):
     return True
 
 
+@pytest.mark.slow
 def test_storage_stays_resizable_after_collectives():
     assert run_world(_resize_after_collective, 2, timeout=60) == [True, True]
 
@@ -362,6 +366,7 @@ def _fsdp2_and_checkpoint(rank, world, ckpt_dir):
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_fsdp2_fully_shard_and_checkpoint(world, tmp_path):
     assert run_world(_fsdp2_and_checkpoint, world, args=(str(tmp_path / "ckpt"),), timeout=150) == [True] * world
@@ -390,6 +395,7 @@ def _dtensor(rank, world):
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_dtensor_sharded_matmul(world):
     assert run_world(_dtensor, world, timeout=120) == [True] * world
@@ -424,6 +430,7 @@ def _autoload_env(tmp_path, **extra):
     return env
 
 
+@pytest.mark.slow
 def test_autoload_registers_distcomm_lazily(tmp_path):
     env = _autoload_env(tmp_path)
     out = subprocess.run([sys.executable, "-c", _AUTOLOAD_PROGRAM], env=env, capture_output=True, text=True,
@@ -432,6 +439,7 @@ def test_autoload_registers_distcomm_lazily(tmp_path):
     assert out.stdout.split() == ["True", "True"]  # registered at import torch, distcomm not imported
 
 
+@pytest.mark.slow
 def test_autoload_off_with_torch_device_backend_autoload_0(tmp_path):
     env = _autoload_env(tmp_path, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
     out = subprocess.run([sys.executable, "-c", _AUTOLOAD_PROGRAM], env=env, capture_output=True, text=True,
@@ -440,6 +448,7 @@ def test_autoload_off_with_torch_device_backend_autoload_0(tmp_path):
     assert out.stdout.split() == ["False", "True"]
 
 
+@pytest.mark.slow
 def test_autoload_hook_is_cheap():
     """The hook's own cost at import torch: importing it and registering (budget: 10 ms)."""
     code = textwrap.dedent("""

@@ -60,6 +60,7 @@ ERROR_PHRASES = {
 }
 
 
+@pytest.mark.slow  # worlds importing torch; the fast tier compares with torch in test_differential
 @pytest.mark.parametrize("ws", WORLD_SIZES)
 @pytest.mark.parametrize("name", CASES)
 def test_like_torch_gloo(name, ws):
@@ -78,6 +79,7 @@ def test_like_torch_gloo(name, ws):
         assert diff is None, f"rank {rank}: {diff}"
 
 
+@pytest.mark.slow
 def test_coalesced_warn_as_torch():
     out = _world(2)[0]["distcomm"]
     for name in ["all_reduce_coalesced/sync", "all_gather_coalesced/async"]:
@@ -85,11 +87,13 @@ def test_coalesced_warn_as_torch():
         assert text.startswith(f"`torch.distributed.{name.split('/')[0]}` will be deprecated"), text
 
 
+@pytest.mark.slow
 def test_async_coalesced_returns_a_future():
     for rank, out in enumerate(_world(3)):
         assert out["distcomm"]["all_reduce_coalesced/async"][1][0] == "Future", out["distcomm"]
 
 
+@pytest.mark.slow
 def test_errors_name_the_operation_and_rank():
     for rank, out in enumerate(_world(3)):
         for name in ["sparse/max", "all_to_all_single/noncontiguous_input"]:
@@ -98,6 +102,7 @@ def test_errors_name_the_operation_and_rank():
             assert f"rank {rank}" in raised[3] and name.split("/")[0].replace("sparse", "all_reduce") in raised[3]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ws", WORLD_SIZES)
 def test_profiler_events_are_backend_op_and_fast_path_hides_none(ws):
     for rank, out in enumerate(_world(ws)):
