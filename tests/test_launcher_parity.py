@@ -20,11 +20,13 @@ LEGACY_WORKER = os.path.join(SCRIPTS, "legacy_worker.py")
 # A worker that needs neither distcomm nor torch, so both launchers run the very same program.
 PRINTER = textwrap.dedent(
     """
-    import os, sys
+    import os
     r, lr = os.environ["RANK"], os.environ["LOCAL_RANK"]
+    # one write() per line: torchrun's workers share its stdout, and a line written in pieces
+    # (print under PYTHONUNBUFFERED writes the text and the newline apart) can mix with another's
     for i in range(3):
-        print(f"out {r} {lr} line {i}", flush=True)
-    print(f"err {r} {lr}", file=sys.stderr, flush=True)
+        os.write(1, f"out {r} {lr} line {i}\\n".encode())
+    os.write(2, f"err {r} {lr}\\n".encode())
     """
 )
 

@@ -82,6 +82,9 @@ def init_segment(buf: np.ndarray, gid: int, size: int, slot_bytes: int, nslots: 
     words[_H_MAGIC] = MAGIC
 
 
+ROUND_STEPS = ("open_round", "publish", "check_posts", "exchange", "consume")  # see _build_round_steps
+
+
 class GroupShm:
     """This rank's view of one group's segments (its own and every member's): the round API.
 
@@ -228,6 +231,7 @@ class GroupShm:
 
         self.open_round, self.publish, self.check_posts = open_round, publish, check_posts
         self.exchange, self.consume = exchange, consume
+        assert tuple(name for name in ROUND_STEPS if name in self.__dict__) == ROUND_STEPS
 
     # -- rounds -------------------------------------------------------------------------------
     def next_round(self) -> int:
@@ -472,5 +476,9 @@ class GroupShm:
     def close(self) -> None:
         """Unlink our segment (if still named) and let go of every member's mapping."""
         self.broken = self.broken or "the transport was closed"
+        # The round steps are closures over this object: without them it is freed (and its views
+        # of the mappings with it) as soon as the last caller lets go, not at the next gc pass.
+        for step in ROUND_STEPS:
+            self.__dict__.pop(step, None)
         for seg in self.segments:
             seg.close()
