@@ -260,7 +260,7 @@ def _find_unused(rank, ws, results):
 
 
 # the world of 3 only in the full suite (see training_helpers)
-@pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.slow)], ids=["world2", "world3"])
+@pytest.fixture(scope="module", params=[pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)], ids=["world2", "world3"])
 def world(request):
     from training_helpers import shared_world
 
