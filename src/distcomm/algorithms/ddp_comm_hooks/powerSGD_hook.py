@@ -171,12 +171,21 @@ def _should_compress(n: int, m: int, rank: int, min_rate: float) -> tuple[bool, 
 _completed = default_hooks.completed_future
 
 
+def _averaging_until_start(state: PowerSGDState, bucket):
+    """(group, buffer, None) once PowerSGD has started; before that, plain averaging of the bucket:
+    (group, buffer, its future)."""
+    group, buffer = default_hooks.group_or_world(state.process_group), bucket.buffer()
+    if state.iter < state.start_powerSGD_iter:
+        state.maybe_increase_iter(bucket)
+        return group, buffer, default_hooks.allreduce_fut(group, buffer)
+    return group, buffer, None
+
+
 def powerSGD_hook(state: PowerSGDState, bucket):
     """Rank-``matrix_approximation_rank`` PowerSGD of each gradient matrix of the bucket."""
-    group, buffer = default_hooks.group_or_world(state.process_group), bucket.buffer()
-    if state.iter < state.start_powerSGD_iter:  # plain averaging until PowerSGD starts
-        state.maybe_increase_iter(bucket)
-        return default_hooks.allreduce_fut(group, buffer)
+    group, buffer, averaged = _averaging_until_start(state, bucket)
+    if averaged is not None:
+        return averaged
     world_size = group.size()
 
     index = bucket.index()
@@ -265,10 +274,9 @@ def powerSGD_hook(state: PowerSGDState, bucket):
 
 def batched_powerSGD_hook(state: PowerSGDState, bucket):
     """PowerSGD of the whole bucket as one zero-padded square matrix (one P and one Q per bucket)."""
-    group, buffer = default_hooks.group_or_world(state.process_group), bucket.buffer()
-    if state.iter < state.start_powerSGD_iter:  # plain averaging until PowerSGD starts
-        state.maybe_increase_iter(bucket)
-        return default_hooks.allreduce_fut(group, buffer)
+    group, buffer, averaged = _averaging_until_start(state, bucket)
+    if averaged is not None:
+        return averaged
     world_size = group.size()
 
     length = buffer.shape[0]
