@@ -98,6 +98,11 @@ class HybridTransport(Transport):
         self._stash = Matcher(rank, size)  # only under _stash_lock
         self._stash_lock = threading.Lock()
 
+    @property
+    def local_ranks(self) -> list[int]:
+        """The ranks on this host (this one included): what goes over shared memory."""
+        return sorted(self._local)
+
     def _route(self, peer: int) -> Transport:
         return self.shm if (self.shm is not None and peer in self._local) else self.tcp
 

@@ -29,7 +29,7 @@ import time
 from datetime import timedelta
 
 from ..errors import DistNetworkError
-from . import framing
+from . import framing, interfaces
 
 _WILDCARD = {"", "0.0.0.0", "::", "*"}
 SOCKET_BUFFER = 4 << 20  # see tune_socket
@@ -61,7 +61,8 @@ def _store_host(store) -> str | None:
 
 
 def listen_host(store, host: str | None = None) -> str:
-    """The local address to listen on: ``host`` if given, else the one that routes to the store.
+    """The local address to listen on: ``host`` if given, else that of the interface named by
+    ``DISTCOMM_SOCKET_IFNAME`` (interfaces.py), else the one that routes to the store.
 
     "Routes to" is asked of the kernel (a UDP socket connected to the store's host, which sends
     nothing): on one machine that is 127.0.0.1, across machines the interface facing the master.
@@ -70,6 +71,12 @@ def listen_host(store, host: str | None = None) -> str:
     """
     if host:
         return host
+    routed = _routed_host(store)
+    return interfaces.selected(routed) or routed
+
+
+def _routed_host(store) -> str:
+    """The local address the kernel would use to reach the store's host."""
     target = _store_host(store) or os.environ.get("MASTER_ADDR") or socket.gethostname()
     try:
         family, _, _, _, addr = socket.getaddrinfo(target, 1, type=socket.SOCK_DGRAM)[0]
@@ -97,7 +104,10 @@ def connect_mesh(store, rank: int, size: int, timeout: float, host: str | None =
     deadline = time.monotonic() + timeout
     if size == 1:
         return {}
-    bind_host = listen_host(store, host)
+    try:
+        bind_host = listen_host(store, host)
+    except DistNetworkError as exc:
+        raise DistNetworkError(f"rank {rank} cannot choose where to listen for its TCP peers: {exc}") from None
     # asked for the wildcard: listen everywhere, but publish an address peers can reach
     publish_host = bind_host if bind_host not in _WILDCARD else listen_host(store)
     family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET

@@ -174,10 +174,15 @@ class _Incoming:
 
 
 class _Peer:
-    __slots__ = ("rank", "sock", "fd", "sendq", "stage", "sview", "lo", "hi", "cur", "lost", "goodbye", "out")
+    __slots__ = ("rank", "sock", "fd", "where", "sendq", "stage", "sview", "lo", "hi", "cur", "lost", "goodbye",
+                 "out")
 
     def __init__(self, rank: int, sock: socket.socket):
         self.rank, self.sock, self.fd = rank, sock, sock.fileno()
+        try:  # the peer's host, for errors: which machine went away
+            self.where = f" at {sock.getpeername()[0]}" if sock.family in (socket.AF_INET, socket.AF_INET6) else ""
+        except OSError:
+            self.where = ""
         self.sendq: deque[TcpRequest] = deque()
         self.stage = bytearray(_STAGE)
         self.sview = memoryview(self.stage)
@@ -240,6 +245,16 @@ class TcpTransport(Transport):
 
     def __repr__(self) -> str:
         return f"TcpTransport(rank={self.rank}, size={self.size}{', closed' if self._closed else ''})"
+
+    def connections(self) -> dict[int, tuple[tuple, tuple]]:
+        """``{peer: (local address, peer's address)}`` of each live connection (socket names, e.g.
+        ``("10.0.0.1", 40123)``): which interface the mesh really runs over (tests, debugging)."""
+        out = {}
+        with self._lock:
+            for p in self._peers:
+                if p is not None and p.lost is None and not self._closed:
+                    out[p.rank] = (p.sock.getsockname(), p.sock.getpeername())
+        return out
 
     # -- posting ---------------------------------------------------------------------------------
     def _peer(self, q: int, what: str) -> _Peer:
@@ -693,8 +708,8 @@ class TcpTransport(Transport):
             return
         if why is None:
             why = (f"rank {p.rank} closed its connection to rank {self.rank} (it closed its transport)" if p.goodbye
-                   else f"lost the connection to rank {p.rank} (its process exited or crashed, or the network "
-                        "failed)")
+                   else f"lost the connection to rank {p.rank}{p.where} (its process exited or crashed, or the "
+                        "network failed)")
         err = p.lost = TransportError(why, peer=p.rank, reason="lost")
         for poller in (self._fg, self._bg):
             try:
