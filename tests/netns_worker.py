@@ -1,0 +1,115 @@
+"""The worker tests/test_multihost_netns.py runs with distcomm-run on each namespaced host.
+
+    python netns_worker.py describe <out_dir>
+    python netns_worker.py diff <out_dir> <oracle_port> <case,case,...>
+    python netns_worker.py loop <out_dir>
+    python netns_worker.py bench <out_dir> <backend> <nbytes,nbytes,...> <iterations>
+
+describe: init the default engine and write what it is made of (``describe<rank>.json``: hostname,
+engine and transport classes, the ranks it reaches over shared memory, its TCP connections), after
+one all_reduce whose result is checked.
+diff: describe, then the differential cases (tests/diff_cases.py) on torch's gloo (with its own
+TCPStore at MASTER_ADDR:<oracle_port>, since torch cannot talk to distcomm-run's store) and on
+distcomm's default engine; both results go to ``diff<rank>.pkl`` for the test to compare.
+loop: all_reduce until something fails (a host is killed); ``ready<rank>`` marks the first one done.
+bench: the median seconds of all_reduce per size on ``backend`` (float32 SUM); rank 0 writes
+``bench.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import socket
+import sys
+import time
+from datetime import timedelta
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+TIMEOUT = timedelta(seconds=60)
+
+
+def describe(dist, out: str) -> dict:
+    pg = dist.group.WORLD
+    rank, size = dist.get_rank(), dist.get_world_size()
+    t = np.full(4, rank + 1, dtype=np.float32)
+    dist.all_reduce(t)
+    assert t.tolist() == [size * (size + 1) / 2] * 4, t
+    transport = pg.transport
+    info = {
+        "rank": rank,
+        "hostname": socket.gethostname(),
+        "engine": type(pg.engine).__name__,
+        "transport": type(transport).__name__,
+        "local_ranks": getattr(transport, "local_ranks", None),
+        "shm": type(getattr(transport, "shm", None)).__name__,
+        "tcp": type(getattr(transport, "tcp", None)).__name__,
+        "connections": {str(q): list(map(list, c)) for q, c in transport.tcp.connections().items()}
+        if hasattr(transport, "tcp") else {},
+    }
+    with open(os.path.join(out, f"describe{rank}.json"), "w") as f:
+        json.dump(info, f)
+    return info
+
+
+def main() -> None:
+    mode, out = sys.argv[1], sys.argv[2]
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if mode == "diff":
+        import diff_cases as dc
+
+        port, only = sys.argv[3], sys.argv[4].split(",")
+        saved = {k: os.environ.get(k) for k in ("MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")}
+        os.environ["MASTER_PORT"] = port
+        os.environ.pop("TORCHELASTIC_USE_AGENT_STORE")  # torch's rank 0 hosts its own store
+        expected = dc.run_cases(rank, size, "torch", "gloo", only, numpy=False)
+        for k, v in saved.items():
+            os.environ[k] = v
+    import distcomm as dist
+
+    dist.init_process_group(timeout=TIMEOUT)
+    if mode == "describe":
+        describe(dist, out)
+    elif mode == "diff":
+        describe(dist, out)
+        dist.destroy_process_group()
+        got = dc.run_cases(rank, size, "distcomm", "gloo", only, numpy=False)
+        with open(os.path.join(out, f"diff{rank}.pkl"), "wb") as f:
+            pickle.dump({"torch": expected, "distcomm": got}, f)
+        return
+    elif mode == "loop":
+        t = np.ones(1 << 16, dtype=np.float32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        open(os.path.join(out, f"ready{rank}"), "w").close()
+        while True:  # until a peer is lost: the error propagates, the worker exits non-zero
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    elif mode == "bench":
+        backend, sizes, iters = sys.argv[3], [int(s) for s in sys.argv[4].split(",")], int(sys.argv[5])
+        group = dist.new_group(backend=backend) if backend != "gloo" else None
+        results = {}
+        for nbytes in sizes:
+            t = np.ones(nbytes // 4, dtype=np.float32)
+            times = []
+            for i in range(iters + 2):  # two warm-ups
+                dist.barrier(group=group)
+                t0 = time.perf_counter()
+                dist.all_reduce(t, group=group)
+                times.append(time.perf_counter() - t0)
+            results[nbytes] = float(np.median(times[2:]))
+        worst = {}  # a collective takes as long as its slowest rank: the largest median
+        for nbytes, med in results.items():
+            m = np.array([med])
+            dist.all_reduce(m, op=dist.ReduceOp.MAX)
+            worst[nbytes] = float(m[0])
+        if rank == 0:
+            with open(os.path.join(out, f"bench-{backend}.json"), "w") as f:
+                json.dump(worst, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""Multi-host for real: two or three hosts on this machine as Linux namespaces (tests/netns.py).
+
+Each host has its own network namespace (its veth address on a bridge), UTS namespace (hostname
+``dchost<k>``) and mount namespace (its own /dev/shm tmpfs), and runs one ``distcomm-run --nnodes N
+--node-rank k --nproc-per-node 2`` whose workers are tests/netns_worker.py. DISTCOMM_HOST_ID is not
+set: the hosts differ to transport/hostid.py because what it reads differs (hostname, /dev/shm's
+device, mount namespace; the boot id is the same, it is one kernel).
+
+* every case of tests/diff_cases.py (every collective, p2p, object collectives, groups) matches
+  torch's gloo run on the same hosts, and the default engine really is shared memory inside a host
+  and TCP between hosts (the workers describe their engine through its public attributes);
+* a host whose processes are all SIGKILLed makes the others fail promptly, naming the lost rank
+  and its address, and nothing is left behind: no process, no /dev/shm segment on any host;
+* DISTCOMM_SOCKET_IFNAME=eth1 moves the TCP mesh to the hosts' second network while the job store
+  stays on the first (tests/test_socket_ifname.py has the selection rule itself).
+
+Needs root (namespaces, veths, mounts): skipped otherwise, with the reason. Marked slow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import sys
+import time
+
+import pytest
+
+import netns
+
+REASON = netns.unavailable()
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=f"multi-host tests: {REASON}")]
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SRC = os.path.join(os.path.dirname(HERE), "src")
+WORKER = os.path.join(HERE, "netns_worker.py")
+PORT = 29500  # every host has its own network namespace: no other job can hold these ports
+ORACLE_PORT = 29600
+DEADLINE = 90.0  # seconds for one job, start to finish; everything is killed past it
+
+
+def _cases() -> list[str]:
+    """Every case of diff_cases at world size 4 (about 275, a second or two per framework: starting
+    the workers and importing torch is most of the test's time)."""
+    import diff_cases as dc
+
+    return [case.name for case in dc.cases(4)]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DISTCOMM_", "PET_", "TORCHELASTIC_"))
+           and k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(PYTHONPATH=os.pathsep.join([SRC, HERE]), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="eth0",
+               PYTHONDONTWRITEBYTECODE="1", **extra)
+    return env
+
+
+class Job:
+    """One distcomm-run per host, output to files under ``out``."""
+
+    def __init__(self, net: netns.Network, out, mode: str, args=(), nproc: int = 2, env=None):
+        self.net, self.out = net, str(out)
+        self.launchers = []
+        self.logs = []
+        n = len(net.hosts)
+        for host in net.hosts:
+            log = open(os.path.join(self.out, f"launcher{host.index}.log"), "w")
+            self.logs.append(log.name)
+            argv = [sys.executable, "-m", "distcomm.run", "--nnodes", str(n), "--node-rank", str(host.index),
+                    "--nproc-per-node", str(nproc), "--master-addr", net.hosts[0].address(0),
+                    "--master-port", str(PORT), "--shutdown-timeout", "5", WORKER, mode, self.out, *args]
+            self.launchers.append(host.popen(argv, env=env or _env(), stdout=log, stderr=log, cwd=self.out))
+            log.close()
+
+    def output(self, k: int) -> str:
+        with open(self.logs[k]) as f:
+            return f.read()
+
+    def outputs(self) -> str:
+        return "\n".join(f"--- launcher of {h.hostname}:\n{self.output(h.index)[-4000:]}" for h in self.net.hosts)
+
+    def wait(self, launchers=None, deadline: float = DEADLINE) -> list[int]:
+        """Exit codes of ``launchers`` (all by default); past the deadline the hosts are killed and
+        the test fails with every launcher's output."""
+        end = time.monotonic() + deadline
+        procs = [self.launchers[k] for k in (range(len(self.launchers)) if launchers is None else launchers)]
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > end:
+                for host in self.net.hosts:
+                    host.kill_all()
+                pytest.fail(f"the job did not finish within {deadline:.0f} s\n{self.outputs()}")
+            time.sleep(0.05)
+        return [p.returncode for p in procs]
+
+    def describe(self, ranks) -> dict[int, dict]:
+        out = {}
+        for r in ranks:
+            with open(os.path.join(self.out, f"describe{r}.json")) as f:
+                out[r] = json.load(f)
+        return out
+
+
+@pytest.fixture
+def hosts():
+    made = []
+
+    def make(n: int, subnets: int = 1) -> netns.Network:
+        net = netns.Network(n, subnets)
+        made.append(net)
+        return net
+
+    try:
+        yield make
+    finally:
+        for net in made:
+            net.close()
+
+
+def assert_nothing_left(net: netns.Network, job: Job) -> None:
+    for host in net.hosts:
+        deadline = time.monotonic() + 10
+        while host.processes() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not host.processes(), f"processes left on {host.hostname}: {host.processes()}\n{job.outputs()}"
+        assert host.shm_entries() == [], f"left in {host.hostname}'s /dev/shm: {host.shm_entries()}"
+
+
+def assert_hybrid(info: dict[int, dict], hosts: list, nproc: int, subnet: int = 0) -> None:
+    """Each rank runs the default engine as shared memory among its host's ranks and TCP to the
+    other hosts' ranks, over ``subnet``'s addresses."""
+    for r, d in info.items():
+        host = hosts[r // nproc]
+        local = list(range(host.index * nproc, host.index * nproc + nproc))
+        assert d["hostname"] == host.hostname, d
+        assert (d["engine"], d["transport"], d["shm"], d["tcp"]) == (
+            "HybridEngine", "HybridTransport", "ShmTransport", "TcpTransport"), d
+        assert d["local_ranks"] == local, f"rank {r}: shared memory with {d['local_ranks']}, expected {local}"
+        for q, (mine, theirs) in d["connections"].items():
+            q = int(q)
+            if q in local:
+                continue  # connected, but the hybrid transport sends to local peers by shared memory
+            assert mine[0] == host.address(subnet) and theirs[0] == hosts[q // nproc].address(subnet), (
+                f"rank {r} reaches rank {q} from {mine} to {theirs}, expected subnet {netns.SUBNETS[subnet]}")
+        remote = {int(q) for q in d["connections"]} - set(local)
+        assert remote == set(range(len(info))) - set(local), d["connections"]
+
+
+def test_every_collective_matches_torch_across_two_hosts(hosts, tmp_path):
+    from test_differential import compare
+    import diff_cases as dc
+
+    net = hosts(2)
+    names = _cases()
+    job = Job(net, tmp_path, "diff", [str(ORACLE_PORT), ",".join(names)])
+    assert job.wait() == [0, 0], job.outputs()
+    assert_hybrid(job.describe(range(4)), net.hosts, 2)
+    by_name = {c.name: c for c in dc.cases(4)}
+    problems = []
+    for rank in range(4):
+        with open(tmp_path / f"diff{rank}.pkl", "rb") as f:
+            got = pickle.load(f)
+        for name in names:
+            problem = compare(by_name[name], 4, rank, got["torch"][name], got["distcomm"][name])
+            if problem:
+                problems.append(f"{name}, rank {rank}: {problem}")
+    assert not problems, f"{len(problems)} differences from torch's gloo:\n" + "\n".join(problems[:20])
+    assert_nothing_left(net, job)
+
+
+def test_a_killed_host_fails_the_others_promptly(hosts, tmp_path):
+    from distcomm._launcher.coordination import EXIT_BARRIER_TIMEOUT
+
+    net = hosts(3)
+    job = Job(net, tmp_path, "loop")
+    deadline = time.monotonic() + DEADLINE
+    while not all((tmp_path / f"ready{r}").exists() for r in range(6)):
+        if time.monotonic() > deadline or any(p.poll() is not None for p in job.launchers):
+            pytest.fail(f"the workers did not all start\n{job.outputs()}")
+        time.sleep(0.05)
+    killed = time.monotonic()
+    net.hosts[2].kill_all()  # launcher and workers: the host is gone
+    # node 1's launcher stops its workers and leaves; node 0's hosts the job store and waits (its
+    # exit barrier) for the dead host's launcher to leave, so its workers are what must go promptly
+    assert job.wait([1]) == [1], job.outputs()
+    node1 = time.monotonic() - killed
+    while net.hosts[0].processes() != [job.launchers[0].pid] and time.monotonic() - killed < 30:
+        time.sleep(0.05)
+    node0 = time.monotonic() - killed
+    # the job's timeout is 60 s (netns_worker.TIMEOUT): failing within 15 s is not waiting it out
+    assert node1 < 15 and node0 < 15, f"{node1:.1f} s, {node0:.1f} s after the kill\n{job.outputs()}"
+    text = job.output(0) + job.output(1)
+    lost = net.hosts[2].address(0)
+    assert "PeerLostError" in text and any(f"lost the connection to rank {r} at {lost}" in text for r in (4, 5)), \
+        job.outputs()
+    assert job.wait([0], EXIT_BARRIER_TIMEOUT + 15) == [1], job.outputs()
+    assert_nothing_left(net, job)
+
+
+def test_socket_ifname_moves_the_mesh_to_the_named_interface(hosts, tmp_path):
+    net = hosts(2, subnets=2)
+    # the job store is on eth0 (--master-addr), the workers' TCP mesh must be on eth1
+    job = Job(net, tmp_path, "describe", env=_env(DISTCOMM_SOCKET_IFNAME="eth1"))
+    assert job.wait() == [0, 0], job.outputs()
+    assert_hybrid(job.describe(range(4)), net.hosts, 2, subnet=1)
+    assert_nothing_left(net, job)
