@@ -10,7 +10,7 @@ interface instead, as ``GLOO_SOCKET_IFNAME`` does for gloo:
   interfaces differently);
 * ``^docker0,lo``: any interface but these (NCCL's syntax): the one the kernel routes to the store
   by if it is not excluded, else the first other interface (in the kernel's order) that has an
-  address.
+  address, loopback last.
 
 Names match exactly (like gloo; NCCL matches prefixes). An interface's address is its IPv4 address,
 or, when it has none, its first global IPv6 address (link-local ones need a scope and are skipped).
@@ -86,10 +86,11 @@ def choose(spec: str, interfaces: dict[str, list[str]], routed: str | None = Non
         for name, addrs in allowed.items():
             if routed in addrs:
                 return name, routed
-    for name, addrs in allowed.items():
-        address = _usable(addrs)
-        if address is not None:
-            return name, address
+    found = [(name, _usable(addrs)) for name, addrs in allowed.items()]
+    found = [(name, a) for name, a in found if a is not None]
+    found.sort(key=lambda f: ipaddress.ip_address(f[1]).is_loopback)  # stable: kernel order otherwise
+    if found:
+        return found[0]
     raise DistNetworkError(
         f"{ENV}={spec!r} excludes every interface with a usable address on this host "
         f"({socket.gethostname()}); its interfaces: {_listing(interfaces)}")
