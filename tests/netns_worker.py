@@ -3,7 +3,7 @@
     python netns_worker.py describe <out_dir>
     python netns_worker.py diff <out_dir> <oracle_port> <case,case,...>
     python netns_worker.py loop <out_dir>
-    python netns_worker.py bench <out_dir> <backend> <nbytes,nbytes,...> <iterations>
+    python netns_worker.py bench <out_dir> <nbytes,nbytes,...> <iterations,iterations,...>
 
 describe: init the default engine and write what it is made of (``describe<rank>.json``: hostname,
 engine and transport classes, the ranks it reaches over shared memory, its TCP connections), after
@@ -12,8 +12,9 @@ diff: describe, then the differential cases (tests/diff_cases.py) on torch's glo
 TCPStore at MASTER_ADDR:<oracle_port>, since torch cannot talk to distcomm-run's store) and on
 distcomm's default engine; both results go to ``diff<rank>.pkl`` for the test to compare.
 loop: all_reduce until something fails (a host is killed); ``ready<rank>`` marks the first one done.
-bench: the median seconds of all_reduce per size on ``backend`` (float32 SUM); rank 0 writes
-``bench.json``.
+bench: all_reduce (float32 SUM) per size on the default engine (the world group) and on a
+``backend="tcp"`` group of the same ranks, alternating: the slowest rank's median wall seconds and
+median process CPU seconds (all threads) per call; rank 0 writes ``bench.json``.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def describe(dist, out: str) -> dict:
         "rank": rank,
         "hostname": socket.gethostname(),
         "engine": type(pg.engine).__name__,
+        "collectives": type(pg.collectives).__name__,
         "transport": type(transport).__name__,
         "local_ranks": getattr(transport, "local_ranks", None),
         "shm": type(getattr(transport, "shm", None)).__name__,
@@ -88,26 +90,28 @@ def main() -> None:
         while True:  # until a peer is lost: the error propagates, the worker exits non-zero
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
     elif mode == "bench":
-        backend, sizes, iters = sys.argv[3], [int(s) for s in sys.argv[4].split(",")], int(sys.argv[5])
-        group = dist.new_group(backend=backend) if backend != "gloo" else None
-        results = {}
-        for nbytes in sizes:
+        sizes, iters = [int(s) for s in sys.argv[3].split(",")], [int(s) for s in sys.argv[4].split(",")]
+        groups = {"default": None, "tcp": dist.new_group(backend="tcp")}
+        result: dict[str, dict[int, list[float]]] = {name: {} for name in groups}
+        for nbytes, n in zip(sizes, iters):
             t = np.ones(nbytes // 4, dtype=np.float32)
-            times = []
-            for i in range(iters + 2):  # two warm-ups
-                dist.barrier(group=group)
-                t0 = time.perf_counter()
-                dist.all_reduce(t, group=group)
-                times.append(time.perf_counter() - t0)
-            results[nbytes] = float(np.median(times[2:]))
-        worst = {}  # a collective takes as long as its slowest rank: the largest median
-        for nbytes, med in results.items():
-            m = np.array([med])
-            dist.all_reduce(m, op=dist.ReduceOp.MAX)
-            worst[nbytes] = float(m[0])
+            wall = {name: [] for name in groups}
+            cpu = {name: [] for name in groups}
+            for i in range(n + 2):  # two warm-ups; the engines alternate, so a noisy moment hits both
+                for name, group in groups.items():
+                    dist.barrier(group=group)
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    dist.all_reduce(t, group=group)
+                    wall[name].append(time.perf_counter() - t0)
+                    cpu[name].append(time.process_time() - c0)
+            for name, group in groups.items():
+                # a collective takes as long as its slowest rank: the largest median; CPU: the mean
+                m = np.array([np.median(wall[name][2:]), np.median(cpu[name][2:])])
+                dist.all_reduce(m, op=dist.ReduceOp.MAX)
+                result[name][nbytes] = m.tolist()
         if rank == 0:
-            with open(os.path.join(out, f"bench-{backend}.json"), "w") as f:
-                json.dump(worst, f)
+            with open(os.path.join(out, "bench.json"), "w") as f:
+                json.dump(result, f)
     dist.destroy_process_group()
 
 

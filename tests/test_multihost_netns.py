@@ -19,6 +19,7 @@ Needs root (namespaces, veths, mounts): skipped otherwise, with the reason. Mark
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pickle
@@ -59,7 +60,8 @@ def _env(**extra: str) -> dict[str, str]:
 class Job:
     """One distcomm-run per host, output to files under ``out``."""
 
-    def __init__(self, net: netns.Network, out, mode: str, args=(), nproc: int = 2, env=None):
+    def __init__(self, net: netns.Network, out, mode: str, args=(), nproc: int = 2, env=None, cpus=None):
+        """``cpus[k]``: the CPUs host k's processes may run on (all by default)."""
         self.net, self.out = net, str(out)
         self.launchers = []
         self.logs = []
@@ -70,7 +72,9 @@ class Job:
             argv = [sys.executable, "-m", "distcomm.run", "--nnodes", str(n), "--node-rank", str(host.index),
                     "--nproc-per-node", str(nproc), "--master-addr", net.hosts[0].address(0),
                     "--master-port", str(PORT), "--shutdown-timeout", "5", WORKER, mode, self.out, *args]
-            self.launchers.append(host.popen(argv, env=env or _env(), stdout=log, stderr=log, cwd=self.out))
+            pin = None if cpus is None else functools.partial(os.sched_setaffinity, 0, cpus[host.index])
+            self.launchers.append(host.popen(argv, env=env or _env(), stdout=log, stderr=log, cwd=self.out,
+                                             preexec_fn=pin))
             log.close()
 
     def output(self, k: int) -> str:
@@ -128,13 +132,14 @@ def assert_nothing_left(net: netns.Network, job: Job) -> None:
 
 def assert_hybrid(info: dict[int, dict], hosts: list, nproc: int, subnet: int = 0) -> None:
     """Each rank runs the default engine as shared memory among its host's ranks and TCP to the
-    other hosts' ranks, over ``subnet``'s addresses."""
+    other hosts' ranks, over ``subnet``'s addresses; the world group (spread evenly over hosts) has
+    the hierarchical collectives."""
     for r, d in info.items():
         host = hosts[r // nproc]
         local = list(range(host.index * nproc, host.index * nproc + nproc))
         assert d["hostname"] == host.hostname, d
-        assert (d["engine"], d["transport"], d["shm"], d["tcp"]) == (
-            "HybridEngine", "HybridTransport", "ShmTransport", "TcpTransport"), d
+        assert (d["engine"], d["collectives"], d["transport"], d["shm"], d["tcp"]) == (
+            "HybridEngine", "HierarchicalCollectives", "HybridTransport", "ShmTransport", "TcpTransport"), d
         assert d["local_ranks"] == local, f"rank {r}: shared memory with {d['local_ranks']}, expected {local}"
         for q, (mine, theirs) in d["connections"].items():
             q = int(q)

@@ -20,4 +20,7 @@ THRESHOLDS: dict[str, int] = {
     "allreduce_segment_window": 4,
     "broadcast_large_bytes": 512 * 1024,
     "allgather_small_bytes": 64 * 1024,
+    # the default engine, a group spread evenly over hosts: hierarchical all_reduce from here up
+    # (_algorithms/allreduce_hierarchical.py; measured across namespaced hosts, see the notes)
+    "allreduce_hierarchical_bytes": 256 * 1024,
 }

@@ -5,7 +5,8 @@ the common case, the engine *is* the shared-memory engine: no sockets at all. Ot
 connects a ShmTransport among the ranks of its host and a TcpTransport to the world, and
 ``transport.hybrid.HybridTransport`` sends each message over the right one. A group entirely on
 this host runs the shared-memory collectives; a group that spans hosts runs the generic
-algorithms over the hybrid transport.
+algorithms over the hybrid transport, except that when each of its hosts holds the same number
+(more than one) of its ranks, large all_reduces run hierarchically (backends/hierarchical.py).
 """
 
 from __future__ import annotations
@@ -15,22 +16,32 @@ from ..transport.hybrid import HybridTransport
 from ..transport.shm import ShmTransport
 from ..tuning import DEFAULT, Tuning
 from .engine import Engine, FastPath, GroupCollectives, GroupSpec
+from .._algorithms.allreduce_hierarchical import layout
 from .generic import GenericCollectives
+from .hierarchical import HierarchicalCollectives
 from .shm import ShmEngine
 
 
 class HybridEngine(Engine):
     """Shared memory among this host's ranks (``shm``, None when this rank is alone on its host)
-    and TCP to the rest, through one HybridTransport."""
+    and TCP to the rest, through one HybridTransport. ``hosts[r]``: rank r's host id."""
 
-    def __init__(self, transport: HybridTransport, shm: ShmEngine | None, tuning: Tuning = DEFAULT):
+    def __init__(self, transport: HybridTransport, shm: ShmEngine | None, tuning: Tuning = DEFAULT,
+                 hosts: list[str] | None = None):
         self.transport = transport
         self._shm = shm
+        self._tuning = tuning
+        self._hosts = hosts
         self._generic = GenericCollectives(tuning)
 
     def collectives(self, group: GroupSpec) -> GroupCollectives:
         if self._shm is not None and self._shm.local(group.ranks):
             return self._shm.collectives(group)
+        if self._hosts is not None:
+            hosts = [self._hosts[r] for r in group.ranks]
+            by_host, uniform = layout(hosts)
+            if uniform and len(by_host) > 1 and len(by_host[0]) > 1:
+                return HierarchicalCollectives(hosts, self._tuning)
         return self._generic
 
     def fast_path(self, pg) -> FastPath | bool | None:
@@ -62,4 +73,4 @@ def connect(store, rank: int, size: int, timeout: float, tuning: Tuning = DEFAUL
             shm.close()
         raise
     shm_engine = None if shm is None else ShmEngine(shm, tuning)
-    return HybridEngine(HybridTransport(rank, size, shm, tcp), shm_engine, tuning)
+    return HybridEngine(HybridTransport(rank, size, shm, tcp), shm_engine, tuning, hosts)

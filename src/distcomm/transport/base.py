@@ -174,6 +174,12 @@ class Channel:
         recv.wait()
         send.wait()
 
+    def subset(self, members: Sequence[int]) -> "Channel":
+        """The same call's channel among ``members`` (group ranks, this one included), numbered
+        0..len-1 in that order: for algorithms made of steps over parts of the group (hierarchical
+        ones). Same key, signature and deadline; its errors still name group ranks."""
+        return _SubChannel(self, list(members))
+
     # -- errors -------------------------------------------------------------------------------
     def _check_peer(self, peer: int) -> None:
         if not 0 <= peer < self.size or peer == self.rank:
@@ -193,6 +199,19 @@ class Channel:
             "mismatch": CollectiveMismatchError,
         }.get(exc.reason, DistBackendError)
         return cls(f"{where}: {exc}")
+
+
+class _SubChannel(Channel):
+    """``Channel.subset``: sub-ranks on the outside, the parent's group ranks in errors."""
+
+    def __init__(self, parent: Channel, members: list[int]):
+        super().__init__(parent.transport, [parent.ranks[m] for m in members], members.index(parent.rank),
+                         parent.key, parent.op, parent.signature, parent.deadline)
+        self.parent = parent
+        self.members = members
+
+    def translate(self, exc: TransportError, peer: int | None) -> DistBackendError:
+        return self.parent.translate(exc, None if peer is None else self.members[peer])
 
 
 class ChannelRequest:

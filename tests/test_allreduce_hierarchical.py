@@ -1,0 +1,149 @@
+"""Hierarchical all_reduce (_algorithms/allreduce_hierarchical.py) against the reference, on the
+in-process transport, for host layouts of 2 to 8 ranks; and the default engine's choice of it
+(backends/hybrid.py: groups spread evenly over hosts, from the threshold up).
+
+The layouts are given to the algorithm as data (which host each rank is on): across real hosts it
+runs in tests/test_multihost_netns.py, against torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import numpy as np
+import pytest
+
+from distcomm import reduction as R
+from distcomm._algorithms import select
+from distcomm._algorithms.allreduce_hierarchical import allreduce_hierarchical, layout
+from distcomm.backends.generic import GenericCollectives
+from distcomm.backends.hierarchical import HierarchicalCollectives
+from distcomm.dtypes import from_name
+from distcomm.errors import DistTimeoutError
+from distcomm.types import RedOpType
+from inproc_threads import run_threads
+from test_algorithms import assert_same, channel, check_allreduce_fn, make_input, run, run_threads_exc
+
+LAYOUTS = [
+    [0, 1],  # one rank per host: the cross phase only
+    [0, 0],  # one host: the local phases only
+    [0, 0, 1, 1],
+    [0, 1, 0, 1],  # interleaved ranks
+    ["b", "a", "a", "b"],  # any host ids, any order
+    [0, 0, 0, 1, 1, 1],
+    [0, 1, 2, 0, 1, 2],
+    [0, 0, 1, 1, 2, 2],
+    pytest.param([0, 0, 1, 1, 2, 2, 3, 3], marks=pytest.mark.slow),
+    pytest.param([0, 0, 0, 0, 1, 1, 1, 1], marks=pytest.mark.slow),
+]
+
+
+def cross(sub, part, reduce):
+    select.choose("allreduce", part.nbytes, sub.size)(sub, part, reduce)
+
+
+def hierarchical(hosts):
+    return functools.partial(allreduce_hierarchical, hosts=hosts, cross=cross)
+
+
+@pytest.mark.parametrize("hosts", LAYOUTS)
+def test_matches_the_reference(hosts):
+    p = len(hosts)
+    cases = [("float32", RedOpType.SUM), ("int64", RedOpType.MAX), ("bool", RedOpType.BXOR),
+             ("bfloat16", RedOpType.SUM), ("complex128", RedOpType.SUM), ("uint8", RedOpType.PRODUCT)]
+    for i, count in enumerate(sorted({0, 1, p - 1, 13, 1009, 40_000})):
+        dtype_name, op = cases[i % len(cases)]
+        check_allreduce_fn(hierarchical(hosts), p, count, dtype_name, op, seed=i)
+
+
+@pytest.mark.parametrize("hosts", [[0, 0, 1, 1], [0, 1, 2, 0, 1, 2]])
+def test_random_floats_bit_identical_on_every_rank(hosts):
+    p = len(hosts)
+    reduce = R.reducer(RedOpType.SUM, from_name("float64"))
+    xs = [np.random.default_rng(r).standard_normal(1009) for r in range(p)]
+
+    def body(rank, mk):
+        buf = xs[rank].copy()
+        hierarchical(hosts)(mk(), buf, reduce)
+        return buf
+
+    results = run(p, body)
+    for got in results:
+        assert_same(got, results[0])
+    np.testing.assert_allclose(results[0], np.sum(xs, axis=0), rtol=1e-12)
+
+
+def test_uneven_hosts_are_refused():
+    assert layout([0, 0, 1]) == ([[0, 1], [2]], False)
+    assert layout(["x", "y", "x", "y"]) == ([[0, 2], [1, 3]], True)
+
+    def body(rank, mk):
+        hierarchical([0, 0, 1])(mk(), np.ones(4, np.float32), R.reducer(RedOpType.SUM, from_name("float32")))
+
+    results = run_threads_exc(3, body)
+    assert all(isinstance(r, ValueError) and "same number of ranks on every host" in str(r) for r in results)
+
+
+@pytest.mark.slow
+def test_errors_name_group_ranks_not_sub_ranks():
+    """Rank 3 never comes: rank 2 (its host mate) times out in the local phase naming peer rank 3,
+    the group rank, not its index on the host."""
+    reduce = R.reducer(RedOpType.SUM, from_name("float32"))
+
+    def body(rank, mk):
+        if rank == 3:
+            time.sleep(1.0)
+            return None
+        hierarchical([0, 0, 1, 1])(mk("all_reduce", timeout=0.3), np.ones(64, np.float32), reduce)
+
+    results = run_threads_exc(4, body)
+    assert isinstance(results[2], DistTimeoutError), results
+    assert "all_reduce #0 on rank 2 (peer rank 3)" in str(results[2]), results[2]
+
+
+class Recording:
+    """A Transport that records where it sends, around the test's in-process one."""
+
+    def __init__(self, transport):
+        self.transport, self.rank, self.size = transport, transport.rank, transport.size
+        self.sent_to: set[int] = set()
+
+    def isend(self, dst, data, key, signature=0):
+        self.sent_to.add(dst)
+        return self.transport.isend(dst, data, key, signature)
+
+    def irecv(self, src, out, key, signature=0):
+        return self.transport.irecv(src, out, key, signature)
+
+    def close(self):
+        self.transport.close()
+
+
+def test_the_default_engine_chooses_it_by_size():
+    """HierarchicalCollectives runs the hierarchical algorithm from the threshold up and the generic
+    one below it, told apart by whom each rank sends to: 2 hosts x 3 ranks, where hierarchically a
+    rank sends only to its right neighbour on its host and to its counterpart on the other host,
+    and the generic ring (non-power-of-two world) only to rank + 1."""
+    threshold = select.threshold("allreduce_hierarchical_bytes")
+    hosts = [0, 0, 0, 1, 1, 1]
+    f32 = from_name("float32")
+
+    def rank_main(rank, transport):
+        coll = HierarchicalCollectives(hosts)
+        sent = {}
+        for seq, count in enumerate((threshold // 4 - 1, threshold // 4)):
+            spy = Recording(transport)
+            x = make_input("float32", count, rank)
+            want = x.copy()
+            coll.all_reduce(channel(spy, 6, rank, 2 * seq, "all_reduce"), x, f32, RedOpType.SUM)
+            GenericCollectives().all_reduce(channel(transport, 6, rank, 2 * seq + 1, "all_reduce"), want, f32,
+                                            RedOpType.SUM)
+            assert_same(x, want)
+            sent[count] = spy.sent_to
+        return sent
+
+    for rank, sent in enumerate(run_threads(6, rank_main, timeout=60, eager_limit=0)):
+        host, i = divmod(rank, 3)
+        assert sent[threshold // 4] == {host * 3 + (i + 1) % 3, (rank + 3) % 6}, (rank, sent)
+        assert sent[threshold // 4 - 1] == {(rank + 1) % 6}, (rank, sent)
