@@ -2,8 +2,14 @@
 
 Two processes can use each other's /dev/shm segments and pids only if they run on the same kernel
 (boot id), see the same /dev/shm (mount namespace and device) and the same pids (pid namespace).
-The host id is all of these; ``DISTCOMM_HOST_ID`` replaces it (tests use it to pretend ranks of one
-machine are on different hosts).
+The host id is all of these, plus the hostname; ``DISTCOMM_HOST_ID`` replaces it (tests use it to
+pretend ranks of one machine are on different hosts).
+
+Two containers on one machine share the boot id, so what tells them apart is the rest: their own
+/dev/shm (a tmpfs of their own, another device), their own mount namespace, usually their own
+hostname. tests/test_multihost_netns.py runs hosts as network + UTS + mount namespaces and relies on
+exactly that, without DISTCOMM_HOST_ID. The network namespace is deliberately not part of the id:
+processes that share /dev/shm and pids can share memory whatever their network, and should.
 """
 
 from __future__ import annotations
