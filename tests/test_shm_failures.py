@@ -189,6 +189,10 @@ def default_engine_two_hosts_body(rank, world):
     dist.init_process_group()
     x = np.full(1000, rank, np.float64)
     dist.all_reduce(x)
+    big = np.arange(70_001, dtype=np.float32) * (rank + 1)  # past 256 KiB: hierarchical
+    dist.all_reduce(big)
+    assert (big == np.arange(70_001, dtype=np.float32) * 10).all()
+    collectives = type(dist.group.WORLD.collectives).__name__
     local = dist.new_group([0, 1])
     y = np.full(10, rank, np.int64)
     if rank < 2:
@@ -211,7 +215,7 @@ def default_engine_two_hosts_body(rank, world):
     dist.barrier()
     transport = type(dist.group.WORLD.transport).__name__
     dist.destroy_process_group()
-    return x[0], int(y[0]), b.tolist(), transport, sorted(senders)
+    return x[0], int(y[0]), b.tolist(), transport, sorted(senders), collectives
 
 
 def test_default_engine_across_hosts_uses_tcp_between_them():
@@ -222,6 +226,7 @@ def test_default_engine_across_hosts_uses_tcp_between_them():
     assert results[3][2] == [0.0, 1.0, 2.0, 3.0, 4.0]
     assert {r[3] for r in results} == {"HybridTransport"}
     assert results[0][4] == [1, 2, 3]
+    assert {r[5] for r in results} == {"HierarchicalCollectives"}  # 2 hosts x 2 ranks
 
 
 def _mapped_shm_segments() -> int:
