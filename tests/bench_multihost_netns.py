@@ -1,11 +1,14 @@
 """All_reduce across 2 namespaced hosts x 2 ranks: the default engine (shared memory inside a
 host, TCP between hosts) against the TCP engine alone (``backend="tcp"``). Needs root.
 
-    sudo PYTHONPATH=src python tests/bench_multihost_netns.py [repeat]
+    sudo PYTHONPATH=src python tests/bench_multihost_netns.py [repeat] [NAME=VALUE ...]
 
 Prints a markdown table: the slowest rank's median wall time per call and median CPU time per call
 (the process's, all threads), and the wall-time ratio. The engines alternate call by call. No timing
 is asserted anywhere; on a shared machine compare ratios within one run, not times across runs.
+``NAME=VALUE`` arguments are set in the workers' environment, e.g.
+``DISTCOMM_THRESHOLD_ALLREDUCE_HIERARCHICAL_BYTES=1000000000000`` turns the hierarchy off (the default
+engine then runs the flat generic algorithms over shared memory and TCP).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import netns  # noqa: E402
-from test_multihost_netns import Job  # noqa: E402
+from test_multihost_netns import Job, _env  # noqa: E402
 
 SIZES = [64 << 10, 1 << 20, 16 << 20, 64 << 20]
 ITERATIONS = [40, 20, 8, 5]
@@ -28,10 +31,12 @@ def main() -> None:
     reason = netns.unavailable()
     if reason:
         sys.exit(f"cannot run: {reason}")
-    repeat = int(sys.argv[1]) if len(sys.argv) > 1 else 1
+    repeat = int(sys.argv[1]) if len(sys.argv) > 1 and "=" not in sys.argv[1] else 1
+    extra = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a)
     out = tempfile.mkdtemp(prefix="distcomm-bench-netns-")
     with netns.Network(2) as net:
-        job = Job(net, out, "bench", [",".join(map(str, SIZES)), ",".join(str(n * repeat) for n in ITERATIONS)])
+        job = Job(net, out, "bench", [",".join(map(str, SIZES)), ",".join(str(n * repeat) for n in ITERATIONS)],
+                  env=_env(**extra))
         if job.wait(deadline=600) != [0, 0]:
             sys.exit(job.outputs())
     with open(os.path.join(out, "bench.json")) as f:

@@ -11,12 +11,12 @@ algorithms over the hybrid transport, except that when each of its hosts holds t
 
 from __future__ import annotations
 
+from .._algorithms.allreduce_hierarchical import layout
 from ..transport import hostid
 from ..transport.hybrid import HybridTransport
 from ..transport.shm import ShmTransport
 from ..tuning import DEFAULT, Tuning
 from .engine import Engine, FastPath, GroupCollectives, GroupSpec
-from .._algorithms.allreduce_hierarchical import layout
 from .generic import GenericCollectives
 from .hierarchical import HierarchicalCollectives
 from .shm import ShmEngine
