@@ -16,7 +16,7 @@ A flat ring over all H·L ranks sends 2(HL-1)/(HL)·n bytes over each of its TCP
 speed of its slowest hop at every one of its 2(HL-1) steps; here each rank sends 2(H-1)/H·n/L bytes
 over TCP, L connections per host pair carry the cross-host traffic side by side, and the intra-host
 phases run at memory speed. Below some size the extra latency of three phases loses
-(``THRESHOLDS["allreduce_hierarchical_bytes"]``, measured in docs/performance-notes.md).
+(``THRESHOLDS["allreduce_hierarchical_bytes"]``; docs/performance-notes.md, "Across hosts").
 
 Requires the same number of ranks on every host (the caller falls back to a flat algorithm
 otherwise). The result is bit-identical on every rank: each slice is reduced across hosts by an

@@ -21,6 +21,7 @@ THRESHOLDS: dict[str, int] = {
     "broadcast_large_bytes": 512 * 1024,
     "allgather_small_bytes": 64 * 1024,
     # the default engine, a group spread evenly over hosts: hierarchical all_reduce from here up
-    # (_algorithms/allreduce_hierarchical.py; measured across namespaced hosts, see the notes)
+    # (_algorithms/allreduce_hierarchical.py). Not tuned: it wins from 16 MiB across namespaced
+    # hosts, and ties with the flat algorithms at 1 MiB (docs/performance-notes.md, "Across hosts")
     "allreduce_hierarchical_bytes": 256 * 1024,
 }
