@@ -55,6 +55,7 @@ def describe(dist, out: str) -> dict:
     }
     with open(os.path.join(out, f"describe{rank}.json"), "w") as f:
         json.dump(info, f)
+    dist.barrier()  # nobody closes its connections (destroy) before everyone has listed theirs
     return info
 
 
