@@ -22,6 +22,7 @@ process itself dies, the holders' stdin closes with it and they exit too.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
@@ -91,9 +92,17 @@ class Host:
     def nsenter(self) -> list[str]:
         return ["nsenter", f"--target={self.pid}", "--net", "--uts", "--mount", "--"]
 
-    def popen(self, argv: list[str], **kwargs) -> subprocess.Popen:
-        """Start ``argv`` on this host (nsenter execs it: the Popen's pid is the program's)."""
-        return subprocess.Popen(self.nsenter() + argv, **kwargs)
+    def popen(self, argv: list[str], preexec_fn=None, **kwargs) -> subprocess.Popen:
+        """Start ``argv`` on this host (nsenter execs it: the Popen's pid is the program's). It is
+        SIGKILLed if the test process dies (PR_SET_PDEATHSIG), so a killed test leaves no job
+        running in the namespaces."""
+
+        def setup():
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+            if preexec_fn is not None:
+                preexec_fn()
+
+        return subprocess.Popen(self.nsenter() + argv, preexec_fn=setup, **kwargs)
 
     def run(self, argv: list[str]) -> str:
         done = subprocess.run(self.nsenter() + argv, capture_output=True, text=True, timeout=20)
