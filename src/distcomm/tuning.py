@@ -35,7 +35,8 @@ variable                               meaning (default)
 ``DISTCOMM_SHM_DIRECT``                0: no single-copy reads (process_vm_readv) (1)
 =====================================  =======================================================
 
-Not tuning, and so not here: where things are (``DISTCOMM_SHM_DIR``, ``DISTCOMM_HOST_ID``),
+Not tuning, and so not here: where things are (``DISTCOMM_SHM_DIR``, ``DISTCOMM_HOST_ID``,
+``DISTCOMM_SOCKET_IFNAME``),
 security (``DISTCOMM_AUTH_KEY[_FILE]``), the store (``DISTCOMM_STORE_*``) and debugging
 (``DISTCOMM_DEBUG``); each is read where it is used, once, when that thing is set up.
 """
