@@ -21,6 +21,7 @@ from distcomm.backends.generic import GenericCollectives
 from distcomm.backends.hierarchical import HierarchicalCollectives
 from distcomm.dtypes import from_name
 from distcomm.errors import DistTimeoutError
+from distcomm.tuning import Tuning
 from distcomm.types import RedOpType
 from inproc_threads import run_threads
 from test_algorithms import assert_same, channel, check_allreduce_fn, make_input, run, run_threads_exc
@@ -147,3 +148,24 @@ def test_the_default_engine_chooses_it_by_size():
         host, i = divmod(rank, 3)
         assert sent[threshold // 4] == {host * 3 + (i + 1) % 3, (rank + 3) % 6}, (rank, sent)
         assert sent[threshold // 4 - 1] == {(rank + 1) % 6}, (rank, sent)
+
+
+def test_a_forced_generic_algorithm_runs_the_whole_all_reduce():
+    """DISTCOMM_ALGO_ALLREDUCE=ring: the ring over all 6 ranks even past the threshold (each rank
+    sends only to rank + 1), not the hierarchy."""
+    tuning = Tuning.from_env({"DISTCOMM_ALGO_ALLREDUCE": "ring"})
+    count = select.threshold("allreduce_hierarchical_bytes") // 4 * 2
+    f32 = from_name("float32")
+
+    def rank_main(rank, transport):
+        spy = Recording(transport)
+        x = make_input("float32", count, rank)
+        want = x.copy()
+        HierarchicalCollectives([0, 0, 0, 1, 1, 1], tuning).all_reduce(channel(spy, 6, rank, 0, "all_reduce"), x,
+                                                                       f32, RedOpType.SUM)
+        GenericCollectives().all_reduce(channel(transport, 6, rank, 1, "all_reduce"), want, f32, RedOpType.SUM)
+        assert_same(x, want)
+        return spy.sent_to
+
+    for rank, sent in enumerate(run_threads(6, rank_main, timeout=60, eager_limit=0)):
+        assert sent == {(rank + 1) % 6}, (rank, sent)

@@ -1,7 +1,8 @@
 """The default engine's collectives for a group that spans hosts with the same number of its ranks on
 each: all_reduce from ``THRESHOLDS["allreduce_hierarchical_bytes"]`` up runs hierarchically
-(``_algorithms/allreduce_hierarchical.py``: shared memory inside each host, TCP across); every
-other collective, and smaller all_reduces, run the generic algorithms over the hybrid transport.
+(``_algorithms/allreduce_hierarchical.py``: shared memory inside each host, TCP across) unless
+``DISTCOMM_ALGO_ALLREDUCE`` forces a generic algorithm; every other collective, and smaller
+all_reduces, run the generic algorithms over the hybrid transport.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ class HierarchicalCollectives(GenericCollectives):
         self.hosts = list(hosts)
 
     def all_reduce(self, ch: Channel, flat: np.ndarray, dtype: DType, op) -> None:
-        if flat.nbytes < select.threshold("allreduce_hierarchical_bytes", self.tuning):
+        # a forced generic algorithm (DISTCOMM_ALGO_ALLREDUCE) runs the whole all_reduce, as it says
+        if (self.tuning.algorithm("allreduce") is not None
+                or flat.nbytes < select.threshold("allreduce_hierarchical_bytes", self.tuning)):
             return super().all_reduce(ch, flat, dtype, op)
 
         def cross(sub: Channel, part: np.ndarray, reduce) -> None:
