@@ -17,7 +17,8 @@ theirs), so parallel tests and other jobs on the machine are not disturbed.
 Cleanup needs no bookkeeping: namespaces made by ``unshare`` (not ``ip netns add``) are not pinned
 by a bind mount, so they go, with their veths, bridges and tmpfs, when their last process exits.
 ``Network.close`` SIGKILLs every process in each host, then closes the holders' stdin. If the test
-process itself dies, the holders' stdin closes with it and they exit too.
+process itself dies, the holders' stdin closes with it and they exit too, and what ``Host.popen``
+started dies with it (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
