@@ -31,8 +31,13 @@ def is_gloo_available() -> bool:
 
 
 def is_mpi_available() -> bool:
-    """False: distcomm has no MPI engine in this build."""
-    return False
+    """True when mpi4py imports: backend "mpi" then runs under mpiexec/srun (MPI is not initialised
+    by this check)."""
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def is_nccl_available() -> bool:

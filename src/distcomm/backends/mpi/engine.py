@@ -1,0 +1,78 @@
+"""The MPI engine: ``MpiEngine`` and ``connect``.
+
+``connect`` runs in every process of the engine's world (the default group's ranks, or a new
+group's members for ``new_group(backend="mpi")``): each publishes its rank in ``MPI_COMM_WORLD``
+through the store, and the members make one communicator of those processes (``Dup`` of
+MPI_COMM_WORLD when they are all of it, ``Create_group`` otherwise). So the processes must belong
+to one MPI job: started by ``mpiexec``/``mpirun``/``srun``, not by distcomm-run or spawn (each would be
+its own MPI world of one). The engine's communicator is its own, never MPI_COMM_WORLD itself: the
+program's own mpi4py calls and distcomm's never match each other's messages.
+
+Each process group gets a communicator of its own (``MpiTransport.open_group``), released with the
+group. ``close`` frees the engine's communicators and never finalises MPI (see transport/mpi.py).
+"""
+
+from __future__ import annotations
+
+from ...errors import DistBackendError
+from ...transport.mpi import MpiTransport, load_mpi
+from ...tuning import DEFAULT, Tuning
+from ..engine import Engine, FastPath, GroupCollectives, GroupSpec
+from . import latency
+from .collectives import MpiCollectives
+
+
+class MpiEngine(Engine):
+    """distcomm's collectives on MPI (see the package docstring)."""
+
+    def __init__(self, transport: MpiTransport, tuning: Tuning = DEFAULT):
+        self.transport = transport
+        self.tuning = tuning
+        self._groups: dict[int, MpiCollectives] = {}
+
+    def collectives(self, group: GroupSpec) -> GroupCollectives:
+        comm = self.transport.open_group(group.group_id, group.ranks)
+        coll = MpiCollectives(self.transport, comm, group, self.tuning)
+        self._groups[group.group_id] = coll
+        return coll
+
+    def fast_path(self, pg) -> FastPath | bool | None:
+        coll = self._groups.get(pg.spec.group_id)
+        if coll is None or len(pg.spec.ranks) == 1:
+            return False
+        return latency.build(pg, coll)
+
+    def release_group(self, group_id: int) -> None:
+        self._groups.pop(group_id, None)
+        self.transport.release_group(group_id)
+
+    def close(self) -> None:
+        self._groups.clear()
+        self.transport.close()
+
+    def __repr__(self) -> str:
+        return f"MpiEngine({self.transport!r})"
+
+
+def connect(store, rank: int, size: int, timeout: float, tuning: Tuning = DEFAULT, options=None) -> MpiEngine:
+    """The "mpi" engine among ``size`` processes of one MPI job (see the module docstring)."""
+    MPI = load_mpi()
+    world = MPI.COMM_WORLD
+    store.set(f"mpi/world_rank/{rank}", str(world.Get_rank()))
+    world_ranks = [int(store.get(f"mpi/world_rank/{q}")) for q in range(size)]
+    if len(set(world_ranks)) != size:
+        raise DistBackendError(
+            f"backend 'mpi' on rank {rank}: the {size} processes are not one MPI job (their ranks in "
+            f"MPI_COMM_WORLD are {world_ranks}, MPI_COMM_WORLD has {world.Get_size()} processes). Start them "
+            "with mpiexec/mpirun/srun (e.g. mpiexec -n 4 python train.py), or use backend 'gloo'."
+        )
+    if world_ranks == list(range(world.Get_size())):
+        comm = world.Dup()
+    else:
+        members = world.Get_group().Incl(world_ranks)
+        try:
+            # the tag keeps this apart from the program's own messages on MPI_COMM_WORLD
+            comm = world.Create_group(members, tag=(1 << 15) - 7)
+        finally:
+            members.Free()
+    return MpiEngine(MpiTransport(MPI, comm), tuning)
