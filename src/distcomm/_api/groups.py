@@ -6,7 +6,7 @@ import os
 from datetime import timedelta
 from typing import Any, Sequence
 
-from .. import world
+from .. import launcher_env, world
 from ..backends import Backend, connect
 from ..process_group import ProcessGroup
 from ..errors import DistBackendError
@@ -381,10 +381,14 @@ def get_pg_count() -> int:
 
 
 def get_node_local_rank(fallback_rank: int | None = None) -> int:
-    """This process's rank on its machine: LOCAL_RANK (set by distcomm-run / torchrun), else
-    ``fallback_rank``; neither is a RuntimeError, as in torch."""
+    """This process's rank on its machine: LOCAL_RANK (set by distcomm-run / torchrun), else the
+    local rank mpiexec or srun gave (MPI_LOCALRANKID, OMPI_COMM_WORLD_LOCAL_RANK, SLURM_LOCALID),
+    else ``fallback_rank``; none of them is a RuntimeError, as in torch."""
     if "LOCAL_RANK" in os.environ:
         return int(os.environ["LOCAL_RANK"])
+    launched = launcher_env.detect(os.environ)
+    if launched is not None and launched.local_rank is not None:
+        return launched.local_rank
     if fallback_rank is not None:
         return int(fallback_rank)
     raise RuntimeError(
