@@ -11,8 +11,10 @@ group's members, made by the engine when the group is created), so the key's gro
 communicator and only (kind, seq) must fit in the tag. Tags have ``MPI_TAG_UB`` bits (29 with
 MPICH, 31 with Open MPI): the top bit is the kind; a collective's tag then holds 8 bits of the
 call's signature and its sequence number modulo what is left (only one collective of a group is in
-flight at a time, so the wrap-around never aliases); a point-to-point tag is the user's tag, which
-must fit (``p2p_tag_limit``: 2**28 with MPICH).
+flight at a time, so the wrap-around never aliases); a point-to-point tag is the user's tag when it is in
+0..``p2p_tag_limit``-1 (2**27 with MPICH); any other tag (negative, or larger) is taken modulo that
+limit in a range of its own, so two such tags that differ by a multiple of it, used at once between
+the same two ranks of a group, would match each other's messages.
 
 **Checks.** A message bigger than its receive fails the receive (MPI's truncation error); a smaller
 one is detected from the status: both are reported as a mismatch naming the peer. A collective
@@ -94,16 +96,16 @@ class TagLayout:
         self.kind_bit = 1 << (bits - 1)
         self.sig_bits = 8 if bits >= 24 else 0
         self.seq_bits = bits - 1 - self.sig_bits
-        self.p2p_tag_limit = self.kind_bit  # user tags 0 .. limit-1
+        # point-to-point tags 0 .. limit-1 are themselves; any other int (a negative one, or
+        # send_object_list's -2**62) is taken modulo limit in a second range of its own
+        self.p2p_tag_limit = self.kind_bit >> 1
 
     def tag(self, key: MessageKey, signature: int) -> int:
         if key.kind == KIND_P2P:
-            if not 0 <= key.seq < self.p2p_tag_limit:
-                raise DistBackendError(
-                    f"backend 'mpi': tag {key.seq} is outside 0..{self.p2p_tag_limit - 1}, the tags this MPI "
-                    "leaves for send/recv (MPI_TAG_UB); use a smaller tag"
-                )
-            return self.kind_bit | key.seq
+            t = key.seq
+            if 0 <= t < self.p2p_tag_limit:
+                return self.kind_bit | t
+            return self.kind_bit | self.p2p_tag_limit | (t % self.p2p_tag_limit)
         sig = fold_signature(signature) if self.sig_bits else 0
         return (sig << self.seq_bits) | (key.seq & ((1 << self.seq_bits) - 1))
 
