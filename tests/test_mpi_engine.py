@@ -76,3 +76,53 @@ def test_differential_under_mpiexec(diff_results, ws, engine):
                     problems.append(f"{name}, rank {rank}: {problem}")
     assert checked > 100 * ws
     assert not problems, f"{len(problems)} differences on distcomm:{engine} at world size {ws}:\n" + "\n".join(problems[:40])
+
+
+@pytest.fixture(scope="module")
+def error_lines():
+    done = run_mpiexec(2, "errors_worker.py", timeout=120)
+    assert done.returncode == 0, f"mpiexec exited with {done.returncode}:\n{done.stdout}\n{done.stderr[-3000:]}"
+    lines = {}
+    for line in done.stdout.splitlines():
+        rank, check, rest = (line.split(" ", 2) + ["", ""])[:3]
+        if rank.isdigit():
+            lines[(int(rank), check)] = rest
+    return lines
+
+
+def test_collective_timeout_names_op_seq_rank_and_breaks_the_group(error_lines):
+    assert error_lines[(0, "timeout_all_reduce")].startswith("DistTimeoutError: all_reduce #1 on rank 0: timed out")
+    assert error_lines[(1, "timeout_all_reduce")] == "ok"  # the late rank completes it
+    after = error_lines[(0, "after_timeout")]
+    assert after.startswith("DistBackendError: all_reduce #2 on rank 0: the group cannot be used any more"), after
+
+
+def test_receive_timeout_names_the_peer(error_lines):
+    text = error_lines[(0, "timeout_recv")]
+    assert text.startswith("DistTimeoutError: recv on rank 0 (peer rank 1) (tag 5): timed out"), text
+
+
+def test_size_mismatches_are_reported_both_ways(error_lines):
+    longer = error_lines[(1, "recv_longer_than_sent")]
+    assert longer.startswith("CollectiveMismatchError: recv on rank 1 (peer rank 0) (tag 7)"), longer
+    assert "expects 16 bytes but rank 0 sent 8 bytes" in longer
+    shorter = error_lines[(1, "recv_shorter_than_sent")]
+    assert shorter.startswith("CollectiveMismatchError: recv on rank 1 (peer rank 0) (tag 8)"), shorter
+    assert "longer than the receive" in shorter
+
+
+def test_tags_outside_mpi_range_and_object_lists(error_lines):
+    assert error_lines[(1, "big_tag")] == "ok"
+    assert error_lines[(1, "values")] == "[9.0, 9.0, 9.0] [{'a': 1}, 'two']"
+    assert error_lines[(0, "finished")] == "" and error_lines[(1, "finished")] == ""
+
+
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_a_killed_rank_ends_the_job(backend):
+    """MPICH's launcher aborts the job when a rank dies: rank 0, waiting in an all_reduce with a
+    10-minute timeout, is ended with it well within the 60 s deadline (run_mpiexec would fail the
+    test by killing the job at 60 s)."""
+    done = run_mpiexec(2, "peer_death_worker.py", [backend], timeout=60)
+    assert "0 initialised" in done.stdout and "1 initialised" in done.stdout, done.stdout + done.stderr[-2000:]
+    assert "survived" not in done.stdout
+    assert done.returncode != 0
