@@ -91,8 +91,8 @@ class TagLayout:
 
     def __init__(self, tag_ub: int):
         bits = int(tag_ub).bit_length()  # tag_ub is 2**bits - 1 in practice; the tags stay below it
-        if bits < 16:
-            raise DistBackendError(f"MPI_TAG_UB={tag_ub} is too small for distcomm (needs at least 2**15)")
+        if bits < 15:
+            raise DistBackendError(f"MPI_TAG_UB={tag_ub} is below 32767, the MPI standard's minimum")
         self.kind_bit = 1 << (bits - 1)
         self.sig_bits = 8 if bits >= 24 else 0
         self.seq_bits = bits - 1 - self.sig_bits
