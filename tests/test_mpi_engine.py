@@ -117,6 +117,12 @@ def test_tags_outside_mpi_range_and_object_lists(error_lines):
     assert error_lines[(0, "finished")] == "" and error_lines[(1, "finished")] == ""
 
 
+def test_all_to_all_even_on_one_rank_only(error_lines):
+    # rank 0 sends [0] [1] and receives what rank 1 sends it: [10]; rank 1 sends [10] [11, 12]
+    assert error_lines[(0, "a2a_mixed")] == "[0.0, 10.0]"
+    assert error_lines[(1, "a2a_mixed")] == "[1.0, 11.0, 12.0]"
+
+
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])
 def test_a_killed_rank_ends_the_job(backend):
     """MPICH's launcher aborts the job when a rank dies: rank 0, waiting in an all_reduce with a

@@ -4,7 +4,8 @@
 1. rank 1 joins an all_reduce 3 s late, past rank 0's 1.5 s timeout: rank 0's DistTimeoutError;
 2. a receive nobody sends to times out (and its receive is cancelled);
 3. a receive of 16 bytes given 8, and of 8 bytes given 16: mismatches naming the peer;
-4. a send/recv with a tag past the exact range, and send_object_list, still work.
+4. a send/recv with a tag past the exact range, and send_object_list, still work;
+5. an all_to_all_single whose splits are even on one rank only.
 """
 
 import os
@@ -62,5 +63,11 @@ else:
     objs = [None, None]
     dist.recv_object_list(objs, src=0)
     print(f"{rank} values {buf.tolist()} {objs}", flush=True)
+# 5. all_to_all_single whose splits are even on rank 0 ([1, 1] both ways) and uneven on rank 1
+send_splits, recv_splits = ([1, 1], [1, 1]) if rank == 0 else ([1, 2], [1, 2])
+inp = np.arange(sum(send_splits), dtype=np.float64) + 10 * rank
+out = np.zeros(sum(recv_splits))
+dist.all_to_all_single(out, inp, recv_splits, send_splits)
+print(f"{rank} a2a_mixed {out.tolist()}", flush=True)
 dist.destroy_process_group()
 print(f"{rank} finished", flush=True)

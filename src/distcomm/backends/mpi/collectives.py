@@ -2,7 +2,7 @@
 
 Each collective MPI has is one nonblocking MPI call on the group's communicator (``Iallreduce``,
 ``Ireduce``, ``Ibcast``, ``Iallgather``, ``Igather``, ``Iscatter``, ``Ireduce_scatter_block``,
-``Ialltoall``, ``Ibarrier``), tested against the call's deadline: nonblocking so that a timeout is
+``Ialltoallv``, ``Ibarrier``), tested against the call's deadline: nonblocking so that a timeout is
 honoured (MPI's blocking calls cannot be interrupted). What MPI lacks (``native``) runs
 ``GenericCollectives``, distcomm's algorithms, over ``MpiTransport`` on the same communicator.
 
@@ -32,6 +32,14 @@ from .native import equal, native_reduction
 
 def _bytes(a: np.ndarray) -> np.ndarray:
     return a.reshape(-1).view(np.uint8)
+
+
+def _offsets(counts) -> list[int]:
+    out, at = [], 0
+    for c in counts:
+        out.append(at)
+        at += c
+    return out
 
 
 class MpiCollectives(GroupCollectives):
@@ -157,14 +165,18 @@ class MpiCollectives(GroupCollectives):
         reduction.with_op_arithmetic(op, dtype, ch.size, scratch, run, result=out)
 
     def all_to_all(self, ch: Channel, send: np.ndarray, send_counts, recv: np.ndarray, recv_counts) -> None:
-        if ch.size == 1 or not (equal(send_counts) and equal(recv_counts) and send_counts[0] == recv_counts[0]):
-            self.check_usable(ch)
+        # Ialltoallv for every split, even or not: whether a rank's own counts are even says nothing
+        # about the others' (rank 0 may send [1, 1] while rank 1 sends [1, 2]), and every rank must make
+        # the same MPI call. A sender sending more than its receiver expects is MPI's truncation
+        # error (a mismatch); sending less is not detected (the rest of the block keeps its bytes).
+        if ch.size == 1:
             return self.generic.all_to_all(ch, send, send_counts, recv, recv_counts)
-        if not send_counts[0]:
-            return
         BYTE = self.MPI.BYTE
+        item = send.itemsize
         s, r = _bytes(send), _bytes(recv)
-        self.native(ch, lambda: self.comm.Ialltoall([s, BYTE], [r, BYTE]), send, recv)
+        sc, rc = [c * item for c in send_counts], [c * item for c in recv_counts]
+        sd, rd = _offsets(sc), _offsets(rc)
+        self.native(ch, lambda: self.comm.Ialltoallv([s, (sc, sd), BYTE], [r, (rc, rd), BYTE]), send, recv)
 
     def barrier(self, ch: Channel) -> None:
         if ch.size > 1:

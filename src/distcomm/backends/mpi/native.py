@@ -43,5 +43,6 @@ def native_reduction(op, dtype: DType) -> tuple[str, str] | None:
 
 
 def equal(counts) -> bool:
-    """All counts the same (MPI's block calls); uneven splits run distcomm's algorithms."""
+    """All counts the same (MPI's block calls); an uneven reduce_scatter runs distcomm's algorithms.
+    (Its counts are the same on every rank, so every rank decides alike.)"""
     return len(set(counts)) <= 1
