@@ -78,9 +78,9 @@ def test_differential_under_mpiexec(diff_results, ws, engine):
     assert not problems, f"{len(problems)} differences on distcomm:{engine} at world size {ws}:\n" + "\n".join(problems[:40])
 
 
-@pytest.fixture(scope="module")
-def error_lines():
-    done = run_mpiexec(2, "errors_worker.py", timeout=120)
+def _lines(nprocs: int, script: str) -> dict:
+    """{(rank, check): rest of the line} of a script that prints ``<rank> <check> <rest>`` lines."""
+    done = run_mpiexec(nprocs, script, timeout=120)
     assert done.returncode == 0, f"mpiexec exited with {done.returncode}:\n{done.stdout}\n{done.stderr[-3000:]}"
     lines = {}
     for line in done.stdout.splitlines():
@@ -88,6 +88,27 @@ def error_lines():
         if rank.isdigit():
             lines[(int(rank), check)] = rest
     return lines
+
+
+@pytest.fixture(scope="module")
+def error_lines():
+    return _lines(2, "errors_worker.py")
+
+
+def test_groups_on_the_mpi_engine():
+    lines = _lines(3, "groups_worker.py")
+    # an "mpi" group of ranks [2, 0] in a world on the default engine: its own engine, by Create_group
+    for r in (0, 2):
+        assert lines[(r, "default+mpi_group")] == "mpi [4.0, 4.0] [2.0, 2.0, 2.0]"
+    assert (1, "default+mpi_group") not in lines
+    # new_group([1, 2]) on an "mpi" world: MAX of int64, a float16 receive from any member
+    assert lines[(1, "group12")] == lines[(2, "group12")] == "[2]"
+    assert lines[(2, "recv_any")] == "1 [1.0, 1.0]"
+    # subgroups [[0, 2], [1]], AVG
+    assert lines[(0, "subgroup")] == lines[(2, "subgroup")] == "2 [2.0, 2.0]"
+    assert lines[(1, "subgroup")] == "1 [2.0, 2.0]"
+    # the program's own MPI still works after distcomm is done (nothing finalized)
+    assert all(lines[(r, "own_mpi")] == "3" for r in range(3))
 
 
 def test_collective_timeout_names_op_seq_rank_and_breaks_the_group(error_lines):

@@ -16,6 +16,13 @@ import numpy as np
 
 import distcomm as dist
 
+
+def say(line: str) -> None:
+    """One write per line: mpiexec forwards the ranks' output in chunks, and a line printed in
+    two writes could be split by another rank's."""
+    os.write(1, (line + "\n").encode())
+
+
 dist.init_process_group("mpi", timeout=timedelta(seconds=60))
 SHORT = timedelta(seconds=1.5)  # the groups whose calls are meant to time out
 rank = dist.get_rank()
@@ -24,9 +31,9 @@ rank = dist.get_rank()
 def report(check, fn):
     try:
         fn()
-        print(f"{rank} {check} ok", flush=True)
+        say(f"{rank} {check} ok")
     except Exception as exc:  # noqa: BLE001 - printed for the test
-        print(f"{rank} {check} {type(exc).__name__}: {exc}".replace("\n", " "), flush=True)
+        say(f"{rank} {check} {type(exc).__name__}: {exc}".replace("\n", " "))
 
 
 # 1. a collective that times out inside MPI; the late rank completes it, so MPI finishes cleanly
@@ -62,12 +69,12 @@ else:
     report("big_tag", lambda: dist.recv(buf, src=0, tag=big) and None)
     objs = [None, None]
     dist.recv_object_list(objs, src=0)
-    print(f"{rank} values {buf.tolist()} {objs}", flush=True)
+    say(f"{rank} values {buf.tolist()} {objs}")
 # 5. all_to_all_single whose splits are even on rank 0 ([1, 1] both ways) and uneven on rank 1
 send_splits, recv_splits = ([1, 1], [1, 1]) if rank == 0 else ([1, 2], [1, 2])
 inp = np.arange(sum(send_splits), dtype=np.float64) + 10 * rank
 out = np.zeros(sum(recv_splits))
 dist.all_to_all_single(out, inp, recv_splits, send_splits)
-print(f"{rank} a2a_mixed {out.tolist()}", flush=True)
+say(f"{rank} a2a_mixed {out.tolist()}")
 dist.destroy_process_group()
-print(f"{rank} finished", flush=True)
+say(f"{rank} finished")

@@ -14,8 +14,8 @@ import distcomm as dist
 dist.init_process_group(sys.argv[1], timeout=timedelta(minutes=10))
 rank = dist.get_rank()
 dist.all_reduce(np.ones(4))
-print(f"{rank} initialised", flush=True)
+os.write(1, f"{rank} initialised\n".encode())
 if rank == 1:
     os.kill(os.getpid(), signal.SIGKILL)
 dist.all_reduce(np.ones(4))
-print(f"{rank} survived", flush=True)
+os.write(1, f"{rank} survived\n".encode())
