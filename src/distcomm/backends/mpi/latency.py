@@ -55,7 +55,9 @@ def build(pg, collectives) -> FastPath:
     next_seq = pg.next_seq
     size = len(pg.spec.ranks)
     IN_PLACE = MPI.IN_PLACE
-    plans: dict = {}  # (op, numpy dtype) -> (MPI datatype, MPI op, DType) or None
+    # op -> {numpy dtype number: (MPI datatype, MPI op, DType) or None}: two cheap lookups, where a
+    # (op, np.dtype) key would hash a dtype object on every call
+    plans: dict = {op: {} for op in RedOpType}
 
     def plan(op, np_dtype):
         try:
@@ -66,7 +68,7 @@ def build(pg, collectives) -> FastPath:
         else:
             native = collectives.reduction(op, dtype)
             entry = None if native is None else (native[0], native[1], dtype)
-        plans[(op, np_dtype)] = entry
+        plans[op][np_dtype.num] = entry
         return entry
 
     def fail(exc, op: str, seq: int, sig: int, req, buf):
@@ -82,7 +84,7 @@ def build(pg, collectives) -> FastPath:
             flags = tensor.flags
             if not (flags.c_contiguous and flags.writeable):
                 return False
-            flat = tensor.reshape(-1)
+            flat = tensor if tensor.ndim == 1 else tensor.reshape(-1)
         elif "torch" in sys.modules and isinstance(tensor, sys.modules["torch"].Tensor):
             flat = _torch_flat(tensor)
             if flat is None:
@@ -91,8 +93,10 @@ def build(pg, collectives) -> FastPath:
             return False
         if op.__class__ is not RedOpType or not 0 < flat.nbytes <= LIMIT or collectives.broken is not None:
             return False
-        key = (op, flat.dtype)
-        entry = plans[key] if key in plans else plan(op, flat.dtype)
+        np_dtype = flat.dtype
+        by_dtype = plans[op]
+        num = np_dtype.num
+        entry = by_dtype[num] if num in by_dtype else plan(op, np_dtype)
         if entry is None or profiling() is not None or not enter():
             return False
         mtype, mop, dtype = entry
@@ -100,7 +104,8 @@ def build(pg, collectives) -> FastPath:
         req = None
         try:
             req = comm.Iallreduce(IN_PLACE, [flat, mtype], mop)
-            wait_request(MPI, req, _monotonic() + pg.timeout.total_seconds(), None, closed)
+            if not req.Test():  # the deadline is computed only for a call that has to wait
+                wait_request(MPI, req, _monotonic() + pg.timeout.total_seconds(), None, closed)
         except (TransportError, MPI.Exception) as exc:
             fail(exc, "all_reduce", seq, signature("all_reduce", dtype.code, int(op)), req, flat)
         finally:
@@ -116,7 +121,8 @@ def build(pg, collectives) -> FastPath:
         req = None
         try:
             req = comm.Ibarrier()
-            wait_request(MPI, req, _monotonic() + pg.timeout.total_seconds(), None, closed)
+            if not req.Test():
+                wait_request(MPI, req, _monotonic() + pg.timeout.total_seconds(), None, closed)
         except (TransportError, MPI.Exception) as exc:
             fail(exc, "barrier", seq, signature("barrier"), req, None)
         finally:
