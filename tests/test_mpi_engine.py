@@ -144,6 +144,15 @@ def test_all_to_all_even_on_one_rank_only(error_lines):
     assert error_lines[(1, "a2a_mixed")] == "[1.0, 11.0, 12.0]"
 
 
+def test_mpi_below_thread_multiple():
+    lines = _lines(2, "thread_level_worker.py")
+    for r in range(2):
+        assert lines[(r, "default")] == "[2.0, 2.0]"
+        assert lines[(r, "mpi")].startswith("DistBackendError: backend 'mpi': MPI was initialised below thread level "
+                                            "MULTIPLE"), lines[(r, "mpi")]
+        assert lines[(r, "own_mpi")] == "2 False"
+
+
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])
 def test_a_killed_rank_ends_the_job(backend):
     """MPICH's launcher aborts the job when a rank dies: rank 0, waiting in an all_reduce with a

@@ -200,7 +200,7 @@ def _mpi_store(host: str | None, port: int | None, rank: int, world_size: int, t
     one) and broadcasts ``host:port`` (``host`` None: rank 0's hostname) on a communicator of its own."""
     from .transport.mpi import load_mpi
 
-    MPI = load_mpi()
+    MPI = load_mpi(multiple=False)  # one broadcast from this thread: any thread level will do
     comm = MPI.COMM_WORLD.Dup()
     try:
         if comm.Get_rank() != rank or comm.Get_size() != world_size:

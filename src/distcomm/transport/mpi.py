@@ -53,8 +53,10 @@ SPIN_S = 1.0
 POLL_SLEEP_S = 0.0002
 
 
-def load_mpi():
-    """The ``mpi4py.MPI`` module, MPI initialised at thread level MULTIPLE (see the module doc)."""
+def load_mpi(multiple: bool = True):
+    """The ``mpi4py.MPI`` module, MPI initialised at thread level MULTIPLE (see the module doc).
+    ``multiple=False`` accepts an MPI the program initialised at a lower level (for calls made
+    from one thread only, as the rendezvous's broadcast)."""
     try:
         import mpi4py
     except ImportError as exc:
@@ -68,15 +70,15 @@ def load_mpi():
         mpi4py.rc.thread_level = "multiple"
     from mpi4py import MPI
 
+    if MPI.Is_finalized():
+        raise DistBackendError("backend 'mpi': MPI has already been finalized in this process")
     if not MPI.Is_initialized():
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
-    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+    if multiple and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         raise DistBackendError(
             "backend 'mpi': MPI was initialised below thread level MULTIPLE, but distcomm calls MPI from "
             "each group's worker thread; set mpi4py.rc.thread_level = 'multiple' before importing mpi4py.MPI"
         )
-    if MPI.Is_finalized():
-        raise DistBackendError("backend 'mpi': MPI has already been finalized in this process")
     return MPI
 
 
