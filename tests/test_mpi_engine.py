@@ -21,7 +21,7 @@ import pickle
 import pytest
 
 import diff_cases as dc
-from harness import free_port
+from harness import free_port, run_world
 from mpi_harness import run_mpiexec, skip_reason
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")]
@@ -142,6 +142,27 @@ def test_all_to_all_even_on_one_rank_only(error_lines):
     # rank 0 sends [0] [1] and receives what rank 1 sends it: [10]; rank 1 sends [10] [11, 12]
     assert error_lines[(0, "a2a_mixed")] == "[0.0, 10.0]"
     assert error_lines[(1, "a2a_mixed")] == "[1.0, 11.0, 12.0]"
+
+
+def _init_mpi_outside_mpiexec(rank, world_size):
+    from datetime import timedelta
+
+    import distcomm as dist
+
+    try:
+        dist.init_process_group("mpi", timeout=timedelta(seconds=30))
+    except RuntimeError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "started"
+
+
+def test_processes_not_started_as_one_mpi_job_are_refused_alike():
+    """Spawned processes are each an MPI world of one: every rank says so (none of them dies of a
+    lost store because rank 0 raised first)."""
+    results = run_world(_init_mpi_outside_mpiexec, 2, timeout=90)
+    for rank, text in enumerate(results):
+        assert text.startswith(f"DistBackendError: backend 'mpi' on rank {rank}: the 2 processes are not one MPI "
+                               "job (their ranks in MPI_COMM_WORLD are [0, 0])"), text
 
 
 def test_mpi_below_thread_multiple():

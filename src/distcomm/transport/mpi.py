@@ -37,6 +37,7 @@ program, whoever initialised it.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -45,11 +46,13 @@ import numpy as np
 from ..errors import DistBackendError
 from .base import ANY_SOURCE, KIND_P2P, MessageKey, Request, Transport, TransportError
 
-# How long a waiter polls MPI without pausing: MPI makes progress only inside its calls, so a
-# large transfer needs the test loop to keep turning (as MPI's own blocking calls spin). Past
-# this, a wait that has not finished is a wait for a peer that is elsewhere (a barrier while others
-# compute), and it polls every POLL_SLEEP_S to leave the CPU to them.
-SPIN_S = 1.0
+# How a waiter polls MPI, which makes progress only inside its calls (so a large transfer needs the
+# test loop to keep turning, as MPI's own blocking calls spin): tightly for SPIN_S, then yielding
+# the CPU between tests until YIELD_S (ranks may outnumber CPUs: a peer may need this one), then,
+# a wait that long being a wait for a peer that is elsewhere (a barrier while others compute),
+# sleeping POLL_SLEEP_S between tests.
+SPIN_S = 0.0001
+YIELD_S = 1.0
 POLL_SLEEP_S = 0.0002
 
 
@@ -141,21 +144,30 @@ def wait_request(MPI, req, deadline: float | None, status=None, closed=None) -> 
     if req.Test(status):
         return
     start = time.monotonic()
-    spin_until = start + SPIN_S
+    spin_until, yield_until = start + SPIN_S, start + YIELD_S
     test = req.Test
+    pause = None
     n = 0
     while True:
         if test(status):
             return
         n += 1
-        if n & 63 == 0:
+        if pause is not None:
+            pause()
+        if n & 63 == 0 or pause is not None:
             now = time.monotonic()
             if deadline is not None and now > deadline:
-                raise TransportError(f"timed out after {now - start:.1f}s", reason="timeout")
+                raise TransportError(f"timed out ({now - start:.1f}s into this wait)", reason="timeout")
             if closed is not None and closed():
                 raise TransportError("the transport was closed while the request was pending", reason="lost")
-            if now > spin_until:
-                time.sleep(POLL_SLEEP_S)
+            if now > yield_until:
+                pause = _poll_sleep
+            elif now > spin_until:
+                pause = os.sched_yield
+
+
+def _poll_sleep() -> None:
+    time.sleep(POLL_SLEEP_S)
 
 
 class MpiRequest(Request):

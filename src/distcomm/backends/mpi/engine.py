@@ -14,6 +14,8 @@ group. ``close`` frees the engine's communicators and never finalises MPI (see t
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 from ...errors import DistBackendError
 from ...transport.mpi import MpiTransport, load_mpi
 from ...tuning import DEFAULT, Tuning
@@ -55,17 +57,35 @@ class MpiEngine(Engine):
 
 
 def connect(store, rank: int, size: int, timeout: float, tuning: Tuning = DEFAULT, options=None) -> MpiEngine:
-    """The "mpi" engine among ``size`` processes of one MPI job (see the module docstring)."""
-    MPI = load_mpi()
-    world = MPI.COMM_WORLD
-    store.set(f"mpi/world_rank/{rank}", str(world.Get_rank()))
-    world_ranks = [int(store.get(f"mpi/world_rank/{q}")) for q in range(size)]
-    if len(set(world_ranks)) != size:
-        raise DistBackendError(
+    """The "mpi" engine among ``size`` processes of one MPI job (see the module docstring).
+
+    Every rank publishes its MPI_COMM_WORLD rank, or why it cannot run MPI, before any rank raises:
+    the ranks then fail alike, and rank 0 (whose process hosts the store under env://) waits until
+    the others have read the store, or its exit would turn their error into a lost connection."""
+    failure = None
+    try:
+        MPI = load_mpi()
+        mine = str(MPI.COMM_WORLD.Get_rank())
+    except DistBackendError as exc:
+        failure, mine = exc, f"refused: {exc}"
+    store.set(f"mpi/world_rank/{rank}", mine)
+    published = [store.get(f"mpi/world_rank/{q}").decode() for q in range(size)]
+    refused = [q for q, text in enumerate(published) if text.startswith("refused: ")]
+    if failure is None and refused:
+        failure = DistBackendError(f"backend 'mpi' on rank {rank}: rank {refused[0]} cannot run it: "
+                                   f"{published[refused[0]][len('refused: '):]}")
+    elif failure is None and len(set(published)) != size:
+        failure = DistBackendError(
             f"backend 'mpi' on rank {rank}: the {size} processes are not one MPI job (their ranks in "
-            f"MPI_COMM_WORLD are {world_ranks}, MPI_COMM_WORLD has {world.Get_size()} processes). Start them "
-            "with mpiexec/mpirun/srun (e.g. mpiexec -n 4 python train.py), or use backend 'gloo'."
-        )
+            f"MPI_COMM_WORLD are {[int(t) for t in published]}). Start them with mpiexec/mpirun/srun (e.g. "
+            "mpiexec -n 4 python train.py), or use backend 'gloo'.")
+    if failure is not None:
+        store.set(f"mpi/read/{rank}", "1")
+        if rank == 0:
+            store.wait([f"mpi/read/{q}" for q in range(size)], timedelta(seconds=timeout))
+        raise failure
+    world = MPI.COMM_WORLD
+    world_ranks = [int(text) for text in published]
     if world_ranks == list(range(world.Get_size())):
         comm = world.Dup()
     else:
