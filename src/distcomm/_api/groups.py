@@ -86,8 +86,9 @@ def init_process_group(
 
     Either give ``init_method`` (a URL: ``env://`` (default), ``tcp://host:port``,
     ``file:///path``) or an explicit ``store`` with ``rank`` and ``world_size``. ``backend`` is
-    "gloo" (distcomm's default CPU engine, also chosen when None) or "tcp"; ``timeout`` bounds
-    every collective on the group (default 30 minutes).
+    "gloo" (distcomm's default CPU engine, also chosen when None), "tcp" or "mpi" (under mpiexec or
+    srun); ``timeout`` bounds every collective on the group (default 30 minutes). Under mpiexec or
+    srun, env:// needs none of torch's variables (see distcomm.launcher_env).
     """
     from ..rendezvous import rendezvous
     from ..store import PrefixStore
