@@ -97,6 +97,7 @@ def error_lines():
 
 def test_groups_on_the_mpi_engine():
     lines = _lines(3, "groups_worker.py")
+    assert [lines[(r, "local_rank")] for r in range(3)] == ["0", "1", "2"]
     # an "mpi" group of ranks [2, 0] in a world on the default engine: its own engine, by Create_group
     for r in (0, 2):
         assert lines[(r, "default+mpi_group")] == "mpi [4.0, 4.0] [2.0, 2.0, 2.0]"

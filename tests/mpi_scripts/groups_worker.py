@@ -23,6 +23,7 @@ def say(line: str) -> None:
 
 dist.init_process_group()
 rank = dist.get_rank()
+say(f"{rank} local_rank {dist.get_node_local_rank()}")  # MPI_LOCALRANKID: no LOCAL_RANK under mpiexec
 g = dist.new_group([2, 0], backend="mpi")
 if rank in (0, 2):
     t = np.full(2, float(rank + 1))
