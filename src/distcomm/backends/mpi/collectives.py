@@ -67,12 +67,17 @@ class MpiCollectives(GroupCollectives):
             self._reductions[key] = plan
             return plan
 
-    def native(self, ch: Channel, start: Callable[[], Any], *buffers: np.ndarray) -> None:
-        """Start one nonblocking MPI collective and test it to the call's deadline."""
+    def check_usable(self, ch: Channel) -> None:
+        """Raise if an earlier native call timed out (see the module docstring)."""
         if self.broken is not None:
             raise DistBackendError(f"{describe_op(ch.op, ch.key.seq, ch.rank)}: the group cannot be used any "
                                    f"more: {self.broken}; destroy it (or end the job)")
+
+    def native(self, ch: Channel, start: Callable[[], Any], *buffers: np.ndarray) -> None:
+        """Start one nonblocking MPI collective and test it to the call's deadline."""
+        self.check_usable(ch)
         MPI = self.MPI
+        req = None
         try:
             req = start()
             wait_request(MPI, req, ch.deadline, None, self.transport.is_closed)
@@ -84,10 +89,6 @@ class MpiCollectives(GroupCollectives):
             raise ch.translate(exc, None) from None
         except MPI.Exception as exc:
             raise ch.translate(mpi_error(MPI, exc, None, "MPI collective"), None) from None
-
-    def check_usable(self, ch: Channel) -> None:
-        if self.broken is not None:
-            self.native(ch, lambda: None)  # raises
 
     # -- GroupCollectives ------------------------------------------------------------------------
     def all_reduce(self, ch: Channel, flat: np.ndarray, dtype: DType, op) -> None:
