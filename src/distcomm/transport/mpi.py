@@ -25,9 +25,10 @@ gloo accepts a recv of another dtype of the same byte size; so does this transpo
 **Deadlines.** A request is tested against its deadline (``wait_request``): a receive that times
 out is cancelled; a send cannot be (MPI deprecates cancelling sends), so it is left to MPI.
 
-**Lost peers.** MPI has no notion of one: under MPICH's hydra (and Open MPI, and srun) a process
-that dies makes the launcher abort the whole job, so a peer's death ends this process too rather
-than raising here (docs/architecture.md, README "MPI").
+**Lost peers.** MPI has no notion of one: under MPICH's hydra (tests/test_mpi_engine.py), Open MPI's
+mpirun (by default) and ``srun --kill-on-bad-exit=1``, a process that dies makes the launcher abort
+the whole job, so a peer's death ends this process too rather than raising here; under a launcher
+that lets the job go on, the survivors' requests time out (README "MPI and Slurm").
 
 **Initialisation.** ``load_mpi`` imports ``mpi4py.MPI``, which initialises MPI at thread level
 MULTIPLE (mpi4py's default; distcomm runs each group's work on its own thread) unless the program
