@@ -6,6 +6,13 @@ Each collective MPI has is one nonblocking MPI call on the group's communicator 
 honoured (MPI's blocking calls cannot be interrupted). What MPI lacks (``native``) runs
 ``GenericCollectives``, distcomm's algorithms, over ``MpiTransport`` on the same communicator.
 
+MPI matches native collectives by their order on the communicator and checks no signature: ranks
+that call different collectives, or one with different ops, get MPI's behaviour (a hang until the
+timeout, or wrong results); a message longer than its receive is MPI's truncation error, reported as
+a mismatch. Every rank must therefore make the same MPI call for the same distcomm call: the choice
+between native and distcomm's algorithms depends only on what all ranks share (op, dtype, the split
+of reduce_scatter), never on one rank's own counts (all_to_all is always ``Ialltoallv``).
+
 A native call that times out cannot be cancelled (MPI has no cancel for collectives): MPI may still
 write into its buffers, so they are kept alive, and the group is marked broken; every later call on
 it raises at once (as torch's NCCL aborts a communicator after a timeout). Destroy the group, or
