@@ -182,8 +182,10 @@ def test_supports_complex_like_torch():
 
 
 def test_availability_like_torch():
-    for name in ["gloo", "GLOO", "nccl", "mpi", "ucc", "xccl", "cpu:gloo", "cpu:gloo,cuda:nccl", "undefined"]:
+    for name in ["gloo", "GLOO", "nccl", "ucc", "xccl", "cpu:gloo", "cpu:gloo,cuda:nccl", "undefined"]:
         assert dist.is_backend_available(name) == tdist.is_backend_available(name), name
+    # deliberately not torch's (its CPU build has no MPI): distcomm's "mpi" engine runs when mpi4py imports
+    assert dist.is_backend_available("mpi") == dist.is_mpi_available()
     assert dist.is_backend_available("tcp")
     assert dist.is_xccl_available() is False
     assert dist.get_default_backend_for_device("cpu") == tdist.get_default_backend_for_device("cpu") == "gloo"

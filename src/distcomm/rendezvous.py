@@ -9,6 +9,9 @@ Bundled schemes:
 
 * ``env://`` — MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK from the environment (rank and
   world_size may come from the arguments or the URL query instead); rank 0 hosts the TCPStore.
+  Under ``mpiexec`` or ``srun`` the launcher's variables fill in what is missing
+  (launcher_env.py): rank and size, and the store's address agreed over MPI (mpi4py) or taken
+  from the Slurm node list.
 * ``tcp://host:port?rank=R&world_size=N`` — the same, with the address in the URL.
 * ``file:///path?rank=R&world_size=N`` — a FileStore on a shared file system.
 
@@ -23,12 +26,15 @@ file:// has no server to authenticate; the file system's permissions protect it.
 
 from __future__ import annotations
 
+import importlib.util
 import numbers
 import os
+import socket
 from datetime import timedelta
 from typing import Callable, Iterator
 from urllib.parse import parse_qsl, urlencode, urlparse, urlunparse
 
+from . import launcher_env
 from .store import FileStore, PrefixStore, Store, TCPStore
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default_pg_timeout
@@ -154,15 +160,71 @@ def _env_int(name: str) -> int:
 
 def _env_rendezvous_handler(url: str, timeout: timedelta = DEFAULT_TIMEOUT, **kwargs):
     query = dict(parse_qsl(urlparse(url).query))
-    rank = int(query["rank"]) if "rank" in query else _env_int("RANK")
-    world_size = int(query["world_size"]) if "world_size" in query else _env_int("WORLD_SIZE")
-    master_addr = _env("MASTER_ADDR")
-    master_port = _env_int("MASTER_PORT")
-    if not 0 <= master_port <= 65535:
+    env = os.environ
+    have_rank = "rank" in query or bool(env.get("RANK"))
+    have_size = "world_size" in query or bool(env.get("WORLD_SIZE"))
+    launch = None
+    if not (have_rank and have_size and env.get("MASTER_ADDR") and env.get("MASTER_PORT")):
+        # started by mpiexec or srun: their variables fill in what torch's leave out
+        try:
+            launch = launcher_env.detect(env, importlib.util.find_spec("mpi4py") is not None)
+        except launcher_env.LaunchEnvError as exc:
+            raise _error("env", str(exc)) from None
+    if launch is None:
+        rank = int(query["rank"]) if "rank" in query else _env_int("RANK")
+        world_size = int(query["world_size"]) if "world_size" in query else _env_int("WORLD_SIZE")
+        master_addr = _env("MASTER_ADDR")
+        master_port = _env_int("MASTER_PORT")
+    else:
+        rank = int(query["rank"]) if "rank" in query else (_env_int("RANK") if env.get("RANK") else launch.rank)
+        world_size = (int(query["world_size"]) if "world_size" in query
+                      else _env_int("WORLD_SIZE") if env.get("WORLD_SIZE") else launch.world_size)
+        master_addr, master_port = launch.master_addr, launch.master_port
+    if master_port is not None and not 0 <= master_port <= 65535:
         raise _error("env", f"MASTER_PORT={master_port} is not a port (0..65535)")
     _checked_rank("env", rank, world_size)
-    yield _env_store(master_addr, master_port, rank, world_size, timeout), rank, world_size
+    if launch is not None and launch.store_via == launcher_env.VIA_MPI:
+        store = _mpi_store(master_addr, master_port, rank, world_size, timeout)
+    elif launch is not None and launch.store_via == launcher_env.VIA_NONE:
+        raise _error("env", f"started by {launch.launcher} (rank {rank} of {world_size}), but nothing says where "
+                     "the store is: set MASTER_ADDR and MASTER_PORT, or install mpi4py (pip install "
+                     "'distcomm[mpi]') so that rank 0 can tell the others over MPI")
+    else:
+        store = _env_store(master_addr, master_port, rank, world_size, timeout)
+    yield store, rank, world_size
     raise RuntimeError("Unable to perform re-rendezvous using env:// method")
+
+
+def _mpi_store(host: str | None, port: int | None, rank: int, world_size: int, timeout: timedelta) -> Store:
+    """The job's TCPStore, its address agreed over MPI: rank 0 starts it on ``port`` (None: a free
+    one) and broadcasts ``host:port`` (``host`` None: rank 0's hostname) on a communicator of its own."""
+    from .transport.mpi import load_mpi
+
+    MPI = load_mpi(multiple=False)  # one broadcast from this thread: any thread level will do
+    comm = MPI.COMM_WORLD.Dup()
+    try:
+        if comm.Get_rank() != rank or comm.Get_size() != world_size:
+            raise _error("env", f"rank {rank} of {world_size} from the launcher's variables, but MPI_COMM_WORLD says "
+                         f"rank {comm.Get_rank()} of {comm.Get_size()}; set MASTER_ADDR and MASTER_PORT instead")
+        if rank == 0:
+            failure = None
+            try:
+                bind = "127.0.0.1" if host == "127.0.0.1" else ""
+                store = TCPStore(bind, port or 0, world_size, is_master=True, timeout=timeout,
+                                 wait_for_workers=False, multi_tenant=True)
+                message = (host or socket.gethostname(), store.port, None)
+            except Exception as exc:  # noqa: BLE001 - told to the others, then raised
+                failure, message = exc, (None, None, f"{type(exc).__name__}: {exc}")
+            comm.bcast(message, root=0)
+            if failure is not None:
+                raise failure
+            return store
+        host, port, error = comm.bcast(None, root=0)
+        if error is not None:
+            raise _error("env", f"rank 0 could not start the store: {error}")
+        return TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    finally:
+        comm.Free()
 
 
 def _env_store(host: str, port: int, rank: int, world_size: int, timeout: timedelta) -> Store:

@@ -6,6 +6,11 @@ Usage (``python -m distcomm.run`` works the same)::
     distcomm-run --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 --nproc-per-node 2 train.py
     distcomm-run --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500 --nproc-per-node 2 train.py
 
+Inside a Slurm allocation of several nodes, one launcher per node (``srun --ntasks-per-node=1
+distcomm-run --nproc-per-node 4 train.py``) takes what its options leave out from Slurm: the node
+count, SLURM_NODEID as its node rank, and the first host of the node list as the master, on a port
+derived from SLURM_JOB_ID (launcher_env.py).
+
 torchrun's options are accepted with both spellings (``--nproc-per-node`` and ``--nproc_per_node``),
 and, as in torchrun, each can also come from the environment as ``PET_<OPTION>`` (``PET_NPROC_PER_NODE``).
 
@@ -95,6 +100,7 @@ from ._launcher.config import (
     LaunchConfig,
     LaunchError,
     parse_endpoint,
+    node_placement,
     parse_nnodes,
     parse_nproc_per_node,
     parse_ranks_filter,
@@ -143,8 +149,9 @@ def get_args_parser(prog: str = "distcomm-run") -> argparse.ArgumentParser:
         prog=prog,
         description="Start the workers of a distributed job on this node (torchrun's options).",
     )
-    p.add_argument(*_both("nnodes"), action=_Env, type=str, default="1",
-                   help="Number of nodes (N, or N:N; elastic ranges are not supported). Default 1.")
+    p.add_argument(*_both("nnodes"), action=_Env, type=str, default=None,
+                   help="Number of nodes (N, or N:N; elastic ranges are not supported). Default 1, or the "
+                        "Slurm allocation's node count.")
     p.add_argument(*_both("nproc-per-node"), action=_Env, type=str, default="1",
                    help="Workers on this node: an int, or 'auto'/'cpu' = the CPUs available. Default 1.")
     p.add_argument(*_both("rdzv-backend"), action=_Env, type=str, default="static",
@@ -188,12 +195,15 @@ def get_args_parser(prog: str = "distcomm-run") -> argparse.ArgumentParser:
     p.add_argument(*_both("rank-prefix"), action=_EnvFlag,
                    help="distcomm only: put '[rank<N>]: ' before every console line that is not "
                         "teed (torchrun shows those lines unchanged).")
-    p.add_argument(*_both("node-rank"), action=_Env, type=int, default=0,
-                   help="Rank of this node (0..nnodes-1); node rank 0 hosts the job store.")
-    p.add_argument(*_both("master-addr"), action=_Env, type=str, default="127.0.0.1",
-                   help="Address of node rank 0 (where the job store listens). Default 127.0.0.1.")
-    p.add_argument(*_both("master-port"), action=_Env, type=int, default=DEFAULT_MASTER_PORT,
-                   help=f"Port of the job store; 0 picks a free one (node rank 0). Default {DEFAULT_MASTER_PORT}.")
+    p.add_argument(*_both("node-rank"), action=_Env, type=int, default=None,
+                   help="Rank of this node (0..nnodes-1); node rank 0 hosts the job store. Default 0, or "
+                        "SLURM_NODEID.")
+    p.add_argument(*_both("master-addr"), action=_Env, type=str, default=None,
+                   help="Address of node rank 0 (where the job store listens). Default 127.0.0.1, or the "
+                        "first host of the Slurm node list.")
+    p.add_argument(*_both("master-port"), action=_Env, type=int, default=None,
+                   help=f"Port of the job store; 0 picks a free one (node rank 0). Default {DEFAULT_MASTER_PORT}, "
+                        "or one derived from SLURM_JOB_ID (launcher_env.slurm_port).")
     p.add_argument(*_both("local-addr"), action=_Env, type=str, default=None,
                    help="This node's name in failure summaries. Default: the hostname.")
     p.add_argument(*_both("shutdown-timeout"), action=_Env, type=float,
@@ -214,11 +224,14 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "distcomm-run") ->
 def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     """Resolve the parsed options into a LaunchConfig (LaunchError on a bad combination)."""
     nproc = parse_nproc_per_node(args.nproc_per_node)
-    nnodes = parse_nnodes(args.nnodes)
+    # inside a multi-node Slurm allocation, what the options leave out comes from SLURM_*
+    placement = node_placement(args.nnodes, args.node_rank, args.master_addr, args.master_port,
+                               {} if args.standalone else os.environ)
+    nnodes = parse_nnodes(placement.nnodes)
     if args.rdzv_backend not in ("static", "c10d"):
         raise LaunchError(f"--rdzv-backend={args.rdzv_backend!r}: only 'static' and 'c10d' are supported")
     conf = parse_rdzv_conf(args.rdzv_conf)
-    master_addr, master_port = args.master_addr, args.master_port
+    master_addr, master_port = placement.master_addr, placement.master_port
     if args.standalone:
         if nnodes != 1:
             raise LaunchError(f"--standalone runs a single-node job, but --nnodes={args.nnodes}")
@@ -242,7 +255,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         args=list(args.training_script_args),
         nproc_per_node=nproc,
         nnodes=nnodes,
-        node_rank=args.node_rank,
+        node_rank=placement.node_rank,
         master_addr=master_addr,
         master_port=master_port,
         standalone=args.standalone,

@@ -6,7 +6,7 @@ import os
 from datetime import timedelta
 from typing import Any, Sequence
 
-from .. import world
+from .. import launcher_env, world
 from ..backends import Backend, connect
 from ..process_group import ProcessGroup
 from ..errors import DistBackendError
@@ -31,8 +31,13 @@ def is_gloo_available() -> bool:
 
 
 def is_mpi_available() -> bool:
-    """False: distcomm has no MPI engine in this build."""
-    return False
+    """True when mpi4py imports: backend "mpi" then runs under mpiexec/srun (MPI is not initialised
+    by this check)."""
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def is_nccl_available() -> bool:
@@ -81,8 +86,9 @@ def init_process_group(
 
     Either give ``init_method`` (a URL: ``env://`` (default), ``tcp://host:port``,
     ``file:///path``) or an explicit ``store`` with ``rank`` and ``world_size``. ``backend`` is
-    "gloo" (distcomm's default CPU engine, also chosen when None) or "tcp"; ``timeout`` bounds
-    every collective on the group (default 30 minutes).
+    "gloo" (distcomm's default CPU engine, also chosen when None), "tcp" or "mpi" (under mpiexec or
+    srun); ``timeout`` bounds every collective on the group (default 30 minutes). Under mpiexec or
+    srun, env:// needs none of torch's variables (see distcomm.launcher_env).
     """
     from ..rendezvous import rendezvous
     from ..store import PrefixStore
@@ -376,10 +382,14 @@ def get_pg_count() -> int:
 
 
 def get_node_local_rank(fallback_rank: int | None = None) -> int:
-    """This process's rank on its machine: LOCAL_RANK (set by distcomm-run / torchrun), else
-    ``fallback_rank``; neither is a RuntimeError, as in torch."""
+    """This process's rank on its machine: LOCAL_RANK (set by distcomm-run / torchrun), else the
+    local rank mpiexec or srun gave (MPI_LOCALRANKID, OMPI_COMM_WORLD_LOCAL_RANK, SLURM_LOCALID),
+    else ``fallback_rank``; none of them is a RuntimeError, as in torch."""
     if "LOCAL_RANK" in os.environ:
         return int(os.environ["LOCAL_RANK"])
+    launched = launcher_env.detect(os.environ)
+    if launched is not None and launched.local_rank is not None:
+        return launched.local_rank
     if fallback_rank is not None:
         return int(fallback_rank)
     raise RuntimeError(

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, NamedTuple, Sequence
+
+from .. import launcher_env
 
 DEFAULT_MASTER_PORT = 29500
 
@@ -104,6 +106,36 @@ def parse_ranks_filter(value: str | None) -> set[int] | None:
         return {int(x) for x in str(value).split(",") if x.strip()}
     except ValueError:
         raise LaunchError(f"--local-ranks-filter={value!r}: expected comma-separated ints") from None
+
+
+class NodePlacement(NamedTuple):
+    nnodes: str | int
+    node_rank: int
+    master_addr: str
+    master_port: int
+
+
+def node_placement(nnodes: str | None, node_rank: int | None, master_addr: str | None, master_port: int | None,
+                   env: Mapping[str, str]) -> NodePlacement:
+    """The node count, node rank and master, each from its option (or PET_ variable) when given,
+    else from Slurm inside a multi-node allocation (``launcher_env.slurm_node_defaults``: run one
+    launcher per node, ``srun --ntasks-per-node=1 distcomm-run ...``), else the single-node
+    defaults (1 node, rank 0, 127.0.0.1:29500)."""
+    slurm = None
+    if None in (nnodes, node_rank, master_addr, master_port):
+        try:
+            slurm = launcher_env.slurm_node_defaults(env)
+        except launcher_env.LaunchEnvError as exc:
+            raise LaunchError(f"inside a Slurm allocation: {exc}") from None
+        if slurm is not None and slurm.nnodes <= 1:
+            slurm = None  # one node: the single-node defaults serve, with no name to resolve
+    return NodePlacement(
+        nnodes if nnodes is not None else (slurm.nnodes if slurm else "1"),
+        node_rank if node_rank is not None else (slurm.node_rank if slurm else 0),
+        master_addr if master_addr is not None else (slurm.master_addr if slurm else "127.0.0.1"),
+        master_port if master_port is not None else (
+            slurm.master_port if slurm and slurm.master_port is not None else DEFAULT_MASTER_PORT),
+    )
 
 
 def parse_endpoint(value: str, default_port: int) -> tuple[str, int]:

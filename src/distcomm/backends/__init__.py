@@ -41,6 +41,12 @@ def _default_engine(store, rank: int, size: int, timeout: float, tuning: Tuning,
     return hybrid.connect(store, rank, size, timeout, tuning, options)
 
 
+def _mpi_engine(store, rank: int, size: int, timeout: float, tuning: Tuning, options: Any = None) -> Engine:
+    from . import mpi
+
+    return mpi.connect(store, rank, size, timeout, tuning, options)
+
+
 def _world_of_one(tuning: Tuning) -> Engine:
     # A world of one needs no peers; the in-process transport serves it without sockets.
     from ..transport.inproc import InprocTransport
@@ -60,8 +66,8 @@ class Backend(str):
     """An enum-like class of backend names: ``Backend("GLOO") == "gloo"``.
 
     distcomm's engines: "tcp" (sockets between any hosts), "gloo" (the default CPU engine; the
-    name torch programs already use). "mpi" and "nccl" are recognised names whose engines are not
-    available in this build. New engines are added with ``Backend.register_backend``.
+    name torch programs already use), "mpi" (MPI through mpi4py, under mpiexec or srun). "nccl" and
+    "ucc" are recognised names whose engines are not available in this build. New engines are added with ``Backend.register_backend``.
     """
 
     UNDEFINED = "undefined"
@@ -154,6 +160,6 @@ def register_engine(name: str, factory: EngineFactory) -> None:
 register_engine("tcp", _tcp_engine)
 register_engine("shm", _shm_engine)  # shared memory only: every rank on one host
 register_engine("gloo", _default_engine)  # the default CPU engine: shared memory within a host, TCP between hosts
-register_engine("mpi", _unavailable("mpi", "distcomm has no MPI engine yet (mpi4py integration is planned)"))
+register_engine("mpi", _mpi_engine)  # MPI (mpi4py) among the processes of one MPI job
 register_engine("nccl", _unavailable("nccl", "NCCL needs CUDA GPUs; this build of distcomm runs on CPU"))
 register_engine("ucc", _unavailable("ucc", "distcomm has no UCC engine"))

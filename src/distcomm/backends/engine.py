@@ -15,7 +15,8 @@ Implementations:
 * ``generic.GenericEngine``: the algorithms of ``distcomm._algorithms`` over any Transport
   (TCP, a third-party Transport from ``Backend.register_backend``, the in-process one);
 * ``shm.ShmEngine`` (the ``shm`` package): shared memory between the ranks of one host;
-* ``hybrid.HybridEngine``: shared memory within a host, TCP between hosts.
+* ``hybrid.HybridEngine``: shared memory within a host, TCP between hosts;
+* ``mpi.MpiEngine`` (the ``mpi`` package): MPI through mpi4py, a communicator per group.
 
 Adding an engine: a class implementing ``Engine`` (and a GroupCollectives, or reuse
 ``GenericCollectives``) in its own module, and one ``register_engine`` line in ``backends/__init__``.

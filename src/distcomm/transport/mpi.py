@@ -1,0 +1,348 @@
+"""A Transport over MPI point-to-point (mpi4py's buffer calls), for the "mpi" engine.
+
+Why a transport at all when MPI has collectives: distcomm's own algorithms (``_algorithms``) run
+over it for what MPI lacks (fp16, bfloat16, complex and bool reductions, MIN/MAX with torch's NaN
+rule, uneven splits), and torch's ``send``/``recv``/``irecv(src=None)`` are point-to-point.
+
+**Matching.** MPI matches by (communicator, source, tag) in posting order, the same
+non-overtaking rule as ``transport/matching.py``; so a MessageKey maps onto MPI instead of being
+matched here. Each process group has its own communicator (``open_group``, a collective call on the
+group's members, made by the engine when the group is created), so the key's group is the
+communicator and only (kind, seq) must fit in the tag. Tags have ``MPI_TAG_UB`` bits (29 with
+MPICH, 31 with Open MPI): the top bit is the kind; a collective's tag then holds 8 bits of the
+call's signature and its sequence number modulo what is left (only one collective of a group is in
+flight at a time, so the wrap-around never aliases); a point-to-point tag is the user's tag when it is in
+0..``p2p_tag_limit``-1 (2**27 with MPICH); any other tag (negative, or larger) is taken modulo that
+limit in a range of its own, so two such tags that differ by a multiple of it, used at once between
+the same two ranks of a group, would match each other's messages.
+
+**Checks.** A message bigger than its receive fails the receive (MPI's truncation error); a smaller
+one is detected from the status: both are reported as a mismatch naming the peer. A collective
+message with a different signature has a different tag, so it is never matched: the call times out
+instead of reading another collective's bytes. Point-to-point messages carry no signature (torch's
+gloo accepts a recv of another dtype of the same byte size; so does this transport).
+
+**Deadlines.** A request is tested against its deadline (``wait_request``): a receive that times
+out is cancelled; a send cannot be (MPI deprecates cancelling sends), so it is left to MPI.
+
+**Lost peers.** MPI has no notion of one: under MPICH's hydra (tests/test_mpi_engine.py), Open MPI's
+mpirun (by default) and ``srun --kill-on-bad-exit=1``, a process that dies makes the launcher abort
+the whole job, so a peer's death ends this process too rather than raising here; under a launcher
+that lets the job go on, the survivors' requests time out (README "MPI and Slurm").
+
+**Initialisation.** ``load_mpi`` imports ``mpi4py.MPI``, which initialises MPI at thread level
+MULTIPLE (mpi4py's default; distcomm runs each group's work on its own thread) unless the program
+already did; it refuses a lower level. distcomm never finalises MPI: mpi4py does at exit, after the
+program, whoever initialised it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+
+from ..errors import DistBackendError
+from .base import ANY_SOURCE, KIND_P2P, MessageKey, Request, Transport, TransportError
+
+# How a waiter polls MPI, which makes progress only inside its calls (so a large transfer needs the
+# test loop to keep turning, as MPI's own blocking calls spin): tightly for SPIN_S, then yielding
+# the CPU between tests until YIELD_S (ranks may outnumber CPUs: a peer may need this one), then,
+# a wait that long being a wait for a peer that is elsewhere (a barrier while others compute),
+# sleeping POLL_SLEEP_S between tests.
+SPIN_S = 0.0001
+YIELD_S = 1.0
+POLL_SLEEP_S = 0.0002
+
+
+def load_mpi(multiple: bool = True):
+    """The ``mpi4py.MPI`` module, MPI initialised at thread level MULTIPLE (see the module doc).
+    ``multiple=False`` accepts an MPI the program initialised at a lower level (for calls made
+    from one thread only, as the rendezvous's broadcast)."""
+    try:
+        import mpi4py
+    except ImportError as exc:
+        raise DistBackendError(
+            f"backend 'mpi' needs mpi4py ({exc}); install it with: pip install 'distcomm[mpi]'"
+        ) from None
+    import sys
+
+    if "mpi4py.MPI" not in sys.modules:
+        mpi4py.rc.threads = True
+        mpi4py.rc.thread_level = "multiple"
+    from mpi4py import MPI
+
+    if MPI.Is_finalized():
+        raise DistBackendError("backend 'mpi': MPI has already been finalized in this process")
+    if not MPI.Is_initialized():
+        MPI.Init_thread(MPI.THREAD_MULTIPLE)
+    if multiple and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        raise DistBackendError(
+            "backend 'mpi': MPI was initialised below thread level MULTIPLE, but distcomm calls MPI from "
+            "each group's worker thread; set mpi4py.rc.thread_level = 'multiple' before importing mpi4py.MPI"
+        )
+    return MPI
+
+
+def fold_signature(signature: int) -> int:
+    """A 32-bit signature folded into the 8 bits a tag has room for."""
+    s = signature & 0xFFFFFFFF
+    return (s ^ (s >> 8) ^ (s >> 16) ^ (s >> 24)) & 0xFF
+
+
+class TagLayout:
+    """MessageKey -> MPI tag, within ``tag_ub`` (see the module doc). Pure, tested on numbers."""
+
+    def __init__(self, tag_ub: int):
+        bits = int(tag_ub).bit_length()  # tag_ub is 2**bits - 1 in practice; the tags stay below it
+        if bits < 15:
+            raise DistBackendError(f"MPI_TAG_UB={tag_ub} is below 32767, the MPI standard's minimum")
+        self.kind_bit = 1 << (bits - 1)
+        self.sig_bits = 8 if bits >= 24 else 0
+        self.seq_bits = bits - 1 - self.sig_bits
+        # point-to-point tags 0 .. limit-1 are themselves; any other int (a negative one, or
+        # send_object_list's -2**62) is taken modulo limit in a second range of its own
+        self.p2p_tag_limit = self.kind_bit >> 1
+
+    def tag(self, key: MessageKey, signature: int) -> int:
+        if key.kind == KIND_P2P:
+            t = key.seq
+            if 0 <= t < self.p2p_tag_limit:
+                return self.kind_bit | t
+            return self.kind_bit | self.p2p_tag_limit | (t % self.p2p_tag_limit)
+        sig = fold_signature(signature) if self.sig_bits else 0
+        return (sig << self.seq_bits) | (key.seq & ((1 << self.seq_bits) - 1))
+
+
+class GroupComm:
+    """One process group's communicator: ``ranks`` maps comm rank -> engine rank."""
+
+    __slots__ = ("comm", "ranks", "rank_of")
+
+    def __init__(self, comm, ranks):
+        self.comm = comm
+        self.ranks = list(ranks)
+        self.rank_of = {r: i for i, r in enumerate(self.ranks)}
+
+
+def mpi_error(MPI, exc, peer: int | None, what: str) -> TransportError:
+    try:
+        cls = exc.Get_error_class()
+    except Exception:  # noqa: BLE001 - not an MPI.Exception
+        cls = None
+    if cls == MPI.ERR_TRUNCATE:
+        return TransportError(
+            f"{what}: the message from rank {peer} is longer than the receive (the ranks called different "
+            "collectives, or the same one with different sizes)", peer=peer, reason="mismatch")
+    return TransportError(f"{what}: MPI error: {exc}", peer=peer, reason="error")
+
+
+def wait_request(MPI, req, deadline: float | None, status=None, closed=None) -> None:
+    """Test ``req`` until it completes; TransportError(timeout) past ``deadline`` (time.monotonic),
+    TransportError(lost) once ``closed()`` says the transport closed. MPI errors propagate."""
+    if req.Test(status):
+        return
+    start = time.monotonic()
+    spin_until, yield_until = start + SPIN_S, start + YIELD_S
+    test = req.Test
+    pause = None
+    n = 0
+    while True:
+        if test(status):
+            return
+        n += 1
+        if pause is not None:
+            pause()
+        if n & 63 == 0 or pause is not None:
+            now = time.monotonic()
+            if deadline is not None and now > deadline:
+                raise TransportError(f"timed out ({now - start:.1f}s into this wait)", reason="timeout")
+            if closed is not None and closed():
+                raise TransportError("the transport was closed while the request was pending", reason="lost")
+            if now > yield_until:
+                pause = _poll_sleep
+            elif now > spin_until:
+                pause = os.sched_yield
+
+
+def _poll_sleep() -> None:
+    time.sleep(POLL_SLEEP_S)
+
+
+class MpiRequest(Request):
+    """A posted Isend or Irecv. One thread at a time tests it (MPI forbids concurrent tests)."""
+
+    __slots__ = ("transport", "req", "status", "peer", "out", "receiving", "group", "done", "error", "lock",
+                 "source", "nbytes")
+
+    def __init__(self, transport: "MpiTransport", req, peer: int, out: np.ndarray, receiving: bool,
+                 group: GroupComm):
+        self.transport = transport
+        self.req = req
+        self.status = transport.MPI.Status() if receiving else None
+        self.peer = peer  # engine rank, or ANY_SOURCE
+        self.out = out  # kept alive until MPI is done with it
+        self.receiving = receiving
+        self.group = group
+        self.done = False
+        self.error: TransportError | None = None
+        self.lock = threading.Lock()
+        self.source = -1
+        self.nbytes = 0
+
+    def _finish(self) -> None:
+        self.done = True
+        if not self.receiving:
+            return
+        st = self.status
+        src = st.Get_source()
+        self.source = self.group.ranks[src] if 0 <= src < len(self.group.ranks) else -1
+        self.nbytes = st.Get_count(self.transport.MPI.BYTE)
+        if self.nbytes != self.out.nbytes:
+            self.error = TransportError(
+                f"the message from rank {self.source} does not match the receive posted on rank "
+                f"{self.transport.rank}: it expects {self.out.nbytes} bytes but rank {self.source} sent "
+                f"{self.nbytes} bytes", peer=self.source, reason="mismatch")
+
+    def _fail(self, exc: TransportError) -> None:
+        self.done = True
+        self.error = exc
+
+    def wait(self, deadline: float | None = None) -> None:
+        with self.lock:
+            if not self.done:
+                MPI = self.transport.MPI
+                peer = None if self.peer == ANY_SOURCE else self.peer
+                try:
+                    wait_request(MPI, self.req, deadline, self.status, self.transport.is_closed)
+                except TransportError as exc:
+                    exc.peer = peer
+                    if exc.reason == "timeout" and self.receiving:
+                        self._cancel()
+                    if exc.reason != "timeout" or self.receiving:
+                        self._fail(exc)  # a timed-out send is still MPI's: wait() may be called again
+                    raise
+                except MPI.Exception as exc:
+                    self._fail(mpi_error(MPI, exc, peer, "receive" if self.receiving else "send"))
+                else:
+                    self._finish()
+        if self.error is not None:
+            raise self.error
+
+    def _cancel(self) -> None:
+        try:
+            self.req.Cancel()
+            self.req.Wait()
+        except Exception:  # noqa: BLE001 - the receive may have completed meanwhile; it is dropped
+            pass
+
+    def test(self) -> bool:
+        if self.done:
+            return True
+        if not self.lock.acquire(blocking=False):
+            return False
+        try:
+            if self.done:
+                return True
+            try:
+                if not self.req.Test(self.status):
+                    return False
+            except self.transport.MPI.Exception as exc:
+                self._fail(mpi_error(self.transport.MPI, exc, None if self.peer == ANY_SOURCE else self.peer, "request"))
+                return True
+            self._finish()
+            return True
+        finally:
+            self.lock.release()
+
+
+class MpiTransport(Transport):
+    """Point-to-point over MPI among the ranks of ``comm`` (the engine's world communicator, owned:
+    freed by ``close``). Messages of a process group travel on that group's communicator, opened
+    with ``open_group`` on its members."""
+
+    def __init__(self, MPI, comm):
+        self.MPI = MPI
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.layout = TagLayout(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB))
+        self._groups: dict[int, GroupComm] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"MpiTransport(rank={self.rank}, size={self.size})"
+
+    def is_closed(self) -> bool:
+        return self._closed
+
+    # -- groups --------------------------------------------------------------------------------
+    def open_group(self, group_id: int, ranks) -> GroupComm:
+        """A communicator for group ``group_id`` of these engine ranks (group rank i = ranks[i]).
+        Collective over the members; every member calls it for the same groups in the same order."""
+        ranks = list(ranks)
+        MPI = self.MPI
+        with self._lock:
+            if self._closed:
+                raise DistBackendError("backend 'mpi': the engine is closed")
+            known = self._groups.get(group_id)
+        if known is not None:
+            return known
+        if ranks == list(range(self.size)):
+            comm = self.comm.Dup()
+        else:
+            members = self.comm.Get_group().Incl(ranks)
+            try:
+                comm = self.comm.Create_group(members, tag=group_id % (self.layout.kind_bit))
+            finally:
+                members.Free()
+        group = GroupComm(comm, ranks)
+        with self._lock:
+            self._groups[group_id] = group
+        return group
+
+    def group(self, group_id: int) -> GroupComm:
+        group = self._groups.get(group_id)
+        if group is None:
+            raise DistBackendError(
+                f"backend 'mpi': no communicator for group {group_id} on rank {self.rank} (the group was "
+                "destroyed, or was not created on this rank)")
+        return group
+
+    def release_group(self, group_id: int) -> None:
+        with self._lock:
+            group = self._groups.pop(group_id, None)
+        if group is not None and not self.MPI.Is_finalized():
+            group.comm.Free()
+
+    # -- Transport -----------------------------------------------------------------------------
+    def isend(self, dst: int, data: np.ndarray, key: MessageKey, signature: int = 0) -> MpiRequest:
+        group = self.group(key.group)
+        tag = self.layout.tag(key, signature)
+        buf = data.reshape(-1).view(np.uint8)
+        req = group.comm.Isend([buf, self.MPI.BYTE], group.rank_of[dst], tag)
+        return MpiRequest(self, req, dst, data, False, group)
+
+    def irecv(self, src: int, out: np.ndarray, key: MessageKey, signature: int = 0) -> MpiRequest:
+        group = self.group(key.group)
+        tag = self.layout.tag(key, signature)
+        buf = out.reshape(-1).view(np.uint8)
+        source = self.MPI.ANY_SOURCE if src == ANY_SOURCE else group.rank_of[src]
+        req = group.comm.Irecv([buf, self.MPI.BYTE], source, tag)
+        return MpiRequest(self, req, src, out, True, group)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            groups = list(self._groups.values())
+            self._groups.clear()
+        if self.MPI.Is_finalized():
+            return
+        for group in groups:
+            group.comm.Free()
+        self.comm.Free()

@@ -1,0 +1,91 @@
+"""The MPI engine's pure parts, with no MPI: the MessageKey -> tag layout, and which reductions
+MPI computes natively (the rest run distcomm's algorithms over MPI point-to-point)."""
+
+from __future__ import annotations
+
+import pytest
+
+from distcomm import dtypes
+from distcomm.backends.mpi.native import equal, native_reduction
+from distcomm.transport.base import KIND_COLLECTIVE, KIND_P2P, MessageKey
+from distcomm.transport.mpi import TagLayout, fold_signature
+from distcomm.types import RedOpType
+
+MPICH_TAG_UB = 2**29 - 1
+OMPI_TAG_UB = 2**31 - 1
+
+
+@pytest.mark.parametrize("ub", [MPICH_TAG_UB, OMPI_TAG_UB, 2**15 - 1])
+def test_every_tag_is_within_tag_ub(ub):
+    layout = TagLayout(ub)
+    keys = [MessageKey(3, KIND_COLLECTIVE, s) for s in (0, 1, 2**20, 2**40 + 5)]
+    keys += [MessageKey(3, KIND_P2P, t) for t in (0, 7, layout.p2p_tag_limit - 1, layout.p2p_tag_limit,
+                                                  -1, -(2**62), 2**40)]
+    for key in keys:
+        for sig in (0, 0xFFFFFFFF, 0x12345678):
+            assert 0 <= layout.tag(key, sig) <= ub, (key, sig)
+
+
+def test_collective_and_p2p_tags_never_meet():
+    layout = TagLayout(MPICH_TAG_UB)
+    coll = {layout.tag(MessageKey(0, KIND_COLLECTIVE, s), sig) for s in range(300) for sig in (0, 0xDEADBEEF)}
+    p2p = {layout.tag(MessageKey(0, KIND_P2P, t), 0) for t in list(range(300)) + [-1, -(2**62), 2**40]}
+    assert not coll & p2p
+
+
+def test_p2p_tags_in_range_are_exact_and_others_have_their_own_range():
+    layout = TagLayout(MPICH_TAG_UB)
+    assert layout.p2p_tag_limit == 2**27
+    exact = [layout.tag(MessageKey(0, KIND_P2P, t), 0) for t in range(0, layout.p2p_tag_limit, 2**20)]
+    assert len(set(exact)) == len(exact)
+    assert layout.tag(MessageKey(0, KIND_P2P, -(2**62)), 0) != layout.tag(MessageKey(0, KIND_P2P, 0), 0)
+    assert layout.tag(MessageKey(0, KIND_P2P, -1), 0) != layout.tag(MessageKey(0, KIND_P2P, 2**27 - 1), 0)
+
+
+def test_collective_tags_differ_by_signature_and_by_sequence_number():
+    layout = TagLayout(MPICH_TAG_UB)
+    key = MessageKey(0, KIND_COLLECTIVE, 12)
+    assert layout.tag(key, 0x00000001) != layout.tag(key, 0x00000002)
+    seqs = {layout.tag(MessageKey(0, KIND_COLLECTIVE, s), 5) for s in range(1000)}
+    assert len(seqs) == 1000
+    assert layout.seq_bits == 20 and layout.sig_bits == 8
+
+
+def test_fold_signature_uses_every_byte():
+    assert fold_signature(0) == 0
+    assert {fold_signature(1 << (8 * i)) for i in range(4)} == {1}
+    assert fold_signature(0x01000001) == 0
+
+
+def test_tiny_tag_ub_is_refused():
+    from distcomm.errors import DistBackendError
+
+    with pytest.raises(DistBackendError, match="MPI_TAG_UB=1023"):
+        TagLayout(1023)
+
+
+D = dtypes.from_name
+
+
+@pytest.mark.parametrize("op,dtype,expected", [
+    (RedOpType.SUM, "float32", ("FLOAT", "SUM")),
+    (RedOpType.AVG, "float64", ("DOUBLE", "SUM")),
+    (RedOpType.PRODUCT, "int64", ("INT64_T", "PROD")),
+    (RedOpType.MIN, "int32", ("INT32_T", "MIN")),
+    (RedOpType.BXOR, "uint8", ("UINT8_T", "BXOR")),
+    (RedOpType.AVG, "int16", ("INT16_T", "SUM")),
+    (RedOpType.PREMUL_SUM(0.5), "float32", ("FLOAT", "SUM")),
+    # distcomm's algorithms: no MPI type, torch's NaN rule, torch's logical rules
+    (RedOpType.SUM, "float16", None),
+    (RedOpType.SUM, "bfloat16", None),
+    (RedOpType.SUM, "complex64", None),
+    (RedOpType.SUM, "bool", None),
+    (RedOpType.MIN, "float32", None),
+    (RedOpType.MAX, "float64", None),
+])
+def test_native_reductions(op, dtype, expected):
+    assert native_reduction(op, D(dtype)) == expected
+
+
+def test_equal_counts():
+    assert equal([3, 3, 3]) and equal([]) and not equal([3, 4])
