@@ -1,0 +1,170 @@
+"""torch's coalescing, FSDP1, 2-D DeviceMesh and tensor parallel over the c10d backend "distcomm".
+
+Like test_torch_backend.py, each world runs torch.distributed's own API (not distcomm's), and checks
+results against torch's gloo in the same processes or against a single-process reference. One
+world serves several checks to keep the worlds few.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from harness import run_world  # noqa: E402
+from test_torch_backend import _batch, _compare, _init, _loss, _model, _reference  # noqa: E402
+
+
+def _close(dist):
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# -- _coalescing_manager, batch_isend_irecv, and async calls on an idle group --------------------
+def _coalesced(group, rank, world, async_ops, device=None):
+    """all_reduce, all_gather_into_tensor and reduce_scatter_tensor, each in its own coalescing
+    block (torch requires one kind of collective per block)."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _coalescing_manager
+
+    out, managers = {}, []
+    sums = [torch.arange(3.0) + rank, torch.arange(5.0) * (rank + 1), torch.full((2,), 2.0 ** rank)]
+    with _coalescing_manager(group, device, async_ops=async_ops) as cm:
+        for x in sums:
+            dist.all_reduce(x, group=group)
+    managers.append(cm)
+    ins = [torch.arange(2.0) + 10 * rank, torch.arange(3.0) - rank]
+    gathered = [torch.empty(world * t.numel()) for t in ins]
+    with _coalescing_manager(group, device, async_ops=async_ops) as cm:
+        for o, i in zip(gathered, ins):
+            dist.all_gather_into_tensor(o, i, group=group)
+    managers.append(cm)
+    big = [torch.arange(2.0 * world) * (rank + 1), torch.arange(4.0 * world) + rank]
+    scattered = [torch.empty(t.numel() // world) for t in big]
+    with _coalescing_manager(group, device, async_ops=async_ops) as cm:
+        for o, i in zip(scattered, big):
+            dist.reduce_scatter_tensor(o, i, group=group)
+    managers.append(cm)
+    if async_ops:
+        for cm in managers:
+            assert cm.works, "an async coalescing block returned no Work to wait on"
+            cm.wait()
+    for i, t in enumerate(sums):
+        out[f"all_reduce_{i}"] = t
+    for i, t in enumerate(gathered):
+        out[f"all_gather_into_tensor_{i}"] = t
+    for i, t in enumerate(scattered):
+        out[f"reduce_scatter_tensor_{i}"] = t
+    return out
+
+
+def _batch_p2p(group, rank, world):
+    """A ring exchange both ways in one batch_isend_irecv; several tensors per peer, in order."""
+    import torch.distributed as dist
+
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    got = [torch.empty(3), torch.empty(2), torch.empty(4)]
+    ops = [
+        dist.P2POp(dist.irecv, got[0], prv, group=group),
+        dist.P2POp(dist.isend, torch.arange(3.0) + rank, nxt, group=group),
+        dist.P2POp(dist.isend, torch.full((2,), float(rank)), nxt, group=group),
+        dist.P2POp(dist.irecv, got[1], prv, group=group),
+        dist.P2POp(dist.isend, torch.arange(4.0) * rank, prv, group=group),
+        dist.P2POp(dist.irecv, got[2], nxt, group=group),
+    ]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return {f"batch_isend_irecv_{i}": t for i, t in enumerate(got)}
+
+
+def _coalescing_world(rank, world):
+    import torch.distributed as dist
+
+    dist_ = _init(rank, world, backend="gloo")  # gloo's default group is the reference
+    group = dist.new_group(backend="distcomm")
+    for async_ops in (False, True):
+        mine = _coalesced(group, rank, world, async_ops)
+        theirs = _coalesced(None, rank, world, async_ops)
+        _compare(mine, theirs, f"rank {rank}, async_ops={async_ops}")
+        # the NCCL style, with a device: torch brackets the block with _start/_end_coalescing
+        # (gloo refuses it: "does not implement startCoalescing"); the same results
+        bracketed = _coalesced(group, rank, world, async_ops, device=torch.device("cpu"))
+        _compare(bracketed, theirs, f"rank {rank}, device=cpu, async_ops={async_ops}")
+    _compare(_batch_p2p(group, rank, world), _batch_p2p(None, rank, world), f"rank {rank}")
+
+    # issued async on an idle group, an operation runs inline: its Work is complete when returned
+    small = torch.ones(2) * (rank + 1)  # 8 bytes: the engine's latency path
+    large = torch.ones(1 << 18) * (rank + 1)  # 1 MiB: the general path
+    for x in (small, large):
+        work = dist.all_reduce(x, async_op=True, group=group)
+        assert work.is_completed(), f"rank {rank}: an async all_reduce of {x.nbytes} B on an idle group was queued"
+        assert torch.all(x == world * (world + 1) / 2)
+        work.wait()
+    out = torch.empty(2 * world)
+    work = dist.all_gather_into_tensor(out, torch.ones(2) * rank, async_op=True, group=group)
+    assert work.is_completed()
+    assert out.tolist() == [float(r) for r in range(world) for _ in range(2)]
+    _close(dist_)
+    return True
+
+
+@pytest.mark.slow  # torch with gloo and distcomm groups in each rank
+@pytest.mark.parametrize("world", [2, 3])
+def test_coalescing_manager_batch_p2p_and_inline_async(world):
+    assert run_world(_coalescing_world, world, timeout=120) == [True] * world
+
+
+# -- FSDP1 (FullyShardedDataParallel) ---------------------------------------------------------------
+def _fsdp1_world(rank, world):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy, StateDictType
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    _init(rank, world)
+    expected = _reference(world, 3, 1, False)
+    cases = [
+        ("NO_SHARD", dict(use_orig_params=False)),
+        ("SHARD_GRAD_OP", dict(use_orig_params=True, auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}))),
+        ("FULL_SHARD", dict(use_orig_params=True)),
+        ("FULL_SHARD", dict(use_orig_params=False, auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}))),
+    ]  # the last (nested FULL_SHARD units) is also the one whose state dicts are checked
+    for strategy, kwargs in cases:
+        where = f"rank {rank}: FSDP1 {strategy} {sorted(kwargs)}"
+        # device_id: FSDP1 asks for an accelerator unless told the module stays on the CPU
+        model = FSDP(_model(0), sharding_strategy=getattr(ShardingStrategy, strategy),
+                     device_id=torch.device("cpu"), **kwargs)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            opt.zero_grad()
+            _loss(model, *_batch(rank, step)).backward()
+            opt.step()
+        with FSDP.summon_full_params(model):
+            got = [p.detach().clone() for p in model.parameters()]
+        for i, (a, b) in enumerate(zip(got, expected)):
+            assert torch.allclose(a, b, atol=1e-6), f"{where}: parameter {i} differs from the reference"
+    # state dicts of the last model: the full one gathered on rank 0, the sharded one saved, spoiled
+    # and loaded back
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        full = model.state_dict()
+    if rank == 0:
+        for i, (a, b) in enumerate(zip(full.values(), expected)):
+            assert torch.allclose(a, b, atol=1e-6), f"rank {rank}: full state dict entry {i}"
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        sharded = model.state_dict()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        model.load_state_dict(sharded)
+    with FSDP.summon_full_params(model):
+        got = [p.detach().clone() for p in model.parameters()]
+    for i, (a, b) in enumerate(zip(got, expected)):
+        assert torch.allclose(a, b, atol=1e-6), f"rank {rank}: parameter {i} not restored from the sharded state dict"
+    _close(dist)
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_fsdp1_sharding_strategies_and_state_dicts(world):
+    assert run_world(_fsdp1_world, world, timeout=180) == [True] * world
