@@ -160,11 +160,125 @@ def _fsdp1_world(rank, world):
         got = [p.detach().clone() for p in model.parameters()]
     for i, (a, b) in enumerate(zip(got, expected)):
         assert torch.allclose(a, b, atol=1e-6), f"rank {rank}: parameter {i} not restored from the sharded state dict"
+    _tensor_parallel_1d(rank, world)
+    _close(dist)
+    return True
+
+
+def _tensor_parallel_1d(rank, world):
+    """Colwise then rowwise over a 1-D mesh of the whole world."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = parallelize_module(_MLP(), mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        opt.zero_grad()
+        x, y = _mlp_batch(0, step)  # tensor parallel: every rank computes on the same batch
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    expected = _mlp_reference(1, 3)
+    for name, p in model.named_parameters():
+        assert torch.allclose(p.full_tensor(), expected[name], atol=1e-5), f"rank {rank}: 1-D TP {name}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_fsdp1_strategies_state_dicts_and_1d_tensor_parallel(world):
+    assert run_world(_fsdp1_world, world, timeout=180) == [True] * world
+
+
+# -- DeviceMesh 2-D: DTensor, tensor parallel with FSDP2 across, FSDP1 HYBRID_SHARD -----------------
+class _MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        # 24 hidden units divide among 2 and 3 ranks: torch's tensor parallel (over gloo too) fails
+        # on rows that shard unevenly ("a and b must have same reduction dim")
+        self.up, self.down = torch.nn.Linear(8, 24), torch.nn.Linear(24, 8)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def _mlp_reference(dp, steps):
+    """One process: each step's gradient is the mean over the ``dp`` data-parallel batches."""
+    torch.manual_seed(0)
+    model = _MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        opt.zero_grad()
+        for r in range(dp):
+            x, y = _mlp_batch(r, step)
+            (torch.nn.functional.mse_loss(model(x), y) / dp).backward()
+        opt.step()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def _mlp_batch(dp_rank, step):
+    g = torch.Generator().manual_seed(100 * step + dp_rank)
+    return torch.randn(5, 8, generator=g), torch.randn(5, 8, generator=g)
+
+
+def _mesh_2d_world(rank, world):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy, fully_shard
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    _init(rank, world)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank, tp_rank = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
+    assert (dp_rank, tp_rank) == divmod(rank, 2)
+    assert dist.get_backend(mesh["tp"].get_group()) == "distcomm"
+
+    # DTensor on both mesh dimensions
+    torch.manual_seed(0)
+    a, b = torch.randn(8, 6), torch.randn(6, 4)
+    both = distribute_tensor(a, mesh, [Shard(0), Shard(1)])
+    assert both.to_local().shape == (4, 3)
+    assert torch.equal(both.full_tensor(), a)
+    moved = both.redistribute(mesh, [Replicate(), Shard(0)])
+    assert torch.equal(moved.to_local(), a.chunk(2, dim=0)[tp_rank])
+    product = distribute_tensor(a, mesh, [Shard(0), Shard(1)]) @ distribute_tensor(b, mesh, [Replicate(), Shard(0)])
+    assert torch.allclose(product.full_tensor(), a @ b, atol=1e-5)
+
+    # tensor parallel inside each "tp" pair, FSDP2 across the "dp" pairs; 3 SGD steps
+    torch.manual_seed(0)
+    model = parallelize_module(_MLP(), mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    assert model.up.weight.to_local().shape == (12, 8)  # half the output rows
+    fully_shard(model, mesh=mesh["dp"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        opt.zero_grad()
+        x, y = _mlp_batch(dp_rank, step)  # the two ranks of a tp pair see the same batch
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    expected = _mlp_reference(2, 3)
+    for name, p in model.named_parameters():
+        assert torch.allclose(p.full_tensor(), expected[name], atol=1e-5), f"rank {rank}: TP+FSDP2 {name}"
+
+    # FSDP1 HYBRID_SHARD: shards within "tp" (the inner dimension), replicas across "dp"
+    torch.manual_seed(0)
+    hybrid = FSDP(_MLP(), sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_mesh=mesh,
+                  device_id=torch.device("cpu"), use_orig_params=True)
+    opt = torch.optim.SGD(hybrid.parameters(), lr=0.1)
+    for step in range(3):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(hybrid(*_mlp_batch(rank, step)[:1]), _mlp_batch(rank, step)[1]).backward()
+        opt.step()
+    expected = _mlp_reference(world, 3)
+    with FSDP.summon_full_params(hybrid):
+        for name, p in hybrid.named_parameters():
+            name = name.replace("_fsdp_wrapped_module.", "")
+            assert torch.allclose(p, expected[name], atol=1e-5), f"rank {rank}: FSDP1 HYBRID_SHARD {name}"
     _close(dist)
     return True
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 3])
-def test_fsdp1_sharding_strategies_and_state_dicts(world):
-    assert run_world(_fsdp1_world, world, timeout=180) == [True] * world
+def test_device_mesh_2d_dtensor_tensor_parallel_and_hybrid_shard():
+    assert run_world(_mesh_2d_world, 4, timeout=240) == [True] * 4
