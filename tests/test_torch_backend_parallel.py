@@ -77,6 +77,25 @@ def _batch_p2p(group, rank, world):
     return {f"batch_isend_irecv_{i}": t for i, t in enumerate(got)}
 
 
+def _bracketed_p2p(group, rank, world):
+    """isend/irecv inside a device coalescing block: the block's one Work waits for all of them."""
+    import time
+
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _coalescing_manager
+
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    got = torch.zeros(3)
+    with _coalescing_manager(group, torch.device("cpu"), async_ops=True) as cm:
+        dist.irecv(got, prv, group=group)
+        if rank == 0:
+            time.sleep(0.3)  # rank 1's receive is still pending when its block ends
+        dist.isend(torch.full((3,), float(rank + 1)), nxt, group=group)
+    assert len(cm.works) == 1
+    cm.wait()
+    assert got.tolist() == [float(prv + 1)] * 3, f"rank {rank}: the block's Work returned before its irecv finished"
+
+
 def _coalescing_world(rank, world):
     import torch.distributed as dist
 
@@ -91,6 +110,7 @@ def _coalescing_world(rank, world):
         bracketed = _coalesced(group, rank, world, async_ops, device=torch.device("cpu"))
         _compare(bracketed, theirs, f"rank {rank}, device=cpu, async_ops={async_ops}")
     _compare(_batch_p2p(group, rank, world), _batch_p2p(None, rank, world), f"rank {rank}")
+    _bracketed_p2p(group, rank, world)
 
     # issued async on an idle group, an operation runs inline: its Work is complete when returned
     small = torch.ones(2) * (rank + 1)  # 8 bytes: the engine's latency path

@@ -27,7 +27,6 @@ import torch.distributed as tdist
 
 from .. import backends
 from ..buffers import SparseBuffer, as_buffer, as_buffers
-from ..errors import DistBackendError
 from ..process_group import ProcessGroup
 from ..transport.base import ANY_SOURCE
 from ..types import PremulSum, RedOpType
@@ -111,18 +110,12 @@ class DistcommProcessGroup(tdist.ProcessGroup):
     # the end's Work stands for every operation issued since the start, so waiting on it (as the
     # manager does for async_ops=False, or cm.wait() after) waits for them all.
     def _start_coalescing(self, device=None) -> None:
-        if self._coalesced is not None:
-            raise DistBackendError(
-                f"_start_coalescing on rank {self.group.rank()}: this group is already coalescing "
-                "(a coalescing block was started and not ended); end it before starting another")
+        # as NCCL's startCoalescing: a block left by an exception (torch then never ends it) is
+        # simply dropped; its operations were issued and run as usual
         self._coalesced = []
 
     def _end_coalescing(self, device=None) -> TorchWork:
-        if self._coalesced is None:
-            raise DistBackendError(
-                f"_end_coalescing on rank {self.group.rank()}: no coalescing block was started on "
-                "this group (call _start_coalescing first)")
-        issued, self._coalesced = self._coalesced, None
+        issued, self._coalesced = self._coalesced or [], None
         error = next((w.exception() for w in issued if w.exception() is not None), None)
         return TorchWork([t for w in issued for t in w.outputs], [x for w in issued for x in w.works], error)
 
