@@ -121,8 +121,9 @@ def _coalescing_world(rank, world):
     _bracketed_p2p(group, rank, world)
 
     # issued async on an idle group, an operation runs inline: its Work is complete when returned
-    small = torch.ones(2) * (rank + 1)  # 8 bytes: the engine's latency path
-    large = torch.ones(1 << 18) * (rank + 1)  # 1 MiB: the general path
+    # (all_reduce: the engine's fast path when it has one; all_gather: the group's general path)
+    small = torch.ones(2) * (rank + 1)  # 8 bytes
+    large = torch.ones(1 << 18) * (rank + 1)  # 1 MiB
     for x in (small, large):
         work = dist.all_reduce(x, async_op=True, group=group)
         assert work.is_completed(), f"rank {rank}: an async all_reduce of {x.nbytes} B on an idle group was queued"
