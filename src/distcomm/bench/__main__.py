@@ -15,6 +15,7 @@ BENCHMARKS = {
     "collectives": "distcomm.bench.collectives",
     "store": "distcomm.bench.store",
     "ddp": "distcomm.bench.ddp",
+    "torch-backend": "distcomm.bench.torch_backend_world",  # torch's API over backend "distcomm" vs gloo
     "pingpong": "distcomm.bench.pingpong",  # the TCP transport alone, two processes, no collectives
     "overview": "distcomm.bench.overview",  # not a benchmark: the README's table from saved results
 }

@@ -289,6 +289,9 @@ def rank_main(rank: int, send: Callable, job: dict) -> None:
     """One rank of a benchmark world: join it, then check and time every plan entry, reporting each."""
     if job["library"] == "torch":
         import torch.distributed as d
+
+        if job["backend"] == "distcomm":  # torch's API over distcomm (bench/torch_backend_world.py)
+            import distcomm.torch_backend  # noqa: F401 - registers torch's backend "distcomm"
     else:
         import distcomm as d
     timeout = job["timeout"]

@@ -6,20 +6,23 @@ Usage::
     python -m distcomm.bench ddp --world 3 --models mlp --steps 50 --json ddp.json
 
 One world runs everything, so both libraries meet the same machine at the same moment: each rank
-initializes distcomm's default group (``--backend``, distcomm's default engine "gloo") and torch's
-gloo group, through two stores the parent hosts. For each model, three variants train on the same
+initializes distcomm's default group (``--backend``, distcomm's default engine "gloo"), torch's
+gloo group, and a torch group on the c10d backend "distcomm" (``distcomm.torch_backend``) of the
+same ranks, through two stores the parent hosts. For each model, four variants train on the same
 per-rank batches from the same initial weights:
 
 - ``local``: the module alone, no communication (the compute floor);
 - ``distcomm``: ``distcomm.parallel.DistributedDataParallel`` on distcomm's group;
-- ``torch``: ``torch.nn.parallel.DistributedDataParallel`` on torch's gloo group.
+- ``torch``: ``torch.nn.parallel.DistributedDataParallel`` on torch's gloo group;
+- ``torch-distcomm``: torch's DistributedDataParallel on the torch group whose backend is
+  "distcomm" (what a torch user gets by changing only the backend string).
 
 A step is ``zero_grad; loss = f(model(x)); loss.backward(); optimizer.step()`` (SGD). After
 ``--warmup`` untimed steps of each, the variants take turns one step at a time, in an order that
 rotates every step, so a burst of load on a shared machine hits every variant alike; an untimed
 barrier starts each step on every rank together. A step's time is the slowest rank's; the table
-shows the median over the ``--steps`` timed steps of each variant. The two DDPs see the same data, so their weights must
-end equal: the table says so (``same result``), which checks the numbers being timed.
+shows the median over the ``--steps`` timed steps of each variant. The three DDPs see the same data, so their weights
+must end equal: the table says so (``same result``), which checks the numbers being timed.
 
 Models: ``demo-cnn`` is the demo's network (about 22 KB of gradients: one bucket, latency-bound);
 ``mlp`` is four 1024-wide linear layers (12.6 MiB of gradients: several buckets, bandwidth-bound,
@@ -40,7 +43,7 @@ from . import report
 from .worlds import WorldFailed, connect_store, host_store, run_world
 
 MODELS = ("demo-cnn", "mlp")
-VARIANTS = ("local", "distcomm", "torch")
+VARIANTS = ("local", "distcomm", "torch", "torch-distcomm")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -86,12 +89,14 @@ def _rank_main(rank: int, send, world: int, dc_port: int, torch_port: int, confi
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     import distcomm
+    import distcomm.torch_backend  # noqa: F401 - registers torch's backend "distcomm"
     from distcomm.parallel import DistributedDataParallel
 
     torch.set_num_threads(1)
     distcomm.init_process_group(config["backend"], store=connect_store("distcomm", dc_port, 120), rank=rank,
                                 world_size=world)
     tdist.init_process_group("gloo", store=connect_store("torch", torch_port, 120), rank=rank, world_size=world)
+    over_distcomm = tdist.new_group(backend="distcomm")
     ddp_kwargs = {} if config["bucket_cap_mb"] is None else {"bucket_cap_mb": config["bucket_cap_mb"]}
     for name in config["models"]:
         make, x, y, loss_fn = _build(name, rank, config["batch"])
@@ -103,6 +108,8 @@ def _rank_main(rank: int, send, world: int, dc_port: int, torch_port: int, confi
                 module = DistributedDataParallel(module, **ddp_kwargs)
             elif variant == "torch":
                 module = TorchDDP(module, **ddp_kwargs)
+            elif variant == "torch-distcomm":
+                module = TorchDDP(module, process_group=over_distcomm, **ddp_kwargs)
             models[variant] = module
             optims[variant] = torch.optim.SGD(module.parameters(), lr=0.01)
 
@@ -127,8 +134,8 @@ def _rank_main(rank: int, send, world: int, dc_port: int, torch_port: int, confi
                 step(variant)
                 times[variant].append(time.perf_counter() - start)
         params = sum(p.numel() for p in models["local"].parameters())
-        diff = max(float((a - b).detach().abs().max()) for a, b in
-                   zip(models["distcomm"].module.parameters(), models["torch"].module.parameters()))
+        diff = max(float((a - b).detach().abs().max()) for other in ("distcomm", "torch-distcomm") for a, b in
+                   zip(models[other].module.parameters(), models["torch"].module.parameters()))
         send({"model": name, "times": times, "params": params, "grad_bytes": params * 4, "diff": diff,
               "buckets": len(models["distcomm"].reducer.buckets)})
     tdist.destroy_process_group()
@@ -143,6 +150,7 @@ def _summarize(per_rank: list[dict]) -> dict:
         slowest = [max(step) for step in zip(*(r["times"][variant] for r in per_rank))]
         row[f"{variant}_ms"] = statistics.median(slowest) * 1e3
     row["speedup"] = row["torch_ms"] / row["distcomm_ms"]
+    row["torch_backend_speedup"] = row["torch_ms"] / row["torch-distcomm_ms"]
     return row
 
 
@@ -151,17 +159,21 @@ def _table(rows: list[dict], world: int, config: dict) -> str:
         f"distcomm-bench ddp: world {world}, batch {config['batch']} per rank, {config['steps']} steps per variant "
         "(interleaved); median step time of the slowest rank",
         f"{'model':>9} {'params':>9} {'grads':>10} {'buckets':>7} {'local':>9} {'distcomm':>9} {'torch':>9} "
-        f"{'torch/':>9}  same result",
-        f"{'':>9} {'':>9} {'':>10} {'':>7} {'(ms)':>9} {'DDP (ms)':>9} {'DDP (ms)':>9} {'distcomm':>9}",
+        f"{'torch on':>9} {'torch/':>9} {'torch/':>9}  same result",
+        f"{'':>9} {'':>9} {'':>10} {'':>7} {'(ms)':>9} {'DDP (ms)':>9} {'DDP (ms)':>9} {'distcomm':>9} "
+        f"{'distcomm':>9} {'torch on':>9}",
+        f"{'':>9} {'':>9} {'':>10} {'':>7} {'':>9} {'':>9} {'gloo':>9} {'(ms)':>9} {'':>9} {'distcomm':>9}",
     ]
     for r in rows:
         same = "yes" if r["max_diff"] < 1e-4 else "NO"
         lines.append(
             f"{r['model']:>9} {r['params']:>9,} {report.format_bytes(r['grad_bytes']):>10} {r['buckets']:>7} "
-            f"{r['local_ms']:>9.2f} {r['distcomm_ms']:>9.2f} {r['torch_ms']:>9.2f} {r['speedup']:>8.2f}x  "
+            f"{r['local_ms']:>9.2f} {r['distcomm_ms']:>9.2f} {r['torch_ms']:>9.2f} {r['torch-distcomm_ms']:>9.2f} "
+            f"{r['speedup']:>8.2f}x {r['torch_backend_speedup']:>8.2f}x  "
             f"{same} (max diff {r['max_diff']:.1e})")
-    lines.append("torch/distcomm > 1: distcomm's DDP step is faster. distcomm engine: "
-                 f"{config['backend']}; torch: gloo.")
+    lines.append("torch/distcomm > 1: distcomm's DDP step is faster than torch's DDP over gloo; torch/torch on "
+                 "distcomm > 1: torch's DDP is faster over the backend \"distcomm\" than over gloo. distcomm engine: "
+                 f"{config['backend']} (distcomm's DDP); the torch backend's default engine (torch on distcomm).")
     return "\n".join(lines)
 
 

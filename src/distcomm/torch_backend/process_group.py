@@ -58,6 +58,7 @@ class DistcommProcessGroup(tdist.ProcessGroup):
         self.group = group
         self._name = ""
         self._desc = ""
+        self._coalesced: list[TorchWork] | None = None  # Works issued inside _start/_end_coalescing
 
     # -- identity -------------------------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 - torch's name (C++ virtual)
@@ -77,11 +78,21 @@ class DistcommProcessGroup(tdist.ProcessGroup):
     def setGroupDesc(self, desc: str) -> None:  # noqa: N802
         self._desc = desc
 
+    # torch reads a group's devices from the C++ backends registered in it, and this group registers
+    # none: without this, torch code asking for the group's device (FSDP1's sharded state dict,
+    # ``_get_pg_default_device``) fails "no backend has been registered with this ProcessGroup"
+    @property
+    def _device_types(self) -> list[torch.device]:
+        return [torch.device("cpu")]
+
     def __repr__(self) -> str:
         return f"<distcomm torch ProcessGroup rank={self.group.rank()} size={self.group.size()}>"
 
     # -- running ----------------------------------------------------------------------------------
     def _run(self, call, result) -> TorchWork:
+        return self._track(self._issue(call, result))
+
+    def _issue(self, call, result) -> TorchWork:
         """``call(async_op)`` issues the operation: inline when the group is idle (then the Work is
         complete, or holds the error), else queued behind the group's earlier work."""
         if self.group.executor.idle():
@@ -92,6 +103,27 @@ class DistcommProcessGroup(tdist.ProcessGroup):
             return TorchWork(result)
         return TorchWork(result, [call(True)])
 
+    # -- coalescing -------------------------------------------------------------------------------
+    # torch's ``_coalescing_manager(group, device=...)`` (the NCCL style) brackets the operations
+    # issued inside it with these and keeps only the Work of the end; without a device it calls the
+    # *_coalesced methods below instead. torch's gloo implements neither bracket (it raises); here
+    # the end's Work stands for every operation issued since the start, so waiting on it (as the
+    # manager does for async_ops=False, or cm.wait() after) waits for them all.
+    def _start_coalescing(self, device=None) -> None:
+        # as NCCL's startCoalescing: a block left by an exception (torch then never ends it) is
+        # simply dropped; its operations were issued and run as usual
+        self._coalesced = []
+
+    def _end_coalescing(self, device=None) -> TorchWork:
+        issued, self._coalesced = self._coalesced or [], None
+        error = next((w.exception() for w in issued if w.exception() is not None), None)
+        return TorchWork([t for w in issued for t in w.outputs], [x for w in issued for x in w.works], error)
+
+    def _track(self, work: TorchWork) -> TorchWork:
+        if self._coalesced is not None:
+            self._coalesced.append(work)
+        return work
+
     # -- collectives ------------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
         op = reduce_op(opts.reduceOp) if opts is not None else RedOpType.SUM
@@ -100,7 +132,7 @@ class DistcommProcessGroup(tdist.ProcessGroup):
             sparse = SparseBuffer(tensor)
             return self._run(lambda a: self.group.allreduce_sparse(sparse, a, tensors), tensors)
         if isinstance(op, RedOpType) and self.group.executor.idle() and self.group.fast_all_reduce(tensor, op):
-            return TorchWork(tensors)
+            return self._track(TorchWork(tensors))
         buf = as_buffer(tensor)
         return self._run(lambda a: self.group.allreduce(buf, op, a, tensors), tensors)
 
@@ -179,7 +211,7 @@ class DistcommProcessGroup(tdist.ProcessGroup):
     def barrier(self, opts=None):
         done = [torch.empty(0)]  # torch's barrier Work carries a tensor list too
         if self.group.executor.idle() and self.group.fast_barrier():
-            return TorchWork(done)
+            return self._track(TorchWork(done))
         return self._run(lambda a: self.group.barrier(a, done), done)
 
     # torch 2.13 names the single-tensor collectives *_single; older callers (and the C++
@@ -192,25 +224,25 @@ class DistcommProcessGroup(tdist.ProcessGroup):
 
     # -- point-to-point ---------------------------------------------------------------------------
     def send(self, tensors, dst, tag=0):
-        return TorchWork(tensors, [self.group.send(as_buffer(tensors[0]), dst, tag)])
+        return self._track(TorchWork(tensors, [self.group.send(as_buffer(tensors[0]), dst, tag)]))
 
     def recv(self, tensors, src, tag=0):
-        return TorchWork(tensors, [self.group.recv(as_buffer(tensors[0]), src, tag)])
+        return self._track(TorchWork(tensors, [self.group.recv(as_buffer(tensors[0]), src, tag)]))
 
     def recv_anysource(self, tensors, tag=0):
-        return TorchWork(tensors, [self.group.recv(as_buffer(tensors[0]), ANY_SOURCE, tag)])
+        return self._track(TorchWork(tensors, [self.group.recv(as_buffer(tensors[0]), ANY_SOURCE, tag)]))
 
     # -- helpers and lifetime ---------------------------------------------------------------------
     def _run_each(self, calls, result) -> TorchWork:
         """Several operations issued in order (a coalesced call), as one Work."""
         works, error = [], None
         for call in calls:
-            work = self._run(call, result)
+            work = self._issue(call, result)
             if work.exception() is not None:
                 error = work.exception()
                 break
             works.extend(work.works)
-        return TorchWork(result, works, error)
+        return self._track(TorchWork(result, works, error))
 
     def shutdown(self) -> None:
         self.group.close()

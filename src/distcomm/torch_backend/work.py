@@ -33,6 +33,11 @@ class TorchWork(tdist.Work):
         self.works: list[Work] = [w for w in works if w is not None]
         self._error = error
 
+    @property
+    def outputs(self) -> list:
+        """The output tensors (or lists of them), whether or not the operations have finished."""
+        return list(self._result)
+
     def wait(self, timeout=None) -> bool:
         if self._error is not None:
             raise self._error

@@ -1,0 +1,46 @@
+"""The benchmarks of torch over the c10d backend "distcomm": run end to end, as a user runs them.
+
+No timing asserts (a shared machine): what is asserted is that both worlds ran, every row was
+checked with 0 wrong elements, and the DDP variants ended with the same weights.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+
+
+def _bench(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    return subprocess.run([sys.executable, "-m", "distcomm.bench", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@pytest.mark.slow
+def test_torch_backend_bench_compares_torch_over_distcomm_with_gloo():
+    result = _bench("torch-backend", "--world", "2", "--ops", "all_reduce,all_gather", "--budget", "0.01",
+                    "--timeout", "60")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "torch/distcomm" in result.stdout and "torch/gloo" in result.stdout
+    rows = [line.split() for line in result.stdout.splitlines() if line.strip() and not line.startswith("#")]
+    assert len(rows) == 2 * 2  # 8 B and 1 MiB for each op
+    for fields in rows:  # size count type | time algbw busbw #wrong | time algbw busbw #wrong | speedup
+        assert len(fields) == 12 and fields[6] == "0" and fields[10] == "0", fields
+        assert float(fields[11]) > 0
+    assert result.stdout.count("wrong elements: 0 OK") == 2
+
+
+@pytest.mark.slow
+def test_ddp_bench_has_torch_ddp_over_distcomm_with_the_same_weights():
+    result = _bench("ddp", "--world", "2", "--models", "demo-cnn", "--steps", "2", "--warmup", "1", "--batch", "8")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "torch on" in result.stdout
+    (row,) = [line.split() for line in result.stdout.splitlines() if line.lstrip().startswith("demo-cnn")]
+    # model params grads(2) buckets local distcomm torch torch-distcomm speedup speedup same ...
+    assert all(float(v) > 0 for v in row[5:9]), row
+    assert row[11] == "yes", row  # the three DDPs ended with the same weights
