@@ -372,6 +372,11 @@ class TorchServerConnection:
         self._shapes: dict[int, str] = {}  # request id -> what torch's client expects back
 
     @property
+    def buffered(self) -> int:
+        """How many received bytes this connection holds that are not a query yet."""
+        return len(self._buffer)
+
+    @property
     def has_partial_data(self) -> bool:
         return bool(self._buffer) or not self.validated
 
