@@ -13,6 +13,14 @@ answers TIMED_OUT itself; the client waits that long plus a grace period, and if
 came it gives up on its own — the late answer, carrying an old request id, is dropped when it
 arrives, so the connection stays usable.
 
+Which server: a connection starts with torch_wire.PROBE (torch's VALIDATE and a PING). torch's
+servers echo the PING at once, distcomm's answers PROBE_ANSWER and then takes the hello: one round
+trip tells them apart, and ``open_client`` returns a TCPStoreClient or a TorchWireClient
+(torch_client.py) accordingly. Sending distcomm's hello first would not do: torch's libuv server
+ignores a first query that is not VALIDATE and stays silent, so only a timeout would tell. A peer
+that answers anything else, or nothing within PROBE_TIMEOUT (5 s), is not a store:
+StoreProtocolError at once, showing what it sent, instead of retrying until the store timeout.
+
 Connecting retries with exponential backoff and jitter until the store timeout: the master may not
 be listening yet when workers start, and a thousand workers must not retry in lockstep. A client on
 the server's host then moves to the server's Unix socket if the handshake offers one (handshake.py).

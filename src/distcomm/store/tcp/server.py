@@ -32,6 +32,14 @@ from the connection, a wrong proof or a refused hello gets its refusal and the c
 and a handshake not finished within ``idle_timeout`` (the handshake timeout) is closed like any
 unfinished hello. ``stats["auth_refused"]`` counts connections refused for authentication.
 
+torch's clients (torch_wire.py): a new connection's first bytes say what it speaks (``classify``).
+distcomm's hello goes on as above; a distcomm client's probe is answered and its hello follows; a
+torch client's connection gets a TorchServerConnection, whose queries are distcomm's request events
+for the same handlers, and whose replies are translated back into torch's shapes (``answer`` does
+it for parked requests too). A server with a key refuses torch's clients, which cannot authenticate.
+The classification needs at most torch_wire.PROBE_SIZE bytes, so it adds nothing to what an
+unauthenticated connection can make the server hold.
+
 Threads: the loop runs in its own thread. The public methods that take bytes or connections
 (``connect_local``, ``handle``, ``disconnect``, ``adopt``, ``expire``) may be called from any
 thread: they take the lock. ``answer`` and ``count_join`` are for handlers, which already run
