@@ -158,6 +158,7 @@ class TCPStoreServer:
         self._local_ids = itertools.count(-1, -1)  # local connections have no fd: negative keys
         self._replying_to: Peer | None = None  # the connection _process() is answering
         self._replies: list[bytes] = []
+        self._deferred: list | None = None  # the loop's batch's replies, sent at its end (see _send)
 
     def __repr__(self) -> str:
         return f"TCPStoreServer({self.host}:{self.port}, {len(self._peers)} clients)"
@@ -275,6 +276,7 @@ class TCPStoreServer:
             while not self._stopping:
                 events = poll(self._poll_timeout())
                 with lock:  # shared with in-process clients (connect_local), taken once per batch
+                    deferred = self._deferred = []
                     for fd, mask in events:
                         peer = peers.get(fd)
                         if peer is not None:
@@ -288,6 +290,10 @@ class TCPStoreServer:
                             self._drain_wake()
                     if self.parking.next_deadline is not None or self._partial or self._accept_paused_until:
                         self._expire(time.monotonic())
+                    self._deferred = None
+                    for peer, data in deferred:  # the batch's replies, now that every request in it is handled
+                        if peers.get(peer.fd) is peer:
+                            self._send(peer, data)
         except Exception:  # pragma: no cover - a bug; make it loud rather than a silent dead server
             log.exception("TCPStoreServer on port %d crashed", self.port)
             raise
@@ -479,7 +485,14 @@ class TCPStoreServer:
         self._partial[peer] = peer.partial_deadline
 
     def _send(self, peer: Peer, data: bytes) -> None:
-        """Send now what the socket takes; keep the rest and poll for writability."""
+        """Send now what the socket takes; keep the rest and poll for writability. Inside the loop's
+        batch, only at the batch's end: a send wakes the client, whose process may then take this
+        CPU from the loop; sending after the whole batch is handled lets the loop finish it first,
+        and the woken clients' next requests then come in the next batch together."""
+        deferred = self._deferred
+        if deferred is not None and peer.fd >= 0:
+            deferred.append((peer, data))
+            return
         if peer.out:
             peer.out += data
             return
