@@ -70,7 +70,8 @@ class TorchWireClient:
             fd, local, remote = sock.fileno(), sock.getsockname(), sock.getpeername()
         except OSError:
             return "TCPClient(closed)"
-        return f"TCPClient(SocketImpl(fd={fd}, addr={local[0]}:{local[1]}, remote={remote[0]}:{remote[1]}), torch server)"
+        where = f"addr={local[0]}:{local[1]}, remote={remote[0]}:{remote[1]}"
+        return f"TCPClient(SocketImpl(fd={fd}, {where}), torch server)"
 
     def set_timeout(self, timeout: float) -> None:
         self.timeout = timeout

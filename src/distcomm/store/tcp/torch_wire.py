@@ -74,7 +74,6 @@ from .frames import (
     QueuePush,
     RESPONSE_PARSERS,
     Set,
-    TimedOut,
     Value,
     Values,
     Wait,
