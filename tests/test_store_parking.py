@@ -164,3 +164,17 @@ def test_a_client_that_hangs_up_takes_every_request_it_parked_and_nothing_else()
     assert parking.written(b"k") == [kept]
     assert _names(parking.expired(100.0)) == ["bob's"]  # the cancelled ones never expire
     parking.cancel("nobody")  # an owner with nothing parked
+
+
+def test_released_requests_do_not_pile_up_in_the_deadline_heap():
+    """A torch client's WAIT parks until a far-off deadline; cancelled, it must not stay for good."""
+    parking = Parking()
+    keep = parking.park("keeper", Get("kept"), 5.0, ["k"], ["k"])
+    for i in range(10 * Parking.COMPACT_AFTER):
+        parked = parking.park(f"client {i}", Wait(f"w{i}"), 1e12, ["x"], ["x"])
+        parking.cancel(f"client {i}")
+        assert parked.done
+    assert parking.heap_size <= 2 * Parking.COMPACT_AFTER + 2
+    assert len(parking) == 1 and parking.next_deadline == 5.0
+    assert parking.expired(10.0) == [keep]  # the live request still expires, once
+    assert parking.expired(1e13) == [] and parking.next_deadline is None

@@ -38,7 +38,9 @@ IDLE = 0.4  # the test server's idle timeout, in seconds
 def _hello_reply(sock: socket.socket) -> h.HelloReply:
     proto = c.ClientConnection()
     while (event := proto.next_event()) is c.NEED_DATA:
-        proto.receive_data(sock.recv(1))  # byte by byte: leave what follows the reply in the socket
+        data = sock.recv(1)  # byte by byte: leave what follows the reply in the socket
+        assert data, "the server closed the connection before its hello reply"  # not a silent spin
+        proto.receive_data(data)
     return event
 
 

@@ -29,6 +29,11 @@ class DistStoreError(DistError):
     """A key-value store operation failed or timed out."""
 
 
+class StoreProtocolError(DistNetworkError):
+    """The peer at a TCPStore address speaks neither distcomm's nor torch's TCPStore protocol (an HTTP
+    server, another program on that port, or one that accepted and said nothing)."""
+
+
 class DistStoreTimeoutError(DistStoreError):
     """A store get/wait did not see its keys before the timeout."""
 

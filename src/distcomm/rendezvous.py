@@ -131,7 +131,8 @@ def _tcp_rendezvous_handler(url: str, timeout: timedelta = DEFAULT_TIMEOUT, **kw
     rank = _int_param("tcp", query, "rank", "add ?rank=<r> to the URL or pass rank=")
     world_size = _int_param("tcp", query, "world_size", "add &world_size=<n> to the URL or pass world_size=")
     _checked_rank("tcp", rank, world_size)
-    yield _tcp_store(parsed.hostname, port, rank, world_size, timeout), rank, world_size
+    # like torch's: under a launcher hosting the store (TORCHELASTIC_USE_AGENT_STORE=True) every rank connects
+    yield _env_store(parsed.hostname, port, rank, world_size, timeout), rank, world_size
     raise RuntimeError("Unable to perform re-rendezvous using tcp:// method")
 
 

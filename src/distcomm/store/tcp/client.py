@@ -13,6 +13,14 @@ answers TIMED_OUT itself; the client waits that long plus a grace period, and if
 came it gives up on its own — the late answer, carrying an old request id, is dropped when it
 arrives, so the connection stays usable.
 
+Which server: a connection starts with torch_wire.PROBE (torch's VALIDATE and a PING). torch's
+servers echo the PING at once, distcomm's answers PROBE_ANSWER and then takes the hello: one round
+trip tells them apart, and ``open_client`` returns a TCPStoreClient or a TorchWireClient
+(torch_client.py) accordingly. Sending distcomm's hello first would not do: torch's libuv server
+ignores a first query that is not VALIDATE and stays silent, so only a timeout would tell. A peer
+that answers anything else, or nothing within PROBE_TIMEOUT (5 s), is not a store:
+StoreProtocolError at once, showing what it sent, instead of retrying until the store timeout.
+
 Connecting retries with exponential backoff and jitter until the store timeout: the master may not
 be listening yet when workers start, and a thousand workers must not retry in lockstep. A client on
 the server's host then moves to the server's Unix socket if the handshake offers one (handshake.py).
@@ -32,14 +40,18 @@ import struct
 import threading
 import time
 
-from ...errors import DistNetworkError, DistStoreError
+from ...errors import DistNetworkError, DistStoreError, StoreProtocolError
 from .. import rules
-from . import frames, handshake
+from . import frames, handshake, torch_wire
 from .auth import AUTH_KEY_ENV, AUTH_KEY_FILE_ENV, DistStoreAuthError
 from .connection import NEED_DATA, ClientConnection
 from .listeners import local_socket_enabled
 
 _RECV_SIZE = 1 << 16
+# How long a peer that accepted the connection may take to answer the probe: a distcomm or torch
+# server answers at once (its event loop only echoes), so a silent peer is something else.
+PROBE_TIMEOUT = 5.0
+_SHOW_MORE_WAIT = 0.2  # after a wrong answer, how long to collect more of it for the message
 _FIRST_RETRY_DELAY = 0.01
 _MAX_RETRY_DELAY = 1.0
 
@@ -63,6 +75,55 @@ def _address(address: tuple) -> str:
 
 class _Refused(Exception):
     """The peer answered, but not as a compatible distcomm TCPStore server; retrying will not help."""
+
+
+class _NotAStore(Exception):
+    """The peer speaks neither distcomm's nor torch's TCPStore protocol; retrying will not help."""
+
+
+def _probe(sock, where: str, timeout: float) -> tuple[str, bytes]:
+    """Send torch_wire.PROBE; (DISTCOMM or TORCH, bytes received after the answer).
+
+    _NotAStore for any other answer or none within ``timeout`` (with what came, printable);
+    ConnectionResetError if the peer closed without a byte (a server still starting: retried).
+    """
+    sock.settimeout(timeout)
+    sock.sendall(torch_wire.PROBE)
+    got = b""
+    try:
+        while len(got) < torch_wire.PROBE_ANSWER_SIZE:
+            data = sock.recv(4096)
+            if not data:
+                if not got:
+                    raise ConnectionResetError(errno.ECONNRESET, "the server closed the connection at once")
+                break
+            got += data
+    except socket.timeout:
+        if not got:
+            raise _NotAStore(
+                f"the peer at {where} accepted the connection but answered nothing within "
+                f"{rules.format_seconds(timeout)}: it speaks neither distcomm's nor torch's TCPStore protocol. "
+                f"Is {where} the store's address (MASTER_ADDR/MASTER_PORT, tcp://), and not another service's?"
+            ) from None
+    answer, rest = got[: torch_wire.PROBE_ANSWER_SIZE], got[torch_wire.PROBE_ANSWER_SIZE :]
+    if answer == torch_wire.PROBE_ANSWER:
+        return torch_wire.DISTCOMM, rest
+    if answer == torch_wire.PROBE_NONCE:
+        return torch_wire.TORCH, rest
+    try:  # collect a little more of whatever it is, to show it
+        sock.settimeout(_SHOW_MORE_WAIT)
+        while len(got) < 64:
+            data = sock.recv(4096)
+            if not data:
+                break
+            got += data
+    except OSError:
+        pass
+    raise _NotAStore(
+        f"the peer at {where} answered {torch_wire.printable(got)}, which is neither distcomm's nor torch's "
+        f"TCPStore protocol. Is {where} the store's address (MASTER_ADDR/MASTER_PORT, tcp://), and not "
+        f"another service's?"
+    )
 
 
 def _handshake(sock, proto: ClientConnection, where: str, auth_key: bytes | None = None):
@@ -156,8 +217,12 @@ def _move_to_local_socket(address: bytes, timeout: float, max_frame_size: int, a
 
 def connect(
     host: str, port: int, timeout: float, max_frame_size: int, auth_key: bytes | None = None
-) -> tuple[socket.socket, ClientConnection]:
-    """A handshaken connection to ``host``:``port``, retrying until ``timeout`` seconds have passed."""
+) -> tuple[socket.socket, ClientConnection | None]:
+    """A handshaken connection to ``host``:``port``, retrying until ``timeout`` seconds have passed.
+
+    The protocol of the connection is None when the server is torch's (see torch_wire.py): the
+    socket is then validated and ready for torch's queries.
+    """
     where = f"{host}:{port}"
     deadline = time.monotonic() + timeout
     delay = _FIRST_RETRY_DELAY
@@ -169,6 +234,19 @@ def connect(
         try:
             sock = socket.create_connection((host, port), timeout=max(remaining, 0.01))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            wire, early = _probe(sock, where, min(PROBE_TIMEOUT, max(remaining, 0.01)))
+            if wire is torch_wire.TORCH:
+                if auth_key is not None:
+                    raise DistStoreAuthError(
+                        f"the TCPStore server at {where} is torch's, which cannot authenticate, and this process "
+                        f"has an authentication key (from {_KEY_VARIABLES}), so it demands that the server "
+                        f"prove it holds the key; refusing to use it. Unset the key to use torch's store."
+                    )
+                sock.settimeout(None)
+                return sock, None
+            if early:
+                raise _Refused(f"{where} sent {torch_wire.printable(early)} after its probe answer, before the hello")
+            sock.settimeout(max(deadline - time.monotonic(), 0.01))
             proto = ClientConnection(max_frame_size)
             reply = _handshake(sock, proto, where, auth_key)
             if reply.local_address and local_socket_enabled():
@@ -182,6 +260,9 @@ def connect(
         except _Refused as exc:
             sock.close()
             raise DistNetworkError(str(exc)) from None
+        except _NotAStore as exc:
+            sock.close()
+            raise StoreProtocolError(str(exc)) from None
         except DistStoreAuthError:
             sock.close()
             raise
@@ -210,8 +291,24 @@ def connect(
         delay = min(delay * 2, _MAX_RETRY_DELAY)
 
 
+def open_client(host: str, port: int, timeout: float, max_frame_size: int = frames.DEFAULT_MAX_FRAME_SIZE, *,
+                local=None, auth_key: bytes | None = None):
+    """A client of the server at ``host``:``port``: a TCPStoreClient for distcomm's server (or for
+    ``local``, a server's connect_local()), a TorchWireClient for torch's."""
+    if local is not None:
+        return TCPStoreClient(host, port, timeout, max_frame_size, local=local, auth_key=auth_key)
+    sock, proto = connect(host, port, timeout, max_frame_size, auth_key)
+    if proto is None:
+        from .torch_client import TorchWireClient
+
+        return TorchWireClient(host, port, sock, timeout, max_frame_size)
+    return TCPStoreClient(host, port, timeout, max_frame_size, connected=(sock, proto))
+
+
 class TCPStoreClient:
     """A connection to a TCPStore server; every method is one request and its response."""
+
+    speaks_torch = False
 
     def __init__(
         self,
@@ -222,15 +319,22 @@ class TCPStoreClient:
         *,
         local=None,
         auth_key: bytes | None = None,
+        connected=None,
     ):
-        """Connect to ``host``:``port``; or, with ``local`` (a server's ``connect_local()``), use that.
+        """Connect to ``host``:``port``; or, with ``local`` (a server's ``connect_local()``), use that;
+        or, with ``connected``, use that (socket, ClientConnection) pair from ``connect()``.
 
         With ``auth_key``, server and client prove to each other that they hold that key.
         """
         self.host, self.port = host, port
         self.where = f"{host}:{port}"
-        if local is None:
+        if connected is not None:
+            self._sock, self._proto = connected
+        elif local is None:
             self._sock, self._proto = connect(host, port, timeout, max_frame_size, auth_key)
+            if self._proto is None:
+                self._sock.close()
+                raise DistNetworkError(f"{self.where} is torch's TCPStore server: use open_client() for it")
         else:
             self._sock, self._proto = local, ClientConnection(max_frame_size)
             try:

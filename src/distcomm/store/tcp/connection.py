@@ -103,6 +103,11 @@ class _Connection:
             self._pending += len(data)
 
     @property
+    def buffered(self) -> int:
+        """How many received bytes this connection holds that are not an event yet."""
+        return len(self._buffer) - self._pos + self._pending
+
+    @property
     def has_partial_data(self) -> bool:
         """True while bytes are buffered that do not yet form a complete hello or frame, or while the
         handshake (hello, and authentication if any) is unfinished: the server's idle timer runs."""

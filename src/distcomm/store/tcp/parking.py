@@ -19,7 +19,10 @@ A parked request waits in any of:
 Each request has an owner (the server's connection), so ``cancel`` drops everything a client that
 hung up had parked. Answered, expired and cancelled requests are ``release``d: taken out of the key
 lists, their line and their owner's set, and marked done; the heap keeps them until their time
-comes and then skips them, because removing from the middle of a heap costs a rebuild.
+comes and then skips them, because removing from the middle of a heap costs a rebuild. Once such
+released entries are most of the heap (and more than a few), it is rebuilt without them: a torch
+client's WAIT has no deadline on the wire (it waits until the key exists or its client cancels),
+so without this every cancelled WAIT would stay in the heap for good.
 """
 
 from __future__ import annotations
@@ -47,7 +50,9 @@ class Parked:
 class Parking:
     """Every parked request of one server, indexed by key, by line, by deadline and by owner."""
 
-    __slots__ = ("waiting", "next_deadline", "_lines", "_deadlines", "_owners")
+    __slots__ = ("waiting", "next_deadline", "_lines", "_deadlines", "_owners", "_stale")
+
+    COMPACT_AFTER = 64  # released entries the deadline heap may hold before it is rebuilt without them
 
     def __init__(self):
         # key -> the requests waiting for it, oldest first. Public so a write can test "does anyone
@@ -59,6 +64,7 @@ class Parking:
         self._lines: dict = {}
         self._deadlines: list = []
         self._owners: dict = {}
+        self._stale = 0  # heap entries of released requests
 
     def __len__(self) -> int:
         """How many requests are parked."""
@@ -81,6 +87,21 @@ class Parking:
         """``parked`` is answered (or its owner gone): out of every list; a second release does nothing."""
         if parked.done:
             return
+        self._release(parked)
+        self._stale += 1
+        deadlines = self._deadlines
+        if self._stale > self.COMPACT_AFTER and 2 * self._stale > len(deadlines):
+            deadlines[:] = [entry for entry in deadlines if not entry[1].done]
+            heapq.heapify(deadlines)
+            self._stale = 0
+            self.next_deadline = deadlines[0][0] if deadlines else None
+
+    @property
+    def heap_size(self) -> int:
+        """Entries in the deadline heap, released ones included (for tests of its compaction)."""
+        return len(self._deadlines)
+
+    def _release(self, parked: Parked) -> None:
         parked.done = True
         owned = self._owners.get(parked.owner)
         if owned is not None:
@@ -145,8 +166,10 @@ class Parking:
         deadlines, due = self._deadlines, []
         while deadlines and deadlines[0][0] <= now:
             _, parked = heapq.heappop(deadlines)
-            if not parked.done:
-                self.release(parked)
+            if parked.done:
+                self._stale -= 1
+            else:
+                self._release(parked)
                 due.append(parked)
         self.next_deadline = deadlines[0][0] if deadlines else None
         return due

@@ -32,6 +32,14 @@ from the connection, a wrong proof or a refused hello gets its refusal and the c
 and a handshake not finished within ``idle_timeout`` (the handshake timeout) is closed like any
 unfinished hello. ``stats["auth_refused"]`` counts connections refused for authentication.
 
+torch's clients (torch_wire.py): a new connection's first bytes say what it speaks (``classify``).
+distcomm's hello goes on as above; a distcomm client's probe is answered and its hello follows; a
+torch client's connection gets a TorchServerConnection, whose queries are distcomm's request events
+for the same handlers, and whose replies are translated back into torch's shapes (``answer`` does
+it for parked requests too). A server with a key refuses torch's clients, which cannot authenticate.
+The classification needs at most torch_wire.PROBE_SIZE bytes, so it adds nothing to what an
+unauthenticated connection can make the server hold.
+
 Threads: the loop runs in its own thread. The public methods that take bytes or connections
 (``connect_local``, ``handle``, ``disconnect``, ``adopt``, ``expire``) may be called from any
 thread: they take the lock. ``answer`` and ``count_join`` are for handlers, which already run
@@ -57,6 +65,19 @@ from .listeners import DEFAULT_BACKLOG, Listeners, accept_pending, raise_open_fi
 from .local import LocalSocket
 from .parking import Parked, Parking
 from .poller import Poller
+from .torch_wire import (
+    DISTCOMM,
+    PROBE_ANSWER,
+    PROBE_FROM_DISTCOMM,
+    PROBE_SIZE,
+    TORCH,
+    CancelWait,
+    Ping,
+    TorchServerConnection,
+    Validate,
+    classify,
+    printable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +91,8 @@ class Peer:
     """One client's connection, as the server holds it: its socket, its ServerConnection, and what
     the socket has not taken yet."""
 
-    __slots__ = ("sock", "fd", "connection", "out", "partial_deadline", "closing", "name", "local", "recv_size")
+    __slots__ = ("sock", "fd", "connection", "out", "partial_deadline", "closing", "name", "local", "recv_size", "wire",
+                 "first")
 
     def __init__(self, sock, name, max_frame_size: int, local: bool, fd: int | None = None,
                  auth_key: bytes | None = None):
@@ -84,6 +106,8 @@ class Peer:
         self.closing = False  # close once the output is flushed (after a refused hello)
         self.name = name  # the peer's address, for the log
         self.local = local  # came in through the Unix socket, or from this process (connect_local)
+        self.wire = None  # DISTCOMM or TORCH (torch_wire.py) once its first bytes said which
+        self.first = b""  # those first bytes, until they say it
 
     def lift_read_limit(self) -> None:
         """The client proved it holds the key: read as much as it sends from now on."""
@@ -134,6 +158,7 @@ class TCPStoreServer:
         self._local_ids = itertools.count(-1, -1)  # local connections have no fd: negative keys
         self._replying_to: Peer | None = None  # the connection _process() is answering
         self._replies: list[bytes] = []
+        self._deferred: list | None = None  # the loop's batch's replies, sent at its end (see _send)
 
     def __repr__(self) -> str:
         return f"TCPStoreServer({self.host}:{self.port}, {len(self._peers)} clients)"
@@ -225,6 +250,8 @@ class TCPStoreServer:
         """Send ``reply`` to the client that parked ``parked``, which is released (for handlers)."""
         self.parking.release(parked)
         peer = parked.owner
+        if peer.wire is TORCH:
+            reply = peer.connection.reply(reply)
         if peer is self._replying_to:
             self._replies.append(reply)
         elif peer.fd in self._peers:
@@ -249,6 +276,7 @@ class TCPStoreServer:
             while not self._stopping:
                 events = poll(self._poll_timeout())
                 with lock:  # shared with in-process clients (connect_local), taken once per batch
+                    deferred = self._deferred = []
                     for fd, mask in events:
                         peer = peers.get(fd)
                         if peer is not None:
@@ -262,6 +290,10 @@ class TCPStoreServer:
                             self._drain_wake()
                     if self.parking.next_deadline is not None or self._partial or self._accept_paused_until:
                         self._expire(time.monotonic())
+                    self._deferred = None
+                    for peer, data in deferred:  # the batch's replies, now that every request in it is handled
+                        if peers.get(peer.fd) is peer:
+                            self._send(peer, data)
         except Exception:  # pragma: no cover - a bug; make it loud rather than a silent dead server
             log.exception("TCPStoreServer on port %d crashed", self.port)
             raise
@@ -331,6 +363,13 @@ class TCPStoreServer:
 
     def _process(self, peer: Peer, data: bytes) -> None:
         """Handle every complete request in ``data`` and send the replies, in order, with one send."""
+        if peer.wire is not DISTCOMM:
+            if peer.wire is TORCH:
+                self._process_torch(peer, data)
+                return
+            data = self._first_bytes(peer, data)
+            if not data:
+                return
         connection = peer.connection
         handlers = HANDLERS
         # a request in this batch may complete one this connection parked earlier: answer() puts
@@ -351,6 +390,7 @@ class TCPStoreServer:
             return
         finally:
             self._replying_to = None
+        # _finish's body, inline: this is the hot path of every request
         if connection.has_partial_data:
             if peer.partial_deadline is None:
                 self._mark_partial(peer, time.monotonic())
@@ -360,6 +400,84 @@ class TCPStoreServer:
         if replies:
             self._send(peer, replies[0] if len(replies) == 1 else b"".join(replies))
 
+    def _finish(self, peer: Peer, replies: list) -> None:
+        """After a batch: restart or stop the idle timer, and send the batch's replies with one send."""
+        connection = peer.connection
+        if connection.has_partial_data:
+            if peer.partial_deadline is None:
+                self._mark_partial(peer, time.monotonic())
+        elif peer.partial_deadline is not None:
+            peer.partial_deadline = None
+            del self._partial[peer]
+        if replies:
+            self._send(peer, replies[0] if len(replies) == 1 else b"".join(replies))
+
+    # -- which protocol a connection speaks (torch_wire.py) -----------------------------------------------
+
+    def _first_bytes(self, peer: Peer, data: bytes) -> bytes:
+        """A new connection's first bytes: settle its protocol; what is left for that protocol's parser."""
+        first = peer.first = peer.first + data
+        try:
+            wire = classify(first)
+        except ProtocolError as exc:
+            self.stats["protocol_errors"] += 1
+            log.info("TCPStore server: closing %s: %s", peer.name, exc)
+            self._close(peer)
+            return b""
+        if wire is None:
+            return b""
+        peer.first = b""
+        if wire is DISTCOMM:
+            peer.wire = DISTCOMM
+            return first
+        if wire is PROBE_FROM_DISTCOMM:  # a distcomm client asking who we are; its hello comes next
+            peer.wire = DISTCOMM
+            self._send(peer, PROBE_ANSWER)
+            return first[PROBE_SIZE:]
+        if self.auth_key is not None:
+            # torch's TCPStore cannot authenticate: serving it would open the job to anyone
+            self.stats["auth_refused"] += 1
+            log.warning(
+                "TCPStore server on port %d: refused a torch.distributed TCPStore client from %s: this server "
+                "requires authentication (DISTCOMM_AUTH_KEY_FILE / DISTCOMM_AUTH_KEY), which torch's TCPStore "
+                "client cannot do. Unset the key for a job that mixes torch and distcomm stores.", self.port,
+                peer.name,
+            )
+            self._close(peer)
+            return b""
+        peer.wire = TORCH
+        peer.connection = TorchServerConnection(self.max_frame_size)
+        self._process_torch(peer, first)
+        return b""
+
+    def _process_torch(self, peer: Peer, data: bytes) -> None:
+        """``_process`` for a torch client: its queries become distcomm's requests, for the same handlers."""
+        connection = peer.connection
+        handlers = HANDLERS
+        self._replying_to, self._replies = peer, []
+        replies = self._replies
+        try:
+            for event in connection.receive_events(data):
+                kind = event.__class__
+                if kind is Ping:
+                    replies.append(event.nonce.to_bytes(4, "little"))
+                elif kind is CancelWait:
+                    self.parking.cancel(peer)
+                    connection.forget()
+                    replies.append(b"\x01")  # WAIT_CANCELED
+                elif kind is not Validate:
+                    answer = handlers[kind](self, peer, event)
+                    if answer is not None:
+                        replies.append(connection.reply(answer))
+        except ProtocolError as exc:
+            self.stats["protocol_errors"] += 1
+            log.info("TCPStore server: closing torch client %s: %s (first bytes %s)", peer.name, exc, printable(data))
+            self._close(peer)
+            return
+        finally:
+            self._replying_to = None
+        self._finish(peer, replies)
+
     def _mark_partial(self, peer: Peer, now: float) -> None:
         peer.partial_deadline = now + self.idle_timeout
         if not self._partial:
@@ -367,7 +485,14 @@ class TCPStoreServer:
         self._partial[peer] = peer.partial_deadline
 
     def _send(self, peer: Peer, data: bytes) -> None:
-        """Send now what the socket takes; keep the rest and poll for writability."""
+        """Send now what the socket takes; keep the rest and poll for writability. Inside the loop's
+        batch, only at the batch's end: a send wakes the client, whose process may then take this
+        CPU from the loop; sending after the whole batch is handled lets the loop finish it first,
+        and the woken clients' next requests then come in the next batch together."""
+        deferred = self._deferred
+        if deferred is not None and peer.fd >= 0:
+            deferred.append((peer, data))
+            return
         if peer.out:
             peer.out += data
             return

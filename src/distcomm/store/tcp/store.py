@@ -35,7 +35,7 @@ from ...errors import DistStoreError
 from .. import rules
 from ..base import Store
 from .auth import key_from_environment
-from .client import TCPStoreClient
+from .client import TCPStoreClient, open_client
 from .frames import DEFAULT_MAX_FRAME_SIZE
 
 if TYPE_CHECKING:
@@ -159,7 +159,7 @@ class TCPStore(Store):
         try:
             # the master talks to its own server in-process (see local.py); everyone else over the network
             local = self._server.connect_local() if self._server is not None else None
-            self._client = TCPStoreClient(
+            self._client = open_client(
                 host_name, self._port, self._timeout_s, max_frame_size, local=local, auth_key=self._auth_key
             )
         except BaseException:
@@ -194,7 +194,7 @@ class TCPStore(Store):
         store._host, store._port, store._world_size, store._server = self._host, self._port, None, None
         store._auth_key, store._use_libuv = self._auth_key, self._use_libuv
         local = self._server.connect_local() if self._server is not None else None
-        store._client = TCPStoreClient(
+        store._client = open_client(
             self._client.host, self._port, self._timeout_s, local=local, auth_key=self._auth_key
         )
         store._finalizer = weakref.finalize(store, _release, store._client, None)
@@ -301,5 +301,9 @@ class TCPStore(Store):
 
     def _barrier(self, key, world_size, timeout):
         """One request: the server counts the arrival in ``key``'s value (as torch's TCPStore does, so
-        get(key) reads the count) and answers when ``world_size`` have arrived."""
-        self._client.barrier(key, world_size, timeout)
+        get(key) reads the count) and answers when ``world_size`` have arrived. torch's server has no
+        such request: with it, torch's add/set/wait barrier (Store's default)."""
+        if self._client.speaks_torch:
+            super()._barrier(key, world_size, timeout)
+        else:
+            self._client.barrier(key, world_size, timeout)
