@@ -30,6 +30,15 @@ def steps(n, last_state="completed"):
     return out
 
 
+def test_ranks_that_timed_out_together_are_one_line():
+    err = "DistTimeoutError: all_reduce #6 on rank {} (peer rank 2): timed out"
+    dumps = {r: (header(r), steps(5) + [rec(6, state="failed", error=err.format(r))]) for r in (0, 1)}
+    dumps[2] = (header(2), steps(5))
+    lines = trace.analyze(dumps)
+    assert "  ranks 0,1 failed in all_reduce #6 (train.py:41): DistTimeoutError" in lines
+    assert "  rank 2 last completed all_reduce #5 (train.py:41) and has not started #6" in lines
+
+
 def test_who_is_behind_and_where():
     dumps = {
         0: (header(0), steps(6, "started")),

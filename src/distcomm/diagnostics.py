@@ -42,6 +42,7 @@ from . import flight_recorder as fr
 from .errors import CollectiveMismatchError, DistError, DistTimeoutError
 
 ALERT_FRACTION = 0.25  # a wait this fraction of its timeout long makes the rank raise the alert
+PUBLISH_WINDOW = 5.0  # seconds past the largest group timeout that ranks keep publishing after an alert
 TRACEBACK_LINES = 6  # of the failed rank's traceback, in the peers' errors
 FINGERPRINT_BYTES = 1024
 # The signature of the DETAIL shape check's messages: an opcode no collective has (signatures.py
@@ -62,8 +63,7 @@ class Monitor:
         self._seen_alert = self._counter("trace/alert")
         self._seen_dump = self._counter("trace/dump")
         self._alerted: set[int] = set()  # records this rank raised the alert for
-        self._publishing = False
-        self._published = ""
+        self._publish_until = 0.0  # time.time() until which the state is published on every tick
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="distcomm-watchdog", daemon=True)
         self._thread.start()
@@ -117,25 +117,23 @@ class Monitor:
         alert = self._counter("trace/alert")
         if alert != self._seen_alert:
             self._seen_alert = alert
-            self._publishing = True
+            self._publish_until = now + PUBLISH_WINDOW + max(
+                (g["timeout"] for g in rec.groups.values()), default=0.0)
             dump = self._counter("trace/dump")
             if dump != self._seen_dump:
                 self._seen_dump = dump
                 reason = self._get_if_set("trace/dump_reason")
                 rec.dump(reason=(reason or b"requested by another rank").decode(errors="replace"))
-        if self._publishing:
+        if now < self._publish_until:
             self.publish()
 
     def publish(self) -> None:
-        """Write this rank's state under ``trace/state/<rank>`` (when it changed)."""
+        """Write this rank's state under ``trace/state/<rank>``, stamped with the time: on every
+        tick of an alert's window, so a reader can tell a live rank's state from a stale one."""
         rec = fr.recorder
         if rec is None:
             return
         groups = rec.snapshot()
-        text = json.dumps(groups, sort_keys=True)
-        if text == self._published:
-            return
-        self._published = text
         payload = json.dumps({"rank": self.rank, "time": time.time(), "groups": groups})
         try:
             self.store.set(f"trace/state/{self.rank}", payload)
@@ -144,7 +142,7 @@ class Monitor:
 
     def alert(self) -> None:
         """A wait got long here: publish this rank's state and ask every rank to publish theirs."""
-        self._publishing = True
+        self._publish_until = max(self._publish_until, time.time() + PUBLISH_WINDOW)
         self.publish()
         self._counter("trace/alert", 1)
 
@@ -287,25 +285,25 @@ def _site_tuple(site):
     return None if not site else (site["file"], site["line"])
 
 
-def describe_state(rank: int, state: dict | None, group: str, now: float) -> str:
+def describe_state(rank: int, state: dict | None, group: str, now: float, stale_after: float = 2.0) -> str:
     """One line of a hang report: what ``rank`` was doing in ``group`` when it last published."""
     if state is None:
         return (f"rank {rank}: no report (its watchdog did not answer: the process may be dead, stopped, "
                 "or holding the GIL)")
     g = state.get("groups", {}).get(group)
-    age = now - state.get("time", now)
-    when = f"reported {age:.1f} s ago"
+    published = state.get("time", now)
+    # a live rank republishes every tick of the alert: an old state means a rank that stopped
+    stale = f" (last heard from {now - published:.1f} s ago)" if now - published > stale_after else ""
     if not g:
-        return f"rank {rank}: has not started any operation of this group ({when})"
+        return f"rank {rank}: has not started any operation of this group{stale}"
     started, completed = g.get("last_started"), g.get("last_completed")
     if started and started.get("state") in (fr.SCHEDULED, fr.STARTED):
-        waited = state.get("time", now) - started["time_created"]
+        waited = published - started["time_created"]
         return (f"rank {rank}: in {_describe_record(started)} for {waited:.1f} s; last completed "
-                f"{_describe_record(completed)} ({when})")
+                f"{_describe_record(completed)}{stale}")
     if started and started.get("state") == fr.FAILED:
-        return f"rank {rank}: {_describe_record(started)} failed: {started.get('error')} ({when})"
-    return (f"rank {rank}: not in an operation of this group; last completed {_describe_record(completed)} "
-            f"({when})")
+        return f"rank {rank}: {_describe_record(started)} failed: {started.get('error')}{stale}"
+    return f"rank {rank}: not in an operation of this group; last completed {_describe_record(completed)}{stale}"
 
 
 def on_fault(pg: Any, exc: DistError, op: str, seq: int | None) -> None:
@@ -325,7 +323,8 @@ def on_fault(pg: Any, exc: DistError, op: str, seq: int | None) -> None:
         if isinstance(exc, DistTimeoutError):
             states = mon.states(others, settle=min(1.0, 2 * mon.interval()))
             now = time.time()
-            lines = [describe_state(r, states.get(r), pg.group_name, now) for r in others]
+            stale_after = 3 * mon.interval() + 0.5
+            lines = [describe_state(r, states.get(r), pg.group_name, now, stale_after) for r in others]
             extra.append(f"what the other ranks of group {pg.group_name!r} were doing:\n  " + "\n  ".join(lines))
         mon.request_dump(f"rank {pg.global_rank}: {type(exc).__name__} in {op} #{seq}")
     rec = fr.recorder

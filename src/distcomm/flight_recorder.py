@@ -185,7 +185,8 @@ def complete(entry: list) -> None:
 def fail(entry: list, exc: BaseException) -> None:
     entry[T_COMPLETED] = _now()
     entry[STATE] = FAILED
-    entry[ERROR] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    entry[ERROR] = f"{type(exc).__name__}: {first if len(first) <= 120 else first[:117] + '...'}"
 
 
 def to_dict(entry: list) -> dict:

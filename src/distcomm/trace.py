@@ -124,9 +124,10 @@ def analyze_group(dumps: Dumps, group: str) -> list[str]:
                 in_flight.setdefault(key, []).append(rank)
                 sample[key] = recs[oldest]
             elif last.get("state") == FAILED:
-                key = ("failed", last["op"], last["seq"], _site(last), last.get("error"))
+                error = last.get("error") or "?"
+                key = ("failed", last["op"], last["seq"], _site(last), error.split(":")[0])
                 failed.setdefault(key, []).append(rank)
-                sample[key] = last
+                sample.setdefault(key, last)
             elif last["seq"] < latest:
                 key = ("behind", _op(last_done) if last_done else None, last["seq"])
                 behind.setdefault(key, []).append(rank)
@@ -141,7 +142,9 @@ def analyze_group(dumps: Dumps, group: str) -> list[str]:
                 waited = f" for {header_time - rec['time_created']:.1f} s"
             lines.append(f"  {_ranks(ranks)} in {_op(rec)}{waited}")
         for key, ranks in failed.items():
-            lines.append(f"  {_ranks(ranks)} failed in {_op(sample[key])}: {key[4]}")
+            # one rank: its error's first line; several: their error type (each text names its rank)
+            rec = sample[key]
+            lines.append(f"  {_ranks(ranks)} failed in {_op(rec)}: {rec.get('error') if len(ranks) == 1 else key[4]}")
         for key, ranks in done.items():
             lines.append(f"  {_ranks(ranks)} completed {key[1]}")
         for key, ranks in behind.items():
