@@ -151,7 +151,8 @@ class Monitor:
             self.store.set("trace/dump_reason", reason)
         except Exception:  # noqa: BLE001
             pass
-        self._counter("trace/dump", 1)
+        # this rank dumps itself (the caller does): its watchdog need not answer its own request
+        self._seen_dump = self._counter("trace/dump", 1)
         self._counter("trace/alert", 1)
 
     # -- reading what the others published ------------------------------------------------------
