@@ -41,8 +41,22 @@ def test_ring_keeps_the_last_n_oldest_first():
 def test_record_names_the_callers_line_outside_distcomm():
     rec = fr.FlightRecorder(4)
     entry = rec.record("g", 1, "barrier", 0, None, None)  # SITE-HERE
-    assert entry[fr.SITE] == (__file__, _line_of("# SITE-HERE"))
-    assert fr.format_site(entry[fr.SITE]) == f"test_flight_recorder.py:{_line_of('# SITE-HERE')}"
+    assert fr.resolve_site(entry[fr.SITE]) == (__file__, _line_of("# SITE-HERE"))
+    assert fr.to_dict(entry)["site"] == {"file": __file__, "line": _line_of("# SITE-HERE")}
+    assert fr.format_site(fr.resolve_site(entry[fr.SITE])) == f"test_flight_recorder.py:{_line_of('# SITE-HERE')}"
+
+
+def _deep_module_loop_site():
+    # a loop far into a long function: the line comes from the instruction offset, resolved late
+    rec = fr.FlightRecorder(4)
+    out = []
+    for i in range(3):
+        out.append(rec.record("g", i, "all_reduce", 8, "float32", None))  # SITE-LOOP
+    return [fr.to_dict(e)["site"]["line"] for e in out]
+
+
+def test_site_of_a_loop():
+    assert _deep_module_loop_site() == [_line_of("# SITE-LOOP")] * 3
 
 
 def test_snapshot_and_failure():

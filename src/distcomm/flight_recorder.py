@@ -49,13 +49,16 @@ FILE_PATTERN = "distcomm_trace_rank_{rank}.jsonl"
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 # torch.distributed's own frames are not the user's either (torch's c10d calls distcomm's backend)
 _SKIPPED = (_PACKAGE_DIR, os.sep + os.path.join("torch", "distributed") + os.sep)
-_internal: dict = {}  # code object -> True when its file is distcomm's (or torch.distributed's)
+_internal: dict = {}  # file name -> True when it is distcomm's (or torch.distributed's)
 _now = time.time
 _getframe = sys._getframe
 
 
-def call_site(depth: int = 2) -> tuple[str, int] | None:
-    """(file, line) of the first frame outside distcomm, starting ``depth`` frames up."""
+def call_site(depth: int = 2):
+    """Where the first frame outside distcomm is, starting ``depth`` frames up: its code object and
+    instruction offset, turned into (file, line) only when read (``resolve_site``). A frame's line
+    number costs a scan of its code's line table, over a microsecond for a loop deep in a long
+    module; the offset costs nothing, and a code object holds no locals alive."""
     try:
         frame = _getframe(depth)
     except ValueError:
@@ -63,14 +66,28 @@ def call_site(depth: int = 2) -> tuple[str, int] | None:
     internal = _internal
     while frame is not None:
         code = frame.f_code
-        inside = internal.get(code)
+        # keyed by file name, whose hash the string keeps (a code object's is recomputed per call)
+        name = code.co_filename
+        inside = internal.get(name)
         if inside is None:
-            name = code.co_filename
-            inside = internal[code] = name.startswith(_SKIPPED[0]) or _SKIPPED[1] in name
+            inside = internal[name] = name.startswith(_SKIPPED[0]) or _SKIPPED[1] in name
         if not inside:
-            return (code.co_filename, frame.f_lineno)
+            return (code, frame.f_lasti)
         frame = frame.f_back
     return None
+
+
+def resolve_site(site) -> tuple[str, int] | None:
+    """(file, line) of a ``call_site`` result."""
+    if site is None:
+        return None
+    code, offset = site
+    line = code.co_firstlineno
+    for start, end, number in code.co_lines():
+        if start <= offset < end:
+            line = number if number is not None else line
+            break
+    return (code.co_filename, line)
 
 
 def format_site(site) -> str:
@@ -101,12 +118,14 @@ class FlightRecorder:
 
     # -- the hot path ---------------------------------------------------------------------------
     def record(self, group: str, seq: int | None, op: str, nbytes: int | None, dtype: str | None,
-               peer: int | None, state: str = SCHEDULED, tag: int | None = None) -> list:
+               peer: int | None, state: str = SCHEDULED, tag: int | None = None, depth: int = 2) -> list:
         """Add a record and return it; the caller marks it with ``complete``/``fail``. ``seq`` is
-        the collective's sequence number in its group; a send or receive has none, but a ``tag``."""
+        the collective's sequence number in its group; a send or receive has none, but a ``tag``.
+        ``depth``: the first frame that may be the user's, as ``call_site`` counts (1: this
+        method, 2: its caller); a caller that knows its own callers are distcomm's skips them."""
         i = self._next
         self._next = i + 1
-        entry = [i, group, seq, op, nbytes, dtype, peer, call_site(2), _now(), None, state, None, tag]
+        entry = [i, group, seq, op, nbytes, dtype, peer, call_site(depth), _now(), None, state, None, tag]
         self._slots[i % self.capacity] = entry
         return entry
 
@@ -191,7 +210,7 @@ def fail(entry: list, exc: BaseException) -> None:
 
 def to_dict(entry: list) -> dict:
     d = dict(zip(FIELDS, entry))
-    site = d["site"]
+    site = resolve_site(d["site"])
     d["site"] = None if site is None else {"file": site[0], "line": site[1]}
     return d
 

@@ -44,6 +44,10 @@ from .transport.base import ANY_SOURCE, KIND_COLLECTIVE, KIND_P2P, Channel, Mess
 from .types import RedOpType
 from .work import Work
 
+_now = time.time  # the flight recorder's clock
+_SCHEDULED = fr.SCHEDULED
+
+
 def _op_code(op) -> int:
     return int(getattr(op, "op", op))
 
@@ -164,8 +168,13 @@ class ProcessGroup:
         recorder = fr.recorder
         entry = None
         if recorder is not None:
-            entry = recorder.record(self.group_name, seq, op, None if buf is None else buf.nbytes,
-                                    None if buf is None else buf.dtype.name, root)
+            # depth 4: the user's frame is no nearer than the caller of the ProcessGroup method
+            # that called run (call_site's frames: 1 record, 2 run, 3 the method, 4 its caller)
+            if buf is None:
+                entry = recorder.record(self.group_name, seq, op, None, None, root, _SCHEDULED, None, 4)
+            else:
+                entry = recorder.record(self.group_name, seq, op, buf.flat.nbytes, buf.dtype.name, root,
+                                        _SCHEDULED, None, 4)
 
         def run() -> None:
             if entry is not None:
@@ -186,7 +195,7 @@ class ProcessGroup:
                 diagnostics.on_fault(self, exc, op, seq)
                 raise
             if entry is not None:
-                fr.complete(entry)
+                entry[fr.T_COMPLETED], entry[fr.STATE] = _now(), fr.COMPLETED
 
         return self.executor.run(op, run, async_op, result)
 
@@ -465,7 +474,7 @@ class ProcessGroup:
         """Post a send of ``buf`` to group rank ``dst``; the Work completes when it is handed over."""
         key = MessageKey(self.group_id, KIND_P2P, tag)
         entry = None if fr.recorder is None else fr.recorder.record(
-            self.group_name, None, op, buf.nbytes, buf.dtype.name, dst, fr.STARTED, tag)
+            self.group_name, None, op, buf.nbytes, buf.dtype.name, dst, fr.STARTED, tag, 3)
         request = self.transport.isend(self.spec.ranks[dst], buf.flat, key, signature("send", buf.dtype.code))
         return P2PWork(op, self, request, buf, dst, tag, receiving=False, entry=entry)
 
@@ -475,7 +484,7 @@ class ProcessGroup:
         key = MessageKey(self.group_id, KIND_P2P, tag)
         peer = ANY_SOURCE if src == ANY_SOURCE else self.spec.ranks[src]
         entry = None if fr.recorder is None else fr.recorder.record(
-            self.group_name, None, op, buf.nbytes, buf.dtype.name, src, fr.STARTED, tag)
+            self.group_name, None, op, buf.nbytes, buf.dtype.name, src, fr.STARTED, tag, 3)
         request = self.transport.irecv(peer, buf.flat, key, signature("send", buf.dtype.code))
         return P2PWork(op, self, request, buf, src, tag, receiving=True, entry=entry)
 

@@ -157,8 +157,9 @@ def build(pg, ctx, limit: int) -> FastPath:
             return False
         sig, reduce_all, dtype = entry
         seq = next_seq()
+        # call site depth 3: this function's caller (the API function) and up
         record = None if fr.recorder is None else fr.recorder.record(group, seq, "all_reduce", n, dtype.name, None,
-                                                                     STARTED)
+                                                                     STARTED, None, 3)
         try:
             observe.current is None or observe.current("latency_all_reduce")  # one check when unobserved
             all_reduce_round(ctx, seq, sig, all_reduce_channel, flat, reduce_all)
@@ -176,7 +177,8 @@ def build(pg, ctx, limit: int) -> FastPath:
         if ctx.broken is not None or profiling() is not None or not enter():
             return False
         seq = next_seq()
-        record = None if fr.recorder is None else fr.recorder.record(group, seq, "barrier", 0, None, None, STARTED)
+        record = None if fr.recorder is None else fr.recorder.record(group, seq, "barrier", 0, None, None, STARTED,
+                                                                     None, 3)
         try:
             observe.current is None or observe.current("latency_barrier")
             # barrier_slots.one_round's three steps, without its frame: a barrier is nothing else
