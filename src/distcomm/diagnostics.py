@@ -28,6 +28,7 @@ never the error it decorates.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import sys
@@ -119,11 +120,7 @@ class Monitor:
             self._seen_alert = alert
             self._publish_until = now + PUBLISH_WINDOW + max(
                 (g["timeout"] for g in rec.groups.values()), default=0.0)
-            dump = self._counter("trace/dump")
-            if dump != self._seen_dump:
-                self._seen_dump = dump
-                reason = self._get_if_set("trace/dump_reason")
-                rec.dump(reason=(reason or b"requested by another rank").decode(errors="replace"))
+            self.answer_dump_request()
         if now < self._publish_until:
             self.publish()
 
@@ -145,6 +142,14 @@ class Monitor:
         self._publish_until = max(self._publish_until, time.time() + PUBLISH_WINDOW)
         self.publish()
         self._counter("trace/alert", 1)
+
+    def answer_dump_request(self) -> None:
+        """Dump if another rank asked since the last tick (a rank leaving between two ticks)."""
+        rec = fr.recorder
+        if rec is not None and self._counter("trace/dump") != self._seen_dump:
+            self._seen_dump = self._counter("trace/dump")
+            reason = self._get_if_set("trace/dump_reason")
+            rec.dump(reason=(reason or b"requested by another rank").decode(errors="replace"))
 
     def request_dump(self, reason: str) -> None:
         try:
@@ -214,11 +219,16 @@ def install(store: Any, rank: int, world_size: int) -> None:
 
 
 def uninstall() -> None:
-    """Called by destroy_process_group: stop the watchdog (the excepthook stays, and is idle)."""
+    """Called by destroy_process_group (and at exit): answer a dump request the watchdog has not
+    seen yet, then stop the watchdog (the excepthook stays, and is idle)."""
     global monitor
     if monitor is not None:
-        monitor.close()
-        monitor = None
+        mon, monitor = monitor, None
+        mon.close()
+        mon.answer_dump_request()
+
+
+atexit.register(uninstall)
 
 
 # -- failures -----------------------------------------------------------------------------------
