@@ -61,6 +61,7 @@ class Monitor:
         self.store = store
         self.rank = rank
         self.world_size = world_size
+        self.pid = os.getpid()
         self._seen_alert = self._counter("trace/alert")
         self._seen_dump = self._counter("trace/dump")
         self._alerted: set[int] = set()  # records this rank raised the alert for
@@ -224,6 +225,8 @@ def uninstall() -> None:
     global monitor
     if monitor is not None:
         mon, monitor = monitor, None
+        if mon.pid != os.getpid():
+            return  # a forked child: the thread and the rank are its parent's
         mon.close()
         mon.answer_dump_request()
 
@@ -271,7 +274,8 @@ def report_failure(exc: BaseException) -> None:
 
 def _excepthook(tp, value, tb) -> None:
     try:
-        if monitor is not None and not issubclass(tp, KeyboardInterrupt):
+        # a forked child (a data loader worker) inherits the monitor but is not the rank
+        if monitor is not None and monitor.pid == os.getpid() and not issubclass(tp, KeyboardInterrupt):
             report_failure(value)
     finally:
         (_previous_excepthook or sys.__excepthook__)(tp, value, tb)

@@ -29,6 +29,7 @@ reads the files of every rank.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import socket
@@ -106,7 +107,7 @@ class FlightRecorder:
             raise ValueError(f"flight recorder capacity must be positive, got {capacity}")
         self.capacity = capacity
         self._slots: list = [None] * capacity
-        self._next = 0  # id of the next record; the slot is id % capacity
+        self._ids = itertools.count()  # ids of records; a record's slot is id % capacity
         self.rank: int | None = None  # the global rank, once a group says it
         self.world_size: int | None = None
         self.groups: dict[str, dict] = {}  # name -> {"id", "ranks", "timeout"}
@@ -123,31 +124,41 @@ class FlightRecorder:
         the collective's sequence number in its group; a send or receive has none, but a ``tag``.
         ``depth``: the first frame that may be the user's, as ``call_site`` counts (1: this
         method, 2: its caller); a caller that knows its own callers are distcomm's skips them."""
-        i = self._next
-        self._next = i + 1
-        entry = [i, group, seq, op, nbytes, dtype, peer, call_site(depth), _now(), None, state, None, tag]
+        # call_site, inlined: this is the hot path (a function call is a tenth of its cost)
+        site = None
+        try:
+            frame = _getframe(depth - 1)
+        except ValueError:
+            frame = None
+        internal = _internal
+        while frame is not None:
+            code = frame.f_code
+            name = code.co_filename
+            inside = internal.get(name)
+            if inside is None:
+                inside = internal[name] = name.startswith(_SKIPPED[0]) or _SKIPPED[1] in name
+            if not inside:
+                site = (code, frame.f_lasti)
+                break
+            frame = frame.f_back
+        i = next(self._ids)  # itertools.count: atomic under the GIL, unlike a += on an attribute
+        entry = [i, group, seq, op, nbytes, dtype, peer, site, _now(), None, state, None, tag]
         self._slots[i % self.capacity] = entry
         return entry
 
     # -- reading --------------------------------------------------------------------------------
     def entries(self) -> list[list]:
-        """A copy of the records, oldest first."""
-        n, cap = self._next, self.capacity
-        slots = list(self._slots)
-        if n <= cap:
-            return [e for e in slots[:n] if e is not None]
-        start = n % cap
-        return [e for e in slots[start:] + slots[:start] if e is not None]
+        """A copy of the records, oldest first (by id: a slot is replaced whole, never edited)."""
+        return sorted((e for e in list(self._slots) if e is not None), key=lambda e: e[ID])
+
+    def recorded(self) -> int:
+        """How many records were ever made (the newest id + 1)."""
+        newest = max((e[ID] for e in list(self._slots) if e is not None), default=-1)
+        return newest + 1
 
     def recent(self, limit: int) -> list[list]:
         """The newest ``limit`` records, newest first (what the watchdog scans)."""
-        n, cap, slots = self._next, self.capacity, self._slots
-        out = []
-        for i in range(n - 1, max(n - min(limit, cap), 0) - 1, -1):
-            entry = slots[i % cap]
-            if entry is not None:
-                out.append(entry)
-        return out
+        return self.entries()[::-1][:limit]
 
     def snapshot(self) -> dict:
         """Per group: the last record started (or scheduled) and the last one completed, as dicts."""
@@ -174,7 +185,7 @@ class FlightRecorder:
             "reason": reason,
             "time": _now(),
             "capacity": self.capacity,
-            "recorded": self._next,
+            "recorded": self.recorded(),
             "groups": self.groups,
         }
 

@@ -44,8 +44,10 @@ from .transport.base import ANY_SOURCE, KIND_COLLECTIVE, KIND_P2P, Channel, Mess
 from .types import RedOpType
 from .work import Work
 
-_now = time.time  # the flight recorder's clock
-_SCHEDULED = fr.SCHEDULED
+# the flight recorder's clock, fields and states, bound once: run() touches them on every call
+_now = time.time
+_SCHEDULED, _STARTED, _COMPLETED = fr.SCHEDULED, fr.STARTED, fr.COMPLETED
+_STATE, _T_COMPLETED = fr.STATE, fr.T_COMPLETED
 
 
 def _op_code(op) -> int:
@@ -178,7 +180,7 @@ class ProcessGroup:
 
         def run() -> None:
             if entry is not None:
-                entry[fr.STATE] = fr.STARTED
+                entry[_STATE] = _STARTED
             try:
                 if diagnostics.check_shapes and buf is not None:
                     fp = diagnostics.fingerprint(op, buf.dtype.name, buf.shape, root)
@@ -195,7 +197,7 @@ class ProcessGroup:
                 diagnostics.on_fault(self, exc, op, seq)
                 raise
             if entry is not None:
-                entry[fr.T_COMPLETED], entry[fr.STATE] = _now(), fr.COMPLETED
+                entry[_T_COMPLETED], entry[_STATE] = _now(), _COMPLETED
 
         return self.executor.run(op, run, async_op, result)
 
