@@ -70,3 +70,49 @@ def test_timeout_error_says_what_every_rank_was_doing(engine, tmp_path):
     print("\n".join(report))
     assert f"  ranks 0,1 failed in all_reduce #6 (test_hang_report.py:{hang}): DistTimeoutError" in report
     assert f"  rank 2 last completed all_reduce #5 (test_hang_report.py:{loop}) and has not started #6" in report
+
+
+# -- the report's lines, from published states (no processes) -------------------------------------
+def _state(t, started=None, completed=None):
+    return {"rank": 1, "time": t, "groups": {"0": {"last_started": started, "last_completed": completed}}}
+
+
+def _rec(seq, state, t=100.0, line=41, error=None):
+    return {"op": "all_reduce", "seq": seq, "state": state, "time_created": t,
+            "site": {"file": "/x/train.py", "line": line}, "error": error}
+
+
+def test_describe_state_lines():
+    from distcomm.diagnostics import describe_state
+
+    waiting = _state(103.0, _rec(6, "started"), _rec(5, "completed"))
+    assert describe_state(1, waiting, "0", now=103.5) == (
+        "rank 1: in all_reduce #6 (train.py:41) for 3.0 s; last completed all_reduce #5 (train.py:41)")
+    # a state not refreshed for long: the rank stopped answering (SIGSTOP, a GIL held in C)
+    assert describe_state(1, waiting, "0", now=110.0, stale_after=2.0).endswith("(last heard from 7.0 s ago)")
+    idle = _state(103.0, _rec(5, "completed"), _rec(5, "completed"))
+    assert describe_state(1, idle, "0", now=103.1) == (
+        "rank 1: not in an operation of this group; last completed all_reduce #5 (train.py:41)")
+    failed = _state(103.0, _rec(6, "failed", error="PeerLostError: gone"), _rec(5, "completed"))
+    assert describe_state(1, failed, "0", now=103.1) == "rank 1: all_reduce #6 (train.py:41) failed: PeerLostError: gone"
+    assert describe_state(2, None, "0", now=0).startswith("rank 2: no report")
+    assert describe_state(1, {"time": 1.0, "groups": {}}, "0", now=1.0) == (
+        "rank 1: has not started any operation of this group")
+
+
+def test_failure_summary_names_the_users_line():
+    from distcomm.diagnostics import describe_failure, failure_summary
+
+    def load_batch():
+        raise ValueError("bad batch 7")  # FAIL-HERE
+
+    try:
+        load_batch()
+    except ValueError as exc:
+        summary = failure_summary(exc)
+    line = _line_of("# FAIL-HERE")
+    assert summary["type"] == "ValueError" and summary["message"] == "bad batch 7"
+    assert summary["site"] == f"test_hang_report.py:{line}"
+    text = describe_failure(2, summary)
+    assert text.startswith(f"rank 2 failed: ValueError: bad batch 7 (test_hang_report.py:{line})\n")
+    assert text.splitlines()[-1] == "    | ValueError: bad batch 7"
