@@ -91,6 +91,7 @@ def _env_capacity(value: str) -> subprocess.CompletedProcess:
                           env={"PYTHONPATH": SRC, "DISTCOMM_TRACE_BUFFER_SIZE": value})
 
 
+@pytest.mark.slow
 def test_buffer_size_from_the_environment():
     assert _env_capacity("").stdout.strip() == "2000"
     assert _env_capacity("16").stdout.strip() == "16"

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from distcomm import trace
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -108,20 +110,30 @@ def test_point_to_point_pending_and_groups_apart():
     assert not any("divergence" in line for line in lines)
 
 
-def test_command_line_reads_a_directory(tmp_path):
-    for r, recs in {0: steps(6, "started"), 1: steps(5)}.items():
-        with open(tmp_path / f"distcomm_trace_rank_{r}.jsonl", "w") as f:
+def _write_dumps(directory, dumps):
+    for r, recs in dumps.items():
+        with open(directory / f"distcomm_trace_rank_{r}.jsonl", "w") as f:
             f.write(json.dumps(header(r, 2)) + "\n")
             f.writelines(json.dumps(x) + "\n" for x in recs)
+
+
+def test_main_reads_a_directory(tmp_path, capsys):
+    _write_dumps(tmp_path, {0: steps(6, "started"), 1: steps(5)})
+    assert trace.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "rank 0 in all_reduce #6 (train.py:41)" in out
+    assert "rank 1 last completed all_reduce #5 (train.py:41) and has not started #6" in out
+
+
+def test_main_on_an_empty_directory(tmp_path, capsys):
+    assert trace.main([str(tmp_path)]) == 1
+    assert "no flight recorder dumps" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_python_dash_m_distcomm_trace(tmp_path):
+    _write_dumps(tmp_path, {0: steps(6, "started"), 1: steps(5)})
     out = subprocess.run([sys.executable, "-m", "distcomm.trace", str(tmp_path)], capture_output=True, text=True,
                          env={"PYTHONPATH": SRC}, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert "rank 0 in all_reduce #6 (train.py:41)" in out.stdout
     assert "rank 1 last completed all_reduce #5 (train.py:41) and has not started #6" in out.stdout
-
-
-def test_command_line_on_an_empty_directory(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "distcomm.trace", str(tmp_path)], capture_output=True, text=True,
-                         env={"PYTHONPATH": SRC}, timeout=60)
-    assert out.returncode == 1
-    assert "no flight recorder dumps" in out.stderr
