@@ -62,6 +62,7 @@ class Monitor:
         self.rank = rank
         self.world_size = world_size
         self.pid = os.getpid()
+        self.store_lost = False
         self._seen_alert = self._counter("trace/alert")
         self._seen_dump = self._counter("trace/dump")
         self._alerted: set[int] = set()  # records this rank raised the alert for
@@ -75,20 +76,35 @@ class Monitor:
         if self._thread is not threading.current_thread():
             self._thread.join(2)
 
-    # -- store helpers: never raise -------------------------------------------------------------
+    # -- store helpers: never raise; after one failure, never try again ---------------------------
+    # A store that failed once is gone (its host, rank 0 or the agent, has exited): trying again
+    # would only repeat the error (torch's C++ store prints a backtrace for each).
     def _counter(self, key: str, bump: int = 0) -> int:
+        if self.store_lost:
+            return 0
         try:
             return int(self.store.add(key, bump))
-        except Exception:  # noqa: BLE001 - the store may be gone; the report is best effort
+        except Exception:  # noqa: BLE001 - the report is best effort
+            self.store_lost = True
             return 0
 
     def _get_if_set(self, key: str) -> bytes | None:
+        if self.store_lost:
+            return None
         try:
             if self.store.check([key]):
                 return self.store.get(key)
         except Exception:  # noqa: BLE001
-            pass
+            self.store_lost = True
         return None
+
+    def _set(self, key: str, value: str) -> None:
+        if self.store_lost:
+            return
+        try:
+            self.store.set(key, value)
+        except Exception:  # noqa: BLE001
+            self.store_lost = True
 
     # -- the watchdog ---------------------------------------------------------------------------
     def interval(self) -> float:
@@ -98,7 +114,7 @@ class Monitor:
         return min(1.0, max(0.05, smallest / 8))
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval()):
+        while not self._stop.wait(self.interval()) and not self.store_lost:
             try:
                 self.tick()
             except Exception:  # noqa: BLE001 - a watchdog must not die of a store hiccup
@@ -132,11 +148,7 @@ class Monitor:
         if rec is None:
             return
         groups = rec.snapshot()
-        payload = json.dumps({"rank": self.rank, "time": time.time(), "groups": groups})
-        try:
-            self.store.set(f"trace/state/{self.rank}", payload)
-        except Exception:  # noqa: BLE001
-            pass
+        self._set(f"trace/state/{self.rank}", json.dumps({"rank": self.rank, "time": time.time(), "groups": groups}))
 
     def alert(self) -> None:
         """A wait got long here: publish this rank's state and ask every rank to publish theirs."""
@@ -153,10 +165,7 @@ class Monitor:
             rec.dump(reason=(reason or b"requested by another rank").decode(errors="replace"))
 
     def request_dump(self, reason: str) -> None:
-        try:
-            self.store.set("trace/dump_reason", reason)
-        except Exception:  # noqa: BLE001
-            pass
+        self._set("trace/dump_reason", reason)
         # this rank dumps itself (the caller does): its watchdog need not answer its own request
         self._seen_dump = self._counter("trace/dump", 1)
         self._counter("trace/alert", 1)
@@ -196,11 +205,8 @@ class Monitor:
         return out
 
     def publish_failure(self, summary: dict) -> None:
-        try:
-            self.store.set(f"trace/failed/{self.rank}", json.dumps(summary))
-            self.store.add("trace/failures", 1)
-        except Exception:  # noqa: BLE001
-            pass
+        self._set(f"trace/failed/{self.rank}", json.dumps(summary))
+        self._counter("trace/failures", 1)
 
 
 monitor: Monitor | None = None
