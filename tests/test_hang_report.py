@@ -72,6 +72,33 @@ def test_timeout_error_says_what_every_rank_was_doing(engine, tmp_path):
     assert f"  rank 2 last completed all_reduce #5 (test_hang_report.py:{loop}) and has not started #6" in report
 
 
+def _torch_laggard(rank, world_size):
+    import torch
+    import torch.distributed as tdist
+
+    import distcomm.torch_backend  # noqa: F401 - registers the "distcomm" backend
+
+    tdist.init_process_group("distcomm", timeout=timedelta(seconds=TIMEOUT))
+    t = torch.ones(3)
+    tdist.all_reduce(t)  # TORCH-LAST
+    if rank == 1:
+        time.sleep(TIMEOUT + 1.0)
+        return None
+    try:
+        tdist.all_reduce(t)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.slow
+def test_hang_report_through_torchs_own_api():
+    error = run_world(_torch_laggard, 2, timeout=60)[0]
+    assert error is not None and "all_reduce #2 on rank 0" in error
+    assert (f"rank 1: not in an operation of this group; last completed all_reduce #1 "
+            f"(test_hang_report.py:{_line_of('# TORCH-LAST')})") in error
+
+
 # -- the report's lines, from published states (no processes) -------------------------------------
 def _state(t, started=None, completed=None):
     return {"rank": 1, "time": t, "groups": {"0": {"last_started": started, "last_completed": completed}}}
