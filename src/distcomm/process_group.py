@@ -25,9 +25,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .backends.engine import Engine, FastPath, GroupSpec
 from . import diagnostics
 from . import flight_recorder as fr
+from .backends.engine import Engine, FastPath, GroupSpec
 from .buffers import Buffer, SparseBuffer
 from .errors import (
     CollectiveMismatchError,
@@ -191,10 +191,11 @@ class ProcessGroup:
                 else:
                     with profiler_scope(f"{self.backend_name}:{op}"):  # torch's "<backend>:<op>" event names
                         body(self.channel(op, seq, sig, timeout))
-            except DistError as exc:
+            except BaseException as exc:
                 if entry is not None:
                     fr.fail(entry, exc)
-                diagnostics.on_fault(self, exc, op, seq)
+                if isinstance(exc, DistError):
+                    diagnostics.on_fault(self, exc, op, seq)
                 raise
             if entry is not None:
                 entry[_T_COMPLETED], entry[_STATE] = _now(), _COMPLETED
