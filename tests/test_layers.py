@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "src" / "distcomm"
 # Higher numbers sit above lower ones; a module may import its own layer and the ones below.
 LAYERS = [
     (0, ["tuning", "reduction", "dtypes", "types", "errors", "signatures", "profiling", "work", "buffers",
-         "executor", "launcher_env"]),
+         "executor", "launcher_env", "flight_recorder", "diagnostics"]),
     (1, ["store", "transport"]),
     (2, ["rendezvous", "_algorithms"]),
     (3, ["backends"]),
@@ -23,7 +23,7 @@ LAYERS = [
     (5, ["world"]),
     (6, ["_api"]),
     (7, ["__init__", "distributed_c10d", "parallel", "optim", "nn", "algorithms", "utils", "torch_backend", "elastic"]),
-    (8, ["run", "launch", "_launcher", "multiprocessing", "bench", "demo"]),
+    (8, ["run", "launch", "_launcher", "multiprocessing", "bench", "demo", "trace"]),
 ]
 LAYER_OF = {name: level for level, names in LAYERS for name in names}
 

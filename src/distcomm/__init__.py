@@ -5,7 +5,7 @@ the same names, signatures, defaults and semantics, on distcomm's own engines.
 """
 
 from . import distributed_c10d
-from ._api.debug import breakpoint, set_debug_level, set_debug_level_from_env
+from ._api.debug import breakpoint, dump_flight_recorder, set_debug_level, set_debug_level_from_env
 from ._api.groups import is_available
 from ._api.multigpu import (
     all_gather_multigpu,
@@ -39,7 +39,7 @@ __all__ = sorted(set(_c10d_all) | {
     "CollectiveMismatchError", "DistBackendError", "DistError", "DistNetworkError", "DistStoreAuthError",
     "DistStoreError", "DistStoreTimeoutError", "DistTimeoutError", "FileStore", "Future", "HashStore",
     "PeerLostError", "QueueEmptyError", "TCPStore", "all_gather_multigpu", "all_reduce_multigpu", "breakpoint",
-    "broadcast_multigpu", "is_available", "reduce_multigpu", "reduce_scatter_multigpu", "register_rendezvous_handler",
+    "broadcast_multigpu", "dump_flight_recorder", "is_available", "reduce_multigpu", "reduce_scatter_multigpu", "register_rendezvous_handler",
     "rendezvous", "set_debug_level", "set_debug_level_from_env",
 })
 

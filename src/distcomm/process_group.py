@@ -25,11 +25,14 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from . import diagnostics
+from . import flight_recorder as fr
 from .backends.engine import Engine, FastPath, GroupSpec
 from .buffers import Buffer, SparseBuffer
 from .errors import (
     CollectiveMismatchError,
     DistBackendError,
+    DistError,
     DistTimeoutError,
     PeerLostError,
     describe_op,
@@ -40,6 +43,12 @@ from .signatures import signature
 from .transport.base import ANY_SOURCE, KIND_COLLECTIVE, KIND_P2P, Channel, MessageKey, TransportError, wait_all
 from .types import RedOpType
 from .work import Work
+
+# the flight recorder's clock, fields and states, bound once: run() touches them on every call
+_now = time.time
+_SCHEDULED, _STARTED, _COMPLETED = fr.SCHEDULED, fr.STARTED, fr.COMPLETED
+_STATE, _T_COMPLETED = fr.STATE, fr.T_COMPLETED
+
 
 def _op_code(op) -> int:
     return int(getattr(op, "op", op))
@@ -89,6 +98,8 @@ class ProcessGroup:
         # done nothing. Asked of the engine on first use (see _install_fast_path).
         self.fast_all_reduce = self._first_fast_all_reduce
         self.fast_barrier = self._first_fast_barrier
+        if fr.recorder is not None:
+            fr.recorder.register_group(name, group_id, self.ranks, global_rank, self._timeout_s)
 
     @property
     def timeout(self) -> timedelta:
@@ -146,20 +157,48 @@ class ProcessGroup:
         async_op: bool = False,
         result: Any = None,
         timeout: timedelta | None = None,
+        buf: Buffer | None = None,
+        root: int | None = None,
     ) -> Work | None:
         """Run ``body(channel)`` as this group's next collective, inline or queued.
 
         The sequence number is taken now, in issue order, so every member numbers the same call
-        alike whether it runs inline or later on the worker thread.
+        alike whether it runs inline or later on the worker thread. ``buf`` (the call's input) and
+        ``root`` describe the call to the flight recorder and to the DETAIL shape check.
         """
         seq = self.next_seq()
+        recorder = fr.recorder
+        entry = None
+        if recorder is not None:
+            # depth 4: the user's frame is no nearer than the caller of the ProcessGroup method
+            # that called run (call_site's frames: 1 record, 2 run, 3 the method, 4 its caller)
+            if buf is None:
+                entry = recorder.record(self.group_name, seq, op, None, None, root, _SCHEDULED, None, 4)
+            else:
+                entry = recorder.record(self.group_name, seq, op, buf.flat.nbytes, buf.dtype.name, root,
+                                        _SCHEDULED, None, 4)
 
         def run() -> None:
-            if profiling() is None:
-                body(self.channel(op, seq, sig, timeout))
-                return
-            with profiler_scope(f"{self.backend_name}:{op}"):  # torch's "<backend>:<op>" event names
-                body(self.channel(op, seq, sig, timeout))
+            if entry is not None:
+                entry[_STATE] = _STARTED
+            try:
+                if diagnostics.check_shapes and buf is not None:
+                    fp = diagnostics.fingerprint(op, buf.dtype.name, buf.shape, root)
+                    diagnostics.check_fingerprints(self.channel(op, seq, diagnostics.FINGERPRINT_SIGNATURE, timeout),
+                                                   fp, seq)
+                if profiling() is None:
+                    body(self.channel(op, seq, sig, timeout))
+                else:
+                    with profiler_scope(f"{self.backend_name}:{op}"):  # torch's "<backend>:<op>" event names
+                        body(self.channel(op, seq, sig, timeout))
+            except BaseException as exc:
+                if entry is not None:
+                    fr.fail(entry, exc)
+                if isinstance(exc, DistError):
+                    diagnostics.on_fault(self, exc, op, seq)
+                raise
+            if entry is not None:
+                entry[_T_COMPLETED], entry[_STATE] = _now(), _COMPLETED
 
         return self.executor.run(op, run, async_op, result)
 
@@ -171,7 +210,8 @@ class ProcessGroup:
             coll.broadcast(ch, buf.flat, root)
             buf.commit()
 
-        return self.run("broadcast", signature("broadcast", buf.dtype.code), body, async_op, result)
+        return self.run("broadcast", signature("broadcast", buf.dtype.code), body, async_op, result,
+                        buf=buf, root=root)
 
     def allreduce(self, buf: Buffer, op, async_op: bool = False, result: Any = None) -> Work | None:
         """``op``: a ReduceOp the dtype supports (checked by the caller)."""
@@ -182,7 +222,7 @@ class ProcessGroup:
             buf.commit()
 
         sig = signature("all_reduce", buf.dtype.code, _op_code(op))
-        return self.run("all_reduce", sig, body, async_op, result)
+        return self.run("all_reduce", sig, body, async_op, result, buf=buf)
 
     def allreduce_sparse(self, sparse: SparseBuffer, async_op: bool = False, result: Any = None) -> Work | None:
         """SUM of a sparse COO tensor (torch's gloo supports no other op on them): every rank sends
@@ -263,7 +303,7 @@ class ProcessGroup:
                 buf.commit()
 
         sig = signature("reduce", buf.dtype.code, _op_code(op))
-        return self.run("reduce", sig, body, async_op, result)
+        return self.run("reduce", sig, body, async_op, result, buf=buf, root=root)
 
     def _gather_into(self, ch: Channel, flat_out: np.ndarray, send: np.ndarray) -> None:
         count = send.size
@@ -284,7 +324,7 @@ class ProcessGroup:
                 out.flat[...] = flat[i * count:(i + 1) * count]
                 out.commit()
 
-        return self.run("all_gather", signature("all_gather", inp.dtype.code), body, async_op, result)
+        return self.run("all_gather", signature("all_gather", inp.dtype.code), body, async_op, result, buf=inp)
 
     def allgather_into_tensor(self, out: Buffer, inp: Buffer, async_op: bool = False,
                               result: Any = None) -> Work | None:
@@ -295,7 +335,7 @@ class ProcessGroup:
             out.commit()
 
         sig = signature("all_gather_into_tensor", inp.dtype.code)
-        return self.run("all_gather_into_tensor", sig, body, async_op, result)
+        return self.run("all_gather_into_tensor", sig, body, async_op, result, buf=inp)
 
     def gather(self, outs: Sequence[Buffer] | None, inp: Buffer, root: int, async_op: bool = False,
                result: Any = None) -> Work | None:
@@ -311,7 +351,7 @@ class ProcessGroup:
                     out.flat[...] = flat[i * count:(i + 1) * count]
                     out.commit()
 
-        return self.run("gather", signature("gather", inp.dtype.code), body, async_op, result)
+        return self.run("gather", signature("gather", inp.dtype.code), body, async_op, result, buf=inp, root=root)
 
     def scatter(self, out: Buffer, ins: Sequence[Buffer] | None, root: int, async_op: bool = False,
                 result: Any = None) -> Work | None:
@@ -323,7 +363,7 @@ class ProcessGroup:
             coll.scatter(ch, chunks, out.flat, root)
             out.commit()
 
-        return self.run("scatter", signature("scatter", out.dtype.code), body, async_op, result)
+        return self.run("scatter", signature("scatter", out.dtype.code), body, async_op, result, buf=out, root=root)
 
     def reduce_scatter(self, out: Buffer, ins: Sequence[Buffer], op, async_op: bool = False,
                        result: Any = None) -> Work | None:
@@ -337,7 +377,7 @@ class ProcessGroup:
             out.commit()
 
         sig = signature("reduce_scatter", out.dtype.code, _op_code(op))
-        return self.run("reduce_scatter", sig, body, async_op, result)
+        return self.run("reduce_scatter", sig, body, async_op, result, buf=out)
 
     def reduce_scatter_tensor(self, out: Buffer, inp: Buffer, op, async_op: bool = False,
                               result: Any = None) -> Work | None:
@@ -350,7 +390,7 @@ class ProcessGroup:
             out.commit()
 
         sig = signature("reduce_scatter_tensor", out.dtype.code, _op_code(op))
-        return self.run("reduce_scatter_tensor", sig, body, async_op, result)
+        return self.run("reduce_scatter_tensor", sig, body, async_op, result, buf=inp)
 
     def alltoall(self, outs: Sequence[Buffer], ins: Sequence[Buffer], async_op: bool = False,
                  result: Any = None) -> Work | None:
@@ -436,16 +476,20 @@ class ProcessGroup:
     def send(self, buf: Buffer, dst: int, tag: int = 0, op: str = "send") -> "P2PWork":
         """Post a send of ``buf`` to group rank ``dst``; the Work completes when it is handed over."""
         key = MessageKey(self.group_id, KIND_P2P, tag)
+        entry = None if fr.recorder is None else fr.recorder.record(
+            self.group_name, None, op, buf.nbytes, buf.dtype.name, dst, fr.STARTED, tag, 3)
         request = self.transport.isend(self.spec.ranks[dst], buf.flat, key, signature("send", buf.dtype.code))
-        return P2PWork(op, self, request, buf, dst, tag, receiving=False)
+        return P2PWork(op, self, request, buf, dst, tag, receiving=False, entry=entry)
 
     def recv(self, buf: Buffer, src: int, tag: int = 0, op: str = "recv") -> "P2PWork":
         """Post a receive into ``buf`` from group rank ``src`` (``ANY_SOURCE``: any member; the
         Work's ``source_rank()`` then tells the sender's global rank)."""
         key = MessageKey(self.group_id, KIND_P2P, tag)
         peer = ANY_SOURCE if src == ANY_SOURCE else self.spec.ranks[src]
+        entry = None if fr.recorder is None else fr.recorder.record(
+            self.group_name, None, op, buf.nbytes, buf.dtype.name, src, fr.STARTED, tag, 3)
         request = self.transport.irecv(peer, buf.flat, key, signature("send", buf.dtype.code))
-        return P2PWork(op, self, request, buf, src, tag, receiving=True)
+        return P2PWork(op, self, request, buf, src, tag, receiving=True, entry=entry)
 
     def recv_anysource(self, buf: Buffer, tag: int = 0, op: str = "recv") -> "P2PWork":
         return self.recv(buf, ANY_SOURCE, tag, op)
@@ -482,8 +526,10 @@ class P2PWork(Work):
     """The Work of one send or receive: waits on the transport's request directly (no queue, no
     thread hand-off); only ``get_future()`` borrows the group's worker thread to complete the future."""
 
-    def __init__(self, op: str, pg: ProcessGroup, request, buf: Buffer, peer: int, tag: int, receiving: bool):
+    def __init__(self, op: str, pg: ProcessGroup, request, buf: Buffer, peer: int, tag: int, receiving: bool,
+                 entry: list | None = None):
         super().__init__(op, [buf.obj])
+        self._entry = entry  # its flight recorder record, or None
         self._receiving = receiving  # by flag, not by op name: recv_object_list receives too
         self._pg = pg
         self._request = request
@@ -502,12 +548,17 @@ class P2PWork(Work):
             if exc.peer is not None:
                 peer = self._pg.group_rank(self._pg.global_rank_of_engine_rank(exc.peer))
             err = self._translate(exc, peer)
+            if self._entry is not None:
+                fr.fail(self._entry, err)
+            diagnostics.on_fault(self._pg, err, self.op, None)
             self._finish(err)
             raise err from None
         source = None
         if self._receiving:
             self._buf.commit()
             source = self._pg.global_rank_of_engine_rank(self._request.source)
+        if self._entry is not None:
+            fr.complete(self._entry)
         self._finish(None, source)
 
     def _translate(self, exc: TransportError, peer: int) -> DistBackendError:

@@ -12,7 +12,8 @@ import os
 import sys
 from datetime import timedelta
 
-from .. import world
+from .. import diagnostics, world
+from .. import flight_recorder as fr
 from .args import default_group
 
 
@@ -40,6 +41,7 @@ def set_debug_level(level: DebugLevel) -> None:
         # torch's binding refuses anything but a DebugLevel (an int too) with a TypeError
         raise TypeError(f"set_debug_level(): expected a DebugLevel (OFF, INFO or DETAIL), got {level!r}")
     _level = level
+    diagnostics.check_shapes = level == DebugLevel.DETAIL  # ProcessGroup.run reads it on every call
 
 
 def set_debug_level_from_env() -> None:
@@ -56,6 +58,22 @@ def set_debug_level_from_env() -> None:
         set_debug_level(DebugLevel[value.strip().upper()])
     except KeyError:
         raise ValueError(f"The value of {var} must be OFF, INFO, or DETAIL.") from None
+
+
+def dump_flight_recorder(directory: str | None = None, all_ranks: bool = False) -> str | None:
+    """Write this rank's flight recorder (its last DISTCOMM_TRACE_BUFFER_SIZE operations) to
+    ``directory`` (default: DISTCOMM_TRACE_DIR) as ``distcomm_trace_rank_<rank>.jsonl``; returns the
+    path, or None when no directory is given or set, or the recorder is off.
+
+    ``all_ranks=True`` also asks every other rank to dump to its own DISTCOMM_TRACE_DIR (through the
+    store: each does within about a second, from its watchdog thread, whatever it is doing).
+    ``python -m distcomm.trace DIR`` then says who is behind and where.
+    """
+    if all_ranks and diagnostics.monitor is not None:
+        diagnostics.monitor.request_dump(f"dump_flight_recorder(all_ranks=True) on rank {diagnostics.monitor.rank}")
+    if fr.recorder is None:
+        return None
+    return fr.recorder.dump(directory, reason="dump_flight_recorder()")
 
 
 _breakpoint_cache: dict[int, int] = {}

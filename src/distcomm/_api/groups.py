@@ -6,7 +6,7 @@ import os
 from datetime import timedelta
 from typing import Any, Sequence
 
-from .. import launcher_env, world
+from .. import diagnostics, launcher_env, world
 from ..backends import Backend, connect
 from ..process_group import ProcessGroup
 from ..errors import DistBackendError
@@ -127,6 +127,7 @@ def init_process_group(
         pg = ProcessGroup(gid, name, range(world_size), rank, world_engine, user_name, timeout, engine, prefixed)
         world.groups[name] = pg
         world.set_world(pg)
+        diagnostics.install(prefixed, rank, world_size)  # hang reports, failure causes, dumps on every rank
 
 
 def destroy_process_group(group: Any = None) -> None:
@@ -139,6 +140,7 @@ def destroy_process_group(group: Any = None) -> None:
                 pg.close()
             for engine in list(world.engines.values()):
                 engine.close()
+            diagnostics.uninstall()
             world.reset()
             return
         if group is world.GroupMember.NON_GROUP_MEMBER:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from .. import backends
+from .. import backends, diagnostics
 from ..buffers import SparseBuffer, as_buffer, as_buffers
 from ..process_group import ProcessGroup
 from ..transport.base import ANY_SOURCE
@@ -276,4 +276,6 @@ def create(common_opts, backend_options=None) -> DistcommProcessGroup:
         0, str(common_opts.group_id), global_ranks, global_ranks[rank], engine, BACKEND_NAME, timeout,
         engine_name=engine_name, store=store, engine_ranks=range(size),
     )
+    if not common_opts.global_ranks_in_group:  # torch's default group: the whole world, its store
+        diagnostics.install(store, rank, size)  # hang reports, failure causes, dumps on every rank
     return DistcommProcessGroup(group)

@@ -33,14 +33,17 @@ marks the group's shared memory broken. Each call it takes is reported to the ob
 from __future__ import annotations
 
 import sys
+import time
 from functools import partial
 from typing import NoReturn
 
 import numpy as np
 
+from ... import diagnostics
+from ... import flight_recorder as fr
 from ...buffers import tensor_memory
 from ...dtypes import from_numpy
-from ...errors import DistBackendError
+from ...errors import DistBackendError, DistError
 from ...profiling import profiling
 from ...reduction import check_supported, finish, sequence_reducer
 from ...signatures import signature
@@ -89,6 +92,9 @@ def build(pg, ctx, limit: int) -> FastPath:
     all_reduce_channel, barrier_channel = partial(pg.channel, "all_reduce"), partial(pg.channel, "barrier")
     plans: dict = {}  # (op, numpy dtype) -> (signature, reduce_all, DType), once checked
     barrier_sig = signature("barrier")
+    # for the flight recorder: its fields and states, and the clock, bound once
+    group, STARTED, COMPLETED, STATE, T_COMPLETED, now = (pg.group_name, fr.STARTED, fr.COMPLETED, fr.STATE,
+                                                          fr.T_COMPLETED, time.time)
     # The last torch tensor taken, its data pointer and its memory as numpy: a loop that reduces
     # the same tensor call after call skips the conversion (2.5 µs; the check costs 0.35). It keeps
     # that one small tensor alive until another takes its place. One tuple, read and replaced
@@ -114,13 +120,22 @@ def build(pg, ctx, limit: int) -> FastPath:
         plans[(op, np_dtype)] = entry
         return entry
 
-    def fail(exc: BaseException, op: str, seq: int, sig: int) -> NoReturn:
+    def fail(exc: BaseException, op: str, seq: int, sig: int, entry: list | None) -> NoReturn:
         """After a failure within a round the group's shared memory is unusable: mark it, and raise
-        the error (a transport's in the words of the operation, as ShmCollectives does)."""
-        if isinstance(exc, TransportError):
+        the error (a transport's in the words of the operation, as ShmCollectives does), told to the
+        flight recorder and the other ranks as the general path tells its errors."""
+        translated = isinstance(exc, TransportError)
+        if translated:
             ctx.broken = str(exc)
-            raise pg.channel(op, seq, sig).translate(exc, None) from None
-        ctx.broken = f"{type(exc).__name__}: {exc}"
+            exc = pg.channel(op, seq, sig).translate(exc, None)
+        else:
+            ctx.broken = f"{type(exc).__name__}: {exc}"
+        if entry is not None:
+            fr.fail(entry, exc)
+        if isinstance(exc, DistError):
+            diagnostics.on_fault(pg, exc, op, seq)
+        if translated:
+            raise exc from None
         raise exc
 
     # -- the calls ------------------------------------------------------------------------------
@@ -145,13 +160,18 @@ def build(pg, ctx, limit: int) -> FastPath:
             return False
         sig, reduce_all, dtype = entry
         seq = next_seq()
+        # call site depth 3: this function's caller (the API function) and up
+        record = None if fr.recorder is None else fr.recorder.record(group, seq, "all_reduce", n, dtype.name, None,
+                                                                     STARTED, None, 3)
         try:
             observe.current is None or observe.current("latency_all_reduce")  # one check when unobserved
             all_reduce_round(ctx, seq, sig, all_reduce_channel, flat, reduce_all)
         except BaseException as exc:
-            fail(exc, "all_reduce", seq, sig)
+            fail(exc, "all_reduce", seq, sig, record)
         finally:
             leave()
+        if record is not None:
+            record[T_COMPLETED], record[STATE] = now(), COMPLETED
         if op is RedOpType.AVG:
             finish(op, flat, size, dtype)
         return True
@@ -160,6 +180,8 @@ def build(pg, ctx, limit: int) -> FastPath:
         if ctx.broken is not None or profiling() is not None or not enter():
             return False
         seq = next_seq()
+        record = None if fr.recorder is None else fr.recorder.record(group, seq, "barrier", 0, None, None, STARTED,
+                                                                     None, 3)
         try:
             observe.current is None or observe.current("latency_barrier")
             # barrier_slots.one_round's three steps, without its frame: a barrier is nothing else
@@ -167,9 +189,11 @@ def build(pg, ctx, limit: int) -> FastPath:
             exchange(k, seq, barrier_sig, 0, barrier_channel)
             consume(k)
         except BaseException as exc:
-            fail(exc, "barrier", seq, barrier_sig)
+            fail(exc, "barrier", seq, barrier_sig, record)
         finally:
             leave()
+        if record is not None:
+            record[T_COMPLETED], record[STATE] = now(), COMPLETED
         return True
 
     return FastPath(small_all_reduce, small_barrier)

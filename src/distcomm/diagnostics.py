@@ -1,0 +1,418 @@
+"""What ranks tell each other about a fault: hang reports, failure causes, dumps on every rank, and
+the cross-rank shape check of TORCH_DISTRIBUTED_DEBUG=DETAIL.
+
+Nothing here runs on the fast path of a healthy job. The ranks share news through the world's store,
+under ``trace/`` in its namespace for this init:
+
+``trace/alert`` (a counter)
+    Bumped by a rank whose operation has waited a quarter of its group's timeout, and by a rank that
+    hit a fault. Every rank's watchdog thread reads it (one ``add(key, 0)`` per tick: a tick is an
+    eighth of the smallest group timeout, at least 50 ms and at most 1 s); once it moved, the rank
+    publishes its state whenever it changes.
+``trace/state/<rank>``
+    A rank's state, JSON: per group, its last operation started and last completed (op, sequence
+    number, call site, times), as its flight recorder says. A timing-out rank reads the other
+    members' states into its DistTimeoutError: the hang report.
+``trace/dump`` (a counter)
+    Bumped (with the alert) by a rank that hit a fault, or by ``dump_flight_recorder(all_ranks=True)``:
+    each rank's watchdog then writes its flight recorder to ``DISTCOMM_TRACE_DIR``.
+``trace/failed/<rank>`` and the counter ``trace/failures``
+    Written by the hook that ``init_process_group`` adds to ``sys.excepthook`` when an exception
+    escapes a rank's program: its type, message, call site and the last lines of its traceback.
+    A rank whose collective then fails (its peer closed the connection, or time ran out) reads it
+    into its error: "rank 2 failed: ValueError: bad batch (train.py:57)".
+
+Every store call here is guarded: a store that is gone (the rank hosting it died) costs the report,
+never the error it decorates.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Sequence
+
+import numpy as np
+
+from . import flight_recorder as fr
+from .errors import CollectiveMismatchError, DistError, DistTimeoutError
+
+ALERT_FRACTION = 0.25  # a wait this fraction of its timeout long makes the rank raise the alert
+PUBLISH_WINDOW = 5.0  # seconds past the largest group timeout that ranks keep publishing after an alert
+TRACEBACK_LINES = 6  # of the failed rank's traceback, in the peers' errors
+FINGERPRINT_BYTES = 1024
+# The signature of the DETAIL shape check's messages: an opcode no collective has (signatures.py
+# numbers them from 1 up), so these never match a collective's own messages.
+FINGERPRINT_SIGNATURE = 0x7FFF << 16
+
+# TORCH_DISTRIBUTED_DEBUG=DETAIL: set by _api/debug.set_debug_level, read by ProcessGroup.run.
+check_shapes = False
+
+
+class Monitor:
+    """This process's side of the sharing: a watchdog thread and the store it talks through."""
+
+    def __init__(self, store: Any, rank: int, world_size: int):
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.pid = os.getpid()
+        self.store_lost = False
+        self._seen_alert = self._counter("trace/alert")
+        self._seen_dump = self._counter("trace/dump")
+        self._alerted: set[int] = set()  # records this rank raised the alert for
+        self._publish_until = 0.0  # time.time() until which the state is published on every tick
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="distcomm-watchdog", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(2)
+
+    # -- store helpers: never raise; after one failure, never try again ---------------------------
+    # A store that failed once is gone (its host, rank 0 or the agent, has exited): trying again
+    # would only repeat the error (torch's C++ store prints a backtrace for each).
+    def _counter(self, key: str, bump: int = 0) -> int:
+        if self.store_lost:
+            return 0
+        try:
+            return int(self.store.add(key, bump))
+        except Exception:  # noqa: BLE001 - the report is best effort
+            self.store_lost = True
+            return 0
+
+    def _get_if_set(self, key: str) -> bytes | None:
+        if self.store_lost:
+            return None
+        try:
+            if self.store.check([key]):
+                return self.store.get(key)
+        except Exception:  # noqa: BLE001
+            self.store_lost = True
+        return None
+
+    def _set(self, key: str, value: str) -> None:
+        if self.store_lost:
+            return
+        try:
+            self.store.set(key, value)
+        except Exception:  # noqa: BLE001
+            self.store_lost = True
+
+    # -- the watchdog ---------------------------------------------------------------------------
+    def interval(self) -> float:
+        rec = fr.recorder
+        timeouts = [g["timeout"] for g in rec.groups.values()] if rec is not None else []
+        smallest = min(timeouts) if timeouts else 8.0
+        return min(1.0, max(0.05, smallest / 8))
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval()) and not self.store_lost:
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001 - a watchdog must not die of a store hiccup
+                pass
+
+    def tick(self) -> None:
+        rec = fr.recorder
+        if rec is None:
+            return
+        now = time.time()
+        for entry in rec.recent(64):
+            if entry[fr.STATE] in (fr.SCHEDULED, fr.STARTED) and entry[fr.ID] not in self._alerted:
+                group = rec.groups.get(entry[fr.GROUP])
+                limit = (group["timeout"] if group else 1800.0) * ALERT_FRACTION
+                if now - entry[fr.T_CREATED] > limit:
+                    self._alerted.add(entry[fr.ID])
+                    self.alert()
+        alert = self._counter("trace/alert")
+        if alert != self._seen_alert:
+            self._seen_alert = alert
+            self._publish_until = now + PUBLISH_WINDOW + max(
+                (g["timeout"] for g in rec.groups.values()), default=0.0)
+            self.answer_dump_request()
+        if now < self._publish_until:
+            self.publish()
+
+    def publish(self) -> None:
+        """Write this rank's state under ``trace/state/<rank>``, stamped with the time: on every
+        tick of an alert's window, so a reader can tell a live rank's state from a stale one."""
+        rec = fr.recorder
+        if rec is None:
+            return
+        groups = rec.snapshot()
+        self._set(f"trace/state/{self.rank}", json.dumps({"rank": self.rank, "time": time.time(), "groups": groups}))
+
+    def alert(self) -> None:
+        """A wait got long here: publish this rank's state and ask every rank to publish theirs."""
+        self._publish_until = max(self._publish_until, time.time() + PUBLISH_WINDOW)
+        self.publish()
+        self._counter("trace/alert", 1)
+
+    def answer_dump_request(self) -> None:
+        """Dump if another rank asked since the last tick (a rank leaving between two ticks)."""
+        rec = fr.recorder
+        if rec is not None and self._counter("trace/dump") != self._seen_dump:
+            self._seen_dump = self._counter("trace/dump")
+            reason = self._get_if_set("trace/dump_reason")
+            rec.dump(reason=(reason or b"requested by another rank").decode(errors="replace"))
+
+    def request_dump(self, reason: str) -> None:
+        self._set("trace/dump_reason", reason)
+        # this rank dumps itself (the caller does): its watchdog need not answer its own request
+        self._seen_dump = self._counter("trace/dump", 1)
+        self._counter("trace/alert", 1)
+
+    # -- reading what the others published ------------------------------------------------------
+    def states(self, ranks: Sequence[int], settle: float) -> dict[int, dict]:
+        """The published states of ``ranks``; waits up to ``settle`` seconds for missing ones after
+        raising the alert (a rank that had no reason to publish yet does so on its next tick)."""
+        self.alert()
+        found: dict[int, dict] = {}
+        deadline = time.monotonic() + settle
+        while True:
+            for r in ranks:
+                if r not in found:
+                    raw = self._get_if_set(f"trace/state/{r}")
+                    if raw is not None:
+                        try:
+                            found[r] = json.loads(raw)
+                        except ValueError:
+                            pass
+            if len(found) == len(ranks) or time.monotonic() >= deadline:
+                return found
+            time.sleep(0.05)
+
+    def failures(self, ranks: Sequence[int]) -> dict[int, dict]:
+        """The failure summaries published by any of ``ranks``."""
+        if self._counter("trace/failures") == 0:
+            return {}
+        out = {}
+        for r in ranks:
+            raw = self._get_if_set(f"trace/failed/{r}")
+            if raw is not None:
+                try:
+                    out[r] = json.loads(raw)
+                except ValueError:
+                    pass
+        return out
+
+    def publish_failure(self, summary: dict) -> None:
+        self._set(f"trace/failed/{self.rank}", json.dumps(summary))
+        self._counter("trace/failures", 1)
+
+
+monitor: Monitor | None = None
+_previous_excepthook = None
+
+
+def install(store: Any, rank: int, world_size: int) -> None:
+    """Called by init_process_group: start the watchdog and hook uncaught exceptions."""
+    global monitor, _previous_excepthook
+    uninstall()
+    if fr.recorder is not None:
+        fr.recorder.rank, fr.recorder.world_size = rank, world_size
+    monitor = Monitor(store, rank, world_size)
+    if _previous_excepthook is None:
+        _previous_excepthook = sys.excepthook
+        sys.excepthook = _excepthook
+
+
+def uninstall() -> None:
+    """Called by destroy_process_group (and at exit): answer a dump request the watchdog has not
+    seen yet, then stop the watchdog (the excepthook stays, and is idle)."""
+    global monitor
+    if monitor is not None:
+        mon, monitor = monitor, None
+        if mon.pid != os.getpid():
+            return  # a forked child: the thread and the rank are its parent's
+        mon.close()
+        mon.answer_dump_request()
+
+
+atexit.register(uninstall)
+
+
+# -- failures -----------------------------------------------------------------------------------
+def _user_site(tb) -> tuple[str, int] | None:
+    """The innermost frame of a traceback that is not distcomm's (where the user's code raised)."""
+    site = None
+    for frame, line in traceback.walk_tb(tb):
+        name = frame.f_code.co_filename
+        if not (name.startswith(fr._SKIPPED[0]) or fr._SKIPPED[1] in name):
+            site = (name, line)
+    return site
+
+
+def failure_summary(exc: BaseException) -> dict:
+    """What a failed rank tells the others: its exception's type, first line, site and traceback tail."""
+    message = str(exc).splitlines()[0] if str(exc) else ""
+    lines = traceback.format_exception(type(exc), exc, exc.__traceback__)
+    tail = "".join(lines).rstrip().splitlines()[-TRACEBACK_LINES:]
+    return {
+        "type": type(exc).__name__,
+        "message": message,
+        "site": fr.format_site(_user_site(exc.__traceback__)),
+        "traceback": tail,
+        "pid": os.getpid(),
+    }
+
+
+def report_failure(exc: BaseException) -> None:
+    """Publish ``exc`` as this rank's cause of failure, for its peers' errors (the excepthook does
+    this for exceptions that end the program; call it where a framework catches them first)."""
+    mon = monitor
+    if mon is None:
+        return
+    mon.publish_failure(failure_summary(exc))
+    reason = f"rank {mon.rank} failed: {type(exc).__name__}"
+    if fr.recorder is not None:
+        fr.recorder.dump(reason=reason)
+    mon.request_dump(reason)
+
+
+def _excepthook(tp, value, tb) -> None:
+    try:
+        # a forked child (a data loader worker) inherits the monitor but is not the rank
+        if monitor is not None and monitor.pid == os.getpid() and not issubclass(tp, KeyboardInterrupt):
+            report_failure(value)
+    finally:
+        (_previous_excepthook or sys.__excepthook__)(tp, value, tb)
+
+
+def describe_failure(rank: int, summary: dict) -> str:
+    text = f"rank {rank} failed: {summary.get('type')}: {summary.get('message')} ({summary.get('site')})"
+    tail = summary.get("traceback") or []
+    if tail:
+        text += "\n" + "\n".join("    | " + line for line in tail)
+    return text
+
+
+# -- the report added to an operation's error ---------------------------------------------------
+def _describe_record(rec: dict | None) -> str:
+    if not rec:
+        return "nothing"
+    return f"{rec['op']} #{rec['seq']} ({fr.format_site(_site_tuple(rec.get('site')))})"
+
+
+def _site_tuple(site):
+    return None if not site else (site["file"], site["line"])
+
+
+def describe_state(rank: int, state: dict | None, group: str, now: float, stale_after: float = 2.0) -> str:
+    """One line of a hang report: what ``rank`` was doing in ``group`` when it last published."""
+    if state is None:
+        return (f"rank {rank}: no report (its watchdog did not answer: the process may be dead, stopped, "
+                "or holding the GIL)")
+    g = state.get("groups", {}).get(group)
+    published = state.get("time", now)
+    # a live rank republishes every tick of the alert: an old state means a rank that stopped
+    stale = f" (last heard from {now - published:.1f} s ago)" if now - published > stale_after else ""
+    if not g:
+        return f"rank {rank}: has not started any operation of this group{stale}"
+    started, completed = g.get("last_started"), g.get("last_completed")
+    if started and started.get("state") in (fr.SCHEDULED, fr.STARTED):
+        waited = published - started["time_created"]
+        return (f"rank {rank}: in {_describe_record(started)} for {waited:.1f} s; last completed "
+                f"{_describe_record(completed)}{stale}")
+    if started and started.get("state") == fr.FAILED:
+        return f"rank {rank}: {_describe_record(started)} failed: {started.get('error')}{stale}"
+    return f"rank {rank}: not in an operation of this group; last completed {_describe_record(completed)}{stale}"
+
+
+def on_fault(pg: Any, exc: DistError, op: str, seq: int | None) -> None:
+    """An operation of ``pg`` failed with ``exc``: add what the other ranks report to its message,
+    dump this rank's flight recorder and ask every rank to dump theirs. Changes ``exc`` in place
+    (its type and traceback stay what they were)."""
+    if getattr(exc, "_distcomm_diagnosed", False):
+        return
+    exc._distcomm_diagnosed = True  # noqa: SLF001 - a marker on our own exception: report once
+    extra: list[str] = []
+    mon = monitor
+    others = [r for r in pg.ranks if r != pg.global_rank]
+    if mon is not None and others:
+        failed = mon.failures(others)
+        for r, summary in sorted(failed.items()):
+            extra.append(describe_failure(r, summary))
+        if isinstance(exc, DistTimeoutError):
+            states = mon.states(others, settle=min(1.0, 2 * mon.interval()))
+            now = time.time()
+            stale_after = 3 * mon.interval() + 0.5
+            lines = [describe_state(r, states.get(r), pg.group_name, now, stale_after) for r in others]
+            extra.append(f"what the other ranks of group {pg.group_name!r} were doing:\n  " + "\n  ".join(lines))
+        mon.request_dump(f"rank {pg.global_rank}: {type(exc).__name__} in {op} #{seq}")
+    rec = fr.recorder
+    path = None
+    if rec is not None:
+        try:
+            path = rec.dump(reason=f"{type(exc).__name__} in {op} #{seq}")
+        except OSError as err:
+            extra.append(f"flight recorder dump failed: {err}")
+    if path is not None:
+        extra.append(f"flight recorder: every rank dumps to {os.path.dirname(path)}; "
+                     f"run `python -m distcomm.trace {os.path.dirname(path)}`")
+    if extra:
+        exc.args = (str(exc) + "\n" + "\n".join(extra),) + exc.args[1:]
+
+
+# -- TORCH_DISTRIBUTED_DEBUG=DETAIL -------------------------------------------------------------
+def fingerprint(op: str, dtype: str | None, shape: Sequence[int] | None, peer: int | None) -> dict:
+    return {"op": op, "dtype": dtype, "shape": None if shape is None else list(shape), "root": peer}
+
+
+def _encode(fp: dict) -> np.ndarray:
+    raw = json.dumps(fp).encode()
+    if len(raw) > FINGERPRINT_BYTES:  # an absurd shape: compare its digest instead
+        import hashlib
+
+        fp = dict(fp, shape=hashlib.sha256(repr(fp["shape"]).encode()).hexdigest())
+        raw = json.dumps(fp).encode()
+    out = np.zeros(FINGERPRINT_BYTES, dtype=np.uint8)
+    out[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    return out
+
+
+def _decode(buf: np.ndarray) -> dict:
+    return json.loads(bytes(buf).rstrip(b"\0").decode())
+
+
+def _describe_fingerprint(fp: dict) -> str:
+    text = f"{fp['op']} of {fp['dtype']} shape {tuple(fp['shape']) if isinstance(fp['shape'], list) else fp['shape']}"
+    if fp.get("root") is not None:
+        text += f" root {fp['root']}"
+    return text
+
+
+def check_fingerprints(ch: Any, fp: dict, seq: int) -> None:
+    """Exchange ``fp`` with every member over ``ch`` (a Channel of the call's key, with
+    FINGERPRINT_SIGNATURE) and raise CollectiveMismatchError on every rank if any differ."""
+    mine = _encode(fp)
+    bufs = [np.empty(FINGERPRINT_BYTES, dtype=np.uint8) for _ in range(ch.size)]
+    peers = [p for p in range(ch.size) if p != ch.rank]
+    recvs = [ch.irecv(p, bufs[p]) for p in peers]
+    sends = [ch.isend(p, mine) for p in peers]
+    for r in recvs + sends:
+        r.wait()
+    prints = [fp if p == ch.rank else _decode(bufs[p]) for p in range(ch.size)]
+    if all(p == prints[0] for p in prints):
+        return
+    groups: dict[str, list[int]] = {}
+    for p, f in enumerate(prints):
+        groups.setdefault(_describe_fingerprint(f), []).append(p)
+    described = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))}: {d}"
+                          for d, rs in groups.items())
+    raise CollectiveMismatchError(
+        f"{fp['op']} #{seq} on rank {ch.rank}: ranks called it with different tensors "
+        f"(TORCH_DISTRIBUTED_DEBUG=DETAIL checks shapes): {described}. Every rank must pass tensors "
+        "of the same shape and dtype, in the same order"
+    )
+
+
+__all__ = ["install", "uninstall", "report_failure", "on_fault", "check_fingerprints", "fingerprint"]

@@ -1,0 +1,267 @@
+"""The flight recorder: each process keeps its last N operations, to say after a hang or a fault
+what every rank was doing (torch's NCCL flight recorder, for distcomm's engines).
+
+One record per collective or point-to-point operation, made where its sequence number is taken:
+``ProcessGroup.run`` (every collective of the general path), ``ProcessGroup.send``/``recv``, and
+the shared-memory engine's latency path (``backends/shm/latency.py``, which takes its own sequence
+numbers). A record holds the operation, its group, sequence number, byte count, dtype, peer or root
+(group rank), the call site (file and line of the first frame outside distcomm and torch.distributed)
+and its times and state: "scheduled" when issued, "started" when its body runs, then "completed" or
+"failed".
+
+Cheap by construction: a record is one small list written into a preallocated ring (no lock: a
+slot is replaced whole; a dump copies the ring), the call site costs a walk of a few frames with one
+dict lookup each (which code objects are distcomm's is learnt once per code object), and nothing is
+formatted until a dump. Measurements are in docs/performance-notes.md.
+
+Settings, read once when distcomm is imported:
+
+* ``DISTCOMM_TRACE_BUFFER_SIZE``: records kept (default 2000, torch's default; 0 disables the
+  recorder, and every hook then costs one ``is None`` test).
+* ``DISTCOMM_TRACE_DIR``: where dumps go, one file per rank (``distcomm_trace_rank_<rank>.jsonl``).
+  Unset (the default) means no file is ever written unless ``dump`` is given a directory: a job
+  that times out does not litter a temp dir behind the user's back.
+
+A dump is JSON lines: one header line (rank, world size, pid, host, reason, time, the groups this
+process knows with their ranks) and then the records, oldest first. ``python -m distcomm.trace DIR``
+reads the files of every rank.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import socket
+import sys
+import time
+from typing import Any, Iterable
+
+# Field positions in a record (a list, so the hot path fills it with one literal).
+ID, GROUP, SEQ, OP, NBYTES, DTYPE, PEER, SITE, T_CREATED, T_COMPLETED, STATE, ERROR, TAG = range(13)
+FIELDS = ("id", "group", "seq", "op", "nbytes", "dtype", "peer", "site", "time_created", "time_completed",
+          "state", "error", "tag")
+
+SCHEDULED, STARTED, COMPLETED, FAILED = "scheduled", "started", "completed", "failed"
+
+DEFAULT_CAPACITY = 2000
+FILE_PATTERN = "distcomm_trace_rank_{rank}.jsonl"
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# torch.distributed's own frames are not the user's either (torch's c10d calls distcomm's backend)
+_SKIPPED = (_PACKAGE_DIR, os.sep + os.path.join("torch", "distributed") + os.sep)
+_internal: dict = {}  # file name -> True when it is distcomm's (or torch.distributed's)
+_now = time.time
+_getframe = sys._getframe
+
+
+def call_site(depth: int = 2):
+    """Where the first frame outside distcomm is, starting ``depth`` frames up: its code object and
+    instruction offset, turned into (file, line) only when read (``resolve_site``). A frame's line
+    number costs a scan of its code's line table, over a microsecond for a loop deep in a long
+    module; the offset costs nothing, and a code object holds no locals alive."""
+    try:
+        frame = _getframe(depth)
+    except ValueError:
+        return None
+    internal = _internal
+    while frame is not None:
+        code = frame.f_code
+        # keyed by file name, whose hash the string keeps (a code object's is recomputed per call)
+        name = code.co_filename
+        inside = internal.get(name)
+        if inside is None:
+            inside = internal[name] = name.startswith(_SKIPPED[0]) or _SKIPPED[1] in name
+        if not inside:
+            return (code, frame.f_lasti)
+        frame = frame.f_back
+    return None
+
+
+def resolve_site(site) -> tuple[str, int] | None:
+    """(file, line) of a ``call_site`` result."""
+    if site is None:
+        return None
+    code, offset = site
+    line = code.co_firstlineno
+    for start, end, number in code.co_lines():
+        if start <= offset < end:
+            line = number if number is not None else line
+            break
+    return (code.co_filename, line)
+
+
+def format_site(site) -> str:
+    """``train.py:41`` for a (file, line) pair; "?" when unknown."""
+    if not site:
+        return "?"
+    path, line = site
+    return f"{os.path.basename(path)}:{line}"
+
+
+class FlightRecorder:
+    """A ring of the last ``capacity`` operations of this process (see the module docstring)."""
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY):
+        if capacity <= 0:
+            raise ValueError(f"flight recorder capacity must be positive, got {capacity}")
+        self.capacity = capacity
+        self._slots: list = [None] * capacity
+        self._ids = itertools.count()  # ids of records; a record's slot is id % capacity
+        self.rank: int | None = None  # the global rank, once a group says it
+        self.world_size: int | None = None
+        self.groups: dict[str, dict] = {}  # name -> {"id", "ranks", "timeout"}
+
+    def register_group(self, name: str, group_id: int, ranks: Iterable[int], global_rank: int,
+                       timeout_s: float) -> None:
+        self.groups[name] = {"id": group_id, "ranks": list(ranks), "timeout": timeout_s}
+        self.rank = global_rank
+
+    # -- the hot path ---------------------------------------------------------------------------
+    def record(self, group: str, seq: int | None, op: str, nbytes: int | None, dtype: str | None,
+               peer: int | None, state: str = SCHEDULED, tag: int | None = None, depth: int = 2) -> list:
+        """Add a record and return it; the caller marks it with ``complete``/``fail``. ``seq`` is
+        the collective's sequence number in its group; a send or receive has none, but a ``tag``.
+        ``depth``: the first frame that may be the user's, as ``call_site`` counts (1: this
+        method, 2: its caller); a caller that knows its own callers are distcomm's skips them."""
+        # call_site, inlined: this is the hot path (a function call is a tenth of its cost)
+        site = None
+        try:
+            frame = _getframe(depth - 1)
+        except ValueError:
+            frame = None
+        internal = _internal
+        while frame is not None:
+            code = frame.f_code
+            name = code.co_filename
+            inside = internal.get(name)
+            if inside is None:
+                inside = internal[name] = name.startswith(_SKIPPED[0]) or _SKIPPED[1] in name
+            if not inside:
+                site = (code, frame.f_lasti)
+                break
+            frame = frame.f_back
+        i = next(self._ids)  # itertools.count: atomic under the GIL, unlike a += on an attribute
+        entry = [i, group, seq, op, nbytes, dtype, peer, site, _now(), None, state, None, tag]
+        self._slots[i % self.capacity] = entry
+        return entry
+
+    # -- reading --------------------------------------------------------------------------------
+    def entries(self) -> list[list]:
+        """A copy of the records, oldest first (by id: a slot is replaced whole, never edited)."""
+        return sorted((e for e in list(self._slots) if e is not None), key=lambda e: e[ID])
+
+    def recorded(self) -> int:
+        """How many records were ever made (the newest id + 1)."""
+        newest = max((e[ID] for e in list(self._slots) if e is not None), default=-1)
+        return newest + 1
+
+    def recent(self, limit: int) -> list[list]:
+        """The newest ``limit`` records, newest first (what the watchdog scans)."""
+        return self.entries()[::-1][:limit]
+
+    def snapshot(self) -> dict:
+        """Per group: the last record started (or scheduled) and the last one completed, as dicts."""
+        groups: dict[str, dict] = {}
+        done: set[str] = set()
+        for entry in self.recent(self.capacity):
+            g = entry[GROUP]
+            if g in done:
+                continue
+            state = groups.setdefault(g, {"last_started": None, "last_completed": None})
+            if state["last_started"] is None:
+                state["last_started"] = to_dict(entry)
+            if entry[STATE] == COMPLETED:
+                state["last_completed"] = to_dict(entry)
+                done.add(g)
+        return groups
+
+    def header(self, reason: str) -> dict:
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "reason": reason,
+            "time": _now(),
+            "capacity": self.capacity,
+            "recorded": self.recorded(),
+            "groups": self.groups,
+        }
+
+    def dump(self, directory: str | None = None, reason: str = "on demand") -> str | None:
+        """Write this rank's records to ``directory`` (default ``DISTCOMM_TRACE_DIR``); the path
+        written, or None when there is no directory to write to."""
+        directory = directory or os.environ.get("DISTCOMM_TRACE_DIR")
+        if not directory:
+            return None
+        os.makedirs(directory, exist_ok=True)
+        rank = self.rank if self.rank is not None else os.environ.get("RANK", os.getpid())
+        path = os.path.join(directory, FILE_PATTERN.format(rank=rank))
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:  # written aside and renamed: a reader never sees half a dump
+            f.write(json.dumps(self.header(reason)) + "\n")
+            for entry in self.entries():
+                f.write(json.dumps(to_dict(entry)) + "\n")
+        os.replace(tmp, path)
+        return path
+
+
+def complete(entry: list) -> None:
+    entry[T_COMPLETED] = _now()
+    entry[STATE] = COMPLETED
+
+
+def fail(entry: list, exc: BaseException) -> None:
+    entry[T_COMPLETED] = _now()
+    entry[STATE] = FAILED
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    entry[ERROR] = f"{type(exc).__name__}: {first if len(first) <= 120 else first[:117] + '...'}"
+
+
+def to_dict(entry: list) -> dict:
+    d = dict(zip(FIELDS, entry))
+    site = resolve_site(d["site"])
+    d["site"] = None if site is None else {"file": site[0], "line": site[1]}
+    return d
+
+
+def read_dump(path: str) -> tuple[dict, list[dict]]:
+    """One rank's dump file: (header, records oldest first)."""
+    with open(path) as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    if not lines:
+        raise ValueError(f"{path}: empty flight recorder dump")
+    return lines[0], lines[1:]
+
+
+def _capacity_from_env() -> int:
+    text = os.environ.get("DISTCOMM_TRACE_BUFFER_SIZE", "")
+    if not text.strip():
+        return DEFAULT_CAPACITY
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"DISTCOMM_TRACE_BUFFER_SIZE must be a whole number of records, got {text!r}") from None
+    if value < 0:
+        raise ValueError(f"DISTCOMM_TRACE_BUFFER_SIZE must be 0 (off) or more, got {value}")
+    return value
+
+
+def configure(capacity: int | None = None) -> FlightRecorder | None:
+    """(Re)make the process's recorder with ``capacity`` records (default: from the environment);
+    0 turns it off. Returns the recorder (None when off)."""
+    global recorder
+    capacity = _capacity_from_env() if capacity is None else capacity
+    old = recorder
+    recorder = FlightRecorder(capacity) if capacity > 0 else None
+    if recorder is not None and old is not None:
+        recorder.groups, recorder.rank, recorder.world_size = old.groups, old.rank, old.world_size
+    return recorder
+
+
+# The process's recorder, or None when disabled. Hooks read this module attribute on each call.
+recorder: FlightRecorder | None = None
+configure()
+
+__all__ = ["FlightRecorder", "configure", "recorder", "read_dump", "call_site", "format_site"]

@@ -1,0 +1,263 @@
+"""The flight recorder: the ring, the call site, the settings, what each path records, dumps (on
+demand, on every rank, on a mismatch), and the DETAIL shape check."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from distcomm import flight_recorder as fr
+from harness import run_world
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def _line_of(marker: str) -> int:
+    with open(__file__) as f:
+        for i, line in enumerate(f, 1):
+            if marker in line and "_line_of" not in line:
+                return i
+    raise AssertionError(marker)
+
+
+# -- the ring, in process -------------------------------------------------------------------------
+def test_ring_keeps_the_last_n_oldest_first():
+    rec = fr.FlightRecorder(3)
+    for seq in range(1, 6):
+        fr.complete(rec.record("g", seq, "all_reduce", 8, "float32", None))
+    assert [e[fr.SEQ] for e in rec.entries()] == [3, 4, 5]
+    assert [e[fr.SEQ] for e in rec.recent(2)] == [5, 4]
+    assert all(e[fr.STATE] == fr.COMPLETED and e[fr.T_COMPLETED] >= e[fr.T_CREATED] for e in rec.entries())
+
+
+def test_record_names_the_callers_line_outside_distcomm():
+    rec = fr.FlightRecorder(4)
+    entry = rec.record("g", 1, "barrier", 0, None, None)  # SITE-HERE
+    assert fr.resolve_site(entry[fr.SITE]) == (__file__, _line_of("# SITE-HERE"))
+    assert fr.to_dict(entry)["site"] == {"file": __file__, "line": _line_of("# SITE-HERE")}
+    assert fr.format_site(fr.resolve_site(entry[fr.SITE])) == f"test_flight_recorder.py:{_line_of('# SITE-HERE')}"
+
+
+def _deep_module_loop_site():
+    # a loop far into a long function: the line comes from the instruction offset, resolved late
+    rec = fr.FlightRecorder(4)
+    out = []
+    for i in range(3):
+        out.append(rec.record("g", i, "all_reduce", 8, "float32", None))  # SITE-LOOP
+    return [fr.to_dict(e)["site"]["line"] for e in out]
+
+
+def test_site_of_a_loop():
+    assert _deep_module_loop_site() == [_line_of("# SITE-LOOP")] * 3
+
+
+def test_snapshot_and_failure():
+    rec = fr.FlightRecorder(8)
+    fr.complete(rec.record("a", 1, "all_reduce", 8, "float32", None))
+    fr.fail(rec.record("a", 2, "broadcast", 8, "float32", 1), RuntimeError("x" * 500))
+    rec.record("b", 1, "barrier", 0, None, None, fr.STARTED)
+    snap = rec.snapshot()
+    assert snap["a"]["last_started"]["seq"] == 2 and snap["a"]["last_started"]["state"] == "failed"
+    assert snap["a"]["last_started"]["error"].startswith("RuntimeError: xxx") and len(snap["a"]["last_started"]["error"]) < 140
+    assert snap["a"]["last_completed"]["seq"] == 1
+    assert snap["b"]["last_started"]["state"] == "started" and snap["b"]["last_completed"] is None
+
+
+def test_dump_round_trips_and_needs_a_directory(tmp_path, monkeypatch):
+    rec = fr.FlightRecorder(4)
+    rec.rank = 3
+    fr.complete(rec.record("g", 1, "all_reduce", 8, "float32", None))
+    monkeypatch.delenv("DISTCOMM_TRACE_DIR", raising=False)
+    assert rec.dump() is None  # no directory: no file behind the user's back
+    monkeypatch.setenv("DISTCOMM_TRACE_DIR", str(tmp_path))
+    path = rec.dump(reason="test")
+    assert path == str(tmp_path / "distcomm_trace_rank_3.jsonl")
+    header, records = fr.read_dump(path)
+    assert header["rank"] == 3 and header["reason"] == "test"
+    assert records[0]["op"] == "all_reduce" and records[0]["site"]["file"] == __file__
+
+
+def _env_capacity(value: str) -> subprocess.CompletedProcess:
+    code = "from distcomm import flight_recorder as fr; print(None if fr.recorder is None else fr.recorder.capacity)"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={"PYTHONPATH": SRC, "DISTCOMM_TRACE_BUFFER_SIZE": value})
+
+
+@pytest.mark.slow
+def test_buffer_size_from_the_environment():
+    assert _env_capacity("").stdout.strip() == "2000"
+    assert _env_capacity("16").stdout.strip() == "16"
+    assert _env_capacity("0").stdout.strip() == "None"
+    bad = _env_capacity("lots")
+    assert bad.returncode != 0 and "DISTCOMM_TRACE_BUFFER_SIZE must be a whole number" in bad.stderr
+
+
+# -- what a world records ---------------------------------------------------------------------------
+def _record_everything(rank, world_size, engine):
+    import distcomm as dist
+
+    dist.init_process_group(engine, timeout=timedelta(seconds=10))
+    x = np.ones(2, dtype=np.float32)
+    dist.all_reduce(x)  # REC-SMALL
+    dist.broadcast(np.ones(1000, dtype=np.int64), src=1)  # REC-BCAST
+    dist.all_reduce(np.ones(100_000, dtype=np.float64)).__class__  # REC-BIG
+    if rank == 0:
+        dist.send(x, 1, tag=7)  # REC-SEND
+    else:
+        dist.recv(x, 0, tag=7)  # REC-RECV
+    work = dist.all_reduce(x, async_op=True)  # REC-ASYNC
+    work.wait()
+    dist.barrier()  # REC-BARRIER
+    return [fr.to_dict(e) for e in fr.recorder.entries()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["tcp", "gloo"])
+def test_every_path_records_op_seq_size_peer_and_site(engine):
+    results = run_world(_record_everything, 2, args=(engine,), timeout=60)
+    for rank, records in enumerate(results):
+        got = [(r["op"], r["seq"], r["nbytes"], r["dtype"], r["peer"], r["site"]["line"], r["state"], r["tag"])
+               for r in records]
+        site = {m: _line_of(f"# REC-{m}") for m in ("SMALL", "BCAST", "BIG", "SEND", "RECV", "ASYNC", "BARRIER")}
+        p2p = (("send", None, 8, "float32", 1, site["SEND"], "completed", 7) if rank == 0 else
+               ("recv", None, 8, "float32", 0, site["RECV"], "completed", 7))
+        assert got == [
+            ("all_reduce", 1, 8, "float32", None, site["SMALL"], "completed", None),
+            ("broadcast", 2, 8000, "int64", 1, site["BCAST"], "completed", None),
+            ("all_reduce", 3, 800_000, "float64", None, site["BIG"], "completed", None),
+            p2p,
+            ("all_reduce", 4, 8, "float32", None, site["ASYNC"], "completed", None),
+            ("barrier", 5, 0 if engine == "gloo" else None, None, None, site["BARRIER"], "completed", None),
+        ]
+        assert all(r["time_completed"] >= r["time_created"] for r in records)
+        assert all(r["site"]["file"] == __file__ for r in records)
+
+
+def _dump_everywhere(rank, world_size, trace_dir):
+    import distcomm as dist
+
+    dist.init_process_group("tcp", timeout=timedelta(seconds=4))
+    x = np.ones(2, dtype=np.float32)
+    for _ in range(3):
+        dist.all_reduce(x)
+    dist.barrier()
+    if rank == 0:
+        dist.dump_flight_recorder(all_ranks=True)
+    deadline = time.monotonic() + 5
+    path = os.path.join(trace_dir, f"distcomm_trace_rank_{rank}.jsonl")
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the other ranks sit outside distcomm: their watchdog dumps
+    dist.barrier()
+    return os.path.exists(path)
+
+
+@pytest.mark.slow
+def test_dump_on_demand_reaches_every_rank(tmp_path):
+    assert run_world(_dump_everywhere, 3, args=(str(tmp_path),), timeout=60,
+                     env={"DISTCOMM_TRACE_DIR": str(tmp_path)}) == [True, True, True]
+    from distcomm import trace
+
+    lines = trace.analyze(trace.load(str(tmp_path)))
+    assert "  ranks 0,1,2 completed barrier #4 (test_flight_recorder.py:" in "\n".join(lines)
+
+
+def _mismatch(rank, world_size, trace_dir):
+    import distcomm as dist
+
+    dist.init_process_group("tcp", timeout=timedelta(seconds=4))
+    x = np.ones(4, dtype=np.float32)
+    dist.all_reduce(x)
+    try:
+        if rank == 0:
+            dist.all_reduce(x)  # MISMATCH-A
+        else:
+            dist.broadcast(x, src=0)  # MISMATCH-B
+    except dist.DistError as exc:  # the rank that sees the mismatch; the other loses it when it exits
+        time.sleep(0.5)  # every rank's dump lands
+        return type(exc).__name__, str(exc)
+    return None
+
+
+@pytest.mark.slow
+def test_mismatch_dumps_every_rank_and_trace_finds_the_divergence(tmp_path):
+    errors = run_world(_mismatch, 2, args=(str(tmp_path),), timeout=60, env={"DISTCOMM_TRACE_DIR": str(tmp_path)})
+    assert all(e is not None and f"python -m distcomm.trace {tmp_path}" in e[1] for e in errors), errors
+    assert "CollectiveMismatchError" in [e[0] for e in errors]
+    from distcomm import trace
+
+    lines = trace.analyze(trace.load(str(tmp_path)))
+    assert (f"  first divergence at #2: rank 0 called all_reduce (16 B, float32) at "
+            f"test_flight_recorder.py:{_line_of('# MISMATCH-A')}; rank 1 called broadcast (16 B, float32, root 0) "
+            f"at test_flight_recorder.py:{_line_of('# MISMATCH-B')}") in lines
+
+
+def _disabled(rank, world_size):
+    import distcomm as dist
+
+    # the harness sets the world's environment after this module (so distcomm) was imported: read it again
+    fr.configure()
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=10))
+    dist.all_reduce(np.ones(2))
+    dist.barrier()
+    return fr.recorder is None and dist.dump_flight_recorder("/nonexistent-dir-never-written") is None
+
+
+@pytest.mark.slow
+def test_buffer_size_zero_turns_it_off():
+    assert run_world(_disabled, 2, timeout=60, env={"DISTCOMM_TRACE_BUFFER_SIZE": "0"}) == [True, True]
+
+
+# -- TORCH_DISTRIBUTED_DEBUG=DETAIL ---------------------------------------------------------------
+def _shapes(rank, world_size, engine):
+    import distcomm as dist
+
+    dist.set_debug_level_from_env()  # the harness sets the environment after distcomm was imported
+
+    dist.init_process_group(engine, timeout=timedelta(seconds=5))
+    assert dist.get_debug_level() == dist.DebugLevel.DETAIL
+    dist.all_reduce(np.ones((4, 5), dtype=np.float32))  # same shapes: fine
+    shape = (4, 5) if rank == 0 else (5, 4)  # the same 20 elements: bytes alone cannot tell
+    try:
+        dist.all_reduce(np.ones(shape, dtype=np.float32))
+    except dist.CollectiveMismatchError as exc:
+        after = np.ones(3)
+        dist.all_reduce(after)  # the group goes on: the check failed alike on every rank
+        return str(exc), after.tolist()
+    return None, None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["tcp", "gloo"])
+def test_detail_checks_shapes_across_ranks(engine):
+    results = run_world(_shapes, 2, args=(engine,), timeout=60, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+    for rank, (error, after) in enumerate(results):
+        assert error is not None, f"rank {rank} saw no mismatch"
+        assert f"all_reduce #2 on rank {rank}: ranks called it with different tensors" in error
+        assert "rank 0: all_reduce of float32 shape (4, 5)" in error
+        assert "rank 1: all_reduce of float32 shape (5, 4)" in error
+        assert after == [2.0, 2.0, 2.0]
+
+
+def _shapes_off(rank, world_size):
+    import distcomm as dist
+
+    dist.set_debug_level_from_env()
+
+    dist.init_process_group("tcp", timeout=timedelta(seconds=5))
+    x = np.ones((4, 5) if rank == 0 else (5, 4), dtype=np.float32)
+    dist.all_reduce(x)  # without DETAIL only bytes, dtypes and signatures are compared
+    return float(x.sum())
+
+
+@pytest.mark.slow
+def test_shapes_are_not_checked_without_detail():
+    assert run_world(_shapes_off, 2, timeout=60, env={"TORCH_DISTRIBUTED_DEBUG": "OFF"}) == [40.0, 40.0]
