@@ -665,8 +665,9 @@ class ShmTransport(Transport):
             if target is not None:
                 try:
                     shm_direct.read(self._pids[src], rec.address, target)
-                except OSError as exc:
-                    error = TransportError(f"could not read rank {src}'s message directly: {exc}", peer=src)
+                except shm_direct.DirectReadError as exc:
+                    error = TransportError(f"could not read rank {src}'s message directly: {exc}", peer=src,
+                                           reason=exc.reason)
             self._direct_read[src] += 1
             ring.ctl[ACKED] = self._direct_read[src]
             self._finish(src, rec.nbytes, recv, entry, error)

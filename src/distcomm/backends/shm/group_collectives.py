@@ -24,6 +24,7 @@ import numpy as np
 
 from ...errors import DistBackendError
 from ...reduction import reducer, sequence_reducer, with_op_arithmetic
+from ...transport import shm_direct
 from ...transport.base import Channel, TransportError
 from ...tuning import DEFAULT, Tuning
 from ...types import RedOpType
@@ -50,6 +51,17 @@ from .scatter_slots import scatter_slots
 def _allgather_slots(ctx, ch: Channel, out: np.ndarray, count: int) -> None:
     """all_gather through slots: gather_slots with every rank reading."""
     gather_slots(ctx, ch, out[ch.rank * count : (ch.rank + 1) * count], out, None)
+
+
+def _direct_read_failure(ctx, ch: Channel, exc: "shm_direct.DirectReadError") -> TransportError:
+    """A failed read of a peer's memory, naming the peer by rank (the read knows only its pid)."""
+    peer = next((g for g in ch.ranks if g != ch.ranks[ch.rank] and ctx.transport.pid_of(g) == exc.pid), None)
+    who = f"rank {peer}" if peer is not None else f"pid {exc.pid}"
+    if exc.reason == "lost":
+        text = f"{who} exited while this rank was reading its memory (process_vm_readv: pid {exc.pid} is gone)"
+    else:
+        text = f"reading the memory of {who} failed: {exc}"
+    return TransportError(text, peer=peer, reason=exc.reason)
 
 
 #: every name ``choose`` returns -> the function that runs it, ``(ctx, ch, ...)``
@@ -150,6 +162,8 @@ class ShmCollectives(GroupCollectives):
         try:
             return algorithm(ctx, ch, *args)
         except TransportError as exc:
+            if isinstance(exc, shm_direct.DirectReadError):
+                exc = _direct_read_failure(ctx, ch, exc)
             ctx.broken = str(exc)
             raise ch.translate(exc, None) from None
         except BaseException as exc:
