@@ -20,6 +20,8 @@ everything when ``DISTCOMM_SHM_COLLECTIVES=0`` (the engine then builds no ShmCol
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from ...errors import DistBackendError
@@ -54,8 +56,22 @@ def _allgather_slots(ctx, ch: Channel, out: np.ndarray, count: int) -> None:
 
 
 def _direct_read_failure(ctx, ch: Channel, exc: "shm_direct.DirectReadError") -> TransportError:
-    """A failed read of a peer's memory, naming the peer by rank (the read knows only its pid)."""
-    peer = next((g for g in ch.ranks if g != ch.ranks[ch.rank] and ctx.transport.pid_of(g) == exc.pid), None)
+    """A failed read of a peer's memory, naming the rank at fault. A member known to have crashed
+    is the cause even when the read failed on another one: a member that noticed the crash first
+    left the collective, and the buffer we were reading went with it (EFAULT)."""
+    transport = ctx.transport
+    # A failed read is a sign of a death in progress: a killed process loses its memory before
+    # its pidfd says it exited, so give the news up to a second to arrive (this also marks the
+    # crash for the other ranks of the host).
+    give_up = time.monotonic() + 1.0
+    while True:
+        lost = transport.lost_peers(ch.ranks)
+        if lost:
+            return transport.lost_error(lost)
+        if time.monotonic() >= give_up:
+            break
+        time.sleep(0.01)
+    peer = next((g for g in ch.ranks if g != ch.ranks[ch.rank] and transport.pid_of(g) == exc.pid), None)
     who = f"rank {peer}" if peer is not None else f"pid {exc.pid}"
     if exc.reason == "lost":
         text = f"{who} exited while this rank was reading its memory (process_vm_readv: pid {exc.pid} is gone)"
