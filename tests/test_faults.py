@@ -331,5 +331,92 @@ def test_shm_across_hosts_is_a_dist_backend_error():
     no_children_left()
 
 
+# -- the launcher -----------------------------------------------------------------------------------
+def _launcher_support():
+    from launcher_scripts import support
+
+    return support
+
+
+@pytest.mark.slow
+def test_sigkilled_launcher_leaves_no_process_temp_dir_or_segment(tmp_path):
+    """Workers that started a grandchild, a launcher SIGKILLed: within a few seconds the workers,
+    the grandchildren, the launcher's temp dir and the run's segments are all gone (the launcher's
+    watchdog; the workers die of PR_SET_PDEATHSIG)."""
+    import time
+
+    support = _launcher_support()
+    pids, tmp, shm = tmp_path / "pids", tmp_path / "tmp", tmp_path / "shm"
+    for d in (pids, tmp, shm):
+        d.mkdir()
+    env = support.launcher_env(pids, TMPDIR=str(tmp), DISTCOMM_SHM_DIR=str(shm))
+    launcher = support.start_launcher(
+        ["--standalone", "--nproc-per-node", "2", support.WORKER, "--no-meet", "--grandchild", "--leave-shm",
+         "--fail-rank", "9", "--others", "hang"],
+        env=env,
+    )
+    try:
+        support.wait_for_pids(pids, 4)  # 2 workers, 2 grandchildren
+        deadline = time.monotonic() + 30
+        while len(os.listdir(shm)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(os.listdir(shm)) == 2
+        assert [n for n in os.listdir(tmp) if n.startswith("distcomm-run-")], os.listdir(tmp)
+        launcher.kill()
+        launcher.communicate(timeout=support.TIMEOUT)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert len(support.recorded_pids(pids, "grandchild")) == 2
+    support.assert_no_leftovers(pids, 4, timeout=10.0)
+    deadline = time.monotonic() + 10
+    while (os.listdir(tmp) or os.listdir(shm)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert os.listdir(tmp) == [], "the launcher's temp dir stayed"
+    assert os.listdir(shm) == [], "the run's segments stayed"
+
+
+@pytest.mark.slow
+def test_sigusr1_to_the_launcher_prints_every_workers_stacks(tmp_path):
+    import signal
+    import time
+
+    support = _launcher_support()
+    script = os.path.join(support.SCRIPTS, "stacks_worker.py")
+    out_path, err_path, pids = tmp_path / "out", tmp_path / "err", tmp_path / "pids"
+    pids.mkdir()
+    stop = tmp_path / "stop"
+    env = support.launcher_env(pids, PET_RANK_PREFIX="0", TEST_STOP_FILE=str(stop),
+                               PYTHONPATH=os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "src"),
+                                                           os.environ.get("PYTHONPATH", "")]))
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        launcher = subprocess.Popen(support.command(["--standalone", "--nproc-per-node", "2", script]),
+                                    env=env, stdout=out, stderr=err)
+    try:
+        support.wait_for_pids(pids, 2)
+        time.sleep(1.0)  # rank 1 is in its barrier by now (a later SIGUSR1 would only show it earlier)
+        launcher.send_signal(signal.SIGUSR1)
+        wanted = ["[rank 0] ", "[rank 1] ", "in blocked_here", "in barrier", "in helper_thread_sleeps"]
+        deadline = time.monotonic() + 30
+        text = ""
+        while time.monotonic() < deadline:
+            text = err_path.read_text()
+            if all(w in text for w in wanted):
+                break
+            time.sleep(0.1)
+        stop.write_text("")
+        launcher.wait(timeout=support.TIMEOUT)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    text = err_path.read_text()
+    for w in wanted:
+        assert w in text, (w, text[-3000:])
+    rank0 = [line for line in text.splitlines() if line.startswith("[rank 0] ")]
+    assert any("blocked_here" in line for line in rank0) and not any("in barrier" in line for line in rank0)
+    assert launcher.returncode == 0, text[-3000:]  # the job went on and finished
+    support.assert_no_leftovers(pids, 2)
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))

@@ -164,6 +164,11 @@ class Segment:
         return f"Segment({self.name!r}, {self.size} bytes{', owner' if self.owner else ''})"
 
 
+def run_prefix(run_id: str) -> str:
+    """The name prefix of every segment of a launcher's run (all attempts)."""
+    return f"{PREFIX}{_run_tag(run_id, 0).rsplit('-', 2)[0]}-"
+
+
 def cleanup(run_id: str, attempt: int) -> None:
     """Launcher hook: unlink the segments a run's (killed) workers left in shm_dir()."""
     directory = shm_dir()
