@@ -331,6 +331,97 @@ def test_shm_across_hosts_is_a_dist_backend_error():
     no_children_left()
 
 
+# -- init faults -----------------------------------------------------------------------------------
+def init_body(rank, world, as_rank, as_world, init_method, timeout_s):
+    """Initialize as rank ``as_rank`` of ``as_world`` (what a misconfigured job gives this process)."""
+    import time
+    from datetime import timedelta
+
+    import numpy as np
+
+    import distcomm as dist
+
+    start = time.monotonic()
+    try:
+        dist.init_process_group("tcp", init_method=init_method, rank=as_rank, world_size=as_world,
+                                timeout=timedelta(seconds=timeout_s))
+        x = np.ones(4)
+        dist.all_reduce(x)
+        dist.destroy_process_group()
+        return "ok", float(x[0]), time.monotonic() - start
+    except Exception as exc:  # noqa: BLE001 - the type is what is checked
+        return type(exc).__name__, str(exc), time.monotonic() - start
+
+
+def _tcp_url():
+    from harness import free_port
+
+    return f"tcp://127.0.0.1:{free_port()}"
+
+
+@pytest.mark.slow
+def test_world_size_disagreement_is_named_on_every_rank():
+    url = _tcp_url()
+    results = run_world(_init_as, 2, args=([(0, 2), (1, 3)], url, TIMEOUT_S), timeout=60)
+    for rank, (kind, msg, took) in enumerate(results):
+        assert kind == "DistError", (rank, kind, msg)
+        assert "disagree on the world size" in msg, msg
+        assert "rank 0 was given world_size=2" in msg and "rank 1 was given world_size=3" in msg, msg
+        assert "distcomm/" not in msg, msg  # no internal store keys
+        assert took < PROMPT_S, (rank, took)
+    no_children_left()
+
+
+@pytest.mark.slow
+def test_duplicate_rank_is_named():
+    url = _tcp_url()
+    results = run_world(_init_as, 3, args=([(0, 3), (1, 3), (1, 3)], url, TIMEOUT_S), timeout=60)
+    for rank, (kind, msg, took) in enumerate(results):
+        assert kind == "DistError", (rank, kind, msg)
+        assert "rank 1 is taken twice" in msg and "Give every process its own RANK" in msg, msg
+        assert "distcomm/" not in msg, msg
+        assert took < PROMPT_S, (rank, took)
+    no_children_left()
+
+
+def _init_as(rank, world, roles, init_method, timeout_s):
+    as_rank, as_world = roles[rank]
+    return init_body(rank, world, as_rank, as_world, init_method, timeout_s)
+
+
+def _lone_rank0_killed(rank, world, path):
+    """Rank 0 of 2 opens the file and is SIGKILLed while it waits for rank 1."""
+    import signal
+    import threading
+    import time
+
+    def kill_once_waiting():
+        while not os.path.exists(path):
+            time.sleep(0.01)
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=kill_once_waiting, daemon=True).start()
+    init_body(0, 2, 0, 2, f"file://{path}", TIMEOUT_S)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["timed out", "killed"])
+def test_a_file_left_by_a_failed_init_does_not_block_the_next_run(tmp_path, how):
+    path = str(tmp_path / "init_file")
+    if how == "timed out":  # rank 1 never comes: rank 0 gives up and exits normally
+        [(kind, msg, _)] = run_world(_init_as, 1, args=([(0, 2)], f"file://{path}", 2), timeout=60)
+        assert kind == "DistError" and "rank(s) [1] of world_size=2 did not join" in msg, (kind, msg)
+    else:
+        [result] = run_world(_lone_rank0_killed, 1, args=(path,), timeout=60, expect_failure=[0])
+        assert "process exited with code -9" in result, result
+    assert os.path.exists(path)  # what the next run finds
+    results = run_world(_init_as, 2, args=([(0, 2), (1, 2)], f"file://{path}", TIMEOUT_S), timeout=60)
+    assert [r[:2] for r in results] == [("ok", 2.0), ("ok", 2.0)], results
+    assert not os.path.exists(path)  # the run's last user removed it
+    no_children_left()
+
+
 # -- the launcher -----------------------------------------------------------------------------------
 def _launcher_support():
     from launcher_scripts import support
