@@ -206,6 +206,29 @@ def test_different_roots_raise_mismatch_on_both_ranks(backend, op, seg_dir):
     no_children_left()
 
 
+def three_roots_body(rank, world, roots):
+    import numpy as np
+
+    import distcomm as dist
+
+    dist.init_process_group("shm")
+    try:
+        dist.broadcast(np.zeros(8, dtype=np.float32), src=roots[rank])
+    except RuntimeError as exc:
+        return type(exc).__name__, str(exc)
+    return "no error", ""
+
+
+@pytest.mark.slow
+def test_on_shared_memory_every_rank_sees_a_root_disagreement(seg_dir):
+    """The shared-memory engine checks roots in one round that every rank reads in full."""
+    results = run_world(three_roots_body, 3, args=([0, 0, 1],), timeout=60, env={"DISTCOMM_SHM_DIR": seg_dir})
+    for rank, (kind, msg) in enumerate(results):
+        assert kind == "CollectiveMismatchError", (rank, kind, msg)
+        assert "with src=" in msg and "every rank of the group must pass the same src" in msg, msg
+    no_children_left()
+
+
 def same_root_body(rank, world, backend):
     import numpy as np
 

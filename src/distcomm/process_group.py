@@ -36,7 +36,7 @@ from .errors import (
 )
 from .executor import OrderedExecutor
 from .profiling import profiler_scope, profiling
-from .signatures import signature, without_root
+from .signatures import signature
 from .transport.base import ANY_SOURCE, KIND_COLLECTIVE, KIND_P2P, Channel, MessageKey, TransportError, wait_all
 from .types import RedOpType
 from .work import Work
@@ -168,7 +168,7 @@ class ProcessGroup:
         coll = self.collectives
 
         def body(ch: Channel) -> None:
-            _agree_on_root(ch, root, "src")
+            coll.check_root(ch, root, "src")
             coll.broadcast(ch, buf.flat, root)
             buf.commit()
 
@@ -259,7 +259,7 @@ class ProcessGroup:
         coll = self.collectives
 
         def body(ch: Channel) -> None:
-            _agree_on_root(ch, root, "dst")
+            coll.check_root(ch, root, "dst")
             coll.reduce(ch, buf.flat, buf.dtype, op, root)
             if ch.rank == root:
                 buf.commit()
@@ -306,7 +306,7 @@ class ProcessGroup:
         count = inp.count
 
         def body(ch: Channel) -> None:
-            _agree_on_root(ch, root, "dst")
+            coll.check_root(ch, root, "dst")
             flat = np.empty(count * ch.size, dtype=inp.flat.dtype) if outs is not None else None
             coll.gather(ch, inp.flat, flat, root)
             if outs is not None:
@@ -322,7 +322,7 @@ class ProcessGroup:
         coll = self.collectives
 
         def body(ch: Channel) -> None:
-            _agree_on_root(ch, root, "src")
+            coll.check_root(ch, root, "src")
             chunks = np.concatenate([b.flat for b in ins]) if ins is not None else None
             coll.scatter(ch, chunks, out.flat, root)
             out.commit()
@@ -480,35 +480,6 @@ class ProcessGroup:
 
     def close(self) -> None:
         self.executor.close()
-
-
-def _agree_on_root(ch: Channel, root: int, what: str) -> None:
-    """Check the root of a rooted collective against the ring neighbour's, before any data moves.
-
-    Including the root in the signature is not enough: when two ranks each believe they are the
-    root of a broadcast, neither receives anything, so no message's signature is ever compared.
-    Here every rank sends its root to the next rank and checks the previous one's (one small
-    message each way, in parallel), so ranks that disagree fail at once with
-    CollectiveMismatchError: wherever the roots differ, at least two ranks see a neighbour that
-    disagrees. A rank whose neighbours agree goes on, and its wait on a failed rank ends as that
-    rank's error or exit (PeerLostError) or the timeout."""
-    n = ch.size
-    if n == 1:
-        return
-    prev, nxt = (ch.rank - 1) % n, (ch.rank + 1) % n
-    # the hello carries the signature without the root, so a different root reaches the explicit
-    # comparison below (which says what differs) instead of a signature mismatch in hex
-    hello = Channel(ch.transport, ch.ranks, ch.rank, ch.key, ch.op, without_root(ch.signature), ch.deadline)
-    theirs = np.empty(1, dtype=np.int64)
-    recv = hello.irecv(prev, theirs)
-    send = hello.isend(nxt, np.array([root], dtype=np.int64))
-    recv.wait()
-    send.wait()
-    if int(theirs[0]) != root:
-        raise CollectiveMismatchError(
-            f"{describe_op(ch.op, ch.key.seq, ch.rank, prev)}: this rank called {ch.op} with {what}={root} but "
-            f"rank {prev} with {what}={int(theirs[0])} (group ranks); every rank of the group must pass the same "
-            f"{what}")
 
 
 def _no_fast_path(*args) -> bool:

@@ -30,7 +30,8 @@ from ...transport import shm_direct
 from ...transport.base import Channel, TransportError
 from ...tuning import DEFAULT, Tuning
 from ...types import RedOpType
-from ..engine import GroupCollectives
+from ...signatures import without_root
+from ..engine import GroupCollectives, root_mismatch
 from ..generic import GenericCollectives
 from . import alltoall_slots as alltoall, latency, observe
 from .allgather_readv import allgather_readv
@@ -41,7 +42,7 @@ from .barrier_slots import barrier_slots
 from .broadcast_readv import broadcast_readv
 from .broadcast_slots import broadcast_slots
 from .choose import Capabilities, check_forced, choose, direct_limit, latency_limit
-from .common import split_mismatch
+from .common import same_channel, split_mismatch
 from .gather_slots import gather_slots
 from .reduce_direct import reduce_direct
 from .reduce_readv import reduce_readv
@@ -78,6 +79,17 @@ def _direct_read_failure(ctx, ch: Channel, exc: "shm_direct.DirectReadError") ->
     else:
         text = f"reading the memory of {who} failed: {exc}"
     return TransportError(text, peer=peer, reason=exc.reason)
+
+
+def _roots_of_peers(ctx, ch: Channel, root: int) -> list[tuple[int, int]]:
+    """One round in which every rank posts ``root``; [(peer, its root)]."""
+    seq, sig = ch.key.seq, without_root(ch.signature)  # a different root is compared by the caller, in words
+    channel = same_channel(ch)
+    k = ctx.open_round(seq, sig, channel)
+    ctx.exchange(k, seq, sig, 0, channel, extra=root)
+    theirs = [(q, ctx.extra(q, k)) for q in range(ctx.size) if q != ctx.rank]
+    ctx.consume(k)
+    return theirs
 
 
 #: every name ``choose`` returns -> the function that runs it, ``(ctx, ch, ...)``
@@ -269,3 +281,14 @@ class ShmCollectives(GroupCollectives):
         if ctx is None:
             return self.generic.barrier(ch)
         self._run(ctx, ch, "barrier_slots")
+
+    def check_root(self, ch: Channel, root: int, what: str) -> None:
+        """One round in which every rank posts its root (its header's extra word) and reads every
+        peer's: a barrier's cost, and every rank sees any disagreement (GroupCollectives.check_root)."""
+        ctx = self._context(ch)
+        if ctx is None:
+            return self.generic.check_root(ch, root, what)
+        # raised here, not in the round: the round itself completed, so the group's memory stays usable
+        for q, theirs in self._guarded(ctx, ch, _roots_of_peers, root):
+            if theirs != root:
+                raise root_mismatch(ch, root, q, theirs, what)
