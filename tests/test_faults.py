@@ -128,6 +128,42 @@ def test_dead_rank_is_known_to_every_rank_of_its_group(backend, nbytes, seg_dir,
     no_children_left()
 
 
+def early_exit_body(rank, world):
+    """Rank 2 leaves without destroy_process_group; ranks 0 and 1 go on in a group of their own."""
+    import time
+
+    import numpy as np
+
+    import distcomm as dist
+
+    dist.init_process_group("tcp")
+    pair = dist.new_group([0, 1])
+    dist.barrier()
+    if rank == 2:
+        return "left"
+    time.sleep(1.0)  # rank 2 is gone by now
+    x = np.ones(4)
+    dist.all_reduce(x, group=pair)  # a group without rank 2 is not affected
+    start = time.monotonic()
+    try:
+        dist.barrier()
+    except RuntimeError as exc:
+        return float(x[0]), type(exc).__name__, str(exc), time.monotonic() - start
+    return float(x[0]), "no error", "", 0.0
+
+
+@pytest.mark.slow
+def test_a_rank_that_exits_without_destroy_is_not_taken_for_a_crash():
+    results = run_world(early_exit_body, 3, timeout=60)
+    for rank in (0, 1):
+        total, kind, msg, took = results[rank]
+        assert total == 2.0
+        assert kind == "PeerLostError" and "rank 2" in msg, (rank, kind, msg)
+        assert "closed" in msg and "is gone" not in msg, msg  # its transport said GOODBYE at exit
+        assert took < PROMPT_S
+    no_children_left()
+
+
 # -- a rank SIGKILLed during a 64 MiB shared-memory all_reduce ----------------------------------------
 def killed_during_large_shm_body(rank, world, stamp, delay):
     import time

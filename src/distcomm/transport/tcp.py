@@ -65,7 +65,9 @@ import select
 import socket
 import threading
 import time
+import weakref
 from collections import deque
+from multiprocessing.util import Finalize
 
 import numpy as np
 
@@ -103,6 +105,23 @@ _KIND_CONTROL = framing.KIND_CONTROL
 _ndarray = np.ndarray
 _get_ident = threading.get_ident
 _monotonic = time.monotonic
+
+
+# Transports still open when the interpreter exits are closed then, so their peers get a GOODBYE
+# and tell a process that ended (destroy_process_group or not) from one that crashed. A
+# multiprocessing finalizer, not atexit: it also runs in multiprocessing children, which skip atexit.
+_OPEN: "weakref.WeakSet[TcpTransport]" = weakref.WeakSet()
+
+
+def _close_open_transports() -> None:
+    for transport in list(_OPEN):
+        try:
+            transport.close()
+        except Exception:  # noqa: BLE001 - exiting: nothing more to do
+            pass
+
+
+Finalize(None, _close_open_transports, exitpriority=20)
 
 
 def _flat(view) -> memoryview:
@@ -244,6 +263,7 @@ class TcpTransport(Transport):
         self._pollers_closed = False
         self._thread = threading.Thread(target=self._background, name=f"distcomm-tcp-{rank}", daemon=True)
         self._thread.start()
+        _OPEN.add(self)
 
     def __repr__(self) -> str:
         return f"TcpTransport(rank={self.rank}, size={self.size}{', closed' if self._closed else ''})"
@@ -310,17 +330,17 @@ class TcpTransport(Transport):
                 lost = p.lost
             else:
                 lost = self._any_lost
+            if lost is None and self._doomed and key[1] == KIND_COLLECTIVE and key[0] in self._doomed:
+                lost = self._doomed[key[0]]
             if self._closed:
                 self._finish(req, self._lost_error(None))
-            elif self._doomed and key[1] == KIND_COLLECTIVE and key[0] in self._doomed:
-                self._finish(req, self._doomed[key[0]])
             elif lost is None:
                 msg = self.matcher.post(req)
                 if msg is not None:
                     self._deliver_unexpected(req, msg)
                 elif view.nbytes >= _BULK:
                     self._add_bulk(req, True)
-            else:  # messages the peer completed before it was lost are still delivered
+            else:  # messages completed before the peer (or the group) was lost are still delivered
                 msg = self.matcher.take(src, key)
                 if msg is not None:
                     self._deliver_unexpected(req, msg)
