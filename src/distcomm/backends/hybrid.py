@@ -11,6 +11,7 @@ algorithms over the hybrid transport.
 from __future__ import annotations
 
 from ..transport import hostid
+from ..transport.base import unwatch_group, watch_group
 from ..transport.hybrid import HybridTransport
 from ..transport.shm import ShmTransport
 from ..tuning import DEFAULT, Tuning
@@ -31,6 +32,7 @@ class HybridEngine(Engine):
     def collectives(self, group: GroupSpec) -> GroupCollectives:
         if self._shm is not None and self._shm.local(group.ranks):
             return self._shm.collectives(group)
+        watch_group(self.transport, group.group_id, group.ranks)
         return self._generic
 
     def fast_path(self, pg) -> FastPath | bool | None:
@@ -39,6 +41,7 @@ class HybridEngine(Engine):
         return self._shm.fast_path(pg)
 
     def release_group(self, group_id: int) -> None:
+        unwatch_group(self.transport, group_id)
         if self._shm is not None:
             self._shm.release_group(group_id)
 
