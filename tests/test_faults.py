@@ -1,14 +1,22 @@
 """The fault suite: real processes, real signals, hard deadlines.
 
-Each test injects one fault (a SIGKILLed rank, ranks that disagree on a root, a full shared-memory
-directory, ...) and checks what the survivors see: the error's type, its message (operation,
-sequence number, this rank, the rank at fault, what to do), how long it took (against a timeout
-far longer, so a late detection shows up as a timeout error, not as a flaky timing), and that no
-process or shared-memory segment is left behind.
+Each test injects one fault and checks what the survivors see: the error's type, its message
+(operation, sequence number, this rank, the rank at fault, what to do), how long it took (against a
+timeout far longer, so a late detection shows up as a timeout error, not as a flaky timing), and
+that no process or shared-memory segment is left behind. The faults:
+
+* a rank SIGKILLed while the others wait on someone else (TCP at 4 KiB and 64 MiB, shared memory),
+  and a rank that leaves without destroy_process_group (not a crash);
+* a rank SIGKILLed during a 64 MiB shared-memory all_reduce (process_vm_readv of a dying peer);
+* ranks passing different roots to broadcast, reduce, gather and scatter, on both engines;
+* a full shared-memory directory (a 4 MiB tmpfs mounted for the test; skipped unless root);
+* monitored_barrier's error; the shm engine refusing ranks on two hosts;
+* init: world size disagreement, duplicate rank, a file:// file left by a failed or killed init;
+* the launcher: SIGKILLed with workers that started grandchildren; SIGUSR1 for stacks.
 
 Timing: a dead rank must be noticed within about a second; the worlds here use a 60 s timeout and
 the tests accept anything under 10 s, so contention on a shared machine does not make them flaky
-while waiting out the timeout still fails them.
+while waiting out the timeout still fails them. Every test here starts processes: all are slow.
 """
 
 from __future__ import annotations
@@ -279,6 +287,7 @@ def same_root_body(rank, world, backend):
     return out
 
 
+@pytest.mark.slow
 def test_agreeing_roots_still_work_in_a_world_of_three():
     results = run_world(same_root_body, 3, args=("tcp",), timeout=60)
     assert results == [[0.0, 1.0, 2.0]] * 3
