@@ -90,7 +90,8 @@ def roll_call(store, rank: int, world_size: int, timeout: timedelta) -> None:
     values = [v.decode() if isinstance(v, bytes) else str(v) for v in store.multi_get(keys)]
     aborted = next((v for v in values if v.startswith(_ABORT)), None)
     if aborted is not None:
-        _fail(store, rank, world_size, aborted[len(_ABORT):])
+        present = [q for q, v in enumerate(values) if not v.startswith(_ABORT)]
+        _fail(store, rank, present, aborted[len(_ABORT):])
     sizes = {q: int(v) for q, v in enumerate(values)}
     if all(n == world_size for n in sizes.values()):
         return
@@ -104,16 +105,17 @@ def roll_call(store, rank: int, world_size: int, timeout: timedelta) -> None:
     # the ranks given a larger world wait for ranks that do not exist: answer in their place
     for q in range(world_size, max(sizes.values())):
         store.compare_set(f"roll/{q}", "", _ABORT + text)
-    _fail(store, rank, max(sizes.values()), text)
+    _fail(store, rank, list(sizes), text)
 
 
-def _fail(store, rank: int, ranks: int, text: str) -> None:
-    """Raise DistError(text). Rank 0 first gives the others a moment to read what they need: under
-    env:// and tcp:// it hosts the store, and its exit would turn their error into a lost store."""
+def _fail(store, rank: int, present: list[int], text: str) -> None:
+    """Raise DistError(text). Rank 0 first gives the others (``present``: the ranks that joined) a
+    moment to read what they need: under env:// and tcp:// it hosts the store, and its exit would
+    turn their error into a lost store."""
     try:
         store.set(f"roll/failed/{rank}", "1")
         if rank == 0:
-            store.wait([f"roll/failed/{q}" for q in range(1, ranks)], timedelta(seconds=5))
+            store.wait([f"roll/failed/{q}" for q in present if q != 0], timedelta(seconds=5))
     except DistError:
         pass
     raise DistError(f"init_process_group on rank {rank}: {text}")
