@@ -115,6 +115,8 @@ _OPEN: "weakref.WeakSet[TcpTransport]" = weakref.WeakSet()
 
 def _close_open_transports() -> None:
     for transport in list(_OPEN):
+        if transport._pid != os.getpid():  # a forked child's copy: the sockets are its parent's
+            continue
         try:
             transport.close()
         except Exception:  # noqa: BLE001 - exiting: nothing more to do
@@ -263,6 +265,7 @@ class TcpTransport(Transport):
         self._pollers_closed = False
         self._thread = threading.Thread(target=self._background, name=f"distcomm-tcp-{rank}", daemon=True)
         self._thread.start()
+        self._pid = os.getpid()
         _OPEN.add(self)
 
     def __repr__(self) -> str:
