@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "src" / "distcomm"
 # Higher numbers sit above lower ones; a module may import its own layer and the ones below.
 LAYERS = [
     (0, ["tuning", "reduction", "dtypes", "types", "errors", "signatures", "profiling", "work", "buffers",
-         "executor", "launcher_env", "flight_recorder", "diagnostics"]),
+         "executor", "launcher_env", "flight_recorder", "diagnostics", "stacks"]),
     (1, ["store", "transport"]),
     (2, ["rendezvous", "_algorithms"]),
     (3, ["backends"]),

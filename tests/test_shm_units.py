@@ -267,8 +267,24 @@ def test_direct_read_of_own_memory_and_probe():
     shm_direct.read(os.getpid(), src.ctypes.data, out)
     assert np.array_equal(src, out)
     assert not shm_direct.probe(os.getpid(), src.ctypes.data + 8, 0)  # the word there is 1, not 0
-    with pytest.raises(OSError):
+    with pytest.raises(shm_direct.DirectReadError) as info:
         shm_direct.read(os.getpid(), 8, out)  # an unmapped address
+    assert info.value.reason == "error" and "Bad address" in str(info.value)
+    assert isinstance(info.value, RuntimeError)  # a DistError (TransportError), never a bare OSError
+
+
+def test_direct_read_of_a_process_that_is_gone_is_a_lost_peer():
+    import subprocess
+
+    src = np.arange(8, dtype=np.int64)
+    if not shm_direct.probe(os.getpid(), src.ctypes.data, 0):
+        pytest.skip("process_vm_readv is not allowed here")
+    child = subprocess.Popen(["true"])
+    child.wait()  # reaped: its pid names nobody (until reused, which a reader cannot tell either)
+    with pytest.raises(shm_direct.DirectReadError) as info:
+        shm_direct.read(child.pid, src.ctypes.data, np.zeros(8, np.int64))
+    assert info.value.reason == "lost" and info.value.pid == child.pid
+    assert f"pid {child.pid}" in str(info.value) and "exited" in str(info.value)
 
 
 # -- group rounds: who gets woken ------------------------------------------------------------------
@@ -288,8 +304,13 @@ class _Members:
                 self.buf = np.zeros(total, np.uint8)
 
         class Transport:
+            crash_news = memoryview(np.zeros(1, np.uint64))  # nobody crashes here
+
             def __init__(self, q):
                 self.q = q
+
+            def check_members(self, ranks):
+                raise AssertionError("crash_news is 0: never called")
 
             def bell_of(self, g):
                 return members.bells[g]

@@ -81,17 +81,55 @@ def _crash_a_user(path: str, world_size: int) -> None:
     assert result.returncode == -signal.SIGKILL, result.stderr
 
 
-def test_a_file_left_by_a_crashed_run_is_reported_not_reused(tmp_path):
+def test_a_file_left_by_a_crashed_run_starts_afresh_with_a_warning(tmp_path):
     path = str(tmp_path / "fs")
     _crash_a_user(path, 2)
-    with pytest.raises(DistStoreError) as info:
-        FileStore(path, 2)
-    text = str(info.value)
-    assert "stale" in text and path in text and "pid" in text and "delete it" in text
-    os.unlink(path)
-    fresh = FileStore(path, 2)  # after deleting it, the path is usable again
+    with pytest.warns(RuntimeWarning) as caught:
+        fresh = FileStore(path, 2)  # its only holder is provably dead: nobody can be using it
+    text = str(caught[0].message)
+    assert path in text and "pid" in text and "starts afresh" in text and "1 old keys" in text, text
     assert not fresh.check(["old run"])
+    fresh.set("k", "v")
+    assert fresh.get("k") == b"v"
     fresh.close()
+
+
+def test_a_crashed_user_beside_a_live_one_is_reported_not_reused(tmp_path):
+    path = str(tmp_path / "fs")
+    live = FileStore(path, 3)
+    _crash_a_user(path, 3)
+    with pytest.raises(DistStoreError) as info:
+        FileStore(path, 3)
+    text = str(info.value)
+    assert "stale" in text and path in text and "pid" in text and "still hold it" in text and "delete it" in text
+    assert live.get("old run") == b"old value"  # the live user's file was left alone
+    live.close()
+
+
+def test_fresh_if_unused_starts_afresh_a_file_nobody_holds(tmp_path):
+    path = str(tmp_path / "fs")
+
+    def left_by_one_of_two_users():
+        one = FileStore(path, 2)
+        one.set("old", "1")
+        one.close()  # 1 of 2 users finished: the file stays, for the second
+        assert os.path.exists(path)
+
+    left_by_one_of_two_users()
+    late = FileStore(path, 2)  # the plain store: a late second user reads what the first left
+    assert late.get("old") == b"1"
+    late.close()
+    assert not os.path.exists(path)
+
+    left_by_one_of_two_users()
+    fresh = FileStore(path, 2, fresh_if_unused=True)  # the file:// rendezvous: a failed run's file
+    assert not fresh.check(["old"])
+    peer = FileStore(path, 2, fresh_if_unused=True)  # held open by `fresh`: joined as it is
+    fresh.set("new", "2")
+    assert peer.get("new") == b"2"
+    fresh.close()
+    peer.close()
+    assert not os.path.exists(path)
 
 
 def test_a_file_whose_users_all_finished_is_leftover(tmp_path):

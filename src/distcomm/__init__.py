@@ -35,6 +35,10 @@ from .work import Future
 
 __version__ = "0.1.0"
 
+from . import stacks as _stacks  # noqa: E402 - after the public names: a worker of distcomm-run
+
+_stacks.install_from_env()  # dumps its stacks on SIGUSR1 (see stacks.py)
+
 __all__ = sorted(set(_c10d_all) | {
     "CollectiveMismatchError", "DistBackendError", "DistError", "DistNetworkError", "DistStoreAuthError",
     "DistStoreError", "DistStoreTimeoutError", "DistTimeoutError", "FileStore", "Future", "HashStore",

@@ -207,10 +207,11 @@ class ProcessGroup:
         coll = self.collectives
 
         def body(ch: Channel) -> None:
+            coll.check_root(ch, root, "src")
             coll.broadcast(ch, buf.flat, root)
             buf.commit()
 
-        return self.run("broadcast", signature("broadcast", buf.dtype.code), body, async_op, result,
+        return self.run("broadcast", signature("broadcast", buf.dtype.code, root=root), body, async_op, result,
                         buf=buf, root=root)
 
     def allreduce(self, buf: Buffer, op, async_op: bool = False, result: Any = None) -> Work | None:
@@ -298,11 +299,12 @@ class ProcessGroup:
         coll = self.collectives
 
         def body(ch: Channel) -> None:
+            coll.check_root(ch, root, "dst")
             coll.reduce(ch, buf.flat, buf.dtype, op, root)
             if ch.rank == root:
                 buf.commit()
 
-        sig = signature("reduce", buf.dtype.code, _op_code(op))
+        sig = signature("reduce", buf.dtype.code, _op_code(op), root)
         return self.run("reduce", sig, body, async_op, result, buf=buf, root=root)
 
     def _gather_into(self, ch: Channel, flat_out: np.ndarray, send: np.ndarray) -> None:
@@ -344,6 +346,7 @@ class ProcessGroup:
         count = inp.count
 
         def body(ch: Channel) -> None:
+            coll.check_root(ch, root, "dst")
             flat = np.empty(count * ch.size, dtype=inp.flat.dtype) if outs is not None else None
             coll.gather(ch, inp.flat, flat, root)
             if outs is not None:
@@ -351,7 +354,8 @@ class ProcessGroup:
                     out.flat[...] = flat[i * count:(i + 1) * count]
                     out.commit()
 
-        return self.run("gather", signature("gather", inp.dtype.code), body, async_op, result, buf=inp, root=root)
+        return self.run("gather", signature("gather", inp.dtype.code, root=root), body, async_op, result,
+                        buf=inp, root=root)
 
     def scatter(self, out: Buffer, ins: Sequence[Buffer] | None, root: int, async_op: bool = False,
                 result: Any = None) -> Work | None:
@@ -359,11 +363,13 @@ class ProcessGroup:
         coll = self.collectives
 
         def body(ch: Channel) -> None:
+            coll.check_root(ch, root, "src")
             chunks = np.concatenate([b.flat for b in ins]) if ins is not None else None
             coll.scatter(ch, chunks, out.flat, root)
             out.commit()
 
-        return self.run("scatter", signature("scatter", out.dtype.code), body, async_op, result, buf=out, root=root)
+        return self.run("scatter", signature("scatter", out.dtype.code, root=root), body, async_op, result,
+                        buf=out, root=root)
 
     def reduce_scatter(self, out: Buffer, ins: Sequence[Buffer], op, async_op: bool = False,
                        result: Any = None) -> Work | None:
@@ -462,10 +468,14 @@ class ProcessGroup:
                         break
             if missing:
                 names = [global_ranks[m] for m in missing]
+                # gloo's words first (code matches on them), then which call it was
+                where = f" (monitored_barrier #{ch.key.seq} of group {self.group_name!r})"
                 if len(names) == 1:
-                    raise DistBackendError(f"[Rank 0]: Rank {names[0]} failed to pass monitoredBarrier in {millis} ms")
+                    raise DistBackendError(
+                        f"[Rank 0]: Rank {names[0]} failed to pass monitoredBarrier in {millis} ms{where}")
                 raise DistBackendError(
                     f"[Rank 0]: Ranks {', '.join(map(str, names))} failed to pass monitoredBarrier in {millis} ms"
+                    f"{where}"
                 )
             for peer in range(1, ch.size):
                 ch.send(peer, empty)

@@ -250,7 +250,9 @@ def _file_rendezvous_handler(url: str, **kwargs):
     rank = _int_param("file", query, "rank", "add ?rank=<r> to the URL or pass rank=")
     world_size = _int_param("file", query, "world_size", "add &world_size=<n> to the URL or pass world_size=")
     _checked_rank("file", rank, world_size)
-    yield FileStore(path, world_size), rank, world_size
+    # The ranks hold the file open until init is over, so a file nobody holds is a finished or a
+    # failed run's (ranks that timed out and exited): start it afresh rather than read its keys.
+    yield FileStore(path, world_size, fresh_if_unused=True), rank, world_size
     raise RuntimeError("Unable to perform re-rendezvous using file:// method")
 
 

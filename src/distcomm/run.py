@@ -43,7 +43,11 @@ What the launcher does
   (the reason is printed); 128+N when the launcher was stopped by signal N. SIGINT, SIGTERM,
   SIGHUP and SIGQUIT sent to the launcher are forwarded to the workers (each runs in its own
   session, with every process it starts); a second signal skips the grace period. Workers die with
-  the launcher even if it is killed with SIGKILL (PR_SET_PDEATHSIG, Linux).
+  the launcher even if it is killed with SIGKILL (PR_SET_PDEATHSIG, Linux), and so does everything
+  they started: a watchdog process kills their sessions and removes the launcher's temp dir and the
+  run's shared-memory segments (``_launcher/watchdog.py``). SIGUSR1 is forwarded to the workers that
+  handle it: a worker that imported distcomm prints every thread's Python stack to stderr, each line
+  prefixed ``[rank N] `` (``DISTCOMM_STACKS_ON_SIGUSR1=1`` is set for it; ``distcomm/stacks.py``).
 - Authentication: with ``DISTCOMM_AUTH_KEY_FILE`` (a ``chmod 600`` file holding the key) or
   ``DISTCOMM_AUTH_KEY`` set for ``distcomm-run``, the job store requires that key of every client
   and proves it to them (mutual HMAC challenge-response; the key never crosses the wire). The

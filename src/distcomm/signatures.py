@@ -1,7 +1,10 @@
-"""Message signatures: a 32-bit summary of a collective (op, dtype, reduce op) on every message.
+"""Message signatures: a 32-bit summary of a collective (op, dtype, reduce op, root) on every message.
 
-Ranks that call different collectives, or the same one on different dtypes or reduce ops, at the
-same sequence number of a group then see a mismatch error instead of exchanging each other's bytes.
+Ranks that call different collectives, or the same one on different dtypes, reduce ops or roots, at
+the same sequence number of a group then see a mismatch error instead of exchanging each other's
+bytes. Layout: ``root+1`` (low 8 bits; 0 for collectives without a root) << 24 | opcode << 16 |
+dtype code << 8 | reduce op. Roots that differ by a multiple of 255 share a signature; the root
+check of ProcessGroup (every rank tells its ring neighbour its whole root) still tells them apart.
 """
 
 from __future__ import annotations
@@ -23,5 +26,13 @@ OPCODES = {
 }
 
 
-def signature(op: str, dtype_code: int = 0, reduce_code: int = 0) -> int:
-    return (OPCODES[op] << 16) | ((dtype_code & 0xFF) << 8) | (reduce_code & 0xFF)
+def signature(op: str, dtype_code: int = 0, reduce_code: int = 0, root: int | None = None) -> int:
+    sig = (OPCODES[op] << 16) | ((dtype_code & 0xFF) << 8) | (reduce_code & 0xFF)
+    if root is not None:
+        sig |= ((root % 255) + 1) << 24
+    return sig
+
+
+def without_root(sig: int) -> int:
+    """The signature with its root bits cleared."""
+    return sig & 0xFFFFFF

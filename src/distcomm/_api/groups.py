@@ -92,6 +92,7 @@ def init_process_group(
     """
     from ..rendezvous import rendezvous
     from ..store import PrefixStore
+    from . import rollcall
 
     with world.lock:
         if world.default_pg is not None:
@@ -113,9 +114,11 @@ def init_process_group(
                 raise ValueError("rank must be non-negative if using store")
         if not 0 <= rank < world_size:
             raise ValueError(f"Invalid rank {rank}: must be in 0..{world_size - 1} for world_size {world_size}")
-        # Each init round gets its own namespace, so a re-init after destroy never reads stale keys.
-        generation = store.add("distcomm/init_generation/" + str(rank), 1)
-        prefixed = PrefixStore(f"distcomm/{generation}/", store)
+        # Each init round gets its own namespace, so a re-init after destroy never reads stale keys;
+        # the roll call turns a duplicate rank or a world size disagreement into an error that says so
+        generation = rollcall.take_generation(store, rank, world_size, timeout)
+        prefixed = rollcall.namespace(store, generation)
+        rollcall.roll_call(prefixed, rank, world_size, timeout)
         world_engine = connect(engine, PrefixStore("world/", prefixed), rank, world_size, seconds, pg_options)
         world.store = prefixed
         world.global_rank = rank

@@ -11,6 +11,7 @@ One module per concern, so each can be read (and tested) alone:
 - ``coordination``  what the launchers of a job agree through the store: rendezvous per round,
                the root cause of a failure, abort, the exit barrier
 - ``agent``    one node's launcher: rounds of workers, restarts, the summary, signal forwarding
+- ``watchdog`` the process that cleans up after a SIGKILLed launcher (worker sessions, temp dir, segments)
 
 The user-facing contract (options, environment of each worker) is documented in
 ``distcomm.run``'s module docstring.

@@ -4,7 +4,10 @@ The agent starts this node's workers for each round (``workers``), watches them 
 until the round is decided, stops them, and restarts or reports. What it agrees with the other
 nodes' launchers (rendezvous, the root cause of a failure, abort, exit) goes through the job store
 (``coordination``). Signals SIGINT/SIGTERM/SIGHUP/SIGQUIT (``--signals-to-handle``) are forwarded
-to the workers; a second one skips the grace period.
+to the workers; a second one skips the grace period. SIGUSR1 is forwarded to the workers that
+handle it, which print their Python stacks (distcomm/stacks.py), and the job goes on. If the
+launcher is SIGKILLed, its watchdog (``watchdog``) kills what the workers started and removes its
+temp dir and the run's segments.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ from .cleanup import run_cleanup_hooks
 from .config import LaunchConfig, LaunchError
 from .coordination import Coordinator, JobAborted, worker_store_prefix
 from .failure import Failure, format_summary, read_error_file, signal_name, traceback_tail
+from ..transport.shm_segment import run_prefix, shm_dir
 from .output import OutputRouter
+from .watchdog import Watchdog
 from .workers import Worker, WorkerGroup, WorkerSpec
 
 STDERR_TAIL_LINES = 5     # shown when a failed worker printed no traceback
@@ -69,6 +74,9 @@ class NodeAgent:
         self._pending_signal: int | None = None
         self._tmp = tempfile.mkdtemp(prefix="distcomm-run-")
         self._log_root: str | None = None
+        # cleans up if this process is SIGKILLed: worker sessions, the temp dir, shm segments
+        self._watchdog = Watchdog()
+        self._watchdog.remove_on_death(self._tmp)
 
     # -- entry point --------------------------------------------------------------------------
     def run(self) -> int:
@@ -76,6 +84,8 @@ class NodeAgent:
         previous = self._install_signal_handlers()
         try:
             self.job.open()
+            if self.job.run_id:  # the run's segments are named after it (shm_segment._run_tag)
+                self._watchdog.unlink_on_death(shm_dir(), run_prefix(self.job.run_id))
             if self.job.multi_node and self.config.master_port == 0:
                 notice(f"job store listening on {self.config.master_addr}:{self.job.port} "
                        f"(pass --master-port {self.job.port} to the other nodes)")
@@ -99,6 +109,7 @@ class NodeAgent:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
             shutil.rmtree(self._tmp, ignore_errors=True)
+            self._watchdog.done()
 
     def _install_signal_handlers(self) -> dict:
         def on_signal(signum, frame):
@@ -110,9 +121,20 @@ class NodeAgent:
             self._stopping = True
             raise _Signaled(signum)
 
+        def on_usr1(signum, frame):
+            group = self.group
+            if group is None:
+                return
+            skipped = group.dump_stacks()
+            if skipped:
+                notice(f"SIGUSR1 not forwarded to rank(s) {', '.join(map(str, skipped))}: they do not handle it "
+                       "(stacks are printed by workers that import distcomm)")
+
         previous = {}
         if threading.current_thread() is not threading.main_thread():
             return previous  # launched from library code in a thread: signals stay the caller's
+        if hasattr(signal, "SIGUSR1"):  # stacks on demand: forwarded to the workers, never fatal here
+            previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, on_usr1)
         for name in self.config.signals:
             signum = getattr(signal, name.strip().upper(), None)
             if isinstance(signum, signal.Signals):
@@ -164,6 +186,7 @@ class NodeAgent:
             TORCHELASTIC_MAX_RESTARTS=str(c.max_restarts),
             TORCHELASTIC_USE_AGENT_STORE="True",
             DISTCOMM_STORE_PREFIX=worker_store_prefix(attempt),
+            DISTCOMM_STACKS_ON_SIGUSR1="1",  # distcomm/stacks.py: stacks on demand
         )
         specs = []
         for local_rank in range(c.nproc_per_node):
@@ -198,7 +221,7 @@ class NodeAgent:
     def _run_round(self, attempt: int, offset: int, world_size: int) -> _Round:
         c = self.config
         result = _Round()
-        group = self.group = WorkerGroup(self.router, self._attempt_dir(attempt))
+        group = self.group = WorkerGroup(self.router, self._attempt_dir(attempt), self._watchdog)
         try:
             group.start(self._worker_specs(attempt, offset, world_size))
             self._watch(group, attempt, result)

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 
 from .output import OutputRouter, StreamSink
+from .watchdog import Watchdog
 
 _SHIM = r"""
 import os, signal, sys
@@ -94,11 +95,25 @@ def signal_process_group(pid: int, sig: int) -> bool:
         return False
 
 
+def handles_signal(pid: int, sig: int) -> bool:
+    """Does process ``pid`` catch ``sig`` (a handler installed, per /proc/<pid>/status SigCgt)?
+    False where /proc is unreadable: the caller then must not send a signal whose default kills."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
 class WorkerGroup:
     """The workers of one round: started together, watched by one selector, stopped together."""
 
-    def __init__(self, router: OutputRouter, attempt_dir: str | None):
+    def __init__(self, router: OutputRouter, attempt_dir: str | None, watchdog: Watchdog | None = None):
         self.router = router
+        self.watchdog = watchdog  # told of every worker session, to kill them if the launcher dies
         self.attempt_dir = attempt_dir
         self.workers: list[Worker] = []
         self.escalate = False  # set by a second launcher signal: skip the SIGTERM grace period
@@ -120,6 +135,8 @@ class WorkerGroup:
             start_new_session=True,
         )
         worker = Worker(spec, proc, out, err)
+        if self.watchdog is not None:
+            self.watchdog.session_started(proc.pid)
         for pipe, sink in ((proc.stdout, out), (proc.stderr, err)):
             fd = pipe.fileno()
             os.set_blocking(fd, False)
@@ -196,6 +213,21 @@ class WorkerGroup:
         self._drain(worker)
         exited.append(worker)
 
+    def dump_stacks(self) -> list[int]:
+        """Forward SIGUSR1 to every running worker that handles it (a distcomm worker prints its
+        stacks: distcomm/stacks.py); the ranks that do not, which are left alone (SIGUSR1's
+        default action would kill them)."""
+        skipped = []
+        for worker in self.running:
+            if handles_signal(worker.pid, signal.SIGUSR1):
+                try:
+                    os.kill(worker.pid, signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
+            else:
+                skipped.append(worker.rank)
+        return skipped
+
     # -- stopping -----------------------------------------------------------------------------
     def stop(self, sig: int, grace: float) -> None:
         """Send ``sig`` to every running worker, SIGKILL whoever is still there after ``grace`` s."""
@@ -231,5 +263,7 @@ class WorkerGroup:
                 self._close_pipe(fd, worker, self._sel.get_key(fd).data[2])
             if worker.running:  # only if SIGKILL did not take effect in STOP_KILL_WAIT
                 worker.proc.kill()
+            if self.watchdog is not None and not signal_process_group(worker.pid, 0):
+                self.watchdog.session_ended(worker.pid)
         self.router.flush()
         self._sel.close()

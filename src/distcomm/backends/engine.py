@@ -31,7 +31,16 @@ from typing import Any, Callable, NamedTuple, Sequence
 import numpy as np
 
 from ..dtypes import DType
+from ..errors import CollectiveMismatchError, describe_op
+from ..signatures import without_root
 from ..transport.base import Channel, Transport
+
+
+def root_mismatch(ch: Channel, root: int, peer: int, theirs: int, what: str) -> CollectiveMismatchError:
+    """The error of a rooted collective whose ranks passed different roots (``peer``'s is ``theirs``)."""
+    return CollectiveMismatchError(
+        f"{describe_op(ch.op, ch.key.seq, ch.rank, peer)}: this rank called {ch.op} with {what}={root} but rank "
+        f"{peer} with {what}={theirs} (group ranks); every rank of the group must pass the same {what}")
 
 
 class GroupSpec(NamedTuple):
@@ -91,6 +100,30 @@ class GroupCollectives(ABC):
     @abstractmethod
     def barrier(self, ch: Channel) -> None:
         """Returns once every rank of the group has entered."""
+
+    def check_root(self, ch: Channel, root: int, what: str) -> None:
+        """Raise CollectiveMismatchError if the ranks passed different roots to a rooted collective
+        (``what``: the argument's name, "src" or "dst"); called before the collective itself.
+
+        The root is in the signature, but that is not enough: when two ranks each believe they
+        are the root of a broadcast, neither receives anything, so no signature is ever compared.
+        The default: every rank sends its root to the next rank and checks the previous one's (one
+        small message each way, in parallel, with the signature less its root bits, so a different
+        root reaches the comparison that says what differs). Wherever the roots differ, at least
+        two ranks see a neighbour that disagrees; a rank whose neighbours agree goes on, and its
+        wait on a failed rank ends with that rank's exit (PeerLostError) or the timeout."""
+        n = ch.size
+        if n == 1:
+            return
+        prev, nxt = (ch.rank - 1) % n, (ch.rank + 1) % n
+        hello = Channel(ch.transport, ch.ranks, ch.rank, ch.key, ch.op, without_root(ch.signature), ch.deadline)
+        theirs = np.empty(1, dtype=np.int64)
+        recv = hello.irecv(prev, theirs)
+        send = hello.isend(nxt, np.array([root], dtype=np.int64))
+        recv.wait()
+        send.wait()
+        if int(theirs[0]) != root:
+            raise root_mismatch(ch, root, prev, int(theirs[0]), what)
 
 
 class FastPath(NamedTuple):

@@ -16,7 +16,7 @@ import numpy as np
 from .. import reduction
 from .._algorithms import select
 from ..dtypes import DType
-from ..transport.base import Channel, Transport
+from ..transport.base import Channel, Transport, unwatch_group, watch_group
 from ..tuning import DEFAULT, Tuning
 from .engine import Engine, GroupCollectives, GroupSpec
 
@@ -97,7 +97,11 @@ class GenericEngine(Engine):
         self._collectives = GenericCollectives(tuning)
 
     def collectives(self, group: GroupSpec) -> GroupCollectives:
+        watch_group(self.transport, group.group_id, group.ranks)
         return self._collectives
+
+    def release_group(self, group_id: int) -> None:
+        unwatch_group(self.transport, group_id)
 
     def __repr__(self) -> str:
         return f"GenericEngine({self.transport!r})"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from .._algorithms.allreduce_hierarchical import layout
 from ..transport import hostid
+from ..transport.base import unwatch_group, watch_group
 from ..transport.hybrid import HybridTransport
 from ..transport.shm import ShmTransport
 from ..tuning import DEFAULT, Tuning
@@ -37,6 +38,7 @@ class HybridEngine(Engine):
     def collectives(self, group: GroupSpec) -> GroupCollectives:
         if self._shm is not None and self._shm.local(group.ranks):
             return self._shm.collectives(group)
+        watch_group(self.transport, group.group_id, group.ranks)
         if self._hosts is not None:
             hosts = [self._hosts[r] for r in group.ranks]
             by_host, uniform = layout(hosts)
@@ -50,6 +52,7 @@ class HybridEngine(Engine):
         return self._shm.fast_path(pg)
 
     def release_group(self, group_id: int) -> None:
+        unwatch_group(self.transport, group_id)
         if self._shm is not None:
             self._shm.release_group(group_id)
 

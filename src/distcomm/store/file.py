@@ -45,8 +45,13 @@ notices (its descriptor's file has no links any more) and starts over with a new
 Stale files. A file left by a crashed run must not be silently reused with its old keys. Opening a
 file that already has records checks its members: a member that joined and never left, recorded on
 this host (same host name and boot id), whose process is gone (no such pid, or the pid now belongs
-to a process with another start time) is proof of a crash, and the open fails with a DistStoreError
-naming the path, the dead pids and the fix (delete the file). So does a file whose ``world_size``
+to a process with another start time) is proof of a crash. When *every* member still holding the
+file is such a dead process, nobody can be using it: the open starts it afresh (truncated, under
+the lock) and warns, naming the path and the dead pids. When a dead member sits beside live (or
+uncheckable) ones, the open fails with a DistStoreError naming the path, the dead pids and the fix
+(delete the file). ``fresh_if_unused=True`` (what the file:// rendezvous passes: its ranks hold the
+file open until init is over, so a file nobody holds is a finished or failed run's) also starts
+afresh a file that no member holds open. Without it, so does a file whose ``world_size``
 users have all already finished and none is open any more (while one is, the file is a live job's,
 and more opens than ``world_size`` are allowed, as in torch), a file of a different ``world_size``,
 and a file with a torn
@@ -64,6 +69,7 @@ import struct
 import threading
 import time
 import uuid
+import warnings
 from datetime import timedelta
 from collections import deque
 from contextlib import contextmanager
@@ -204,7 +210,9 @@ class _Log:
 class FileStore(Store):
     """A store that keeps its key-value pairs in a file shared by processes (torch.distributed.FileStore)."""
 
-    def __init__(self, file_name: str, world_size: int = -1):
+    def __init__(self, file_name: str, world_size: int = -1, *, fresh_if_unused: bool = False):
+        """``fresh_if_unused`` (distcomm's): start afresh a file with records that no process holds
+        open (see the module docstring: the file:// rendezvous's use)."""
         super().__init__()
         if not isinstance(file_name, str) or not file_name:
             raise ValueError(f"FileStore needs a file path, got {file_name!r}")
@@ -216,6 +224,7 @@ class FileStore(Store):
         self._world_size = world_size if world_size > 0 else -1
         self._member_id = uuid.uuid4().hex.encode()
         self._lock = threading.Lock()
+        self._fresh_if_unused = fresh_if_unused
         self._fd, self._log = self._open_and_join()
         # multiprocessing's Finalize also runs in multiprocessing children, which exit without atexit hooks
         self._finalizer = Finalize(self, _leave, (self._fd, self.path, self._member_id, self._world_size), exitpriority=10)
@@ -238,11 +247,12 @@ class FileStore(Store):
                         log.apply(_read_from(fd, 0), self.path)
                         here = _identity()
                         records = b""
+                        if log.offset != 0 and self._stale(log, here):
+                            os.ftruncate(fd, 0)  # O_APPEND: the next write lands at offset 0
+                            log = _Log()
                         if log.offset == 0:
                             header = {"world_size": self._world_size, "created_by": here}
                             records = MAGIC + _record(_HEADER, _HEADER_KEY, json.dumps(header).encode())
-                        else:
-                            self._check_reusable(log, here)
                         records += _record(_JOIN, self._member_id, json.dumps(here).encode())
                         os.write(fd, records)
                         log.apply(records, self.path)
@@ -253,14 +263,27 @@ class FileStore(Store):
                 return fd, log
             os.close(fd)
 
-    def _check_reusable(self, log: _Log, here: dict) -> None:
+    def _stale(self, log: _Log, here: dict) -> bool:
+        """True if the file may be started afresh (a crashed or finished run's, nobody holds it);
+        raise DistStoreError if it may not be used at all; False to join it as it is."""
         dead = [m for m in log.members.values() if _is_dead(m, here)]
         fix = f"delete it (rm {self.path}) or use a new path"
+        if dead and len(dead) == len(log.members):
+            who = ", ".join(f"pid {m.get('pid')}" for m in dead)
+            warnings.warn(
+                f"FileStore: {self.path} was left by processes that exited without closing it ({who} on "
+                f"{here['host']}, e.g. a crashed earlier run); nobody else holds it, so it starts afresh "
+                f"(its {len(log.values)} old keys are dropped)", RuntimeWarning, stacklevel=4)
+            return True
+        if self._fresh_if_unused and not log.members:
+            return True  # a finished or failed rendezvous's file: nobody holds it open
         if dead:
             who = ", ".join(f"pid {m.get('pid')} on {m.get('host')}" for m in dead)
+            alive = len(log.members) - len(dead)
             raise DistStoreError(
                 f"FileStore: {self.path} is stale: it holds {len(log.values)} keys from processes that exited without "
-                f"closing it ({who}), e.g. a crashed earlier run; its keys are not this run's: {fix}"
+                f"closing it ({who}), e.g. a crashed earlier run, while {alive} other user(s) (alive, or on another "
+                f"host where they cannot be checked) still hold it; its keys are not this run's: {fix}"
             )
         if self._world_size > 0 and log.world_size > 0 and log.world_size != self._world_size:
             raise DistStoreError(
@@ -275,6 +298,7 @@ class FileStore(Store):
                 f"FileStore: {self.path} has already been opened by world_size={self._world_size} users "
                 f"({log.left} of them finished); it is left over from an earlier run: {fix}"
             )
+        return False
 
     def close(self) -> None:
         """Leave the store; the last user removes the file. Idempotent. (A clone closes only itself.)"""

@@ -120,6 +120,29 @@ class Transport(ABC):
     def close(self) -> None:
         """Release sockets/threads/memory. Pending requests fail with reason="lost"."""
 
+    # Optional (a transport without them works; engines call them through ``watch_group``):
+    def watch_group(self, group_id: int, ranks: Sequence[int]) -> None:
+        """Group ``group_id`` has these members (global ranks). A transport that can tell a crashed
+        peer from a departed one fails the group's pending and later collective requests
+        (``MessageKey.kind == KIND_COLLECTIVE``) as lost once a member crashes, whichever peer
+        they wait for, so no member sits out the timeout. The default does nothing."""
+
+    def unwatch_group(self, group_id: int) -> None:
+        """Group ``group_id`` was destroyed."""
+
+
+def watch_group(transport, group_id: int, ranks: Sequence[int]) -> None:
+    """``transport.watch_group`` where the transport has it (a duck-typed Transport may not)."""
+    method = getattr(transport, "watch_group", None)
+    if method is not None:
+        method(group_id, list(ranks))
+
+
+def unwatch_group(transport, group_id: int) -> None:
+    method = getattr(transport, "unwatch_group", None)
+    if method is not None:
+        method(group_id)
+
 
 def describe_key(key: MessageKey) -> str:
     """A key in words, for errors: "group 3 collective #7", "group 0 tag 5"."""

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from .base import ANY_SOURCE, MessageKey, Request, Transport, TransportError
+from .base import ANY_SOURCE, MessageKey, Request, Transport, TransportError, unwatch_group, watch_group
 from .buffers import as_bytes
 from .matching import Matcher
 from .shm import ShmTransport
@@ -131,6 +131,14 @@ class HybridTransport(Transport):
         with self._stash_lock:
             _, msg = self._stash.offer(src, key, signature, data.nbytes)  # nothing is posted: kept
             msg.data, msg.complete = data, True
+
+    def watch_group(self, group_id: int, ranks) -> None:
+        """A crash of a member across hosts dooms the group's TCP traffic (the TCP transport watches
+        it); members on this host are watched by the shared-memory waits."""
+        watch_group(self.tcp, group_id, ranks)
+
+    def unwatch_group(self, group_id: int) -> None:
+        unwatch_group(self.tcp, group_id)
 
     def close(self) -> None:
         try:

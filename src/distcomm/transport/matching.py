@@ -65,6 +65,7 @@ class Matcher:
     ``offer(src, key, sig, n)``    an arrived message: (the receive it matches, None) or (None, kept)
     ``withdraw(recv)``             take back a posted receive (its wait ran out)
     ``discard(msg)``               forget an unexpected message (its payload can never arrive)
+    ``posted()``                   the posted receives, for a caller that must fail some
     ``lose(src, any_source)``      remove the receives a lost peer can no longer satisfy
     ``clear()``                    remove everything (the transport closes)
     ``mismatch(...)``              the error when a message and its receive disagree, else None
@@ -176,6 +177,10 @@ class Matcher:
         if not q:
             del self._unexpected[k]
         return True
+
+    def posted(self) -> list:
+        """Every posted receive (nothing removed)."""
+        return [r for q in self._posted.values() for r in q] + [r for q in self._posted_any.values() for r in q]
 
     def has_unexpected(self) -> bool:
         return bool(self._unexpected)

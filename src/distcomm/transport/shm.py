@@ -49,6 +49,10 @@ from .shm_wait import Bell, PeerHealth, WaitPolicy, current_cpu, wait_until
 
 WORLD_MAGIC = 0x64636F6D6D73686D  # "dcommshm"
 _W_MAGIC, _W_PID, _W_CLOSED, _W_CPU = 0, 1, 2, 3  # _W_CPU: 1 + the CPU of the last wait
+# Crash news, shared through the world segments: whoever finds a rank's process gone sets that
+# rank's _W_CRASHED and bumps every live rank's _W_NEWS, which each rank reads (one word) when it
+# opens a collective's round, so a rank that was not waiting learns of the crash as it enters.
+_W_CRASHED, _W_NEWS = 4, 5
 _BELL_U32 = 16  # u32 index of the bell (byte 64); its sleeper count follows
 _RINGS_AT = 128
 _DIR_ENTRY = 128  # u64 (group id + 1), then the segment name (NUL-padded)
@@ -241,17 +245,39 @@ class ShmTransport(Transport):
         return ok
 
     def lost_peers(self, ranks) -> list[int]:
-        """Ranks among ``ranks`` whose transport is closed or whose process has exited."""
+        """Ranks among ``ranks`` whose transport is closed or whose process has exited (found here,
+        or reported by another rank through the world segments)."""
         ctl = self._ctl
         closed = [g for g in ranks if g != self.rank and ctl[g][_W_CLOSED]]
-        dead = self.health.dead([g for g in ranks if g != self.rank and g not in closed])
-        return closed + dead
+        reported = [g for g in ranks if g != self.rank and g not in closed and ctl[g][_W_CRASHED]]
+        dead = self.health.dead([g for g in ranks if g != self.rank and g not in closed and g not in reported])
+        for g in dead:  # tell every rank of this host
+            ctl[g][_W_CRASHED] = 1
+            for h in self.local:
+                if h != g:
+                    ctl[h][_W_NEWS] += 1
+        return closed + reported + dead
+
+    @property
+    def crash_news(self) -> memoryview:
+        """One word of shared memory: ``crash_news[0]`` is non-zero once some rank of this host is
+        known to have crashed (``lost_peers`` then says which)."""
+        return self._ctl[self.rank][_W_NEWS:_W_NEWS + 1]
+
+    def check_members(self, ranks) -> None:
+        """Raise TransportError (reason "lost") if a rank among ``ranks`` crashed or closed."""
+        lost = self.lost_peers(ranks)
+        if lost:
+            raise self.lost_error(lost)
 
     def lost_error(self, lost: list[int], what: str = "") -> TransportError:
         g = lost[0]
-        how = "closed its transport (destroy_process_group or an error)" if self._ctl[g][_W_CLOSED] else (
-            f"exited (pid {self._pids[g]} is gone)")
-        return TransportError(f"rank {g} {how}{what}", peer=g, reason="lost")
+        if self._ctl[g][_W_CLOSED]:
+            return TransportError(f"rank {g} closed its transport (destroy_process_group or an error){what}",
+                                  peer=g, reason="lost")
+        return TransportError(
+            f"rank {g} exited (pid {self._pids[g]} is gone){what}; no collective of a group with rank {g} can "
+            "complete: find why it died (its output or exit code), then restart the job", peer=g, reason="lost")
 
     def wait_for(self, ready, deadline, peers, on_timeout, arm=None) -> None:
         """Wait for a shared-memory condition involving ``peers`` (global ranks); see shm_wait
@@ -665,8 +691,9 @@ class ShmTransport(Transport):
             if target is not None:
                 try:
                     shm_direct.read(self._pids[src], rec.address, target)
-                except OSError as exc:
-                    error = TransportError(f"could not read rank {src}'s message directly: {exc}", peer=src)
+                except shm_direct.DirectReadError as exc:
+                    error = TransportError(f"could not read rank {src}'s message directly: {exc}", peer=src,
+                                           reason=exc.reason)
             self._direct_read[src] += 1
             ring.ctl[ACKED] = self._direct_read[src]
             self._finish(src, rec.nbytes, recv, entry, error)

@@ -12,9 +12,12 @@ rings. ``DISTCOMM_SHM_DIRECT=0`` turns it off.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 
 import numpy as np
+
+from .base import TransportError
 
 _PR_SET_PTRACER = 0x59616D61
 _PR_SET_PTRACER_ANY = ctypes.c_ulong(-1 & ((1 << (8 * ctypes.sizeof(ctypes.c_ulong))) - 1))
@@ -32,6 +35,29 @@ try:
 except (OSError, AttributeError):  # pragma: no cover - not Linux/glibc
     _libc = None
     _readv = None
+
+
+class DirectReadError(TransportError):
+    """process_vm_readv from a peer failed. ``pid`` is the peer's process; ``reason`` is "lost"
+    when that process is gone (ESRCH, or it died while we read: its memory is torn down before it
+    is reaped), else "error". The caller knows which rank has that pid and names it."""
+
+    def __init__(self, pid: int, err: int):
+        gone = err == errno.ESRCH or not _alive(pid)
+        what = "the process has exited" if gone else os.strerror(err)
+        super().__init__(f"reading the memory of pid {pid} (process_vm_readv) failed: {what}",
+                         reason="lost" if gone else "error")
+        self.pid = pid
+        self.errno = err
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+        return state not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return False
 
 
 def available() -> bool:
@@ -59,8 +85,7 @@ def read(pid: int, address: int, out: np.ndarray) -> None:
         remote = _Iovec(address + done, n)
         got = _readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
         if got <= 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"process_vm_readv from pid {pid} failed: {os.strerror(err)}")
+            raise DirectReadError(pid, ctypes.get_errno())
         done += got
 
 
@@ -71,6 +96,6 @@ def probe(pid: int, address: int, expect: int) -> bool:
     word = np.zeros(1, np.uint64)
     try:
         read(pid, address, word)
-    except OSError:
+    except (OSError, TransportError):
         return False
     return int(word[0]) == expect

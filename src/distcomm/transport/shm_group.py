@@ -170,9 +170,14 @@ class GroupShm:
         poll_posted, wait_posts, mismatch = self._poll_posted, self._wait_posts, self._mismatch
         ring_posted, ring_consumed, reserve = self._ring_posted, self._ring_consumed, self._reserve
 
+        news, check_members, members = self.transport.crash_news, self.transport.check_members, self.ranks
+
         def open_round(seq: int, sig: int, channel) -> int:
             """The next round's number, once every peer has read our slot's previous use (step 1).
-            ``channel(seq, sig)`` makes the call's Channel if we must sleep."""
+            ``channel(seq, sig)`` makes the call's Channel if we must sleep. A rank of this host
+            known to have crashed (one word to read) fails the round at once if it is a member."""
+            if news[0]:
+                check_members(members)
             k = self.round = self.round + 1
             need = k - nslots
             if need > self._consumed_floor:  # the floor only rises: most rounds read no counter at all

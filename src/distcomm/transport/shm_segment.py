@@ -3,7 +3,12 @@
 Why files opened by hand instead of ``multiprocessing.shared_memory``: that module registers every
 segment with the resource tracker, which warns and double-unlinks when another process unlinks it;
 and it cannot create a segment with mode 0600 atomically. Here a segment is ``os.open(O_CREAT |
-O_EXCL | O_NOFOLLOW, 0o600)`` + ``ftruncate`` + ``mmap``.
+O_EXCL | O_NOFOLLOW, 0o600)`` + ``ftruncate`` + ``posix_fallocate`` + ``mmap``.
+
+Reserved at creation. ``ftruncate`` alone makes a sparse file: its pages are allocated when first
+touched, and on a full tmpfs (Docker's default 64 MiB /dev/shm) that touch kills the process with
+SIGBUS, far from any Python code. ``posix_fallocate`` allocates every page now, so a full directory
+is an error at creation that says how much was needed, where, and what to do.
 
 Lifetime. The creator unlinks its segment as soon as every peer has mapped it (the mapping keeps
 the memory alive, the name is no longer needed), so a segment normally exists in /dev/shm only for
@@ -16,6 +21,7 @@ attempt)`` can find them.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import re
@@ -24,6 +30,8 @@ import stat
 import weakref
 
 import numpy as np
+
+from .base import TransportError
 
 PREFIX = "distcomm-"
 
@@ -50,6 +58,33 @@ def _unlink(path: str) -> None:
         pass
     except OSError:
         pass  # nothing more we can do at exit; the launcher's cleanup hook is the backstop
+
+
+def _reserve(fd: int, nbytes: int, directory: str) -> None:
+    """Allocate the file's pages now (see the module docstring); a full directory raises
+    TransportError saying how much was needed, where, and what to do."""
+    if nbytes <= 0:
+        return
+    while True:
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+            return
+        except InterruptedError:
+            continue
+        except OSError as exc:
+            if exc.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                return  # a filesystem without fallocate: pages are allocated on first touch, as before
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM):
+                raise
+            try:
+                st = os.statvfs(directory)
+                free = f"{st.f_bavail * st.f_frsize} bytes free of {st.f_blocks * st.f_frsize}"
+            except OSError:
+                free = "free space unknown"
+            raise TransportError(
+                f"out of shared memory: could not reserve {nbytes} bytes in {directory} ({free}; "
+                f"{os.strerror(exc.errno)}). Give it more room (docker run --shm-size=1g, or a larger tmpfs), "
+                "point DISTCOMM_SHM_DIR at a bigger tmpfs, or use backend=\"tcp\"", reason="error") from None
 
 
 class Segment:
@@ -82,6 +117,7 @@ class Segment:
         try:
             os.fchmod(fd, 0o600)  # O_CREAT's mode is already 0600 minus the umask; make it exact
             os.ftruncate(fd, nbytes)
+            _reserve(fd, nbytes, directory)
             mm = mmap.mmap(fd, nbytes)
         except BaseException:
             os.close(fd)
@@ -126,6 +162,11 @@ class Segment:
 
     def __repr__(self) -> str:
         return f"Segment({self.name!r}, {self.size} bytes{', owner' if self.owner else ''})"
+
+
+def run_prefix(run_id: str) -> str:
+    """The name prefix of every segment of a launcher's run (all attempts)."""
+    return f"{PREFIX}{_run_tag(run_id, 0).rsplit('-', 2)[0]}-"
 
 
 def cleanup(run_id: str, attempt: int) -> None:

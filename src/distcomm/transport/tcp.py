@@ -50,7 +50,11 @@ buffer so the stream stays in step) and raises ``reason="timeout"`` naming the p
 signature mismatch fails that receive and discards the payload, keeping the stream in step. A
 connection that closes or resets fails every request involving that peer at once with
 ``reason="lost"`` (and any-source receives, unless the peer said GOODBYE first); messages it
-completed before dying are still delivered. One lock guards all state; socket reads and writes
+completed before dying are still delivered. A connection lost *without* a GOODBYE (the peer
+crashed or was killed) also dooms every group that peer belongs to (``watch_group`` tells the
+transport the groups): their pending collective requests fail at once naming it, whoever they
+wait for, and so does every later one. Every rank holds a connection to every other, so each
+learns of a death from its own kernel (EOF or reset) within milliseconds. One lock guards all state; socket reads and writes
 happen under it, non-blocking, so no thread ever blocks in a socket call.
 """
 
@@ -61,12 +65,14 @@ import select
 import socket
 import threading
 import time
+import weakref
 from collections import deque
+from multiprocessing.util import Finalize
 
 import numpy as np
 
 from . import framing, mesh
-from .base import ANY_SOURCE, MessageKey, Request, Transport, TransportError, describe_key
+from .base import ANY_SOURCE, KIND_COLLECTIVE, MessageKey, Request, Transport, TransportError, describe_key
 from .buffers import as_memoryview
 from .matching import Matcher, Unexpected
 
@@ -99,6 +105,25 @@ _KIND_CONTROL = framing.KIND_CONTROL
 _ndarray = np.ndarray
 _get_ident = threading.get_ident
 _monotonic = time.monotonic
+
+
+# Transports still open when the interpreter exits are closed then, so their peers get a GOODBYE
+# and tell a process that ended (destroy_process_group or not) from one that crashed. A
+# multiprocessing finalizer, not atexit: it also runs in multiprocessing children, which skip atexit.
+_OPEN: "weakref.WeakSet[TcpTransport]" = weakref.WeakSet()
+
+
+def _close_open_transports() -> None:
+    for transport in list(_OPEN):
+        if transport._pid != os.getpid():  # a forked child's copy: the sockets are its parent's
+            continue
+        try:
+            transport.close()
+        except Exception:  # noqa: BLE001 - exiting: nothing more to do
+            pass
+
+
+Finalize(None, _close_open_transports, exitpriority=20)
 
 
 def _flat(view) -> memoryview:
@@ -230,6 +255,9 @@ class TcpTransport(Transport):
         # Public for inspection (tests, debugging); only this transport changes it, under _lock.
         self.matcher = Matcher(rank, size)
         self._any_lost: TransportError | None = None  # why any-source receives can no longer work
+        self._groups: dict[int, frozenset] = {}  # group id -> its members (watch_group)
+        self._crashed: dict[int, TransportError] = {}  # peers lost without a GOODBYE
+        self._doomed: dict[int, TransportError] = {}  # group id -> why its collectives fail
         if size == 1:
             self._any_lost = TransportError(f"rank {rank} is alone in its world: nobody can send to it")
         self._scratch = memoryview(bytearray(_SCRATCH))
@@ -242,6 +270,8 @@ class TcpTransport(Transport):
         self._pollers_closed = False
         self._thread = threading.Thread(target=self._background, name=f"distcomm-tcp-{rank}", daemon=True)
         self._thread.start()
+        self._pid = os.getpid()
+        _OPEN.add(self)
 
     def __repr__(self) -> str:
         return f"TcpTransport(rank={self.rank}, size={self.size}{', closed' if self._closed else ''})"
@@ -281,6 +311,9 @@ class TcpTransport(Transport):
             if self._closed or p.lost is not None:
                 self._finish(req, self._lost_error(p))
                 return req
+            if self._doomed and key[1] == KIND_COLLECTIVE and key[0] in self._doomed:
+                self._finish(req, self._doomed[key[0]])
+                return req
             if not p.sendq:  # the direct attempt: a small message completes right here
                 try:
                     if total <= _SEND_CHUNK:
@@ -315,6 +348,8 @@ class TcpTransport(Transport):
                 lost = p.lost
             else:
                 lost = self._any_lost
+            if lost is None and self._doomed and key[1] == KIND_COLLECTIVE and key[0] in self._doomed:
+                lost = self._doomed[key[0]]
             if self._closed:
                 self._finish(req, self._lost_error(None))
             elif lost is None:
@@ -323,7 +358,7 @@ class TcpTransport(Transport):
                     self._deliver_unexpected(req, msg)
                 elif view.nbytes >= _BULK:
                     self._add_bulk(req, True)
-            else:  # messages the peer completed before it was lost are still delivered
+            else:  # messages completed before the peer (or the group) was lost are still delivered
                 msg = self.matcher.take(src, key)
                 if msg is not None:
                     self._deliver_unexpected(req, msg)
@@ -465,8 +500,9 @@ class TcpTransport(Transport):
             with self._lock:
                 self._release(me)
 
-    def _withdraw(self, req: TcpRequest) -> None:
-        """A wait ran out: take the request back so nothing lands in (or leaves) its buffer later."""
+    def _withdraw(self, req: TcpRequest, error: TransportError | None = None) -> None:
+        """A wait ran out (or ``error``: its group is doomed): take the request back so nothing
+        lands in (or leaves) its buffer later."""
         if req.done:
             return
         if req.is_send:
@@ -482,6 +518,9 @@ class TcpTransport(Transport):
             else:
                 self.matcher.withdraw(req)
             what = f"receive {req.view.nbytes} bytes from"
+        if error is not None:
+            self._finish(req, error)
+            return
         who = "any rank" if req.peer == ANY_SOURCE else f"rank {req.peer}"
         self._finish(req, TransportError(
             f"rank {self.rank} timed out waiting to {what} {who} ({describe_key(req.key)}); the request was "
@@ -735,6 +774,48 @@ class TcpTransport(Transport):
         pending += self.matcher.lose(p.rank, any_source)
         for req in pending:
             self._finish(req, err)
+        if not p.goodbye:
+            self._crashed[p.rank] = err
+            for gid, members in self._groups.items():
+                if p.rank in members:
+                    self._doom(gid, p.rank, err)
+
+    # -- groups ----------------------------------------------------------------------------------
+    def watch_group(self, group_id: int, ranks) -> None:
+        """Group ``group_id`` has these members (global ranks): when one of them is lost without a
+        GOODBYE, its collectives fail at once (see the module docstring)."""
+        with self._lock:
+            members = self._groups[group_id] = frozenset(ranks)
+            crashed = [q for q in sorted(members) if q in self._crashed]
+            if crashed:
+                self._doom(group_id, crashed[0], self._crashed[crashed[0]])
+
+    def unwatch_group(self, group_id: int) -> None:
+        with self._lock:
+            self._groups.pop(group_id, None)
+            self._doomed.pop(group_id, None)
+
+    def _doom(self, gid: int, dead: int, cause: TransportError) -> None:
+        """Member ``dead`` of group ``gid`` crashed: fail the group's pending collective requests
+        (whichever peer they wait for) and every later one, naming it (lock held)."""
+        if gid in self._doomed:
+            return
+        err = self._doomed[gid] = TransportError(
+            f"rank {dead} of this group is gone ({cause}); no collective of the group can complete. Find why "
+            f"rank {dead} died (its output or exit code), then restart the job", peer=dead, reason="lost")
+
+        def ours(req) -> bool:
+            return req.key[1] == KIND_COLLECTIVE and req.key[0] == gid
+
+        victims = [r for r in self.matcher.posted() if ours(r)]
+        for q in self._peers:
+            if q is None or q.lost is not None:
+                continue
+            victims += [r for r in q.sendq if ours(r)]
+            if q.cur is not None and q.cur.req is not None and ours(q.cur.req):
+                victims.append(q.cur.req)
+        for req in victims:
+            self._withdraw(req, err)
 
     def close(self) -> None:
         """Fail pending requests (reason "lost"), say GOODBYE to peers, stop the background thread."""

@@ -20,14 +20,18 @@ everything when ``DISTCOMM_SHM_COLLECTIVES=0`` (the engine then builds no ShmCol
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from ...errors import DistBackendError
 from ...reduction import reducer, sequence_reducer, with_op_arithmetic
+from ...transport import shm_direct
 from ...transport.base import Channel, TransportError
 from ...tuning import DEFAULT, Tuning
 from ...types import RedOpType
-from ..engine import GroupCollectives
+from ...signatures import without_root
+from ..engine import GroupCollectives, root_mismatch
 from ..generic import GenericCollectives
 from . import alltoall_slots as alltoall, latency, observe
 from .allgather_readv import allgather_readv
@@ -38,7 +42,7 @@ from .barrier_slots import barrier_slots
 from .broadcast_readv import broadcast_readv
 from .broadcast_slots import broadcast_slots
 from .choose import Capabilities, check_forced, choose, direct_limit, latency_limit
-from .common import split_mismatch
+from .common import same_channel, split_mismatch
 from .gather_slots import gather_slots
 from .reduce_direct import reduce_direct
 from .reduce_readv import reduce_readv
@@ -50,6 +54,42 @@ from .scatter_slots import scatter_slots
 def _allgather_slots(ctx, ch: Channel, out: np.ndarray, count: int) -> None:
     """all_gather through slots: gather_slots with every rank reading."""
     gather_slots(ctx, ch, out[ch.rank * count : (ch.rank + 1) * count], out, None)
+
+
+def _direct_read_failure(ctx, ch: Channel, exc: "shm_direct.DirectReadError") -> TransportError:
+    """A failed read of a peer's memory, naming the rank at fault. A member known to have crashed
+    is the cause even when the read failed on another one: a member that noticed the crash first
+    left the collective, and the buffer we were reading went with it (EFAULT)."""
+    transport = ctx.transport
+    # A failed read is a sign of a death in progress: a killed process loses its memory before
+    # its pidfd says it exited, so give the news up to a second to arrive (this also marks the
+    # crash for the other ranks of the host).
+    give_up = time.monotonic() + 1.0
+    while True:
+        lost = transport.lost_peers(ch.ranks)
+        if lost:
+            return transport.lost_error(lost)
+        if time.monotonic() >= give_up:
+            break
+        time.sleep(0.01)
+    peer = next((g for g in ch.ranks if g != ch.ranks[ch.rank] and transport.pid_of(g) == exc.pid), None)
+    who = f"rank {peer}" if peer is not None else f"pid {exc.pid}"
+    if exc.reason == "lost":
+        text = f"{who} exited while this rank was reading its memory (process_vm_readv: pid {exc.pid} is gone)"
+    else:
+        text = f"reading the memory of {who} failed: {exc}"
+    return TransportError(text, peer=peer, reason=exc.reason)
+
+
+def _roots_of_peers(ctx, ch: Channel, root: int) -> list[tuple[int, int]]:
+    """One round in which every rank posts ``root``; [(peer, its root)]."""
+    seq, sig = ch.key.seq, without_root(ch.signature)  # a different root is compared by the caller, in words
+    channel = same_channel(ch)
+    k = ctx.open_round(seq, sig, channel)
+    ctx.exchange(k, seq, sig, 0, channel, extra=root)
+    theirs = [(q, ctx.extra(q, k)) for q in range(ctx.size) if q != ctx.rank]
+    ctx.consume(k)
+    return theirs
 
 
 #: every name ``choose`` returns -> the function that runs it, ``(ctx, ch, ...)``
@@ -128,6 +168,9 @@ class ShmCollectives(GroupCollectives):
         except TransportError as exc:
             raise ch.translate(exc, None) from None
         if ctx is not None and ctx.broken:
+            lost = self.transport.lost_peers(ch.ranks)
+            if lost:  # the earlier failure was (or is now known to be) a crashed or closed member
+                raise ch.translate(self.transport.lost_error(lost), None)
             raise DistBackendError(
                 f"{ch.op} (sequence number {ch.key.seq}) on rank {ch.rank}: this group's shared memory is "
                 f"unusable after an earlier failure ({ctx.broken}); destroy the process group and create it again"
@@ -150,6 +193,8 @@ class ShmCollectives(GroupCollectives):
         try:
             return algorithm(ctx, ch, *args)
         except TransportError as exc:
+            if isinstance(exc, shm_direct.DirectReadError):
+                exc = _direct_read_failure(ctx, ch, exc)
             ctx.broken = str(exc)
             raise ch.translate(exc, None) from None
         except BaseException as exc:
@@ -236,3 +281,14 @@ class ShmCollectives(GroupCollectives):
         if ctx is None:
             return self.generic.barrier(ch)
         self._run(ctx, ch, "barrier_slots")
+
+    def check_root(self, ch: Channel, root: int, what: str) -> None:
+        """One round in which every rank posts its root (its header's extra word) and reads every
+        peer's: a barrier's cost, and every rank sees any disagreement (GroupCollectives.check_root)."""
+        ctx = self._context(ch)
+        if ctx is None:
+            return self.generic.check_root(ch, root, what)
+        # raised here, not in the round: the round itself completed, so the group's memory stays usable
+        for q, theirs in self._guarded(ctx, ch, _roots_of_peers, root):
+            if theirs != root:
+                raise root_mismatch(ch, root, q, theirs, what)
