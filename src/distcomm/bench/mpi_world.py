@@ -4,8 +4,8 @@ Why MPI: it is the strongest CPU peer a user can pick on one machine (``pip inst
 the ``mpi`` extra), so it is the anchor for distcomm's latency and bandwidth goals.
 
 The parent runs ``mpiexec -n <world> python -m distcomm.bench.mpi_world <job.json>``; each rank
-checks and times every plan entry exactly as a distcomm or torch rank does (collectives.warm_up,
-collectives.timed: the same patterns, counts, barriers and statistics), with numpy arrays and the
+checks and times every plan entry exactly as a distcomm or torch rank does (measure.warm_up,
+measure.timed: the same patterns, counts, barriers and statistics), with numpy arrays and the
 buffer calls (upper-case names) that move memory without pickling: Allreduce (in place), Bcast,
 Reduce (in place on the root), Allgather, Reduce_scatter_block, Alltoall, Gather, Scatter, Barrier.
 Each run callable is the bound mpi4py call itself (functools.partial, no Python frame of ours), so
@@ -33,6 +33,7 @@ from typing import Callable
 import numpy as np
 
 from . import report
+from .measure import Tensors, case, rank_stats, sum_of_ramps, timed, warm_up
 from .worlds import WorldFailed
 
 _LINE = "distcomm-bench-mpi "  # prefix of rank 0's result lines (anything else on stdout is passed through)
@@ -65,8 +66,6 @@ def version() -> str:
 
 def cases(comm, MPI, t, count: int, rank: int, n: int) -> dict[str, Callable]:
     """op -> a thunk returning (run, check) for this row, with the patterns of collectives.CASES."""
-    from .collectives import case, sum_of_ramps
-
     chunk = count // n if n else 0
 
     def all_reduce():
@@ -124,8 +123,6 @@ def cases(comm, MPI, t, count: int, rank: int, n: int) -> dict[str, Callable]:
 def rank_main(job: dict) -> None:
     """One MPI rank: check and time every plan entry; rank 0 prints each row's per-rank statistics."""
     from mpi4py import MPI
-
-    from .collectives import Tensors, rank_stats, timed, warm_up
 
     comm = MPI.COMM_WORLD
     rank, n = comm.Get_rank(), comm.Get_size()
