@@ -94,13 +94,15 @@ class ShmCollectives(GroupCollectives):
     def latency_paths(self, pg):
         """The latency paths of process group ``pg`` (latency.py; see ProcessGroup's fast path):
         None until the group's shared memory exists, False if they will never be used (a group of
-        one, a member on another host, an all_reduce algorithm forced)."""
+        one, a member on another host). Each path takes only the calls whose algorithm ``choose``
+        would pick for it (an all_reduce algorithm forced: no all_reduce there)."""
         group = pg.spec
         ranks = group.ranks
-        if len(ranks) == 1 or self.tuning.shm_algorithm("allreduce") is not None or not self.transport.all_local(ranks):
+        if len(ranks) == 1 or not self.transport.all_local(ranks):
             return False
         ctx = self.transport.group_shm(group.group_id)
-        return None if ctx is None else latency.build(pg, ctx, latency_limit(len(ranks), ctx.slot_bytes, self.tuning))
+        return None if ctx is None else latency.build(pg, ctx, latency_limit(len(ranks), ctx.slot_bytes, self.tuning),
+                                                      self.tuning)
 
     # -- helpers ---------------------------------------------------------------------------------
     def _choose(self, op: str, nbytes: int, ctx, ch: Channel) -> str:

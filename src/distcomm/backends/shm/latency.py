@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import sys
 from functools import partial
-from typing import NoReturn
+from typing import NamedTuple, NoReturn
 
 import numpy as np
 
@@ -42,12 +42,14 @@ from ...buffers import tensor_memory
 from ...dtypes import from_numpy
 from ...errors import DistBackendError
 from ...profiling import profiling
-from ...reduction import check_supported, finish, sequence_reducer
+from ...reduction import check_supported, finish, reducer, sequence_reducer
 from ...signatures import signature
 from ...transport.base import TransportError
 from ...types import RedOpType
 from ..engine import FastPath
-from . import allreduce_direct, observe
+from . import (allreduce_direct, alltoall_slots, broadcast_slots, gather_slots, observe, reduce_direct,
+               reduce_scatter_slots, scatter_slots)
+from .choose import Capabilities, choose
 
 _ndarray = np.ndarray
 
@@ -77,9 +79,58 @@ def _storage_of(dtype) -> np.dtype:
     return storage
 
 
-def build(pg, ctx, limit: int) -> FastPath:
+def _largest(fits, cap: int) -> int:
+    """The largest n in [0, cap] with ``fits(n)``, -1 if none; ``fits`` holds up to some size and
+    not past it (``choose`` leaves its slots algorithms once, as messages grow)."""
+    if not fits(0):
+        return -1
+    if fits(cap):
+        return cap
+    lo, hi = 0, cap
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+class Limits(NamedTuple):
+    """The largest messages (bytes) each latency path takes: those for which ``choose`` picks the
+    slots algorithm whose round the path runs (so a member running the same call through the
+    general path exchanges exactly the same rounds), within one round; -1 for none."""
+
+    broadcast: int  # the buffer's bytes
+    reduce: int  # the buffer's bytes
+    all_gather: int  # one rank's block
+    gather: int  # one rank's block
+    scatter: int  # one rank's block
+    reduce_scatter: int  # every block's bytes together (each must also fit one piece)
+    reduce_scatter_piece: int  # one block's bytes
+    all_to_all: int  # what one rank sends, in all
+
+    @classmethod
+    def of(cls, size: int, slot_bytes: int, direct_reads: bool, tuning) -> "Limits":
+        caps = Capabilities(direct_reads, slot_bytes)
+
+        def picks(op: str, name: str, scale: int = 1):
+            return lambda n: choose(op, n * scale, size, caps, tuning) == name
+
+        piece = reduce_scatter_slots.piece_count(slot_bytes, size, 1)  # bytes: a multiple of any itemsize
+        piece -= piece % 16
+        return cls(
+            broadcast=_largest(picks("broadcast", "broadcast_slots"), slot_bytes),
+            reduce=_largest(picks("reduce", "reduce_direct"), slot_bytes),
+            all_gather=_largest(picks("allgather", "allgather_slots", size), slot_bytes),
+            gather=slot_bytes,
+            scatter=scatter_slots.piece_bytes(slot_bytes, size),
+            reduce_scatter=_largest(picks("reducescatter", "reduce_scatter_slots"), size * piece),
+            reduce_scatter_piece=piece,
+            all_to_all=_largest(picks("alltoall", "alltoall_slots"), 4 * slot_bytes),
+        )
+
+
+def build(pg, ctx, limit: int, tuning) -> FastPath:
     """The latency paths of process group ``pg``, whose shared memory is ``ctx`` (a GroupShm), for
-    all_reduces of at most ``limit`` bytes."""
+    all_reduces of at most ``limit`` bytes, and every other collective within ``Limits``."""
     executor = pg.executor
     enter, leave = executor.enter_inline, executor.leave_inline
     next_seq = pg.next_seq
@@ -172,4 +223,177 @@ def build(pg, ctx, limit: int) -> FastPath:
             leave()
         return True
 
-    return FastPath(small_all_reduce, small_barrier)
+    # -- every other collective, on the ProcessGroup method's Buffers ---------------------------
+    rank = ctx.rank
+    direct_reads = pg.transport.direct_reads_ok(ctx.ranks)
+    limits = Limits.of(size, ctx.slot_bytes, direct_reads, tuning)
+    channels = {op: partial(pg.channel, op) for op in (
+        "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "gather", "scatter", "reduce_scatter",
+        "reduce_scatter_tensor", "all_to_all", "all_to_all_single")}
+    sigs: dict = {}  # (op, dtype code, reduce op code) -> signature
+    reducers: dict = {}  # (op, dtype name) -> pairwise reducer, or None where the general path raises
+    others = [q for q in range(size) if q != rank]
+
+    def sig_of(op: str, code: int, red: int = 0) -> int:
+        key = (op, code, red)
+        sig = sigs.get(key)
+        if sig is None:
+            sig = sigs[key] = signature(op, code, red)
+        return sig
+
+    def reducer_of(op, dtype):
+        """The pairwise reducer of a plain ReduceOp (None for anything else: the general path runs
+        PREMUL_SUM, and raises for an op the dtype lacks)."""
+        if op.__class__ is not RedOpType:
+            return None
+        key = (op, dtype.name)
+        if key not in reducers:
+            try:
+                reducers[key] = reducer(op, dtype)
+            except (TypeError, ValueError, DistBackendError):
+                reducers[key] = None
+        return reducers[key]
+
+    def claim() -> bool:
+        """The group is ours for this call (then run() must follow), or the general path's."""
+        return ctx.broken is None and profiling() is None and enter()
+
+    def run(op: str, sig: int, one_round, *args) -> bool:
+        """One claimed call: its sequence number, then the algorithm's round(s)."""
+        seq = next_seq()
+        try:
+            observe.current is None or observe.current("latency_" + op)
+            one_round(ctx, seq, sig, channels[op], *args)
+        except BaseException as exc:
+            fail(exc, op, seq, sig)
+        finally:
+            leave()
+        return True
+
+    def broadcast(buf, root) -> bool:
+        if buf.flat.nbytes > limits.broadcast or not claim():
+            return False
+        run("broadcast", sig_of("broadcast", buf.dtype.code), broadcast_slots.one_round, buf.flat, root)
+        buf.commit()
+        return True
+
+    def reduce(buf, op, root) -> bool:
+        red = reducer_of(op, buf.dtype)
+        if red is None or buf.flat.nbytes > limits.reduce or not claim():
+            return False
+        flat = buf.flat
+        run("reduce", sig_of("reduce", buf.dtype.code, int(op)), reduce_direct.one_round, flat, red, root)
+        if rank == root:
+            finish(op, flat, size, buf.dtype)
+            buf.commit()
+        return True
+
+    def allgather(outs, inp) -> bool:
+        if inp.flat.nbytes > limits.all_gather or not claim():
+            return False
+        run("all_gather", sig_of("all_gather", inp.dtype.code), gather_slots.one_round, inp.flat,
+            [b.flat for b in outs], None)
+        for b in outs:
+            b.commit()
+        return True
+
+    def allgather_into_tensor(out, inp) -> bool:
+        if inp.flat.nbytes > limits.all_gather or not claim():
+            return False
+        n, flat = inp.count, out.flat
+        run("all_gather_into_tensor", sig_of("all_gather_into_tensor", inp.dtype.code), gather_slots.one_round,
+            inp.flat, [flat[q * n:(q + 1) * n] for q in range(size)], None)
+        out.commit()
+        return True
+
+    def gather(outs, inp, root) -> bool:
+        if inp.flat.nbytes > limits.gather or not claim():
+            return False
+        run("gather", sig_of("gather", inp.dtype.code), gather_slots.one_round, inp.flat,
+            None if outs is None else [b.flat for b in outs], root)
+        for b in outs or ():
+            b.commit()
+        return True
+
+    def scatter(out, ins, root) -> bool:
+        if out.flat.nbytes > limits.scatter or not claim():
+            return False
+        run("scatter", sig_of("scatter", out.dtype.code), scatter_slots.one_round,
+            None if ins is None else [b.flat for b in ins], out.flat, root)
+        out.commit()
+        return True
+
+    def reduce_scatter_blocks(op_name: str, out, blocks, op) -> bool:
+        red = reducer_of(op, out.dtype)
+        if red is None:
+            return False
+        total = 0
+        for b in blocks:
+            if b.nbytes > limits.reduce_scatter_piece:
+                return False
+            total += b.nbytes
+        if total > limits.reduce_scatter or not claim():
+            return False
+        run(op_name, sig_of(op_name, out.dtype.code, int(op)), reduce_scatter_slots.one_round, blocks, out.flat,
+            total, red)
+        finish(op, out.flat, size, out.dtype)
+        out.commit()
+        return True
+
+    def reduce_scatter(out, ins, op) -> bool:
+        return reduce_scatter_blocks("reduce_scatter", out, [b.flat for b in ins], op)
+
+    def reduce_scatter_tensor(out, inp, op) -> bool:
+        n, flat = out.count, inp.flat
+        return reduce_scatter_blocks("reduce_scatter_tensor", out, [flat[q * n:(q + 1) * n] for q in range(size)], op)
+
+    def all_to_all(op_name: str, code: int, sends, recvs, base: int, offsets) -> bool:
+        """Claim and run one all_to_all of these pieces (checked by the caller)."""
+        if not claim():
+            return False
+        run(op_name, sig_of(op_name, code), alltoall_slots.alltoall_rounds, sends, recvs, base, offsets)
+        return True
+
+    def a2a_fits(sends, recvs) -> bool:
+        """The general path's checks, which it would raise or route elsewhere: this rank's piece to
+        itself the size it expects, every piece's element fitting a slot, the slots algorithm chosen."""
+        if sends[rank].size != recvs[rank].size or not alltoall_slots.fits(ctx.slot_bytes, size, recvs[rank].itemsize):
+            return False
+        return sum(s.nbytes for s in sends) <= limits.all_to_all
+
+    def alltoall(outs, ins) -> bool:
+        sends, recvs = [b.flat for b in ins], [b.flat for b in outs]
+        if not a2a_fits(sends, recvs):
+            return False
+        base, offsets = 0, [0] * size
+        if direct_reads:  # a peer voting for single copies reads each piece from its address
+            item = sends[0].itemsize
+            addresses = [s.ctypes.data for s in sends]
+            base = min(addresses)
+            offsets = [(a - base) // item for a in addresses]
+            if any((a - base) % item for a in addresses):
+                return False
+        if not all_to_all("all_to_all", outs[0].dtype.code, sends, recvs, base, offsets):
+            return False
+        for b in outs:
+            b.commit()
+        return True
+
+    def alltoall_base(out, inp, recv_counts, send_counts) -> bool:
+        so, ro = [0], [0]
+        for c in send_counts:
+            so.append(so[-1] + c)
+        for c in recv_counts:
+            ro.append(ro[-1] + c)
+        send, recv = inp.flat, out.flat
+        sends = [send[so[q]:so[q + 1]] for q in range(size)]
+        recvs = [recv[ro[q]:ro[q + 1]] for q in range(size)]
+        if not a2a_fits(sends, recvs):
+            return False
+        if not all_to_all("all_to_all_single", out.dtype.code, sends, recvs, send.ctypes.data if direct_reads else 0, so):
+            return False
+        out.commit()
+        return True
+
+    return FastPath(small_all_reduce, small_barrier, broadcast, reduce, allgather, allgather_into_tensor, gather,
+                    scatter, reduce_scatter, reduce_scatter_tensor, alltoall, alltoall_base)
