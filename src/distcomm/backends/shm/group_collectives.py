@@ -86,6 +86,7 @@ class ShmCollectives(GroupCollectives):
         self.tuning = tuning
         self.generic = GenericCollectives(tuning)  # groups of one, members on other hosts
         self._reducers: dict = {}
+        self._choices: dict = {}  # (group id, op, bytes) -> algorithm name (see _choose)
 
     def direct_limit(self, size: int) -> int:
         """The largest all_reduce (bytes) the direct algorithm takes by size in a group of ``size``."""
@@ -104,10 +105,22 @@ class ShmCollectives(GroupCollectives):
         return None if ctx is None else latency.build(pg, ctx, latency_limit(len(ranks), ctx.slot_bytes, self.tuning),
                                                       self.tuning)
 
+    def forget_group(self, group_id: int) -> None:
+        """Group ``group_id`` was destroyed (its id may be used again for other members)."""
+        self._choices.clear()
+
     # -- helpers ---------------------------------------------------------------------------------
     def _choose(self, op: str, nbytes: int, ctx, ch: Channel) -> str:
-        caps = Capabilities(self.transport.direct_reads_ok(ch.ranks), ctx.slot_bytes)
-        return choose(op, nbytes, ch.size, caps, self.tuning)
+        """``choose``'s answer for this group, remembered per (group, op, size): it depends on
+        nothing else, and asking costs a Capabilities and a look-up of the group's direct reads."""
+        key = (ch.key.group, op, nbytes)
+        name = self._choices.get(key)
+        if name is None:
+            if len(self._choices) >= 4096:
+                self._choices.clear()
+            caps = Capabilities(self.transport.direct_reads_ok(ch.ranks), ctx.slot_bytes)
+            name = self._choices[key] = choose(op, nbytes, ch.size, caps, self.tuning)
+        return name
 
     def _reducer(self, op, dtype, sequence: bool = False):
         """reduction.reducer (or sequence_reducer) for (op, dtype), cached for the plain ops

@@ -1,33 +1,46 @@
-"""The latency paths: a small synchronous all_reduce (or a barrier), from the call to its result in
-one function.
+"""The latency paths: a small synchronous collective, from the call to its result in one function.
 
-An 8-byte all_reduce moves nothing worth measuring; its cost is Python. The general path
-(``_api/collectives.all_reduce`` → ``ProcessGroup.collective`` → ``OrderedExecutor.run`` → a
-``Channel`` → ``ShmCollectives.all_reduce`` → ``allreduce_direct`` → ``GroupShm``) makes about 90
-Python calls, and with 4 ranks on 2 CPUs every microsecond of a rank's CPU is paid twice in wall
-time (docs/performance-notes.md). This path skips everything but the round.
+An 8-byte collective moves nothing worth measuring; its cost is Python. The general path
+(``ProcessGroup.<method>`` → ``OrderedExecutor.run`` → a ``Channel`` → ``ShmCollectives``, which
+finds the group's memory, builds Capabilities and asks ``choose`` → the algorithm → ``GroupShm``)
+makes about 90 Python calls for an all_reduce, and with 4 ranks on 2 CPUs every microsecond of a
+rank's CPU is paid twice in wall time (docs/performance-notes.md). These paths skip everything but
+the round.
 
-It runs the very round of the general path: ``allreduce_direct.one_round`` (every rank copies its
-data into its slot, posts, waits for every post, reduces all p copies in rank order into its
-buffer and consumes the round) and the three steps of ``barrier_slots.one_round`` (the same without data), over
-GroupShm's round API; the Channel they would need to sleep is made only then
+Each runs the very round(s) of the algorithm the general path would choose for the call, so a
+member running the same call through the general path (async, or declined here) meets it in the
+same rounds: ``ROUNDS`` maps each path's observer name to that algorithm. They are:
+
+* all_reduce (on the tensor, before any Buffer is made): ``allreduce_direct.one_round``;
+* barrier: the three steps of ``barrier_slots.one_round``, without its frame;
+* on the ProcessGroup method's Buffers: broadcast (``broadcast_slots.one_round``), reduce
+  (``reduce_direct.one_round``), all_gather into a list or a tensor and gather
+  (``gather_slots.one_round``, writing each output in place), scatter (``scatter_slots.one_round``),
+  reduce_scatter of a list or a tensor (``reduce_scatter_slots.one_round``, reading the blocks in
+  place), all_to_all of lists or one tensor (``alltoall_slots.alltoall_rounds``, pieces in place).
+
+Each over GroupShm's round API; the Channel they would need to sleep is made only then
 (``ProcessGroup.channel``). What does not change from call to call is looked up once, when the
-group's shared memory exists: the executor, the reducer and message signature of each (op, dtype).
+group's shared memory exists: the executor, the reducers, the signatures, and ``Limits``: the
+sizes for which ``choose`` picks the algorithm above and it takes one round (all_to_all: any
+number of rounds, as long as this rank votes against single copies).
 
 Each takes only an ordinary call, and leaves anything else to the general path (returning False
-without having done anything), which then runs it or raises its error (for a barrier, only the
-first of these applies):
+without having done anything), which then runs it or raises its error:
 
 * a busy group (async work queued or running), a destroyed one, broken shared memory;
-* anything but a C-contiguous writeable numpy array or a contiguous CPU torch tensor (not bfloat16);
-* an op other than a plain ReduceOp the dtype supports;
-* an empty message, or one over ``choose.latency_limit`` (the direct algorithm's limit, or a slot);
-* torch's profiler recording (the general path records the call).
+* torch's profiler recording (the general path records the call);
+* a message past its limit; for reductions, an op other than a plain ReduceOp the dtype supports;
+* all_reduce only: anything but a C-contiguous writeable numpy array or a contiguous CPU torch
+  tensor (not bfloat16), an empty message;
+* all_to_all only: a split this rank does not agree with itself on, an element too large for a
+  slot's piece, pieces whose addresses no single base can describe (separate tensors).
 
 Once it has taken a sequence number it completes the call or raises, as the general path does:
 a mismatch, a timeout or a lost peer names the operation, sequence number, rank and peer, and
 marks the group's shared memory broken. Each call it takes is reported to the observer
-(observe.py) as "latency_all_reduce" or "latency_barrier".
+(observe.py) as "latency_<op>", with the general path's op names ("latency_all_reduce",
+"latency_barrier", "latency_broadcast", ..., "latency_all_to_all_single").
 """
 
 from __future__ import annotations
@@ -52,6 +65,22 @@ from . import (allreduce_direct, alltoall_slots, broadcast_slots, gather_slots, 
 from .choose import Capabilities, choose
 
 _ndarray = np.ndarray
+
+#: each latency path's observer name -> the algorithm (choose's name) whose rounds it runs
+ROUNDS = {
+    "latency_all_reduce": "allreduce_direct",
+    "latency_barrier": "barrier_slots",
+    "latency_broadcast": "broadcast_slots",
+    "latency_reduce": "reduce_direct",
+    "latency_all_gather": "allgather_slots",
+    "latency_all_gather_into_tensor": "allgather_slots",
+    "latency_gather": "gather_slots",
+    "latency_scatter": "scatter_slots",
+    "latency_reduce_scatter": "reduce_scatter_slots",
+    "latency_reduce_scatter_tensor": "reduce_scatter_slots",
+    "latency_all_to_all": "alltoall_slots",
+    "latency_all_to_all_single": "alltoall_slots",
+}
 
 
 def _torch_flat(t) -> np.ndarray | None:
