@@ -261,7 +261,6 @@ def build(pg, ctx, limit: int, tuning) -> FastPath:
         "reduce_scatter_tensor", "all_to_all", "all_to_all_single")}
     sigs: dict = {}  # (op, dtype code, reduce op code) -> signature
     reducers: dict = {}  # (op, dtype name) -> pairwise reducer, or None where the general path raises
-    others = [q for q in range(size) if q != rank]
 
     def sig_of(op: str, code: int, red: int = 0) -> int:
         key = (op, code, red)
@@ -424,5 +423,7 @@ def build(pg, ctx, limit: int, tuning) -> FastPath:
         out.commit()
         return True
 
-    return FastPath(small_all_reduce, small_barrier, broadcast, reduce, allgather, allgather_into_tensor, gather,
-                    scatter, reduce_scatter, reduce_scatter_tensor, alltoall, alltoall_base)
+    return FastPath(all_reduce=small_all_reduce, barrier=small_barrier, broadcast=broadcast, reduce=reduce,
+                    allgather=allgather, allgather_into_tensor=allgather_into_tensor, gather=gather, scatter=scatter,
+                    reduce_scatter=reduce_scatter, reduce_scatter_tensor=reduce_scatter_tensor, alltoall=alltoall,
+                    alltoall_base=alltoall_base)
