@@ -14,7 +14,8 @@ tensor), all_to_all (list) and all_to_all_single.
 * Larger messages (past the one-round limits) and non-plain reduce ops are left to the general
   path, with right results; a mismatch through a latency path names the peer.
 
-Tiers: one mixed world of 3 runs in the fast tier; the rest is slow (worlds of up to 8 ranks).
+Tiers: all slow (worlds of up to 8 ranks; the mixed world of 3 takes seconds). The fast tier
+meets these paths in test_differential's fast world, whose small synchronous calls take them.
 """
 
 from __future__ import annotations
@@ -247,6 +248,7 @@ def mixed_body(rank, world):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_latency_and_general_paths_meet_in_one_round_for_every_op():
     run_world(mixed_body, 3, timeout=120)
 
