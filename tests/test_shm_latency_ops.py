@@ -14,8 +14,8 @@ tensor), all_to_all (list) and all_to_all_single.
 * Larger messages (past the one-round limits) and non-plain reduce ops are left to the general
   path, with right results; a mismatch through a latency path names the peer.
 
-Tiers: all slow (worlds of up to 8 ranks; the mixed world of 3 takes seconds). The fast tier
-meets these paths in test_differential's fast world, whose small synchronous calls take them.
+Tiers: all slow (worlds of up to 8 ranks; the mixed world of 3 takes seconds). In the fast tier
+only test_differential's world (its small synchronous calls, compared with torch) can reach them.
 """
 
 from __future__ import annotations
