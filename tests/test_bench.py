@@ -15,6 +15,7 @@ import importlib.util
 import json
 import multiprocessing
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -40,9 +41,10 @@ def _rows(stdout: str) -> list[list[str]]:
 
 
 def _wrong_columns(fields: list[str]) -> list[str]:
-    # size count type | time algbw busbw #wrong | [time algbw busbw #wrong speedup]
-    assert len(fields) in (7, 12), fields
-    return [fields[6]] if len(fields) == 7 else [fields[6], fields[10]]
+    # size count type | time algbw busbw #wrong | per other engine: time algbw busbw #wrong | speedup per other
+    engines = (len(fields) - 3 + 1) // 5  # 3 key fields, 4 per engine, 1 speedup per engine after the first
+    assert len(fields) == 3 + 4 * engines + (engines - 1), fields
+    return [fields[6 + 4 * e] for e in range(engines)]
 
 
 @pytest.mark.slow
@@ -53,7 +55,7 @@ def test_world_of_two_prints_a_checked_table_per_op(tmp_path):
     for op in collectives.OPS:
         assert f"\n# {op}" in result.stdout
     rows = _rows(result.stdout)
-    assert len(rows) == 6 * 3 + 1  # 8 B, 128 B, 2 KiB for each sized op, one barrier row
+    assert len(rows) == 8 * 3 + 1  # 8 B, 128 B, 2 KiB for each sized op, one barrier row
     assert all(w == "0" for fields in rows for w in _wrong_columns(fields))
     assert "wrong elements: 0 OK" in result.stdout
     data = json.loads(out.read_text())
@@ -86,6 +88,58 @@ def test_compare_torch_prints_both_with_speedup_and_plots(tmp_path):
     assert len(table_rows) == len(rows), text
     speedups = [float(line.rstrip(" |").rsplit("|", 1)[1].strip().rstrip("x")) for line in table_rows]
     assert speedups == pytest.approx([float(fields[11]) for fields in rows], rel=0.01, abs=0.01)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("mpiexec") is None or importlib.util.find_spec("mpi4py") is None,
+                    reason="needs mpi4py and mpiexec (the 'mpi' extra)")
+def test_compare_torch_and_mpi_prints_three_engines_with_two_speedups(tmp_path):
+    pytest.importorskip("torch")
+    md, out = tmp_path / "bench.md", tmp_path / "bench.json"
+    result = _bench("--world", "2", "-b", "8", "-e", "64", "-f", "8", "--timeout", "60", "--iters", "1",
+                    "--warmup", "0", "--ops", "all", "--compare", "torch,mpi", "--markdown", str(md),
+                    "--json", str(out), timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "distcomm/gloo" in result.stdout and "torch/gloo" in result.stdout and "mpi/mpich" in result.stdout
+    rows = _rows(result.stdout)
+    assert len(rows) == 8 * 2 + 1  # 8 B and 64 B for each sized op, one barrier row
+    assert all(len(fields) == 3 + 3 * 4 + 2 for fields in rows)
+    assert all(w == "0" for fields in rows for w in _wrong_columns(fields))  # MPI's results checked too
+    assert all(float(fields[-1]) > 0 and float(fields[-2]) > 0 for fields in rows)
+    assert "# gather vs mpi/mpich: speedup geometric mean" in result.stdout
+    assert "mpi/mpich: 17/17 rows, wrong elements: 0 OK" in result.stdout
+    # the speedup against MPI is MPI's time over distcomm's, row by row
+    runs = json.loads(out.read_text())["runs"]
+    ours = {(r["op"], r["size"]): r["time_us"] for r in runs["distcomm/gloo"]}
+    ratios = [r["time_us"] / ours[(r["op"], r["size"])] for r in runs["mpi/mpich"]]  # in the printed order
+    assert [float(fields[-1]) for fields in rows] == pytest.approx(ratios, rel=0.01, abs=0.006)
+    table_rows = [line for line in md.read_text().splitlines() if line.startswith("| ") and "time" not in line]
+    assert len(table_rows) == len(rows)
+    assert "speedup vs torch/gloo" in md.read_text() and "speedup vs mpi/mpich" in md.read_text()
+
+
+def test_compare_refuses_unknown_engines_and_mpi_dtypes(capsys):
+    with pytest.raises(SystemExit):
+        collectives.main(["--compare", "nccl"])
+    assert "unknown --compare" in capsys.readouterr().err
+    if shutil.which("mpiexec") and importlib.util.find_spec("mpi4py"):
+        with pytest.raises(SystemExit):
+            collectives.main(["--compare", "mpi", "--dtype", "float16"])
+        assert "MPI has no float16" in capsys.readouterr().err
+
+
+def test_compare_table_has_a_speedup_column_per_other_engine():
+    def row(op, size, us):
+        return {"op": op, "size": size, "count": size // 4, "dtype": "float32", "time_us": us,
+                "algbw": 0.0, "busbw": 0.0, "wrong": 0}
+
+    text = report.compare_tables(["broadcast"], [row("broadcast", 8, 10.0)],
+                                 [[row("broadcast", 8, 40.0)], [row("broadcast", 8, 5.0)]],
+                                 ["distcomm/gloo", "torch/gloo", "mpi/mpich"])
+    (fields,) = _rows(text)
+    assert fields[-2:] == ["4.00", "0.50"]
+    assert "# broadcast vs torch/gloo: speedup geometric mean 4.00x" in text
+    assert "# broadcast vs mpi/mpich: speedup geometric mean 0.50x" in text
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -100,6 +100,8 @@ class ProcessGroup:
         self.fast_barrier = self._first_fast_barrier
         if fr.recorder is not None:
             fr.recorder.register_group(name, group_id, self.ranks, global_rank, self._timeout_s)
+        # The rest of it: method name -> that method's latency path (see _fast); None until asked.
+        self._fast_paths: dict | None = None
 
     @property
     def timeout(self) -> timedelta:
@@ -204,6 +206,8 @@ class ProcessGroup:
 
     # -- collectives (torch c10d's names) ---------------------------------------------------------
     def broadcast(self, buf: Buffer, root: int, async_op: bool = False, result: Any = None) -> Work | None:
+        if not async_op and self._fast("broadcast", buf, root):
+            return None
         coll = self.collectives
 
         def body(ch: Channel) -> None:
@@ -296,6 +300,8 @@ class ProcessGroup:
         return self.run("all_gather_coalesced", sig, body, async_op, result)
 
     def reduce(self, buf: Buffer, op, root: int, async_op: bool = False, result: Any = None) -> Work | None:
+        if not async_op and self._fast("reduce", buf, op, root):
+            return None
         coll = self.collectives
 
         def body(ch: Channel) -> None:
@@ -317,6 +323,8 @@ class ProcessGroup:
     def allgather(self, outs: Sequence[Buffer], inp: Buffer, async_op: bool = False,
                   result: Any = None) -> Work | None:
         """``outs``: one buffer per rank, each of ``inp``'s size."""
+        if not async_op and self._fast("allgather", outs, inp):
+            return None
         count = inp.count
 
         def body(ch: Channel) -> None:
@@ -331,6 +339,8 @@ class ProcessGroup:
     def allgather_into_tensor(self, out: Buffer, inp: Buffer, async_op: bool = False,
                               result: Any = None) -> Work | None:
         """``out`` holds size() times ``inp``'s elements (torch's ``_allgather_base``)."""
+        if not async_op and self._fast("allgather_into_tensor", out, inp):
+            return None
 
         def body(ch: Channel) -> None:
             self._gather_into(ch, out.flat, inp.flat)
@@ -342,6 +352,8 @@ class ProcessGroup:
     def gather(self, outs: Sequence[Buffer] | None, inp: Buffer, root: int, async_op: bool = False,
                result: Any = None) -> Work | None:
         """``outs``: one buffer per rank on ``root``, None elsewhere."""
+        if not async_op and self._fast("gather", outs, inp, root):
+            return None
         coll = self.collectives
         count = inp.count
 
@@ -360,6 +372,8 @@ class ProcessGroup:
     def scatter(self, out: Buffer, ins: Sequence[Buffer] | None, root: int, async_op: bool = False,
                 result: Any = None) -> Work | None:
         """``ins``: one buffer per rank on ``root``, None elsewhere."""
+        if not async_op and self._fast("scatter", out, ins, root):
+            return None
         coll = self.collectives
 
         def body(ch: Channel) -> None:
@@ -374,6 +388,8 @@ class ProcessGroup:
     def reduce_scatter(self, out: Buffer, ins: Sequence[Buffer], op, async_op: bool = False,
                        result: Any = None) -> Work | None:
         """``ins``: one buffer per rank; ``ins[rank()]`` has ``out``'s size."""
+        if not async_op and self._fast("reduce_scatter", out, ins, op):
+            return None
         coll = self.collectives
         counts = [b.count for b in ins]
 
@@ -388,6 +404,8 @@ class ProcessGroup:
     def reduce_scatter_tensor(self, out: Buffer, inp: Buffer, op, async_op: bool = False,
                               result: Any = None) -> Work | None:
         """``inp`` holds size() blocks of ``out``'s size (torch's ``_reduce_scatter_base``)."""
+        if not async_op and self._fast("reduce_scatter_tensor", out, inp, op):
+            return None
         coll = self.collectives
         counts = [out.count] * self.size()
 
@@ -401,6 +419,8 @@ class ProcessGroup:
     def alltoall(self, outs: Sequence[Buffer], ins: Sequence[Buffer], async_op: bool = False,
                  result: Any = None) -> Work | None:
         """``ins[q]`` goes to rank q; rank q's lands in ``outs[q]`` (sizes may differ per pair)."""
+        if not async_op and self._fast("alltoall", outs, ins):
+            return None
         coll = self.collectives
         send_counts = [b.count for b in ins]
         recv_counts = [b.count for b in outs]
@@ -421,6 +441,8 @@ class ProcessGroup:
                       async_op: bool = False, result: Any = None) -> Work | None:
         """One buffer each way, split into per-rank blocks of the given element counts (torch's
         ``alltoall_base``, which all_to_all_single calls)."""
+        if not async_op and self._fast("alltoall_base", out, inp, recv_counts, send_counts):
+            return None
         coll = self.collectives
 
         def body(ch: Channel) -> None:
@@ -511,6 +533,18 @@ class ProcessGroup:
     def _first_fast_barrier(self) -> bool:
         return self._install_fast_path() and self.fast_barrier()
 
+    def _fast(self, method: str, *args) -> bool:
+        """Run this synchronous call of ``method`` (a collective method's name, with its arguments)
+        through the engine's fast path for it, if there is one and it takes the call: True when
+        the call is done, False when nothing was done (the general path then runs it)."""
+        paths = self._fast_paths
+        if paths is None:
+            if not self._install_fast_path():
+                return False
+            paths = self._fast_paths
+        path = paths.get(method)
+        return path is not None and path(*args)
+
     def _install_fast_path(self) -> bool:
         """Ask the engine for the group's fast path: none (False: never again), not yet (None: the
         engine sets the group up on its first collective), or one, which from then on takes the
@@ -520,8 +554,12 @@ class ProcessGroup:
             return False
         if paths is False:
             self.fast_all_reduce = self.fast_barrier = _no_fast_path
+            self._fast_paths = {}
             return False
-        self.fast_all_reduce, self.fast_barrier = paths.all_reduce, paths.barrier
+        self.fast_all_reduce = paths.all_reduce or _no_fast_path
+        self.fast_barrier = paths.barrier or _no_fast_path
+        self._fast_paths = {name: fn for name, fn in paths._asdict().items()
+                            if fn is not None and name not in ("all_reduce", "barrier")}
         return True
 
     def close(self) -> None:

@@ -26,7 +26,7 @@ See docs/architecture.md.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -127,16 +127,50 @@ class GroupCollectives(ABC):
 
 
 class FastPath(NamedTuple):
-    """An engine's latency path for one group: each callable does the whole call and returns True,
-    or returns False having done nothing at all (the general path then runs the call).
+    """An engine's latency paths for one group: one optional callable per collective, each doing
+    the whole synchronous call and returning True, or returning False having done nothing at all
+    (the general path then runs the call). None: the engine has no latency path for that op.
+
+    ==========================  ==========================================  ==========================
+    field                       called with                                 by
+    ==========================  ==========================================  ==========================
+    ``all_reduce``              (tensor or ndarray, ReduceOp)               ``_api.all_reduce``, before
+                                                                            any Buffer is made
+    ``barrier``                 ()                                          ``_api.barrier``
+    ``broadcast``               (buf, root)                                 ProcessGroup.broadcast
+    ``reduce``                  (buf, op, root)                             ProcessGroup.reduce
+    ``allgather``               (outs, inp)                                 ProcessGroup.allgather
+    ``allgather_into_tensor``   (out, inp)                                  ... and so on: the
+    ``gather``                  (outs or None, inp, root)                   ProcessGroup method of
+    ``scatter``                 (out, ins or None, root)                    the field's name, with
+    ``reduce_scatter``          (out, ins, op)                              its own arguments
+    ``reduce_scatter_tensor``   (out, inp, op)
+    ``alltoall``                (outs, ins)
+    ``alltoall_base``           (out, inp, recv_counts, send_counts)
+    ==========================  ==========================================  ==========================
+
+    The Buffer-level ones get the method's checked Buffers (``buf``, ``out``, ``inp``; lists
+    ``outs``/``ins``) and write results back (``Buffer.commit``) themselves; ProcessGroup calls
+    them only for ``async_op=False`` (``ProcessGroup._fast``).
 
     A fast path takes its sequence number from ``ProcessGroup.next_seq`` and claims the group
     through ``ProcessGroup.executor.enter_inline`` like any synchronous call, so it interleaves
-    correctly with the general path on the same group.
+    correctly with the general path on the same group, and it must exchange exactly what the
+    general path would (another member may be running the same call through it).
     """
 
-    all_reduce: Callable[[Any, Any], bool]  # (tensor or ndarray, ReduceOp)
-    barrier: Callable[[], bool]
+    all_reduce: Optional[Callable[[Any, Any], bool]] = None
+    barrier: Optional[Callable[[], bool]] = None
+    broadcast: Optional[Callable[..., bool]] = None
+    reduce: Optional[Callable[..., bool]] = None
+    allgather: Optional[Callable[..., bool]] = None
+    allgather_into_tensor: Optional[Callable[..., bool]] = None
+    gather: Optional[Callable[..., bool]] = None
+    scatter: Optional[Callable[..., bool]] = None
+    reduce_scatter: Optional[Callable[..., bool]] = None
+    reduce_scatter_tensor: Optional[Callable[..., bool]] = None
+    alltoall: Optional[Callable[..., bool]] = None
+    alltoall_base: Optional[Callable[..., bool]] = None
 
 
 class Engine(ABC):

@@ -1,15 +1,18 @@
-"""distcomm-bench collectives: an nccl-tests-style benchmark of distcomm's collectives, against torch's gloo.
+"""distcomm-bench collectives: an nccl-tests-style benchmark of distcomm's collectives, against torch's gloo and MPI.
 
 Usage::
 
     distcomm-bench                                   # every op, 8 B .. 64 MiB, world 2, backend gloo
     distcomm-bench --world 4 --compare torch --plot bench.png --json bench.json
+    distcomm-bench --world 2 --compare torch,mpi -e 1M      # also MPICH through mpi4py (the 'mpi' extra)
     distcomm-bench --ops all_reduce -b 1M -e 256M --algo ring --backend tcp
 
 The tool starts its own world: it hosts a TCPStore on a free loopback port and spawns ``--world``
 processes, which rendezvous through it. With ``--compare torch`` it then does the same for
 torch.distributed's gloo backend — separate worlds, one after the other, the same plan — and prints
-the two side by side with the speedup (gloo time / distcomm time) on each row.
+the two side by side with the speedup (gloo time / distcomm time) on each row. ``--compare mpi``
+runs the plan through mpi4py's buffer calls in a world started by ``mpiexec`` (mpi_world.py);
+``--compare torch,mpi`` runs both, with a speedup column against each.
 
 How each row is measured, on every rank, with the same buffers throughout:
 
@@ -44,26 +47,20 @@ import re
 import signal
 import sys
 import threading
-import time
 from datetime import timedelta
 from typing import Callable
 
 import numpy as np
 
 from . import report
+from .measure import (MAX_ITERS, MAX_WARMUP, MIN_ITERS, Tensors, auto_counts, case, rank_stats,  # noqa: F401
+                      sum_of_ramps, timed, warm_up)
 from .worlds import WorldFailed, connect_store, host_store, run_world
 
-OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "barrier")
-CHUNKED = ("all_gather", "reduce_scatter", "all_to_all")  # buffers of world_size equal chunks
+OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "gather", "scatter", "barrier")
+CHUNKED = ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter")  # buffers of world_size equal chunks
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64")
 MAX_BYTES = 256 << 20
-
-# The automatic counts (see the module docstring): timed iterations clamped to [MIN_ITERS, MAX_ITERS],
-# warmups (after the one that measures) at most MAX_WARMUP.
-MIN_ITERS, MAX_ITERS, MAX_WARMUP = 5, 1000, 20
-
-_PERIOD = 5  # the check pattern repeats every _PERIOD elements: small integers, exact in every dtype
-
 
 # --- the plan (parent) ----------------------------------------------------------------------------------
 
@@ -82,13 +79,6 @@ def sizes(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
         out.append(size)
         size *= factor
     return out
-
-
-def auto_counts(seconds_per_op: float, budget: float) -> tuple[int, int]:
-    """(more warmups, timed iterations) for an op that took ``seconds_per_op`` once warm."""
-    per_op = max(seconds_per_op, 1e-7)
-    return (min(MAX_WARMUP, round(0.1 * budget / per_op)),
-            min(MAX_ITERS, max(MIN_ITERS, round(budget / per_op))))
 
 
 def build_plan(ops, byte_sizes, world_size: int, dtype: str, iters: int | None = None,
@@ -115,53 +105,6 @@ def build_plan(ops, byte_sizes, world_size: int, dtype: str, iters: int | None =
 # --- one rank ---------------------------------------------------------------------------------------------
 
 
-class _Tensors:
-    """Allocate, fill and check buffers of one kind: numpy arrays or torch tensors of one dtype.
-
-    Patterns are built in a numpy "host" dtype (the dtype itself; float32 for bfloat16) and are
-    small integers, so every dtype holds them exactly and integer wrap-around is the same on both
-    sides of a comparison.
-    """
-
-    def __init__(self, kind: str, dtype: str):
-        self.torch = None
-        if kind == "torch":
-            import torch
-
-            self.torch = torch
-            self.torch_dtype = getattr(torch, dtype)
-        self.host = np.dtype("float32" if dtype == "bfloat16" else dtype)
-
-    def empty(self, count: int):
-        if self.torch is not None:
-            return self.torch.zeros(count, dtype=self.torch_dtype)
-        return np.zeros(count, dtype=self.host)
-
-    def ramp(self, count: int, add: int = 0, scale: int = 1, offset: int = 0) -> np.ndarray:
-        """``add + scale * ((offset + i) % P)`` for i < count, in the host dtype."""
-        base = add + scale * ((offset + np.arange(_PERIOD, dtype=np.int64)) % _PERIOD)
-        out = np.empty(max(count, _PERIOD), dtype=self.host)
-        out[:_PERIOD] = base  # then double the filled prefix (a multiple of the period) until full:
-        filled = _PERIOD  # log2(count) large copies; np.resize concatenates count/P tiny arrays (seconds)
-        while filled < count:
-            step = min(filled, count - filled)
-            out[filled:filled + step] = out[:step]
-            filled += step
-        return out[:count]
-
-    def fill(self, buf, values: np.ndarray) -> None:
-        if self.torch is not None:
-            buf.copy_(self.torch.from_numpy(values))
-        else:
-            buf[...] = values
-
-    def wrong(self, buf, expected: np.ndarray) -> int:
-        """How many elements of ``buf`` differ from ``expected``."""
-        if self.torch is not None:
-            buf = buf.float().numpy() if buf.dtype == self.torch.bfloat16 else buf.numpy()
-        return int(np.count_nonzero(buf != expected))
-
-
 def _pick(lib, *names):
     """The first of ``names`` the library has (torch 2.13 renamed the tensor forms; older ones lack the new names)."""
     for name in names:
@@ -171,118 +114,74 @@ def _pick(lib, *names):
     raise AttributeError(f"{lib.__name__} has none of {names}")
 
 
-# Each case returns (run, check): ``run()`` does the op once on the row's buffers; ``check()`` fills
-# the inputs with the pattern, runs once, and returns the number of wrong elements on this rank.
-# Buffers start zeroed, so an output the op failed to write is wrong. Rank r's input is
-# ramp(add=r+1), so a SUM over n ranks is ramp(add=n(n+1)/2, scale=n).
-
-
-def _case(t: _Tensors, run: Callable[[], None], fills: list, out=None, expected: Callable | None = None):
-    """(run, check) from the input buffers and their ``values()``, the output buffer and ``expected()``."""
-    def check() -> int:
-        for buf, values in fills:
-            t.fill(buf, values())
-        run()
-        return 0 if out is None else t.wrong(out, expected())
-
-    return run, check
-
-
-def _sum_of_ramps(t: _Tensors, count: int, n: int, offset: int = 0) -> np.ndarray:
-    return t.ramp(count, add=n * (n + 1) // 2, scale=n, offset=offset)
-
-
-def _all_reduce(d, t: _Tensors, count: int, rank: int, n: int):
+def _all_reduce(d, t: Tensors, count: int, rank: int, n: int):
     buf = t.empty(count)
-    return _case(t, lambda: d.all_reduce(buf), [(buf, lambda: t.ramp(count, add=rank + 1))],
-                 buf, lambda: _sum_of_ramps(t, count, n))
+    return case(t, lambda: d.all_reduce(buf), [(buf, lambda: t.ramp(count, add=rank + 1))],
+                 buf, lambda: sum_of_ramps(t, count, n))
 
 
-def _broadcast(d, t: _Tensors, count: int, rank: int, n: int):
+def _broadcast(d, t: Tensors, count: int, rank: int, n: int):
     buf = t.empty(count)
-    return _case(t, lambda: d.broadcast(buf, src=0), [(buf, lambda: t.ramp(count, add=rank + 1))],
+    return case(t, lambda: d.broadcast(buf, src=0), [(buf, lambda: t.ramp(count, add=rank + 1))],
                  buf, lambda: t.ramp(count, add=1))
 
 
-def _reduce(d, t: _Tensors, count: int, rank: int, n: int):
+def _reduce(d, t: Tensors, count: int, rank: int, n: int):
     buf = t.empty(count)
-    return _case(t, lambda: d.reduce(buf, dst=0), [(buf, lambda: t.ramp(count, add=rank + 1))],
-                 buf if rank == 0 else None, lambda: _sum_of_ramps(t, count, n))  # only the root's result is defined
+    return case(t, lambda: d.reduce(buf, dst=0), [(buf, lambda: t.ramp(count, add=rank + 1))],
+                 buf if rank == 0 else None, lambda: sum_of_ramps(t, count, n))  # only the root's result is defined
 
 
-def _all_gather(d, t: _Tensors, count: int, rank: int, n: int):
+def _all_gather(d, t: Tensors, count: int, rank: int, n: int):
     chunk = count // n
     inp, out = t.empty(chunk), t.empty(count)
     gather = _pick(d, "all_gather_single", "all_gather_into_tensor")
-    return _case(t, lambda: gather(out, inp), [(inp, lambda: t.ramp(chunk, add=rank + 1))],
+    return case(t, lambda: gather(out, inp), [(inp, lambda: t.ramp(chunk, add=rank + 1))],
                  out, lambda: np.concatenate([t.ramp(chunk, add=src + 1) for src in range(n)]))
 
 
-def _reduce_scatter(d, t: _Tensors, count: int, rank: int, n: int):
+def _reduce_scatter(d, t: Tensors, count: int, rank: int, n: int):
     chunk = count // n
     inp, out = t.empty(count), t.empty(chunk)
     scatter = _pick(d, "reduce_scatter_single", "reduce_scatter_tensor")
-    return _case(t, lambda: scatter(out, inp), [(inp, lambda: t.ramp(count, add=rank + 1))],
-                 out, lambda: _sum_of_ramps(t, chunk, n, offset=rank * chunk))
+    return case(t, lambda: scatter(out, inp), [(inp, lambda: t.ramp(count, add=rank + 1))],
+                 out, lambda: sum_of_ramps(t, chunk, n, offset=rank * chunk))
 
 
-def _all_to_all(d, t: _Tensors, count: int, rank: int, n: int):
+def _all_to_all(d, t: Tensors, count: int, rank: int, n: int):
     chunk = count // n
     inp, out = t.empty(count), t.empty(count)
     # chunk (from r, to q) holds ramp(add=1 + r*n + q): every (sender, receiver) pair is distinguishable.
-    return _case(t, lambda: d.all_to_all_single(out, inp),
+    return case(t, lambda: d.all_to_all_single(out, inp),
                  [(inp, lambda: np.concatenate([t.ramp(chunk, add=1 + rank * n + dst) for dst in range(n)]))],
                  out, lambda: np.concatenate([t.ramp(chunk, add=1 + src * n + rank) for src in range(n)]))
 
 
-def _barrier(d, t: _Tensors, count: int, rank: int, n: int):
-    return _case(t, d.barrier, [])
+def _gather(d, t: Tensors, count: int, rank: int, n: int):
+    chunk = count // n
+    inp = t.empty(chunk)
+    outs = [t.empty(chunk) for _ in range(n)] if rank == 0 else None
+    return case(t, lambda: d.gather(inp, outs, dst=0), [(inp, lambda: t.ramp(chunk, add=rank + 1))],
+                outs, lambda: np.concatenate([t.ramp(chunk, add=src + 1) for src in range(n)]))
+
+
+def _scatter(d, t: Tensors, count: int, rank: int, n: int):
+    chunk = count // n
+    out = t.empty(chunk)
+    ins = [t.empty(chunk) for _ in range(n)] if rank == 0 else None
+    fills = [(b, lambda q=q: t.ramp(chunk, add=q + 1)) for q, b in enumerate(ins or [])]
+    return case(t, lambda: d.scatter(out, ins, src=0), fills, out, lambda: t.ramp(chunk, add=rank + 1))
+
+
+def _barrier(d, t: Tensors, count: int, rank: int, n: int):
+    return case(t, d.barrier, [])
 
 
 CASES: dict[str, Callable] = {
     "all_reduce": _all_reduce, "broadcast": _broadcast, "reduce": _reduce, "all_gather": _all_gather,
-    "reduce_scatter": _reduce_scatter, "all_to_all": _all_to_all, "barrier": _barrier,
+    "reduce_scatter": _reduce_scatter, "all_to_all": _all_to_all, "gather": _gather, "scatter": _scatter,
+    "barrier": _barrier,
 }
-
-
-def _warm_up(run: Callable[[], None], entry: dict, index: int, rank: int, store, budget: float) -> tuple[int, int]:
-    """Run this row's warmups; return (warmups run, timed iterations to run).
-
-    Counts the user gave are used as given. For the others, every rank runs one warmup, rank 0
-    times it, picks the counts (``auto_counts``) and publishes them through the store (outside the
-    data path being measured), so every rank runs the same number of each.
-    """
-    warmup, iters = entry["warmup"], entry["iters"]
-    done = 0
-    if warmup is None or iters is None:
-        start = time.perf_counter()
-        run()
-        done = 1
-        key = f"distcomm-bench/counts/{index}"
-        if rank == 0:
-            more, auto = auto_counts(time.perf_counter() - start, budget)
-            store.set(key, f"{1 + more if warmup is None else warmup} {auto if iters is None else iters}")
-        warmup, iters = map(int, store.get(key).split())
-    for _ in range(warmup - done):
-        run()
-    return max(warmup, done), iters
-
-
-def _timed(d, run: Callable[[], None], iters: int, sync_each: bool = False) -> np.ndarray:
-    """Seconds per iteration: a barrier so every rank starts together, then each iteration timed alone.
-
-    ``sync_each``: an untimed barrier before every iteration too, so no iteration overlaps the next.
-    """
-    d.barrier()
-    times = np.empty(iters)
-    clock = time.perf_counter
-    for k in range(iters):
-        if sync_each:
-            d.barrier()
-        start = clock()
-        run()
-        times[k] = clock() - start
-    return times
 
 
 def rank_main(rank: int, send: Callable, job: dict) -> None:
@@ -298,17 +197,21 @@ def rank_main(rank: int, send: Callable, job: dict) -> None:
     n = job["world"]
     d.init_process_group(job["backend"], store=connect_store(job["library"], job["port"], timeout), rank=rank,
                          world_size=n, timeout=timedelta(seconds=timeout))
-    store = connect_store(job["library"], job["port"], timeout)  # the tool's own connection, for _warm_up
-    tensors = _Tensors(job["tensor"], job["dtype"])
+    store = connect_store(job["library"], job["port"], timeout)  # the tool's own connection, for warm_up
+    tensors = Tensors(job["tensor"], job["dtype"])
     for index, entry in enumerate(job["plan"]):
         send(("start", index))
         run, check = CASES[entry["op"]](d, tensors, entry["count"], rank, n)
         wrong = check()
-        warmup, iters = _warm_up(run, entry, index, rank, store, job["budget"])
-        times = _timed(d, run, iters, job.get("sync_each", False))
-        send(("row", index, {"mean": float(times.mean()), "median": float(np.median(times)),
-                             "min": float(times.min()), "max": float(times.max()), "wrong": wrong,
-                             "warmup": warmup, "iters": iters}))
+
+        def share(counts: str | None, key=f"distcomm-bench/counts/{index}") -> str:
+            if counts is not None:
+                store.set(key, counts)
+            return store.get(key).decode()
+
+        warmup, iters = warm_up(run, entry, rank, share, job["budget"])
+        times = timed(d.barrier, run, iters, job.get("sync_each", False))
+        send(("row", index, rank_stats(times, wrong, warmup, iters)))
         del run, check
     d.destroy_process_group()
 
@@ -370,6 +273,17 @@ def _op_list(text: str) -> list[str]:
     return [op for op in OPS if op in names]
 
 
+COMPARE = ("torch", "mpi")
+
+
+def _compare_list(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in COMPARE]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown --compare {', '.join(unknown) or text!r}; choose from torch, mpi, torch,mpi")
+    return [name for name in COMPARE if name in names]
+
+
 def _algo_key(op: str) -> str:
     return op.replace("_", "")  # select.py's table key: all_reduce -> allreduce
 
@@ -421,8 +335,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "reach the ranks too and are shown in the header")
     parser.add_argument("--tensor", choices=("numpy", "torch"), default="numpy",
                         help="buffers distcomm ranks use (default numpy; torch ranks always use torch tensors)")
-    parser.add_argument("--compare", choices=("torch",), default=None,
-                        help="also run torch.distributed's gloo backend with the same plan and print both with the speedup")
+    parser.add_argument("--compare", type=_compare_list, default=[],
+                        help="also run the same plan on torch.distributed's gloo backend (torch), on MPI through mpi4py "
+                             "under mpiexec (mpi), or both (torch,mpi), and print them side by side with distcomm's "
+                             "speedup over each")
     parser.add_argument("--sync-each", action="store_true",
                         help="untimed barrier before every timed iteration: one-way ops (broadcast, reduce) then report "
                              "an isolated latency instead of a back-to-back throughput")
@@ -447,12 +363,20 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
         parser.error("--step-factor must be at least 2")
     if (args.iters is not None and args.iters < 1) or (args.warmup is not None and args.warmup < 0):
         parser.error("--iters must be at least 1 and --warmup at least 0")
-    if args.dtype == "bfloat16" and args.tensor == "numpy" and args.compare is None:
+    if args.dtype == "bfloat16" and args.tensor == "numpy" and "torch" not in args.compare:
         parser.error("bfloat16 needs torch tensors: add --tensor torch (numpy has no bfloat16)")
     # find_spec, not import: importing torch here would cost the parent seconds for nothing.
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         parser.error("--plot needs matplotlib: pip install 'distcomm[bench]' (or pip install matplotlib)")
-    if (args.compare or args.tensor == "torch") and importlib.util.find_spec("torch") is None:
+    if "mpi" in args.compare:
+        from .mpi_world import DTYPES as MPI_DTYPES, available
+
+        problem = available()
+        if problem:
+            parser.error(problem)
+        if args.dtype not in MPI_DTYPES:
+            parser.error(f"--compare mpi: MPI has no {args.dtype} type here; use one of {', '.join(MPI_DTYPES)}")
+    if ("torch" in args.compare or args.tensor == "torch") and importlib.util.find_spec("torch") is None:
         parser.error("--compare torch and --tensor torch need torch: pip install 'distcomm[torch]'")
     from .. import Backend
 
@@ -477,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.dtype == "bfloat16" and args.compare:
+    if args.dtype == "bfloat16" and "torch" in args.compare:
         args.tensor = "torch"
     _validate(parser, args)
     try:
@@ -487,8 +411,10 @@ def main(argv: list[str] | None = None) -> int:
     plan = build_plan(args.ops, sizes(args.min_bytes, args.max_bytes, args.step_factor), args.world,
                       args.dtype, args.iters, args.warmup)
     engines = [("distcomm", f"distcomm/{args.backend}", args.backend, args.tensor, env)]
-    if args.compare == "torch":
+    if "torch" in args.compare:
         engines.append(("torch", "torch/gloo", "gloo", "torch", {}))
+    if "mpi" in args.compare:
+        engines.append(("mpi", "mpi/mpich", "mpi", "numpy", {}))
 
     info = report.machine()
     print(f"# distcomm-bench: world {args.world}, {args.dtype}, ops {','.join(args.ops)}, "
@@ -499,8 +425,13 @@ def main(argv: list[str] | None = None) -> int:
           f"{barrier}, same buffers); busbw: nccl-tests factors; #wrong: checked every row")
     inherited = {k: v for k, v in os.environ.items() if k.startswith("DISTCOMM_")}  # tuning knobs the ranks inherit
     for library, label, backend, kind, extra in engines:
-        version = info.get("torch") if library == "torch" else _distcomm_version()
-        knobs = {} if library == "torch" else {**inherited, **extra}
+        if library == "mpi":
+            from .mpi_world import version as mpi_version
+
+            version = mpi_version()
+        else:
+            version = info.get("torch") if library == "torch" else _distcomm_version()
+        knobs = {**inherited, **extra} if library == "distcomm" else {}
         note = f", {' '.join(f'{k}={v}' for k, v in sorted(knobs.items()))}" if knobs else ""
         print(f"# {label}: {library} {version}, {kind} buffers{note}")
     if env and args.backend != "tcp":
@@ -525,7 +456,12 @@ def main(argv: list[str] | None = None) -> int:
                "tensor": kind, "plan": plan, "timeout": args.timeout, "budget": args.budget, "env": extra,
                "sync_each": args.sync_each}
         try:
-            runs[label] = run_engine(job, args.stat, on_row)
+            if library == "mpi":
+                from .mpi_world import run_mpi
+
+                runs[label] = run_mpi(job, args.stat, on_row)
+            else:
+                runs[label] = run_engine(job, args.stat, on_row)
         except WorldFailed as exc:
             runs[label] = exc.rows
             failures.append(f"{label}: {exc}")
@@ -533,8 +469,12 @@ def main(argv: list[str] | None = None) -> int:
 
     labels = [label for _, label, *_ in engines]
     if len(engines) > 1:
-        print(f"\n# speedup = {labels[1]} time / {labels[0]} time (above 1: {labels[0]} is faster)")
-        print(report.compare_tables(args.ops, runs[labels[0]], runs[labels[1]], labels))
+        print()
+        for other in labels[1:]:
+            print(f"# speedup{'' if len(labels) == 2 else ' vs ' + other.split('/')[0]} = {other} time / "
+                  f"{labels[0]} time (above 1: {labels[0]} is faster)")
+        theirs = runs[labels[1]] if len(labels) == 2 else [runs[label] for label in labels[1:]]
+        print(report.compare_tables(args.ops, runs[labels[0]], theirs, labels))
     print()
     wrong = 0
     for label in labels:

@@ -30,6 +30,8 @@ BUS_FACTOR = {
     "all_gather": lambda n: (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
     "all_to_all": lambda n: (n - 1) / n,
+    "gather": lambda n: (n - 1) / n,  # nccl-tests' gather/scatter: the root's link carries (n-1)/n
+    "scatter": lambda n: (n - 1) / n,
 }
 
 
@@ -101,14 +103,18 @@ def table_row(row: dict) -> str:
 
 
 def compare_header(op: str, labels: Sequence[str]) -> str:
-    """Header of the side-by-side table: the key, then one block per engine, then the speedup."""
+    """Header of the side-by-side table: the key, one block per engine, then the speedup of the
+    first engine over each of the others ("speedup" with two engines, "vs <library>" with more)."""
     width = len(_ONE)
     names = " ".join(f"{label[:width]:^{width}}" for label in labels)
+    others = labels[1:]
+    titles = ["speedup"] if len(others) == 1 else [("vs " + label.split("/")[0])[:8] for label in others]
+    blank, units = " ".join(f"{'':>8}" for _ in others), " ".join(f"{'(x)':>8}" for _ in others)
     return "\n".join((
         op_title(op),
-        f"#{' ' * (len(_KEY) - 1)} {names} {'speedup':>8}",
-        f"#{_KEY[1:]} {' '.join(_ONE for _ in labels)} {'':>8}",
-        f"#{_KEY_UNITS[1:]} {' '.join(_ONE_UNITS for _ in labels)} {'(x)':>8}",
+        f"#{' ' * (len(_KEY) - 1)} {names} {' '.join(f'{t:>8}' for t in titles)}",
+        f"#{_KEY[1:]} {' '.join(_ONE for _ in labels)} {blank}",
+        f"#{_KEY_UNITS[1:]} {' '.join(_ONE_UNITS for _ in labels)} {units}",
     ))
 
 
@@ -119,26 +125,36 @@ def speedup(ours: dict | None, theirs: dict | None) -> float:
     return theirs["time_us"] / ours["time_us"]
 
 
-def compare_row(ours: dict | None, theirs: dict | None) -> str:
-    key = _key(ours if ours is not None else theirs)
-    return f"{key} {_measure(ours)} {_measure(theirs)} {_num(speedup(ours, theirs), 8)}"
+def compare_row(ours: dict | None, *theirs: dict | None) -> str:
+    """One size: the first engine's measures, each other engine's, then ours' speedup over each."""
+    key = _key(next(r for r in (ours, *theirs) if r is not None))
+    measures = " ".join(_measure(r) for r in (ours, *theirs))
+    return f"{key} {measures} {' '.join(_num(speedup(ours, t), 8) for t in theirs)}"
 
 
 def _by_key(rows: Iterable[dict]) -> dict[tuple, dict]:
     return {(r["op"], r["size"]): r for r in rows}
 
 
-def compare_tables(ops: Sequence[str], ours: Sequence[dict], theirs: Sequence[dict], labels: Sequence[str]) -> str:
-    """The side-by-side table of every op, rows matched by (op, size), and a summary per op."""
-    mine, other = _by_key(ours), _by_key(theirs)
+def compare_tables(ops: Sequence[str], ours: Sequence[dict], theirs: Sequence[dict] | Sequence[Sequence[dict]],
+                   labels: Sequence[str]) -> str:
+    """The side-by-side table of every op, rows matched by (op, size), and a summary per op.
+
+    ``theirs``: one other engine's rows, or (with more than two ``labels``) a list of them, one per
+    label after the first; each gets its own speedup column and summary line.
+    """
+    others = [theirs] if len(labels) == 2 else list(theirs)
+    mine, other = _by_key(ours), [_by_key(rows) for rows in others]
     out = []
     for op in ops:
-        keys = sorted({k for k in (*mine, *other) if k[0] == op}, key=lambda k: k[1])
+        keys = sorted({k for k in (*mine, *(k for o in other for k in o)) if k[0] == op}, key=lambda k: k[1])
         if not keys:
             continue
         out.append(compare_header(op, labels))
-        out.extend(compare_row(mine.get(k), other.get(k)) for k in keys)
-        out.append(speedup_summary(op, [speedup(mine.get(k), other.get(k)) for k in keys]))
+        out.extend(compare_row(mine.get(k), *(o.get(k) for o in other)) for k in keys)
+        for label, o in zip(labels[1:], other):
+            what = op if len(other) == 1 else f"{op} vs {label}"
+            out.append(speedup_summary(what, [speedup(mine.get(k), o.get(k)) for k in keys]))
         out.append("")
     return "\n".join(out)
 
@@ -161,7 +177,7 @@ def _md_bw(row: dict | None) -> str:
 
 def markdown_tables(ops: Sequence[str], runs: dict[str, list[dict]], meta: dict) -> str:
     """The results as Markdown (for a README): one table per op, a column pair per engine, the
-    speedup of the first engine over the second when there are two; the machine and settings first."""
+    speedup of the first engine over each other one; the machine and settings first."""
     labels = list(runs)
     info = meta.get("machine", {})
     lines = [
@@ -180,14 +196,16 @@ def markdown_tables(ops: Sequence[str], runs: dict[str, list[dict]], meta: dict)
             head += [f"{label} busbw (GB/s)" for label in labels]
         if len(labels) == 2:
             head.append("speedup")
+        elif len(labels) > 2:
+            head += [f"speedup vs {label}" for label in labels[1:]]
         lines += [f"**{op_title(op)[2:]}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for key in keys:
             rows = [by_label[label].get(key) for label in labels]
             cells = [format_bytes(key[1]) if op != "barrier" else "-"] + [_md_time(r) for r in rows]
             if op != "barrier":
                 cells += [_md_bw(r) for r in rows]
-            if len(labels) == 2:
-                ratio = speedup(rows[0], rows[1])
+            for theirs in rows[1:]:
+                ratio = speedup(rows[0], theirs)
                 cells.append("" if math.isnan(ratio) else f"{ratio:.2f}x")
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")

@@ -82,7 +82,7 @@ def init_segment(buf: np.ndarray, gid: int, size: int, slot_bytes: int, nslots: 
     words[_H_MAGIC] = MAGIC
 
 
-ROUND_STEPS = ("open_round", "publish", "check_posts", "exchange", "consume")  # see _build_round_steps
+ROUND_STEPS = ("open_round", "publish", "check_posts", "exchange", "collect", "consume")  # see _build_round_steps
 
 
 class GroupShm:
@@ -102,7 +102,9 @@ class GroupShm:
     4. **wait** for the peers' posts of round k and check their headers: ``wait_posted(k, ch,
        nbytes, peers)``. ``exchange(k, seq, sig, nbytes, channel)`` is steps 3 and 4 for the
        common case (post, then wait for every peer), spinning or yielding first without
-       publishing anything, so the peers' posts need not look for us;
+       publishing anything, so the peers' posts need not look for us; ``collect(k, seq, sig,
+       nbytes, channel, among)`` is step 4 alone for some members (a root waiting for the others,
+       or the others for the root), waiting the same way;
     5. **read** the peers' slots of round k (``data``, ``raw``, ``words``, ``views``, ``extra``);
     6. **consume**: ``consume(k)`` says we are done reading round k (and so every round before
        it), letting peers reuse their slots of round k; ``wait_consumed(k, ch)`` waits until
@@ -160,12 +162,12 @@ class GroupShm:
 
     def _build_round_steps(self) -> None:
         """The steps every round takes, as closures over this group's memory, set as instance
-        attributes: ``open_round``, ``publish``, ``check_posts``, ``exchange``, ``consume``. Every
+        attributes: ``open_round``, ``publish``, ``check_posts``, ``exchange``, ``collect``, ``consume``. Every
         algorithm and the latency path call these same functions; closures because the latency
         path takes three of them per call, and a bound method's lookups of ``self`` attributes cost
         it a measurable part of a small barrier (docs/performance-notes.md)."""
         nslots = self.nslots
-        mine, my_headers, headers = self._mine, self._my_headers, self.headers
+        mine, my_headers, headers, ctl = self._mine, self._my_headers, self.headers, self.ctl
         peers, peer_ctl = self._peers, self._peer_ctl
         poll_posted, wait_posts, mismatch = self._poll_posted, self._wait_posts, self._mismatch
         ring_posted, ring_consumed, reserve = self._ring_posted, self._ring_consumed, self._reserve
@@ -225,6 +227,20 @@ class GroupShm:
                 if h[S_ROUND] != k or h[S_SEQ] != seq or h[S_SIG] != sig or h[S_NBYTES] != nbytes:
                     raise mismatch(q, k, h, seq, sig, nbytes)
 
+        size = self.size
+
+        def collect(k: int, seq: int, sig: int, nbytes: int | None, channel, among) -> None:
+            """Step 4 without posting: wait until every member of ``among`` (a sequence of group
+            ranks, not this one) has posted round k, polling first as ``exchange`` does, and check
+            their headers (``nbytes`` None: any size)."""
+            for q in among:
+                if ctl[q][POSTED] < k:
+                    if not poll_posted(k, among):
+                        src = among[0] + 1 if len(among) == 1 else 0 if len(among) == size - 1 else AWAIT_ANY
+                        wait_posts(k, channel(seq, sig), among, src)
+                    break
+            check_posts(k, seq, sig, nbytes, among)
+
         def consume(k: int) -> None:
             """Done reading round k (step 6): peers may reuse their slots of round k."""
             mine[CONSUMED] = k
@@ -235,7 +251,7 @@ class GroupShm:
                     break
 
         self.open_round, self.publish, self.check_posts = open_round, publish, check_posts
-        self.exchange, self.consume = exchange, consume
+        self.exchange, self.collect, self.consume = exchange, collect, consume
         assert tuple(name for name in ROUND_STEPS if name in self.__dict__) == ROUND_STEPS
 
     # -- rounds -------------------------------------------------------------------------------
@@ -287,12 +303,13 @@ class GroupShm:
         whose wait this completes (see _wake_posters)."""
         self.publish(k, ch.key.seq, ch.signature, nbytes, extra)
 
-    def _poll_posted(self, k: int) -> bool:
-        """Spin or yield until every peer has posted round k (True), at most the policy's budget."""
+    def _poll_posted(self, k: int, among=None) -> bool:
+        """Spin or yield until every peer (or every member of ``among``) has posted round k
+        (True), at most the policy's budget."""
         policy = self.transport.policy
         yields = policy.spin_s == 0  # more ranks than cores: give the CPU away while waiting
         end = _clock() + (policy.yield_s if yields else policy.spin_s)
-        peer_ctl = self._peer_ctl
+        peer_ctl = self._peer_ctl if among is None else [self.ctl[q] for q in among]
         while True:
             if yields:
                 _sched_yield()

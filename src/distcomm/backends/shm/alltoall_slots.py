@@ -14,7 +14,7 @@ import numpy as np
 
 from ...transport import shm_direct
 from ...transport.base import Channel
-from .common import offsets, split_mismatch
+from .common import offsets, same_channel, split_mismatch
 
 
 def slot_head(p: int) -> int:
@@ -30,9 +30,27 @@ def fits(slot_bytes: int, p: int, item: int) -> bool:
 
 def alltoall_slots(ctx, ch: Channel, send: np.ndarray, send_counts, recv: np.ndarray, recv_counts,
                    single_copy: bool = False) -> str:
+    """all_to_all of one send and one receive buffer, split by counts (see ``alltoall_rounds``)."""
+    so, ro = offsets(send_counts), offsets(recv_counts)
+    p = ctx.size
+    sends = [send[so[q] : so[q + 1]] for q in range(p)]
+    recvs = [recv[ro[q] : ro[q + 1]] for q in range(p)]
+    base = send.ctypes.data if ctx.transport.direct_reads_ok(ch.ranks) else 0
+    return alltoall_rounds(ctx, ch.key.seq, ch.signature, same_channel(ch), sends, recvs, base, so, single_copy)
+
+
+def alltoall_rounds(ctx, seq: int, sig: int, channel, sends, recvs, base: int, send_offsets,
+                    single_copy: bool = False) -> str:
     """Each round, one piece per destination (its length first, checked by the reader); or, when
     any rank asks for it (``single_copy``), every rank copies what each peer sends it straight from
     the peer's send buffer. Returns which of the two ran: "alltoall_slots" or "alltoall_readv".
+
+    ``sends[q]`` holds what this rank sends rank q and ``recvs[q]`` receives what rank q sends
+    (1-D arrays of one dtype: slices of one buffer, or separate tensors, written in place);
+    ``send_offsets[q]`` is where ``sends[q]`` starts, in elements from address ``base`` (what a
+    single-copy reader reads; ``base`` 0 when direct reads are not allowed, so nobody reads it).
+    ``channel(seq, sig)`` makes the call's Channel if a wait must sleep, or for an error. The
+    caller has checked that this rank sends itself what it expects from itself.
 
     With uneven splits ranks send different amounts, so they can disagree on whether the message is
     large enough for single-copy reads. Round 0 therefore carries every rank's vote along with its
@@ -42,73 +60,69 @@ def alltoall_slots(ctx, ch: Channel, send: np.ndarray, send_counts, recv: np.nda
     all_to_all is p tiny copies each way, where numpy's per-call overhead would dominate.
     """
     p, r = ctx.size, ctx.rank
-    item = send.itemsize
+    item = recvs[r].itemsize
     head = slot_head(p)
     per = max(1, (ctx.slot_bytes - head) // p // item)
-    so, ro = offsets(send_counts), offsets(recv_counts)
-    need = max(1, -(-max(list(send_counts) + list(recv_counts) + [0]) // per))
-    sb = memoryview(send.view(np.uint8))
-    rb = memoryview(recv.view(np.uint8))
+    send_counts = [s.size for s in sends]
+    recv_counts = [x.size for x in recvs]
+    need = max(1, -(-max(send_counts + recv_counts + [0]) // per))
+    sb = [memoryview(s.view(np.uint8)) for s in sends]
+    rb = [memoryview(x.view(np.uint8)) for x in recvs]
     rounds = None
     j = 0
     while True:
         lo = j * per
-        k = ctx.next_round()
-        ctx.acquire(k, ch)
+        k = ctx.open_round(seq, sig, channel)
         words, out = ctx.words(r, k), ctx.raw(r, k)
         for q in range(p):
             n = min(per, max(0, send_counts[q] - lo))
             words[q] = n
             if q != r and n and not single_copy:  # a single-copy voter knows the pieces go unread
                 at = head + q * per * item
-                src = (so[q] + lo) * item
-                out[at : at + n * item] = sb[src : src + n * item]
+                out[at : at + n * item] = sb[q][lo * item : (lo + n) * item]
         if j == 0:
             for q in range(p):
-                words[p + q] = so[q]
+                words[p + q] = send_offsets[q]
                 words[2 * p + q] = send_counts[q]
             words[3 * p] = need
             words[3 * p + 1] = int(single_copy)
-            # The address is only read by single-copy readers, which need direct reads allowed
-            # (the same answer on every rank): skip computing it otherwise.
-            words[3 * p + 2] = send.ctypes.data if ctx.transport.direct_reads_ok(ch.ranks) else 0
-        ctx.post(k, ch, 0)
-        ctx.wait_posted(k, ch, None)
+            words[3 * p + 2] = base
+        ctx.publish(k, seq, sig, 0)
+        ctx.collect(k, seq, sig, None, channel, [q for q in range(p) if q != r])
         if rounds is None:
             tables = [ctx.words(q, k) for q in range(p)]
             if any(t[3 * p + 1] for t in tables):
-                _read_from_senders(ctx, ch, tables, send, so[r], recv, ro, recv_counts)
+                _read_from_senders(ctx, channel(seq, sig), tables, sends[r], recvs)
                 ctx.consume(k)
-                ctx.wait_consumed(k, ch)  # no send buffer may change before every reader is done
+                ctx.wait_consumed(k, channel(seq, sig))  # no send buffer may change before every reader is done
                 return "alltoall_readv"
             rounds = max(t[3 * p] for t in tables)
         for q in range(p):
             n = min(per, max(0, recv_counts[q] - lo))
             if q == r:
                 if n:
-                    dst, src = (ro[r] + lo) * item, (so[r] + lo) * item
-                    rb[dst : dst + n * item] = sb[src : src + n * item]
+                    rb[r][lo * item : (lo + n) * item] = sb[r][lo * item : (lo + n) * item]
                 continue
             sent = ctx.words(q, k)[r]
             if sent != n:
-                raise split_mismatch(ch, q, j * per + sent, j * per + n)
+                raise split_mismatch(channel(seq, sig), q, j * per + sent, j * per + n)
             if n:
-                dst, at = (ro[q] + lo) * item, head + r * per * item
-                rb[dst : dst + n * item] = ctx.raw(q, k)[at : at + n * item]
+                at = head + r * per * item
+                rb[q][lo * item : (lo + n) * item] = ctx.raw(q, k)[at : at + n * item]
         ctx.consume(k)
         j += 1
         if j >= rounds:
             return "alltoall_slots"
 
 
-def _read_from_senders(ctx, ch: Channel, tables, send, my_offset: int, recv, ro, recv_counts) -> None:
+def _read_from_senders(ctx, ch: Channel, tables, mine: np.ndarray, recvs) -> None:
     """all_to_all's single-copy path: rank q's piece for this rank, from q's send buffer."""
     p, r = ctx.size, ctx.rank
-    item = send.itemsize
+    item = mine.itemsize
     for q in range(p):
-        n = recv_counts[q]
+        n = recvs[q].size
         if q == r:
-            recv[ro[r] : ro[r] + n] = send[my_offset : my_offset + n]
+            recvs[r][...] = mine
             continue
         t = tables[q]
         sent = int(t[2 * p + r])
@@ -116,4 +130,4 @@ def _read_from_senders(ctx, ch: Channel, tables, send, my_offset: int, recv, ro,
             raise split_mismatch(ch, q, sent, n)
         if n:
             address = int(t[3 * p + 2]) + int(t[p + r]) * item
-            shm_direct.read(ctx.transport.pid_of(ch.ranks[q]), address, recv[ro[q] : ro[q] + n])
+            shm_direct.read(ctx.transport.pid_of(ch.ranks[q]), address, recvs[q])

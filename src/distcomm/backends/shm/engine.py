@@ -42,6 +42,8 @@ class ShmEngine(Engine):
         return self._collectives.latency_paths(pg)
 
     def release_group(self, group_id: int) -> None:
+        if self._collectives is not None:
+            self._collectives.forget_group(group_id)
         self.transport.release_group(group_id)
 
     def __repr__(self) -> str:

@@ -2,18 +2,51 @@
 round; the root (every rank, for all_gather) copies every peer's chunk into place.
 
 Cost per round: one slot written per sender, p - 1 slots read per reader; for all_gather every
-rank reads (p-1)·n/p bytes of slots."""
+rank reads (p-1)·n/p bytes of slots.
+
+A block of at most one slot is one round (``one_round``), which the latency path runs too, with a
+list of output blocks: separate output tensors are written in place, with no staging buffer."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from ...transport.base import Channel
+from .common import same_channel
+
+
+def one_round(ctx, seq: int, sig: int, channel, send: np.ndarray, outs, root: int | None) -> None:
+    """The whole gather (all_gather when ``root`` is None) of ``send`` (at most one slot): rank q's
+    ``send`` lands in ``outs[q]`` on the root (every rank for all_gather; ``outs`` None elsewhere).
+    ``outs[rank]`` may be ``send`` itself or overlap it (all_gather in place): it is then not copied."""
+    r = ctx.rank
+    k = ctx.open_round(seq, sig, channel)
+    views = ctx.views(k, send.dtype, send.size)
+    nbytes = send.nbytes
+    if root is None:
+        views[r][...] = send
+        ctx.exchange(k, seq, sig, nbytes, channel)
+    elif r != root:
+        views[r][...] = send
+        ctx.publish(k, seq, sig, nbytes)
+    else:
+        ctx.collect(k, seq, sig, nbytes, channel, [q for q in range(ctx.size) if q != r])
+    if outs is not None:
+        for q in range(ctx.size):
+            if q != r:
+                outs[q][...] = views[q]
+            elif not np.may_share_memory(outs[r], send):
+                outs[r][...] = send
+    ctx.consume(k)
 
 
 def gather_slots(ctx, ch: Channel, send: np.ndarray, out: np.ndarray | None, root: int | None) -> None:
     """Rank q's ``send`` into block q of ``out`` on the root (every rank if None: all_gather, where
     ``send`` is this rank's block of ``out`` itself)."""
+    if send.nbytes <= ctx.slot_bytes:
+        count = send.size
+        outs = None if out is None else [out[q * count : (q + 1) * count] for q in range(ctx.size)]
+        return one_round(ctx, ch.key.seq, ch.signature, same_channel(ch), send, outs, root)
     r = ctx.rank
     src = send.view(np.uint8)
     raw = None if out is None else out.view(np.uint8)

@@ -33,7 +33,7 @@ from ...types import RedOpType
 from ...signatures import without_root
 from ..engine import GroupCollectives, root_mismatch
 from ..generic import GenericCollectives
-from . import alltoall_slots as alltoall, latency, observe
+from . import alltoall_slots as alltoall, latency, observe, root_check
 from .allgather_readv import allgather_readv
 from .allreduce_direct import allreduce_direct
 from .allreduce_readv import allreduce_readv
@@ -82,14 +82,8 @@ def _direct_read_failure(ctx, ch: Channel, exc: "shm_direct.DirectReadError") ->
 
 
 def _roots_of_peers(ctx, ch: Channel, root: int) -> list[tuple[int, int]]:
-    """One round in which every rank posts ``root``; [(peer, its root)]."""
-    seq, sig = ch.key.seq, without_root(ch.signature)  # a different root is compared by the caller, in words
-    channel = same_channel(ch)
-    k = ctx.open_round(seq, sig, channel)
-    ctx.exchange(k, seq, sig, 0, channel, extra=root)
-    theirs = [(q, ctx.extra(q, k)) for q in range(ctx.size) if q != ctx.rank]
-    ctx.consume(k)
-    return theirs
+    """The root check's round on this call's Channel; [(peer, its root)]."""
+    return root_check.one_round(ctx, ch.key.seq, without_root(ch.signature), same_channel(ch), root)
 
 
 #: every name ``choose`` returns -> the function that runs it, ``(ctx, ch, ...)``
@@ -126,6 +120,7 @@ class ShmCollectives(GroupCollectives):
         self.tuning = tuning
         self.generic = GenericCollectives(tuning)  # groups of one, members on other hosts
         self._reducers: dict = {}
+        self._choices: dict = {}  # (group id, op, bytes) -> algorithm name (see _choose)
 
     def direct_limit(self, size: int) -> int:
         """The largest all_reduce (bytes) the direct algorithm takes by size in a group of ``size``."""
@@ -134,18 +129,32 @@ class ShmCollectives(GroupCollectives):
     def latency_paths(self, pg):
         """The latency paths of process group ``pg`` (latency.py; see ProcessGroup's fast path):
         None until the group's shared memory exists, False if they will never be used (a group of
-        one, a member on another host, an all_reduce algorithm forced)."""
+        one, a member on another host). Each path takes only the calls whose algorithm ``choose``
+        would pick for it (an all_reduce algorithm forced: no all_reduce there)."""
         group = pg.spec
         ranks = group.ranks
-        if len(ranks) == 1 or self.tuning.shm_algorithm("allreduce") is not None or not self.transport.all_local(ranks):
+        if len(ranks) == 1 or not self.transport.all_local(ranks):
             return False
         ctx = self.transport.group_shm(group.group_id)
-        return None if ctx is None else latency.build(pg, ctx, latency_limit(len(ranks), ctx.slot_bytes, self.tuning))
+        return None if ctx is None else latency.build(pg, ctx, latency_limit(len(ranks), ctx.slot_bytes, self.tuning),
+                                                      self.tuning)
+
+    def forget_group(self, group_id: int) -> None:
+        """Group ``group_id`` was destroyed (its id may be used again for other members)."""
+        self._choices.clear()
 
     # -- helpers ---------------------------------------------------------------------------------
     def _choose(self, op: str, nbytes: int, ctx, ch: Channel) -> str:
-        caps = Capabilities(self.transport.direct_reads_ok(ch.ranks), ctx.slot_bytes)
-        return choose(op, nbytes, ch.size, caps, self.tuning)
+        """``choose``'s answer for this group, remembered per (group, op, size): it depends on
+        nothing else, and asking costs a Capabilities and a look-up of the group's direct reads."""
+        key = (ch.key.group, op, nbytes)
+        name = self._choices.get(key)
+        if name is None:
+            if len(self._choices) >= 4096:
+                self._choices.clear()
+            caps = Capabilities(self.transport.direct_reads_ok(ch.ranks), ctx.slot_bytes)
+            name = self._choices[key] = choose(op, nbytes, ch.size, caps, self.tuning)
+        return name
 
     def _reducer(self, op, dtype, sequence: bool = False):
         """reduction.reducer (or sequence_reducer) for (op, dtype), cached for the plain ops

@@ -1,33 +1,46 @@
-"""The latency paths: a small synchronous all_reduce (or a barrier), from the call to its result in
-one function.
+"""The latency paths: a small synchronous collective, from the call to its result in one function.
 
-An 8-byte all_reduce moves nothing worth measuring; its cost is Python. The general path
-(``_api/collectives.all_reduce`` → ``ProcessGroup.collective`` → ``OrderedExecutor.run`` → a
-``Channel`` → ``ShmCollectives.all_reduce`` → ``allreduce_direct`` → ``GroupShm``) makes about 90
-Python calls, and with 4 ranks on 2 CPUs every microsecond of a rank's CPU is paid twice in wall
-time (docs/performance-notes.md). This path skips everything but the round.
+An 8-byte collective moves nothing worth measuring; its cost is Python. The general path
+(``ProcessGroup.<method>`` → ``OrderedExecutor.run`` → a ``Channel`` → ``ShmCollectives``, which
+finds the group's memory, builds Capabilities and asks ``choose`` → the algorithm → ``GroupShm``)
+makes about 90 Python calls for an all_reduce, and with 4 ranks on 2 CPUs every microsecond of a
+rank's CPU is paid twice in wall time (docs/performance-notes.md). These paths skip everything but
+the round.
 
-It runs the very round of the general path: ``allreduce_direct.one_round`` (every rank copies its
-data into its slot, posts, waits for every post, reduces all p copies in rank order into its
-buffer and consumes the round) and the three steps of ``barrier_slots.one_round`` (the same without data), over
-GroupShm's round API; the Channel they would need to sleep is made only then
+Each runs the very round(s) of the algorithm the general path would choose for the call, so a
+member running the same call through the general path (async, or declined here) meets it in the
+same rounds: ``ROUNDS`` maps each path's observer name to that algorithm. They are:
+
+* all_reduce (on the tensor, before any Buffer is made): ``allreduce_direct.one_round``;
+* barrier: the three steps of ``barrier_slots.one_round``, without its frame;
+* on the ProcessGroup method's Buffers: broadcast (``broadcast_slots.one_round``), reduce
+  (``reduce_direct.one_round``), all_gather into a list or a tensor and gather
+  (``gather_slots.one_round``, writing each output in place), scatter (``scatter_slots.one_round``),
+  reduce_scatter of a list or a tensor (``reduce_scatter_slots.one_round``, reading the blocks in
+  place), all_to_all of lists or one tensor (``alltoall_slots.alltoall_rounds``, pieces in place).
+
+Each over GroupShm's round API; the Channel they would need to sleep is made only then
 (``ProcessGroup.channel``). What does not change from call to call is looked up once, when the
-group's shared memory exists: the executor, the reducer and message signature of each (op, dtype).
+group's shared memory exists: the executor, the reducers, the signatures, and ``Limits``: the
+sizes for which ``choose`` picks the algorithm above and it takes one round (all_to_all: any
+number of rounds, as long as this rank votes against single copies).
 
 Each takes only an ordinary call, and leaves anything else to the general path (returning False
-without having done anything), which then runs it or raises its error (for a barrier, only the
-first of these applies):
+without having done anything), which then runs it or raises its error:
 
 * a busy group (async work queued or running), a destroyed one, broken shared memory;
-* anything but a C-contiguous writeable numpy array or a contiguous CPU torch tensor (not bfloat16);
-* an op other than a plain ReduceOp the dtype supports;
-* an empty message, or one over ``choose.latency_limit`` (the direct algorithm's limit, or a slot);
-* torch's profiler recording (the general path records the call).
+* torch's profiler recording (the general path records the call);
+* a message past its limit; for reductions, an op other than a plain ReduceOp the dtype supports;
+* all_reduce only: anything but a C-contiguous writeable numpy array or a contiguous CPU torch
+  tensor (not bfloat16), an empty message;
+* all_to_all only: a split this rank does not agree with itself on, an element too large for a
+  slot's piece, pieces whose addresses no single base can describe (separate tensors).
 
 Once it has taken a sequence number it completes the call or raises, as the general path does:
 a mismatch, a timeout or a lost peer names the operation, sequence number, rank and peer, and
 marks the group's shared memory broken. Each call it takes is reported to the observer
-(observe.py) as "latency_all_reduce" or "latency_barrier".
+(observe.py) as "latency_<op>", with the general path's op names ("latency_all_reduce",
+"latency_barrier", "latency_broadcast", ..., "latency_all_to_all_single").
 """
 
 from __future__ import annotations
@@ -35,7 +48,7 @@ from __future__ import annotations
 import sys
 import time
 from functools import partial
-from typing import NoReturn
+from typing import NamedTuple, NoReturn
 
 import numpy as np
 
@@ -45,14 +58,32 @@ from ...buffers import tensor_memory
 from ...dtypes import from_numpy
 from ...errors import DistBackendError, DistError
 from ...profiling import profiling
-from ...reduction import check_supported, finish, sequence_reducer
-from ...signatures import signature
+from ...reduction import check_supported, finish, reducer, sequence_reducer
+from ...signatures import signature, without_root
 from ...transport.base import TransportError
 from ...types import RedOpType
-from ..engine import FastPath
-from . import allreduce_direct, observe
+from ..engine import FastPath, root_mismatch
+from . import (allreduce_direct, alltoall_slots, broadcast_slots, gather_slots, observe, reduce_direct,
+               reduce_scatter_slots, root_check, scatter_slots)
+from .choose import Capabilities, choose
 
 _ndarray = np.ndarray
+
+#: each latency path's observer name -> the algorithm (choose's name) whose rounds it runs
+ROUNDS = {
+    "latency_all_reduce": "allreduce_direct",
+    "latency_barrier": "barrier_slots",
+    "latency_broadcast": "broadcast_slots",
+    "latency_reduce": "reduce_direct",
+    "latency_all_gather": "allgather_slots",
+    "latency_all_gather_into_tensor": "allgather_slots",
+    "latency_gather": "gather_slots",
+    "latency_scatter": "scatter_slots",
+    "latency_reduce_scatter": "reduce_scatter_slots",
+    "latency_reduce_scatter_tensor": "reduce_scatter_slots",
+    "latency_all_to_all": "alltoall_slots",
+    "latency_all_to_all_single": "alltoall_slots",
+}
 
 
 def _torch_flat(t) -> np.ndarray | None:
@@ -80,9 +111,58 @@ def _storage_of(dtype) -> np.dtype:
     return storage
 
 
-def build(pg, ctx, limit: int) -> FastPath:
+def _largest(fits, cap: int) -> int:
+    """The largest n in [0, cap] with ``fits(n)``, -1 if none; ``fits`` holds up to some size and
+    not past it (``choose`` leaves its slots algorithms once, as messages grow)."""
+    if not fits(0):
+        return -1
+    if fits(cap):
+        return cap
+    lo, hi = 0, cap
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+class Limits(NamedTuple):
+    """The largest messages (bytes) each latency path takes: those for which ``choose`` picks the
+    slots algorithm whose round the path runs (so a member running the same call through the
+    general path exchanges exactly the same rounds), within one round; -1 for none."""
+
+    broadcast: int  # the buffer's bytes
+    reduce: int  # the buffer's bytes
+    all_gather: int  # one rank's block
+    gather: int  # one rank's block
+    scatter: int  # one rank's block
+    reduce_scatter: int  # every block's bytes together (each must also fit one piece)
+    reduce_scatter_piece: int  # one block's bytes
+    all_to_all: int  # what one rank sends, in all
+
+    @classmethod
+    def of(cls, size: int, slot_bytes: int, direct_reads: bool, tuning) -> "Limits":
+        caps = Capabilities(direct_reads, slot_bytes)
+
+        def picks(op: str, name: str, scale: int = 1):
+            return lambda n: choose(op, n * scale, size, caps, tuning) == name
+
+        piece = reduce_scatter_slots.piece_count(slot_bytes, size, 1)  # bytes: a multiple of any itemsize
+        piece -= piece % 16
+        return cls(
+            broadcast=_largest(picks("broadcast", "broadcast_slots"), slot_bytes),
+            reduce=_largest(picks("reduce", "reduce_direct"), slot_bytes),
+            all_gather=_largest(picks("allgather", "allgather_slots", size), slot_bytes),
+            gather=slot_bytes,
+            scatter=scatter_slots.piece_bytes(slot_bytes, size),
+            reduce_scatter=_largest(picks("reducescatter", "reduce_scatter_slots"), size * piece),
+            reduce_scatter_piece=piece,
+            all_to_all=_largest(picks("alltoall", "alltoall_slots"), 4 * slot_bytes),
+        )
+
+
+def build(pg, ctx, limit: int, tuning) -> FastPath:
     """The latency paths of process group ``pg``, whose shared memory is ``ctx`` (a GroupShm), for
-    all_reduces of at most ``limit`` bytes."""
+    all_reduces of at most ``limit`` bytes, and every other collective within ``Limits``."""
     executor = pg.executor
     enter, leave = executor.enter_inline, executor.leave_inline
     next_seq = pg.next_seq
@@ -196,4 +276,205 @@ def build(pg, ctx, limit: int) -> FastPath:
             record[T_COMPLETED], record[STATE] = now(), COMPLETED
         return True
 
-    return FastPath(small_all_reduce, small_barrier)
+    # -- every other collective, on the ProcessGroup method's Buffers ---------------------------
+    rank = ctx.rank
+    direct_reads = pg.transport.direct_reads_ok(ctx.ranks)
+    limits = Limits.of(size, ctx.slot_bytes, direct_reads, tuning)
+    channels = {op: partial(pg.channel, op) for op in (
+        "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "gather", "scatter", "reduce_scatter",
+        "reduce_scatter_tensor", "all_to_all", "all_to_all_single")}
+    sigs: dict = {}  # (op, dtype code, reduce op code, root) -> signature
+    reducers: dict = {}  # (op, dtype name) -> pairwise reducer, or None where the general path raises
+
+    def sig_of(op: str, code: int, red: int = 0, root: int | None = None) -> int:
+        key = (op, code, red, root)
+        sig = sigs.get(key)
+        if sig is None:
+            sig = sigs[key] = signature(op, code, red, root)
+        return sig
+
+    def reducer_of(op, dtype):
+        """The pairwise reducer of a plain ReduceOp (None for anything else: the general path runs
+        PREMUL_SUM, and raises for an op the dtype lacks)."""
+        if op.__class__ is not RedOpType:
+            return None
+        key = (op, dtype.name)
+        if key not in reducers:
+            try:
+                reducers[key] = reducer(op, dtype)
+            except (TypeError, ValueError, DistBackendError):
+                reducers[key] = None
+        return reducers[key]
+
+    def claim() -> bool:
+        """The group is ours for this call (then run() must follow), or the general path's."""
+        return ctx.broken is None and profiling() is None and enter()
+
+    def run(op: str, sig: int, buf, root: int | None, one_round, *args) -> bool:
+        """One claimed call on ``buf`` (the Buffer the flight recorder describes): its sequence
+        number, for a rooted collective the root check's round (as the general path runs it:
+        ``root_check``), then the algorithm's round(s)."""
+        seq = next_seq()
+        channel = channels[op]
+        # call site depth 3: run's caller and up (the walk skips distcomm's own frames)
+        record = None if fr.recorder is None else fr.recorder.record(group, seq, op, buf.flat.nbytes, buf.dtype.name,
+                                                                     root, STARTED, None, 3)
+        disagreeing = None
+        try:
+            observe.current is None or observe.current("latency_" + op)
+            if root is not None and size > 1:
+                for q, theirs in root_check.one_round(ctx, seq, without_root(sig), channel, root):
+                    if theirs != root:
+                        disagreeing = (q, theirs)
+                        break
+            if disagreeing is None:
+                one_round(ctx, seq, sig, channel, *args)
+        except BaseException as exc:
+            fail(exc, op, seq, sig, record)
+        finally:
+            leave()
+        if disagreeing is not None:
+            # the round itself completed, so the group's memory stays usable (as on the general path)
+            exc = root_mismatch(pg.channel(op, seq, sig), root, disagreeing[0], disagreeing[1],
+                                "src" if op in ("broadcast", "scatter") else "dst")
+            if record is not None:
+                fr.fail(record, exc)
+            diagnostics.on_fault(pg, exc, op, seq)
+            raise exc
+        if record is not None:
+            record[T_COMPLETED], record[STATE] = now(), COMPLETED
+        return True
+
+    def broadcast(buf, root) -> bool:
+        if buf.flat.nbytes > limits.broadcast or not claim():
+            return False
+        run("broadcast", sig_of("broadcast", buf.dtype.code, root=root), buf, root, broadcast_slots.one_round,
+            buf.flat, root)
+        buf.commit()
+        return True
+
+    def reduce(buf, op, root) -> bool:
+        red = reducer_of(op, buf.dtype)
+        if red is None or buf.flat.nbytes > limits.reduce or not claim():
+            return False
+        flat = buf.flat
+        run("reduce", sig_of("reduce", buf.dtype.code, int(op), root), buf, root, reduce_direct.one_round, flat, red,
+            root)
+        if rank == root:
+            finish(op, flat, size, buf.dtype)
+            buf.commit()
+        return True
+
+    def allgather(outs, inp) -> bool:
+        if inp.flat.nbytes > limits.all_gather or not claim():
+            return False
+        run("all_gather", sig_of("all_gather", inp.dtype.code), inp, None, gather_slots.one_round, inp.flat,
+            [b.flat for b in outs], None)
+        for b in outs:
+            b.commit()
+        return True
+
+    def allgather_into_tensor(out, inp) -> bool:
+        if inp.flat.nbytes > limits.all_gather or not claim():
+            return False
+        n, flat = inp.count, out.flat
+        run("all_gather_into_tensor", sig_of("all_gather_into_tensor", inp.dtype.code), inp, None,
+            gather_slots.one_round, inp.flat, [flat[q * n:(q + 1) * n] for q in range(size)], None)
+        out.commit()
+        return True
+
+    def gather(outs, inp, root) -> bool:
+        if inp.flat.nbytes > limits.gather or not claim():
+            return False
+        run("gather", sig_of("gather", inp.dtype.code, root=root), inp, root, gather_slots.one_round, inp.flat,
+            None if outs is None else [b.flat for b in outs], root)
+        for b in outs or ():
+            b.commit()
+        return True
+
+    def scatter(out, ins, root) -> bool:
+        if out.flat.nbytes > limits.scatter or not claim():
+            return False
+        run("scatter", sig_of("scatter", out.dtype.code, root=root), out, root, scatter_slots.one_round,
+            None if ins is None else [b.flat for b in ins], out.flat, root)
+        out.commit()
+        return True
+
+    def reduce_scatter_blocks(op_name: str, out, blocks, op) -> bool:
+        red = reducer_of(op, out.dtype)
+        if red is None:
+            return False
+        total = 0
+        for b in blocks:
+            if b.nbytes > limits.reduce_scatter_piece:
+                return False
+            total += b.nbytes
+        if total > limits.reduce_scatter or not claim():
+            return False
+        run(op_name, sig_of(op_name, out.dtype.code, int(op)), out, None, reduce_scatter_slots.one_round, blocks,
+            out.flat, total, red)
+        finish(op, out.flat, size, out.dtype)
+        out.commit()
+        return True
+
+    def reduce_scatter(out, ins, op) -> bool:
+        return reduce_scatter_blocks("reduce_scatter", out, [b.flat for b in ins], op)
+
+    def reduce_scatter_tensor(out, inp, op) -> bool:
+        n, flat = out.count, inp.flat
+        return reduce_scatter_blocks("reduce_scatter_tensor", out, [flat[q * n:(q + 1) * n] for q in range(size)], op)
+
+    def all_to_all(op_name: str, buf, sends, recvs, base: int, offsets) -> bool:
+        """Claim and run one all_to_all of these pieces (checked by the caller); ``buf``: the
+        output Buffer (or the first), for its dtype."""
+        if not claim():
+            return False
+        run(op_name, sig_of(op_name, buf.dtype.code), buf, None, alltoall_slots.alltoall_rounds, sends, recvs, base,
+            offsets)
+        return True
+
+    def a2a_fits(sends, recvs) -> bool:
+        """The general path's checks, which it would raise or route elsewhere: this rank's piece to
+        itself the size it expects, every piece's element fitting a slot, the slots algorithm chosen."""
+        if sends[rank].size != recvs[rank].size or not alltoall_slots.fits(ctx.slot_bytes, size, recvs[rank].itemsize):
+            return False
+        return sum(s.nbytes for s in sends) <= limits.all_to_all
+
+    def alltoall(outs, ins) -> bool:
+        sends, recvs = [b.flat for b in ins], [b.flat for b in outs]
+        if not a2a_fits(sends, recvs):
+            return False
+        base, offsets = 0, [0] * size
+        if direct_reads:  # a peer voting for single copies reads each piece from its address
+            item = sends[0].itemsize
+            addresses = [s.ctypes.data for s in sends]
+            base = min(addresses)
+            offsets = [(a - base) // item for a in addresses]
+            if any((a - base) % item for a in addresses):
+                return False
+        if not all_to_all("all_to_all", outs[0], sends, recvs, base, offsets):
+            return False
+        for b in outs:
+            b.commit()
+        return True
+
+    def alltoall_base(out, inp, recv_counts, send_counts) -> bool:
+        so, ro = [0], [0]
+        for c in send_counts:
+            so.append(so[-1] + c)
+        for c in recv_counts:
+            ro.append(ro[-1] + c)
+        send, recv = inp.flat, out.flat
+        sends = [send[so[q]:so[q + 1]] for q in range(size)]
+        recvs = [recv[ro[q]:ro[q + 1]] for q in range(size)]
+        if not a2a_fits(sends, recvs):
+            return False
+        if not all_to_all("all_to_all_single", out, sends, recvs, send.ctypes.data if direct_reads else 0, so):
+            return False
+        out.commit()
+        return True
+
+    return FastPath(all_reduce=small_all_reduce, barrier=small_barrier, broadcast=broadcast, reduce=reduce,
+                    allgather=allgather, allgather_into_tensor=allgather_into_tensor, gather=gather, scatter=scatter,
+                    reduce_scatter=reduce_scatter, reduce_scatter_tensor=reduce_scatter_tensor, alltoall=alltoall,
+                    alltoall_base=alltoall_base)

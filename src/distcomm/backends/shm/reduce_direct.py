@@ -5,6 +5,8 @@ chunk of one slot.
 Cost per chunk of m bytes: one round; each reading rank reads p·m and reduces (p - 1)·m; the
 others only write m. Simple and in lockstep; the root does all the reduction work, which is why
 large reductions take ``reduce_readv`` where single-copy reads are allowed.
+
+A reduce of at most one slot is one round (``one_round``), which the latency path runs too.
 """
 
 from __future__ import annotations
@@ -12,11 +14,30 @@ from __future__ import annotations
 import numpy as np
 
 from ...transport.base import Channel
-from .common import view
+from .common import same_channel, view
+
+
+def one_round(ctx, seq: int, sig: int, channel, flat: np.ndarray, red, root: int) -> None:
+    """The whole reduce of ``flat`` (at most one slot) to ``root``: every rank posts it, the root
+    waits for every post and reduces the p copies in rank order into ``flat``."""
+    k = ctx.open_round(seq, sig, channel)
+    views = ctx.views(k, flat.dtype, flat.size)
+    views[ctx.rank][...] = flat
+    if ctx.rank == root:
+        ctx.exchange(k, seq, sig, flat.nbytes, channel)
+        if root != 0:
+            flat[...] = views[0]
+        for q in range(1, ctx.size):
+            red(flat, views[q])
+    else:
+        ctx.publish(k, seq, sig, flat.nbytes)
+    ctx.consume(k)
 
 
 def reduce_direct(ctx, ch: Channel, flat: np.ndarray, red, root: int | None) -> None:
     """Every rank posts its chunk; the root (every rank if None) reduces all of them in rank order."""
+    if root is not None and flat.nbytes <= ctx.slot_bytes:
+        return one_round(ctx, ch.key.seq, ch.signature, same_channel(ch), flat, red, root)
     p, r = ctx.size, ctx.rank
     dt = flat.dtype
     per = max(1, ctx.slot_bytes // dt.itemsize)

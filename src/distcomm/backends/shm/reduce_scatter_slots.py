@@ -2,23 +2,58 @@
 its own block from every member's slot in rank order; one round per chunk (a slot holds one
 1/p-slot piece per destination).
 
-Cost per rank: writes (p-1)/p of the input, reads p pieces of its own block and reduces p - 1."""
+Cost per rank: writes (p-1)/p of the input, reads p pieces of its own block and reduces p - 1.
+
+When every block fits one piece (``piece_count``) it is one round (``one_round``), which the
+latency path runs too, reading the blocks from a list: separate input tensors need no staging
+buffer and are left as they were."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from ...transport.base import Channel
-from .common import offsets, view
+from .common import offsets, same_channel, view
+
+
+def piece_count(slot_bytes: int, p: int, item: int) -> int:
+    """The elements of each destination's piece in one round's slot."""
+    return max(1, slot_bytes // p // item)
+
+
+def one_round(ctx, seq: int, sig: int, channel, ins, out: np.ndarray, nbytes: int, red) -> None:
+    """The whole reduce_scatter when every block fits one piece: ``ins[q]`` is this rank's block for
+    rank q, ``nbytes`` the bytes of all of them (every rank's header carries it); ``out`` gets the
+    rank-order reduction of every rank's block for this rank."""
+    p, r = ctx.size, ctx.rank
+    dt = out.dtype
+    stride = piece_count(ctx.slot_bytes, p, dt.itemsize) * dt.itemsize
+    k = ctx.open_round(seq, sig, channel)
+    slot = ctx.data(r, k)
+    for q in range(p):
+        if q != r and ins[q].size:
+            slot[q * stride : q * stride + ins[q].nbytes].view(dt)[...] = ins[q]
+    ctx.exchange(k, seq, sig, nbytes, channel)
+    mine = ins[r]
+    n = mine.nbytes
+    if n:
+        at = r * stride
+        out[...] = mine if r == 0 else ctx.data(0, k)[at : at + n].view(dt)
+        for q in range(1, p):
+            red(out, mine if q == r else ctx.data(q, k)[at : at + n].view(dt))
+    ctx.consume(k)
 
 
 def reduce_scatter_slots(ctx, ch: Channel, scratch: np.ndarray, out: np.ndarray, counts, red) -> None:
     p, r = ctx.size, ctx.rank
     dt = scratch.dtype
     item = dt.itemsize
-    per = max(1, ctx.slot_bytes // p // item)
+    per = piece_count(ctx.slot_bytes, p, item)
     offs = offsets(counts)
     longest = max(counts) if counts else 0
+    if longest <= per:
+        ins = [scratch[offs[q] : offs[q + 1]] for q in range(p)]
+        return one_round(ctx, ch.key.seq, ch.signature, same_channel(ch), ins, out, scratch.nbytes, red)
     lo = 0
     while True:
         k = ctx.next_round()

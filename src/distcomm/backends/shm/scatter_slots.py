@@ -2,21 +2,54 @@
 slot each), and each rank copies its own out.
 
 Cost: the root writes (p-1)/p·(p·n) bytes, each rank reads its n; one round per 1/p slot of a
-rank's block."""
+rank's block.
+
+A block of at most one piece (``piece_bytes``) is one round (``one_round``), which the latency path
+runs too, reading the root's inputs from a list: separate input tensors need no staging buffer."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from ...transport.base import Channel
+from .common import same_channel
+
+
+def piece_bytes(slot_bytes: int, p: int) -> int:
+    """The bytes of each destination's piece in one round's slot."""
+    return max(64, slot_bytes // p // 64 * 64)
+
+
+def one_round(ctx, seq: int, sig: int, channel, ins, out: np.ndarray, root: int) -> None:
+    """The whole scatter (``out.nbytes`` at most one piece): ``ins[q]`` on the root (None
+    elsewhere) lands in rank q's ``out``."""
+    p, r = ctx.size, ctx.rank
+    k = ctx.open_round(seq, sig, channel)
+    step = piece_bytes(ctx.slot_bytes, p)
+    nbytes = out.nbytes
+    if r == root:
+        slot = ctx.data(r, k)
+        for q in range(p):
+            if q != r:
+                slot[q * step : q * step + nbytes].view(out.dtype)[...] = ins[q]
+        ctx.publish(k, seq, sig, nbytes)
+        out[...] = ins[r]
+    else:
+        ctx.collect(k, seq, sig, nbytes, channel, (root,))
+        out[...] = ctx.data(root, k)[r * step : r * step + nbytes].view(out.dtype)
+    ctx.consume(k)
 
 
 def scatter_slots(ctx, ch: Channel, chunks: np.ndarray | None, out: np.ndarray, root: int) -> None:
     p, r = ctx.size, ctx.rank
+    step = piece_bytes(ctx.slot_bytes, p)
+    if out.nbytes <= step:
+        n = out.size
+        ins = None if chunks is None else [chunks[q * n : (q + 1) * n] for q in range(p)]
+        return one_round(ctx, ch.key.seq, ch.signature, same_channel(ch), ins, out, root)
     raw = out.view(np.uint8)
     src = None if chunks is None else chunks.view(np.uint8)
     bb = raw.size
-    step = max(64, ctx.slot_bytes // p // 64 * 64)
     lo = 0
     while True:
         hi = min(lo + step, bb)

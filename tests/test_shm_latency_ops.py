@@ -1,0 +1,323 @@
+"""The latency paths of every collective but all_reduce and barrier (backends/shm/latency.py):
+broadcast, reduce, all_gather (list and tensor), gather, scatter, reduce_scatter (list and
+tensor), all_to_all (list) and all_to_all_single.
+
+* Each small synchronous call takes its path (counted through the engine's observer), and gives
+  the same bytes as the general path (the same call with ``async_op=True``, which never takes it)
+  and as the naive reference of ``_algorithms/reference.py`` run in the same world on the same
+  inputs (through ``ProcessGroup.run``, over the group's point-to-point channel): at world sizes
+  1 (no latency path: a group of one), 2, 3, 4, 5 and 8, sizes 0, 1 and 7 elements (and uneven
+  all_to_all splits), the first and the last rank as root, numpy arrays and torch tensors, list
+  outputs written straight into each output.
+* The latency path of one rank and the general path of another meet in one round (some ranks
+  call synchronously, the others asynchronously), for every op: both speak the same rounds.
+* Larger messages (past the one-round limits) and non-plain reduce ops are left to the general
+  path, with right results; a mismatch through a latency path names the peer.
+
+Tiers: all slow (worlds of up to 8 ranks; the mixed world of 3 takes seconds). In the fast tier
+only test_differential's world (its small synchronous calls, compared with torch) can reach them.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import run_world
+
+COUNTS = (0, 1, 7)
+
+
+def _observe():
+    """Names of the latency paths taken from now on (one entry per call they take)."""
+    from distcomm.backends.shm import observe
+
+    taken: list[str] = []
+    observe.set_observer(lambda name: taken.append(name) if name.startswith("latency_") else None)
+    return taken
+
+
+def _data(np, dtype: str, count: int, rank: int, salt: int):
+    rng = np.random.default_rng(7919 * salt + rank)
+    if dtype.startswith(("int", "uint")):
+        return rng.integers(-50 if dtype.startswith("int") else 0, 100, count).astype(dtype)
+    return rng.standard_normal(count).astype(dtype)
+
+
+def _reference(pg, op: str, fn, *args):
+    """Run reference ``fn(ch, *args)`` as this group's next collective (the general machinery,
+    point-to-point: nothing of the latency paths or the shared-memory algorithms)."""
+    from distcomm.signatures import signature
+
+    pg.run(op, signature(op), lambda ch: fn(ch, *args))
+
+
+def _cases(world: int):
+    """(op, dtype, count, root, reduce op name) for every call the body makes."""
+    for count in COUNTS:
+        for dtype in ("float32", "int64"):
+            for root in sorted({0, world - 1}):
+                yield "broadcast", dtype, count, root, None
+                yield "gather", dtype, count, root, None
+                yield "scatter", dtype, count, root, None
+                for red in ("SUM", "MAX"):
+                    yield "reduce", dtype, count, root, red
+            yield "all_gather", dtype, count, None, None
+            yield "all_gather_into_tensor", dtype, count, None, None
+            yield "all_to_all", dtype, count, None, None
+            yield "all_to_all_single", dtype, count, None, None
+            for red in ("SUM", "MIN"):
+                yield "reduce_scatter", dtype, count, None, red
+                yield "reduce_scatter_tensor", dtype, count, None, red
+        yield "reduce", "float64", count, world - 1, "AVG"
+        yield "reduce_scatter_tensor", "float64", count, None, "AVG"
+
+
+def _run_case(dist, np, pg, make, case, salt: int, rank: int, world: int, mode: str):
+    """One call of ``case`` with arrays from ``make`` (numpy or torch), in ``mode`` "sync" or
+    "async" (the general path), and the reference on the same inputs: (result, reference) as bytes."""
+    from distcomm._algorithms import reference
+    from distcomm.dtypes import from_numpy
+    from distcomm.reduction import finish, reducer
+
+    op, dtype, count, root, red = case
+    async_op = mode == "async"
+    x = _data(np, dtype, count, rank, salt)
+    every = [_data(np, dtype, count, q, salt) for q in range(world)]
+    rop = getattr(dist.ReduceOp, red) if red else None
+    dt = from_numpy(np.dtype(dtype))
+    to_np = (lambda t: t.numpy()) if make is not np.asarray else (lambda a: a)
+
+    def done(work):
+        if work is not None:
+            work.wait()
+
+    def reducer_of():
+        red_fn = reducer(rop, dt)
+        return red_fn
+
+    if op == "broadcast":
+        buf = make(x.copy())
+        done(dist.broadcast(buf, src=root, async_op=async_op))
+        ref = x.copy()
+        _reference(pg, "broadcast", reference.broadcast, ref, root)
+        return to_np(buf).tobytes(), ref.tobytes()
+    if op == "reduce":
+        buf = make(x.copy())
+        done(dist.reduce(buf, dst=root, op=rop, async_op=async_op))
+        ref = x.copy()
+        _reference(pg, "reduce", reference.reduce, ref, root, reducer_of())
+        if rank == root:
+            finish(rop, ref, world, dt)
+        return to_np(buf).tobytes(), ref.tobytes()
+    if op in ("all_gather", "gather"):
+        outs = [make(np.zeros(count, dtype)) for _ in range(world)] if op == "all_gather" or rank == root else None
+        if op == "all_gather":
+            done(dist.all_gather(outs, make(x.copy()), async_op=async_op))
+        else:
+            done(dist.gather(make(x.copy()), outs, dst=root, async_op=async_op))
+        flat = np.zeros(count * world, dtype)
+        if op == "all_gather":
+            flat[rank * count:(rank + 1) * count] = x
+            _reference(pg, "all_gather", reference.allgather, flat, count)
+        else:
+            _reference(pg, "gather", reference.gather, x.copy(), flat if rank == root else None, root)
+        got = b"" if outs is None else b"".join(to_np(o).tobytes() for o in outs)
+        return got, b"" if outs is None else flat.tobytes()
+    if op == "all_gather_into_tensor":
+        out = make(np.zeros(count * world, dtype))
+        done(dist.all_gather_into_tensor(out, make(x.copy()), async_op=async_op))
+        flat = np.zeros(count * world, dtype)
+        flat[rank * count:(rank + 1) * count] = x
+        _reference(pg, "all_gather", reference.allgather, flat, count)
+        return to_np(out).tobytes(), flat.tobytes()
+    if op == "scatter":
+        ins = [make(every[q] + q) for q in range(world)] if rank == root else None
+        out = make(np.zeros(count, dtype))
+        done(dist.scatter(out, ins, src=root, async_op=async_op))
+        ref = np.zeros(count, dtype)
+        chunks = np.concatenate([every[q] + q for q in range(world)]) if rank == root else None
+        _reference(pg, "scatter", reference.scatter, chunks, ref, root)
+        return to_np(out).tobytes(), ref.tobytes()
+    if op in ("reduce_scatter", "reduce_scatter_tensor"):
+        blocks = [_data(np, dtype, count, rank, salt * 31 + q) for q in range(world)]
+        out = make(np.zeros(count, dtype))
+        if op == "reduce_scatter":
+            ins = [make(b.copy()) for b in blocks]
+            done(dist.reduce_scatter(out, ins, op=rop, async_op=async_op))
+            untouched = all(to_np(i).tobytes() == b.tobytes() for i, b in zip(ins, blocks))
+        else:
+            inp = make(np.concatenate(blocks))
+            done(dist.reduce_scatter_tensor(out, inp, op=rop, async_op=async_op))
+            untouched = to_np(inp).tobytes() == np.concatenate(blocks).tobytes()
+        assert untouched, f"{op} changed its input"
+        ref = np.zeros(count, dtype)
+        _reference(pg, "reduce_scatter", reference.reduce_scatter, np.concatenate(blocks), ref, [count] * world,
+                   reducer_of())
+        finish(rop, ref, world, dt)
+        return to_np(out).tobytes(), ref.tobytes()
+    if op in ("all_to_all", "all_to_all_single"):
+        # uneven: rank r sends rank q (count + r + q) % 3 + count elements
+        send_counts = [(count + rank + q) % 3 + count for q in range(world)]
+        recv_counts = [(count + q + rank) % 3 + count for q in range(world)]
+        send = _data(np, dtype, sum(send_counts), rank, salt)
+        if op == "all_to_all":
+            pieces = np.split(send, np.cumsum(send_counts)[:-1])
+            outs = [make(np.zeros(c, dtype)) for c in recv_counts]
+            done(dist.all_to_all(outs, [make(p.copy()) for p in pieces], async_op=async_op))
+            got = b"".join(to_np(o).tobytes() for o in outs)
+        else:
+            out = make(np.zeros(sum(recv_counts), dtype))
+            done(dist.all_to_all_single(out, make(send.copy()), recv_counts, send_counts, async_op=async_op))
+            got = to_np(out).tobytes()
+        ref = np.zeros(sum(recv_counts), dtype)
+        _reference(pg, "all_to_all", reference.alltoallv, send, send_counts, ref, recv_counts)
+        return got, ref.tobytes()
+    raise AssertionError(op)
+
+
+def _path_name(op: str) -> str:
+    return "latency_" + op
+
+
+def results_body(rank, world, use_torch):
+    import numpy as np
+
+    import distcomm as dist
+    from distcomm import world as dist_world
+
+    dist.init_process_group(None)
+    dist.all_reduce(np.ones(1))  # the first call sets up the group's shared memory
+    pg = dist_world.default_pg
+    make = np.asarray
+    if use_torch:
+        import torch
+
+        make = torch.from_numpy
+    taken = _observe()
+    failures = []
+    expected_taken = []
+    for salt, case in enumerate(_cases(world)):
+        for mode in ("sync", "async"):
+            got, ref = _run_case(dist, np, pg, make, case, salt, rank, world, mode)
+            if got != ref:
+                failures.append(f"{mode} {case}: {np.frombuffer(got, case[1])[:6]} != {np.frombuffer(ref, case[1])[:6]}")
+        if world > 1:
+            expected_taken.append(_path_name(case[0]))
+    assert failures == [], failures[:6]
+    # every synchronous call through its latency path, every async one through the general path
+    assert taken == expected_taken, [c for c in expected_taken if c not in taken][:5] or taken[:10]
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8])
+def test_latency_paths_match_reference_and_general_path(world):
+    run_world(results_body, world, args=(False,), timeout=400)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_latency_paths_with_torch_tensors(world):
+    run_world(results_body, world, args=(True,), timeout=300)
+
+
+def mixed_body(rank, world):
+    """In each call some ranks take the latency path (synchronous) and the others the general
+    path (async_op=True): both sides of every round speak the same protocol."""
+    import numpy as np
+
+    import distcomm as dist
+    from distcomm import world as dist_world
+
+    dist.init_process_group(None)
+    dist.all_reduce(np.ones(1))
+    pg = dist_world.default_pg
+    taken = _observe()
+    failures, expected = [], []
+    cases = [c for c in _cases(world) if c[2] == 7 and c[1] == "float32"]
+    for salt, case in enumerate(cases):
+        for flip in (0, 1):
+            mode = "sync" if (rank + flip) % 2 == 0 else "async"
+            got, ref = _run_case(dist, np, pg, np.asarray, case, salt, rank, world, mode)
+            if got != ref:
+                failures.append(f"{mode} {case}")
+            if mode == "sync":
+                expected.append(_path_name(case[0]))
+    assert failures == [], failures[:6]
+    assert taken == expected, taken[:10]
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_latency_and_general_paths_meet_in_one_round_for_every_op():
+    run_world(mixed_body, 3, timeout=120)
+
+
+def declines_body(rank, world):
+    """What the latency paths leave to the general path: past their one-round limits, PREMUL_SUM;
+    the results are right either way."""
+    import numpy as np
+
+    import distcomm as dist
+    from distcomm import world as dist_world
+
+    dist.init_process_group(None)
+    dist.all_reduce(np.ones(1))
+    pg = dist_world.default_pg
+    slot = pg.transport.group_shm(pg.group_id).slot_bytes
+    taken = _observe()
+    big = np.full(slot // 8 + 1, float(rank))  # one element over a slot
+    dist.broadcast(big, src=1)
+    assert (big == 1.0).all()
+    outs = [np.zeros_like(big) for _ in range(world)]
+    dist.all_gather(outs, big)
+    assert all((o == 1.0).all() for o in outs)
+    premul = np.ones(3)
+    dist.reduce(premul, dst=0, op=dist._make_nccl_premul_sum(2.0))
+    if rank == 0:
+        assert premul.tolist() == [2.0 * world] * 3
+    out = np.zeros(slot // 8)  # each block over reduce_scatter's piece of a slot
+    dist.reduce_scatter_tensor(out, np.ones(world * out.size))
+    assert (out == world).all()
+    assert taken == [], taken
+    small = np.ones(2)
+    dist.broadcast(small, src=0)
+    assert taken == ["latency_broadcast"]
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_latency_paths_decline_what_does_not_fit_one_round():
+    run_world(declines_body, 2, timeout=120)
+
+
+def mismatch_body(rank, world):
+    import numpy as np
+
+    import distcomm as dist
+
+    dist.init_process_group(None)
+    dist.all_reduce(np.ones(1))
+    dist.broadcast(np.ones(2), src=0)
+    taken = _observe()
+    try:
+        dist.all_gather_into_tensor(np.zeros(2 * (2 if rank == 0 else 3)), np.ones(2 if rank == 0 else 3))
+    except RuntimeError as exc:
+        message = str(exc)
+    else:
+        return "no error", taken
+    try:
+        dist.broadcast(np.ones(2), src=0)
+    except RuntimeError as exc:
+        return message, str(exc), taken
+    return message, "no error after", taken
+
+
+@pytest.mark.slow
+def test_latency_path_mismatch_names_the_peer():
+    results = run_world(mismatch_body, 2, timeout=60)
+    for rank, (message, after, taken) in enumerate(results):
+        assert taken == ["latency_all_gather_into_tensor"], taken
+        assert "all_gather_into_tensor #3" in message, message
+        assert f"rank {1 - rank}" in message and "different sizes" in message, message
+        assert "unusable after an earlier failure" in after, after
