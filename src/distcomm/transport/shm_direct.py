@@ -18,6 +18,7 @@ import os
 import numpy as np
 
 from .base import TransportError
+from .shm_wait import process_alive
 
 _PR_SET_PTRACER = 0x59616D61
 _PR_SET_PTRACER_ANY = ctypes.c_ulong(-1 & ((1 << (8 * ctypes.sizeof(ctypes.c_ulong))) - 1))
@@ -43,21 +44,12 @@ class DirectReadError(TransportError):
     is reaped), else "error". The caller knows which rank has that pid and names it."""
 
     def __init__(self, pid: int, err: int):
-        gone = err == errno.ESRCH or not _alive(pid)
+        gone = err == errno.ESRCH or not process_alive(pid)
         what = "the process has exited" if gone else os.strerror(err)
         super().__init__(f"reading the memory of pid {pid} (process_vm_readv) failed: {what}",
                          reason="lost" if gone else "error")
         self.pid = pid
         self.errno = err
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-        return state not in (b"Z", b"X")
-    except (OSError, IndexError):
-        return False
 
 
 def available() -> bool:

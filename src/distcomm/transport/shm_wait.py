@@ -233,7 +233,7 @@ class PeerHealth:
                 pass
         self._dead: set[int] = set()
         for rank, pid in pids.items():  # a peer that was gone before we opened its pidfd
-            if rank not in self._fds and not _proc_alive(pid):
+            if rank not in self._fds and not process_alive(pid):
                 self._dead.add(rank)
 
     def dead(self, ranks) -> list[int]:
@@ -245,7 +245,7 @@ class PeerHealth:
                 gone = set(readable)
                 self._dead.update(r for r, fd in self._fds.items() if fd in gone)
         for r in ranks:
-            if r not in self._fds and r in self._pids and r not in self._dead and not _proc_alive(self._pids[r]):
+            if r not in self._fds and r in self._pids and r not in self._dead and not process_alive(self._pids[r]):
                 self._dead.add(r)
         return [r for r in ranks if r in self._dead]
 
@@ -258,7 +258,8 @@ class PeerHealth:
         self._fds.clear()
 
 
-def _proc_alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is neither a zombie nor dead (its /proc stat state)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             state = f.read().rsplit(b")", 1)[1].split()[0]

@@ -390,15 +390,7 @@ class TCPStoreServer:
             return
         finally:
             self._replying_to = None
-        # _finish's body, inline: this is the hot path of every request
-        if connection.has_partial_data:
-            if peer.partial_deadline is None:
-                self._mark_partial(peer, time.monotonic())
-        elif peer.partial_deadline is not None:
-            peer.partial_deadline = None
-            del self._partial[peer]
-        if replies:
-            self._send(peer, replies[0] if len(replies) == 1 else b"".join(replies))
+        self._finish(peer, replies)
 
     def _finish(self, peer: Peer, replies: list) -> None:
         """After a batch: restart or stop the idle timer, and send the batch's replies with one send."""
