@@ -175,6 +175,25 @@ def test_every_collective_matches_torch_across_two_hosts(hosts, tmp_path):
     assert_nothing_left(net, job)
 
 
+def _watchdogs_of(launcher: int) -> set[int]:
+    """The pids of the watchdog processes the launcher ``launcher`` started (its children running
+    ``python -I -S -c``, as _launcher/watchdog.py starts them)."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                parent = int(f.read().rsplit(b")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == launcher and argv[1:4] == [b"-I", b"-S", b"-c"]:
+            found.add(int(entry))
+    return found
+
+
 @pytest.mark.parametrize("victim", [2, 0], ids=["worker-host", "store-host"])
 def test_a_killed_host_fails_the_others_promptly(hosts, tmp_path, victim):
     """3 hosts x 2 ranks all_reduce in a loop; every process of host ``victim`` is SIGKILLed (host 0
@@ -196,7 +215,8 @@ def test_a_killed_host_fails_the_others_promptly(hosts, tmp_path, victim):
     # launchers exit.
     leaving = [k for k in survivors if k != 0]
     assert job.wait(leaving) == [1] * len(leaving), job.outputs()
-    lingering = {job.launchers[0].pid} if victim != 0 else set()
+    # ... and that launcher's watchdog (_launcher/watchdog.py), which lives exactly as long as it does
+    lingering = {job.launchers[0].pid, *_watchdogs_of(job.launchers[0].pid)} if victim != 0 else set()
     for k in survivors:
         while set(net.hosts[k].processes()) - lingering and time.monotonic() - killed < 30:
             time.sleep(0.05)

@@ -12,7 +12,7 @@ import pytest
 
 from distcomm.errors import DistStoreError
 from distcomm.store import FileStore
-from distcomm.store.file import MAGIC
+from distcomm.store.file import MAGIC, RendezvousFileStore
 
 
 def test_the_last_of_world_size_users_removes_the_file(tmp_path):
@@ -106,7 +106,7 @@ def test_a_crashed_user_beside_a_live_one_is_reported_not_reused(tmp_path):
     live.close()
 
 
-def test_fresh_if_unused_starts_afresh_a_file_nobody_holds(tmp_path):
+def test_rendezvous_file_store_starts_afresh_a_file_nobody_holds(tmp_path):
     path = str(tmp_path / "fs")
 
     def left_by_one_of_two_users():
@@ -122,9 +122,9 @@ def test_fresh_if_unused_starts_afresh_a_file_nobody_holds(tmp_path):
     assert not os.path.exists(path)
 
     left_by_one_of_two_users()
-    fresh = FileStore(path, 2, fresh_if_unused=True)  # the file:// rendezvous: a failed run's file
+    fresh = RendezvousFileStore(path, 2)  # the file:// rendezvous: a failed run's file
     assert not fresh.check(["old"])
-    peer = FileStore(path, 2, fresh_if_unused=True)  # held open by `fresh`: joined as it is
+    peer = RendezvousFileStore(path, 2)  # held open by `fresh`: joined as it is
     fresh.set("new", "2")
     assert peer.get("new") == b"2"
     fresh.close()

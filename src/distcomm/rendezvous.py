@@ -35,7 +35,8 @@ from typing import Callable, Iterator
 from urllib.parse import parse_qsl, urlencode, urlparse, urlunparse
 
 from . import launcher_env
-from .store import FileStore, PrefixStore, Store, TCPStore
+from .store import PrefixStore, Store, TCPStore
+from .store.file import RendezvousFileStore
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default_pg_timeout
 
@@ -252,7 +253,7 @@ def _file_rendezvous_handler(url: str, **kwargs):
     _checked_rank("file", rank, world_size)
     # The ranks hold the file open until init is over, so a file nobody holds is a finished or a
     # failed run's (ranks that timed out and exited): start it afresh rather than read its keys.
-    yield FileStore(path, world_size, fresh_if_unused=True), rank, world_size
+    yield RendezvousFileStore(path, world_size), rank, world_size
     raise RuntimeError("Unable to perform re-rendezvous using file:// method")
 
 

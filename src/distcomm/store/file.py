@@ -49,9 +49,9 @@ to a process with another start time) is proof of a crash. When *every* member s
 file is such a dead process, nobody can be using it: the open starts it afresh (truncated, under
 the lock) and warns, naming the path and the dead pids. When a dead member sits beside live (or
 uncheckable) ones, the open fails with a DistStoreError naming the path, the dead pids and the fix
-(delete the file). ``fresh_if_unused=True`` (what the file:// rendezvous passes: its ranks hold the
-file open until init is over, so a file nobody holds is a finished or failed run's) also starts
-afresh a file that no member holds open. Without it, so does a file whose ``world_size``
+(delete the file). ``RendezvousFileStore`` (the file:// rendezvous's: its ranks hold the file open
+until init is over, so a file nobody holds is a finished or failed run's) also starts afresh a file
+that no member holds open. Without it, so does a file whose ``world_size``
 users have all already finished and none is open any more (while one is, the file is a live job's,
 and more opens than ``world_size`` are allowed, as in torch), a file of a different ``world_size``,
 and a file with a torn
@@ -210,9 +210,10 @@ class _Log:
 class FileStore(Store):
     """A store that keeps its key-value pairs in a file shared by processes (torch.distributed.FileStore)."""
 
-    def __init__(self, file_name: str, world_size: int = -1, *, fresh_if_unused: bool = False):
-        """``fresh_if_unused`` (distcomm's): start afresh a file with records that no process holds
-        open (see the module docstring: the file:// rendezvous's use)."""
+    #: start afresh a file with records that no process holds open (RendezvousFileStore's)
+    fresh_if_unused = False
+
+    def __init__(self, file_name: str, world_size: int = -1):
         super().__init__()
         if not isinstance(file_name, str) or not file_name:
             raise ValueError(f"FileStore needs a file path, got {file_name!r}")
@@ -224,7 +225,6 @@ class FileStore(Store):
         self._world_size = world_size if world_size > 0 else -1
         self._member_id = uuid.uuid4().hex.encode()
         self._lock = threading.Lock()
-        self._fresh_if_unused = fresh_if_unused
         self._fd, self._log = self._open_and_join()
         # multiprocessing's Finalize also runs in multiprocessing children, which exit without atexit hooks
         self._finalizer = Finalize(self, _leave, (self._fd, self.path, self._member_id, self._world_size), exitpriority=10)
@@ -275,7 +275,7 @@ class FileStore(Store):
                 f"{here['host']}, e.g. a crashed earlier run); nobody else holds it, so it starts afresh "
                 f"(its {len(log.values)} old keys are dropped)", RuntimeWarning, stacklevel=4)
             return True
-        if self._fresh_if_unused and not log.members:
+        if self.fresh_if_unused and not log.members:
             return True  # a finished or failed rendezvous's file: nobody holds it open
         if dead:
             who = ", ".join(f"pid {m.get('pid')} on {m.get('host')}" for m in dead)
@@ -537,3 +537,11 @@ def _leave_now(fd: int, path: str, member_id: bytes, world_size: int) -> None:
         pass  # best effort, as torch's destructor: a stale file is caught by the next open
     finally:
         os.close(fd)
+
+
+class RendezvousFileStore(FileStore):
+    """The file:// rendezvous's FileStore: its ranks hold the file open until init is over, so a file
+    with records that nobody holds open is a finished or failed run's, and starts afresh (a plain
+    FileStore joins it as it is, as torch's does, for a late user of a finished job's file)."""
+
+    fresh_if_unused = True

@@ -136,8 +136,10 @@ class ShmCollectives(GroupCollectives):
         if len(ranks) == 1 or not self.transport.all_local(ranks):
             return False
         ctx = self.transport.group_shm(group.group_id)
-        return None if ctx is None else latency.build(pg, ctx, latency_limit(len(ranks), ctx.slot_bytes, self.tuning),
-                                                      self.tuning)
+        if ctx is None:
+            return None
+        return latency.build(pg, ctx, latency_limit(len(ranks), ctx.slot_bytes, self.tuning), self.tuning,
+                             self.transport.direct_reads_ok(ranks))
 
     def forget_group(self, group_id: int) -> None:
         """Group ``group_id`` was destroyed (its id may be used again for other members)."""

@@ -160,9 +160,11 @@ class Limits(NamedTuple):
         )
 
 
-def build(pg, ctx, limit: int, tuning) -> FastPath:
+def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
     """The latency paths of process group ``pg``, whose shared memory is ``ctx`` (a GroupShm), for
-    all_reduces of at most ``limit`` bytes, and every other collective within ``Limits``."""
+    all_reduces of at most ``limit`` bytes, and every other collective within ``Limits``;
+    ``direct_reads``: whether its members may read each other's memory (the shared-memory
+    transport's answer: ``pg.transport`` may be another, the hybrid engine's)."""
     executor = pg.executor
     enter, leave = executor.enter_inline, executor.leave_inline
     next_seq = pg.next_seq
@@ -278,7 +280,6 @@ def build(pg, ctx, limit: int, tuning) -> FastPath:
 
     # -- every other collective, on the ProcessGroup method's Buffers ---------------------------
     rank = ctx.rank
-    direct_reads = pg.transport.direct_reads_ok(ctx.ranks)
     limits = Limits.of(size, ctx.slot_bytes, direct_reads, tuning)
     channels = {op: partial(pg.channel, op) for op in (
         "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "gather", "scatter", "reduce_scatter",
