@@ -217,6 +217,24 @@ def test_wait_until_arms_only_a_waiter_about_to_sleep():
     assert armed == [1]  # once, and ready() was checked again after it
 
 
+def test_wait_until_after_a_poll_does_not_spin_again():
+    """``polled``: the caller (GroupShm's exchange) has just spun for the policy's spin time, so the
+    wait goes on to its yield phase and then to sleep without a second spin."""
+    bell, _ = _bell()
+    policy = WaitPolicy(1)
+    policy.spin_s, policy.yield_s = 30.0, 0.0  # a spin that would outlast the test's patience
+    armed = []
+
+    def timeout():
+        return TransportError("timeout", reason="timeout")
+
+    start = time.monotonic()
+    wait_until(lambda: bool(armed), time.monotonic() + 20, bell, policy, lambda: None, timeout,
+               arm=lambda: armed.append(1), polled=True)
+    assert armed == [1]  # it reached the sleep phase (arm runs just before the first sleep)
+    assert time.monotonic() - start < 10.0  # and did not spin for spin_s first
+
+
 def test_wait_until_deadline_and_health_check():
     bell, _ = _bell()
     policy = WaitPolicy(1)
@@ -315,7 +333,7 @@ class _Members:
             def bell_of(self, g):
                 return members.bells[g]
 
-            def wait_for(self, ready, deadline, peers, on_timeout, arm=None):
+            def wait_for(self, ready, deadline, peers, on_timeout, arm=None, polled=False):
                 if arm is not None:
                     arm()  # the waiter is past its spin and yield phases: asleep, it needs a ring
                 members.waits.append(self.q)

@@ -279,9 +279,10 @@ class ShmTransport(Transport):
             f"rank {g} exited (pid {self._pids[g]} is gone){what}; no collective of a group with rank {g} can "
             "complete: find why it died (its output or exit code), then restart the job", peer=g, reason="lost")
 
-    def wait_for(self, ready, deadline, peers, on_timeout, arm=None) -> None:
+    def wait_for(self, ready, deadline, peers, on_timeout, arm=None, polled: bool = False) -> None:
         """Wait for a shared-memory condition involving ``peers`` (global ranks); see shm_wait
-        (``arm``: wait_until's, run before the first sleep)."""
+        (``arm``: wait_until's, run before the first sleep; ``polled``: the caller has just spun
+        for the policy's spin time, so the wait does not spin again)."""
 
         def check() -> None:
             if self._closed:
@@ -290,7 +291,8 @@ class ShmTransport(Transport):
             if lost and not ready():
                 raise self.lost_error(lost)
 
-        wait_until(ready, deadline, self.bell, self.policy, check, on_timeout, self._spin_worthwhile(peers), arm)
+        wait_until(ready, deadline, self.bell, self.policy, check, on_timeout, self._spin_worthwhile(peers), arm,
+                   polled)
 
     def _spin_worthwhile(self, peers) -> bool:
         """Record our CPU; False if a peer we wait for last waited on the same CPU (spinning would

@@ -219,7 +219,7 @@ class GroupShm:
             for c in peer_ctl:
                 if c[POSTED] < k:
                     if not poll_posted(k):
-                        wait_posts(k, channel(seq, sig), peers, 0)
+                        wait_posts(k, channel(seq, sig), peers, 0, True)
                     break
             slot = k % nslots  # check_posts, inline: this is the latency path's step
             for q in peers:
@@ -237,7 +237,7 @@ class GroupShm:
                 if ctl[q][POSTED] < k:
                     if not poll_posted(k, among):
                         src = among[0] + 1 if len(among) == 1 else 0 if len(among) == size - 1 else AWAIT_ANY
-                        wait_posts(k, channel(seq, sig), among, src)
+                        wait_posts(k, channel(seq, sig), among, src, True)
                     break
             check_posts(k, seq, sig, nbytes, among)
 
@@ -384,9 +384,10 @@ class GroupShm:
                     break
         self.check_posts(k, ch.key.seq, ch.signature, nbytes, peers)
 
-    def _wait_posts(self, k: int, ch, peers, src: int) -> None:
+    def _wait_posts(self, k: int, ch, peers, src: int, polled: bool = False) -> None:
         """Wait until every member of ``peers`` has ``posted >= k``; ``src`` says whom to a poster
-        (0: all others, q + 1: member q alone, AWAIT_ANY: some others; see _wake_posted)."""
+        (0: all others, q + 1: member q alone, AWAIT_ANY: some others; see _wake_posted); ``polled``:
+        the caller has just polled (``_poll_posted``), so the wait does not spin again."""
         ctl = self.ctl
         mine = self._mine
 
@@ -396,7 +397,7 @@ class GroupShm:
             fence()
 
         try:
-            self._wait(lambda: all(ctl[q][POSTED] >= k for q in peers), ch, POSTED, k, peers, arm)
+            self._wait(lambda: all(ctl[q][POSTED] >= k for q in peers), ch, POSTED, k, peers, arm, polled)
         finally:
             mine[AWAITING] = 0
 
@@ -457,7 +458,7 @@ class GroupShm:
                 bell.ring()
 
     # -- waiting and health -------------------------------------------------------------------
-    def _wait(self, ready, ch, counter: int, value: int, peers=None, arm=None) -> None:
+    def _wait(self, ready, ch, counter: int, value: int, peers=None, arm=None, polled: bool = False) -> None:
         peers = self._peers if peers is None else peers
         globals_ = [self.ranks[q] for q in self._peers]
 
@@ -473,7 +474,7 @@ class GroupShm:
                 reason="timeout",
             )
 
-        self.transport.wait_for(ready, ch.deadline, globals_, on_timeout, arm)
+        self.transport.wait_for(ready, ch.deadline, globals_, on_timeout, arm, polled)
 
     def unlink_when_mapped(self, deadline: float | None) -> None:
         """Wait until every member has mapped our segment, then unlink its name (setup's last step:

@@ -174,6 +174,7 @@ def wait_until(
     on_timeout: Callable[[], BaseException | None],
     spin: bool = True,
     arm: Callable[[], None] | None = None,
+    polled: bool = False,
 ) -> None:
     """Return once ``ready()``; past ``deadline`` raise ``on_timeout()`` (or return if it gives
     None: the wait was satisfied after all). ``check()`` deals with dead peers (raises, or settles
@@ -181,17 +182,20 @@ def wait_until(
     ``spin=False`` skips the spin phase (the awaited peer shares our CPU). ``arm()`` runs once,
     before the first sleep: it publishes what we wait for, so that whoever completes it rings our
     bell (it must store its flag and fence; ``ready()`` is checked again after it). A waiter that
-    is still spinning or yielding needs no ring, and its peers then need not check for it."""
+    is still spinning or yielding needs no ring, and its peers then need not check for it.
+    ``polled``: the caller has just spun for the policy's spin time itself (GroupShm's poll before
+    its wait): the spin phase is not repeated, the yield phase and the rest are unchanged."""
     if ready():
         return
     now = time.perf_counter
     start = now()
-    if spin and policy.spin_s:
-        end = start + policy.spin_s
+    spin_s = 0.0 if polled else policy.spin_s
+    if spin and spin_s:
+        end = start + spin_s
         while now() < end:
             if ready():
                 return
-    end = start + (policy.spin_s + policy.yield_s if spin else policy.shared_yield_s)
+    end = start + (spin_s + policy.yield_s if spin else policy.shared_yield_s)
     yield_ = os.sched_yield
     while now() < end:
         yield_()
