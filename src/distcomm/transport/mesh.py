@@ -56,10 +56,10 @@ def tune_socket(sock: socket.socket) -> None:
     rmem_max) also bounds how much a large send parks in the kernel ahead of later frames. Over
     loopback the bytes are copied twice by CPUs of this host (into the socket by the sender, out
     by the receiver), and less in flight keeps them in cache between the two copies: measured
-    (2 ranks, 64 MiB all_reduce on the TCP engine, process CPU per call, the four sizes run in
-    turn, four rounds on a loaded 2-vCPU machine) 4 MiB 46-52 ms, 1 MiB 40-48, 512 KiB 38-47;
-    means 50 / 44 / 42 (docs/performance-notes.md, "TCP engine, large all_reduce"). Fixed sizes
-    switch off Linux's autotuning.
+    (2 ranks, 64 MiB all_reduce on the TCP engine, process CPU per call, the sizes run in turn,
+    seven rounds on a loaded 2-vCPU machine) 4 MiB mean 47.5 ms, 512 KiB 42.5, lower in 5 of the
+    7 rounds (docs/performance-notes.md, "TCP engine, large all_reduce"). Fixed sizes switch off
+    Linux's autotuning.
     """
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     size = LOOPBACK_SOCKET_BUFFER if _same_host(sock) else SOCKET_BUFFER
