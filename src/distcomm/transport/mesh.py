@@ -33,20 +33,39 @@ from . import framing, interfaces
 
 _WILDCARD = {"", "0.0.0.0", "::", "*"}
 SOCKET_BUFFER = 4 << 20  # see tune_socket
+LOOPBACK_SOCKET_BUFFER = 512 << 10  # a peer on this host: see tune_socket
+
+
+def _same_host(sock: socket.socket) -> bool:
+    """True when ``sock`` connects two ends on this host: a loopback peer address, or both ends
+    with the same address (ranks that listen on one interface's address)."""
+    if sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return False
+    try:
+        peer, local = sock.getpeername()[0], sock.getsockname()[0]
+        return peer == local or ipaddress.ip_address(peer.split("%")[0]).is_loopback
+    except (OSError, ValueError):
+        return False
 
 
 def tune_socket(sock: socket.socket) -> None:
-    """TCP_NODELAY (small messages leave at once) and 4 MiB kernel buffers.
+    """TCP_NODELAY (small messages leave at once) and fixed kernel buffers: 4 MiB across hosts,
+    512 KiB to a peer on this host.
 
-    Large buffers mean fewer sender wake-ups per large message. Fixed sizes switch off Linux's
-    autotuning; on loopback here, 256 KiB to 4 MiB and autotuning measured the same bandwidth
-    within the noise of a shared machine, and 4 MiB (this machine's rmem_max) also bounds how much
-    a large send parks in the kernel ahead of later frames.
+    Large buffers mean fewer sender wake-ups per large message, and 4 MiB (this machine's
+    rmem_max) also bounds how much a large send parks in the kernel ahead of later frames. Over
+    loopback the bytes are copied twice by CPUs of this host (into the socket by the sender, out
+    by the receiver), and less in flight keeps them in cache between the two copies: measured
+    (2 ranks, 64 MiB all_reduce on the TCP engine, process CPU per call, the sizes run in turn,
+    seven rounds on a loaded 2-vCPU machine) 4 MiB mean 47.5 ms, 512 KiB 42.5, lower in 5 of the
+    7 rounds (docs/performance-notes.md, "TCP engine, large all_reduce"). Fixed sizes switch off
+    Linux's autotuning.
     """
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    size = LOOPBACK_SOCKET_BUFFER if _same_host(sock) else SOCKET_BUFFER
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         try:
-            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+            sock.setsockopt(socket.SOL_SOCKET, opt, size)
         except OSError:
             pass
 
