@@ -251,10 +251,12 @@ class Reducer:
         self.buckets = [
             _Bucket(k, members, params, k == len(bucket_members) - 1) for k, members in enumerate(bucket_members)
         ]
-        self.slot: list = [None] * len(params)  # param index -> (its bucket, its view in the bucket)
+        # param index -> (its bucket, its place among the bucket's members); not the view itself:
+        # a bucket's buffer changes when the last one was handed out as gradients
+        self.slot: list = [None] * len(params)
         for b in self.buckets:
-            for i, view in zip(b.members, b.views):
-                self.slot[i] = (b, view)
+            for place, i in enumerate(b.members):
+                self.slot[i] = (b, place)
         self.comm_hook: Callable | None = None
         self.comm_state: Any = None
         self.divide_by_initial_world_size = True
@@ -385,7 +387,8 @@ class Reducer:
         No ``torch.no_grad()`` here: gradients and buckets never require grad, and hooks run with
         grad mode off, so nothing is recorded (and this runs once per parameter per step)."""
         self._ready[i] = True
-        bucket, view = self.slot[i]
+        bucket, place = self.slot[i]
+        view = bucket.views[place]
         grad = None if param is None else param.grad
         if grad is None:
             view.zero_()
