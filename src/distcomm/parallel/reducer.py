@@ -14,7 +14,14 @@ How one backward pass is reduced
 - The first hook of a backward queues ``finalize`` on the autograd engine; it runs when backward
   ends: it reduces the last bucket inline (its gradients are the last to be ready, so nothing is
   left to overlap with, and this saves two thread hand-offs), waits for the other buckets and
-  writes the averaged values back into ``param.grad``.
+  makes the averaged values the parameters' ``.grad``.
+- Without a comm hook or ``gradient_as_bucket_view``, the bucket's memory itself is handed out:
+  each ``param.grad`` becomes a tensor on this step's bucket instead of receiving a copy of it
+  (one pass over every gradient less than torch's copy back). The next forward gives the bucket
+  memory nothing else holds: the last buffer or the one before if ``zero_grad`` dropped the
+  gradients on it (checked by the storage's use count), else a new one, so a gradient a user
+  kept is never overwritten. Values are torch's; only the ``.grad`` objects are new each step
+  (as after ``zero_grad(set_to_none=True)``, torch's default).
 
 Unused parameters
 -----------------
