@@ -2,7 +2,8 @@
 (instead of copying it back into the tensors backward made) and reuses a bucket's memory only once
 nothing holds it. These tests check what a user can see of that: the values, that a gradient kept
 from an earlier step is never overwritten, that accumulation without zero_grad and
-``zero_grad(set_to_none=False)`` still work, and that the memory is reused when it is free."""
+``zero_grad(set_to_none=False)`` still work (the ``.grad`` tensors then stay the same objects, as
+in torch), and that the memory is reused when it is free."""
 
 from __future__ import annotations
 
@@ -82,8 +83,10 @@ def _rank(rank: int, world_size: int):
         ddp.zero_grad(set_to_none=False)
         backward(6)
         ddp.zero_grad(set_to_none=False)
+        before = [p.grad for p in params]
         backward(7)
-        out["step7"] = [p.grad.clone() for p in params]
+        out["same_objects"] = all(p.grad is g for p, g in zip(params, before))  # updated in place, as torch
+        out["step7"] = [g.clone() for g in before]
         out["buckets"] = len(ddp.reducer.buckets)
         return out
     finally:
@@ -102,3 +105,4 @@ def test_handed_out_gradients_are_right_and_never_overwritten():
             for got, want in zip(out[key], _expected(steps)):
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=key)
         assert out["reused"] == 4, "the memory of dropped gradients was not reused"
+        assert out["same_objects"], "zero_grad(set_to_none=False): .grad must stay the same tensors"

@@ -110,8 +110,8 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             so communication starts early).
         find_unused_parameters: tolerate parameters that get no gradient in some iterations.
         gradient_as_bucket_view: make ``param.grad`` views into the buckets (saves memory). Without
-            it ``param.grad`` is also a tensor on a bucket's memory, but on memory no later step
-            writes while the gradient is still held (a new tensor each step).
+            it a ``.grad`` that backward creates is also a tensor on a bucket's memory, but on
+            memory no later step writes while the gradient is still held.
         static_graph: the set of used parameters never changes; unused ones are then tolerated
             without the per-iteration search.
 

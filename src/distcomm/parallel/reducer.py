@@ -20,8 +20,9 @@ How one backward pass is reduced
   (one pass over every gradient less than torch's copy back). The next forward gives the bucket
   memory nothing else holds: the last buffer or the one before if ``zero_grad`` dropped the
   gradients on it (checked by the storage's use count), else a new one, so a gradient a user
-  kept is never overwritten. Values are torch's; only the ``.grad`` objects are new each step
-  (as after ``zero_grad(set_to_none=True)``, torch's default).
+  kept is never overwritten. Only gradients backward creates (``zero_grad(set_to_none=True)``,
+  torch's default) are replaced so: a ``.grad`` that existed before backward is updated in place,
+  as torch does.
 
 Unused parameters
 -----------------
@@ -274,6 +275,7 @@ class Reducer:
         self._used = np.zeros(len(params), dtype=np.int32)
         self._used_work = None
         self._next_bucket = 0
+        self._had_grad: list[bool] = []
         self._div_factor: float | None = None
         self._unfinished: list[int] | None = None  # params without a gradient in the last backward
         self._warned_all_used = False
@@ -303,6 +305,9 @@ class Reducer:
         self._used_work = None
         self._next_bucket = 0
         self._div_factor = None
+        # A gradient that exists before backward is the user's tensor, updated in place as torch
+        # does; only gradients backward creates are replaced by tensors on the bucket.
+        self._had_grad = [p.grad is not None for p in self.params]
         for b in self.buckets:
             b.pending = len(b.members)
             b.handle = None
@@ -479,7 +484,7 @@ class Reducer:
                     if globally_used is not None and not globally_used[i]:
                         continue
                     param = self.params[i]
-                    if hand_out:
+                    if hand_out and not self._had_grad[i]:
                         # A tensor of its own on the bucket's memory (not the bucket's view object),
                         # so that the storage's use count shows whether anyone still holds it.
                         param.grad = view.detach()
