@@ -109,7 +109,9 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         bucket_cap_mb: bucket size in MiB (default 25; the first bucket is then capped at 1 MiB
             so communication starts early).
         find_unused_parameters: tolerate parameters that get no gradient in some iterations.
-        gradient_as_bucket_view: make ``param.grad`` views into the buckets (saves a copy and memory).
+        gradient_as_bucket_view: make ``param.grad`` views into the buckets (saves memory). Without
+            it a ``.grad`` that backward creates is also a tensor on a bucket's memory, but on
+            memory no later step writes while the gradient is still held.
         static_graph: the set of used parameters never changes; unused ones are then tolerated
             without the per-iteration search.
 

@@ -14,7 +14,15 @@ How one backward pass is reduced
 - The first hook of a backward queues ``finalize`` on the autograd engine; it runs when backward
   ends: it reduces the last bucket inline (its gradients are the last to be ready, so nothing is
   left to overlap with, and this saves two thread hand-offs), waits for the other buckets and
-  writes the averaged values back into ``param.grad``.
+  makes the averaged values the parameters' ``.grad``.
+- Without a comm hook or ``gradient_as_bucket_view``, the bucket's memory itself is handed out:
+  each ``param.grad`` becomes a tensor on this step's bucket instead of receiving a copy of it
+  (one pass over every gradient less than torch's copy back). The next forward gives the bucket
+  memory nothing else holds: the last buffer or the one before if ``zero_grad`` dropped the
+  gradients on it (checked by the storage's use count), else a new one, so a gradient a user
+  kept is never overwritten. Only gradients backward creates (``zero_grad(set_to_none=True)``,
+  torch's default) are replaced so: a ``.grad`` that existed before backward is updated in place,
+  as torch does.
 
 Unused parameters
 -----------------
@@ -114,26 +122,62 @@ class GradBucket:
 
 
 class _Bucket:
-    __slots__ = ("index", "members", "offsets", "buffer", "array", "views", "pending", "handle", "is_last")
+    __slots__ = ("index", "members", "offsets", "numels", "shapes", "dtype", "buffer", "array", "views",
+                 "pending", "handle", "is_last", "handed_out", "refs", "spare")
 
     def __init__(self, index: int, members: list[int], params: Sequence[torch.Tensor], is_last: bool):
         self.index = index
         self.members = members
         self.offsets = []
+        self.numels = [params[i].numel() for i in members]
+        self.shapes = [params[i].shape for i in members]
+        self.dtype = params[members[0]].dtype
         total = 0
-        for i in members:
+        for n in self.numels:
             self.offsets.append(total)
-            total += params[i].numel()
-        self.buffer = torch.zeros(total, dtype=params[members[0]].dtype)
-        self.views = [
-            self.buffer[off:off + params[i].numel()].view(params[i].shape) for i, off in zip(members, self.offsets)
-        ]
-        # The numpy view of the buffer (same memory): all_reduce takes it without converting a
-        # tensor each step. bfloat16 has no numpy dtype: the tensor is used then.
-        self.array = None if self.buffer.dtype == torch.bfloat16 else self.buffer.numpy()
+            total += n
         self.pending = len(members)
         self.handle = None  # Work (all_reduce) or Future (comm hook) once launched
         self.is_last = is_last
+        self.buffer = self.spare = None
+        self.renew(torch.zeros)
+
+    def renew(self, allocate=torch.empty) -> None:
+        """Make the bucket's memory free for the coming backward: the last one was handed out as the
+        parameters' ``.grad``. Reuse it, or the one before, if nothing else holds it any more
+        (``zero_grad()`` dropped those gradients); else allocate a new buffer (the user keeps the
+        old). Two buffers cover both ``zero_grad(set_to_none=True)`` and ``set_to_none=False``."""
+        current = (self.buffer, self.views, self.array, self.refs) if self.buffer is not None else None
+        if current is not None and _storage_free(current):
+            self.handed_out = False
+            return
+        if self.spare is not None and _storage_free(self.spare):
+            self.buffer, self.views, self.array, self.refs = self.spare
+            self.spare = current
+            self.handed_out = False
+            return
+        self.spare = current
+        self.buffer = allocate(sum(self.numels), dtype=self.dtype)
+        self.views = [flat.view(shape) for flat, shape in zip(self.buffer.split(self.numels), self.shapes)]
+        # The numpy view of the buffer (same memory): all_reduce takes it without converting a
+        # tensor each step. bfloat16 has no numpy dtype: the tensor is used then.
+        self.array = None if self.dtype == torch.bfloat16 else self.buffer.numpy()
+        self.refs = _storage_refs(self.buffer)  # the references the bucket itself holds
+        self.handed_out = False
+
+
+# How many tensors share a tensor's memory: a handed-out bucket is reused only when the bucket's own
+# tensors are all that is left. Without this torch function every renewal allocates.
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _storage_refs(buffer: torch.Tensor) -> int:
+    return -1 if _use_count is None else _use_count(buffer.untyped_storage()._cdata)
+
+
+def _storage_free(entry) -> bool:
+    buffer, _views, _array, refs = entry
+    return _use_count is not None and _storage_refs(buffer) == refs
 
 
 class _DDPSink(torch.autograd.Function):
@@ -215,10 +259,12 @@ class Reducer:
         self.buckets = [
             _Bucket(k, members, params, k == len(bucket_members) - 1) for k, members in enumerate(bucket_members)
         ]
-        self.slot: list = [None] * len(params)  # param index -> (its bucket, its view in the bucket)
+        # param index -> (its bucket, its place among the bucket's members); not the view itself:
+        # a bucket's buffer changes when the last one was handed out as gradients
+        self.slot: list = [None] * len(params)
         for b in self.buckets:
-            for i, view in zip(b.members, b.views):
-                self.slot[i] = (b, view)
+            for place, i in enumerate(b.members):
+                self.slot[i] = (b, place)
         self.comm_hook: Callable | None = None
         self.comm_state: Any = None
         self.divide_by_initial_world_size = True
@@ -229,6 +275,7 @@ class Reducer:
         self._used = np.zeros(len(params), dtype=np.int32)
         self._used_work = None
         self._next_bucket = 0
+        self._had_grad: list[bool] = []
         self._div_factor: float | None = None
         self._unfinished: list[int] | None = None  # params without a gradient in the last backward
         self._warned_all_used = False
@@ -258,9 +305,14 @@ class Reducer:
         self._used_work = None
         self._next_bucket = 0
         self._div_factor = None
+        # A gradient that exists before backward is the user's tensor, updated in place as torch
+        # does; only gradients backward creates are replaced by tensors on the bucket.
+        self._had_grad = [p.grad is not None for p in self.params]
         for b in self.buckets:
             b.pending = len(b.members)
             b.handle = None
+            if b.handed_out:
+                b.renew()
         if outputs is not None:
             reached = reachable_leaves(outputs)
             unused = [i for i, p in enumerate(self.params) if id(p) not in reached]
@@ -347,7 +399,8 @@ class Reducer:
         No ``torch.no_grad()`` here: gradients and buckets never require grad, and hooks run with
         grad mode off, so nothing is recorded (and this runs once per parameter per step)."""
         self._ready[i] = True
-        bucket, view = self.slot[i]
+        bucket, place = self.slot[i]
+        view = bucket.views[place]
         grad = None if param is None else param.grad
         if grad is None:
             view.zero_()
@@ -418,13 +471,24 @@ class Reducer:
             globally_used = self._used  # the same parameters are used on every rank
         else:
             globally_used = None
+        hand_out = not self.grad_as_view and self.comm_hook is None
         with torch.no_grad():
             for bucket in self.buckets:
+                if hand_out:
+                    # The averaged values are already in the bucket: they become the gradients
+                    # (views of this step's bucket, which the next step does not reuse) instead
+                    # of being copied into the tensors backward made. This saves a pass over
+                    # every gradient; the bucket is renewed at the next forward.
+                    bucket.handed_out = True
                 for i, view in zip(bucket.members, bucket.views):
                     if globally_used is not None and not globally_used[i]:
                         continue
                     param = self.params[i]
-                    if self.grad_as_view:
+                    if hand_out and not self._had_grad[i]:
+                        # A tensor of its own on the bucket's memory (not the bucket's view object),
+                        # so that the storage's use count shows whether anyone still holds it.
+                        param.grad = view.detach()
+                    elif self.grad_as_view:
                         if param.grad is None or param.grad.data_ptr() != view.data_ptr():
                             param.grad = view
                     elif param.grad is None:
