@@ -205,6 +205,20 @@ def test_a_failed_or_hung_world_is_reported_and_killed(target, expected):
         assert "rank 0: " in str(info.value) and "rank 1: " in str(info.value)
 
 
+def _report_session(rank, send):
+    send((os.getsid(0), os.getpid()))
+
+
+@pytest.mark.slow
+def test_each_rank_leads_its_own_session():
+    """Like mpiexec's ranks (--compare mpi): under autogroup scheduling a session is a CPU share."""
+    sessions = [message for _, message in run_world(_report_session, 2, idle_timeout=60)]
+    assert len(sessions) == 2
+    for sid, pid in sessions:
+        assert sid == pid
+    assert sessions[0][0] != os.getsid(0)
+
+
 def _children(pid: int) -> list[int]:
     kids = []
     for entry in os.listdir("/proc"):

@@ -325,13 +325,10 @@ class ProcessGroup:
         """``outs``: one buffer per rank, each of ``inp``'s size."""
         if not async_op and self._fast("allgather", outs, inp):
             return None
-        count = inp.count
 
         def body(ch: Channel) -> None:
-            flat = np.empty(count * ch.size, dtype=inp.flat.dtype)
-            self._gather_into(ch, flat, inp.flat)
-            for i, out in enumerate(outs):
-                out.flat[...] = flat[i * count:(i + 1) * count]
+            self.collectives.all_gather_list(ch, [out.flat for out in outs], inp.flat)
+            for out in outs:
                 out.commit()
 
         return self.run("all_gather", signature("all_gather", inp.dtype.code), body, async_op, result, buf=inp)
@@ -422,17 +419,10 @@ class ProcessGroup:
         if not async_op and self._fast("alltoall", outs, ins):
             return None
         coll = self.collectives
-        send_counts = [b.count for b in ins]
-        recv_counts = [b.count for b in outs]
 
         def body(ch: Channel) -> None:
-            send = np.concatenate([b.flat for b in ins])
-            recv = np.empty(sum(recv_counts), dtype=send.dtype)
-            coll.all_to_all(ch, send, send_counts, recv, recv_counts)
-            offset = 0
+            coll.all_to_all_list(ch, [b.flat for b in ins], [b.flat for b in outs])
             for b in outs:
-                b.flat[...] = recv[offset:offset + b.count]
-                offset += b.count
                 b.commit()
 
         return self.run("all_to_all", signature("all_to_all", outs[0].dtype.code), body, async_op, result)

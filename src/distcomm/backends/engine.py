@@ -101,6 +101,30 @@ class GroupCollectives(ABC):
     def barrier(self, ch: Channel) -> None:
         """Returns once every rank of the group has entered."""
 
+    def all_gather_list(self, ch: Channel, outs: Sequence[np.ndarray], send: np.ndarray) -> None:
+        """Every rank's ``send`` lands in ``outs[q]`` of every rank (separate arrays, each of ``send``'s
+        size). The default stages through one flat buffer and ``all_gather``; an engine that can
+        write each output in place overrides it."""
+        count = send.size
+        flat = np.empty(count * ch.size, dtype=send.dtype)
+        flat[ch.rank * count:(ch.rank + 1) * count] = send
+        self.all_gather(ch, flat, count)
+        for q, out in enumerate(outs):
+            out[...] = flat[q * count:(q + 1) * count]
+
+    def all_to_all_list(self, ch: Channel, sends: Sequence[np.ndarray], recvs: Sequence[np.ndarray]) -> None:
+        """``sends[q]`` goes to rank q; what rank q sends lands in ``recvs[q]`` (separate arrays of one
+        dtype; sizes may differ per pair, a disagreement is a mismatch error). The default stages
+        through one buffer each way and ``all_to_all``; an engine that can move each piece in place
+        overrides it."""
+        send = np.concatenate(list(sends))
+        recv = np.empty(sum(x.size for x in recvs), dtype=send.dtype)
+        self.all_to_all(ch, send, [s.size for s in sends], recv, [x.size for x in recvs])
+        offset = 0
+        for x in recvs:
+            x[...] = recv[offset:offset + x.size]
+            offset += x.size
+
     def check_root(self, ch: Channel, root: int, what: str) -> None:
         """Raise CollectiveMismatchError if the ranks passed different roots to a rooted collective
         (``what``: the argument's name, "src" or "dst"); called before the collective itself.

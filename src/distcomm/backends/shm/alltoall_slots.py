@@ -39,6 +39,13 @@ def alltoall_slots(ctx, ch: Channel, send: np.ndarray, send_counts, recv: np.nda
     return alltoall_rounds(ctx, ch.key.seq, ch.signature, same_channel(ch), sends, recvs, base, so, single_copy)
 
 
+def alltoall_pieces(ctx, ch: Channel, sends, recvs, base: int, send_offsets, single_copy: bool = False) -> str:
+    """all_to_all of separate pieces each way (lists of tensors), each written in place (see
+    ``alltoall_rounds`` for ``base`` and ``send_offsets``)."""
+    return alltoall_rounds(ctx, ch.key.seq, ch.signature, same_channel(ch), sends, recvs, base, send_offsets,
+                           single_copy)
+
+
 def alltoall_rounds(ctx, seq: int, sig: int, channel, sends, recvs, base: int, send_offsets,
                     single_copy: bool = False) -> str:
     """Each round, one piece per destination (its length first, checked by the reader); or, when

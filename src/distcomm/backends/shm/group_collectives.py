@@ -248,7 +248,20 @@ class ShmCollectives(GroupCollectives):
         ctx = self._context(ch)
         if ctx is None:
             return self.generic.all_gather(ch, out, count)
-        self._run(ctx, ch, self._choose("allgather", out.nbytes, ctx, ch), out, count)
+        name = self._choose("allgather", out.nbytes, ctx, ch)
+        if name == "allgather_readv":
+            blocks = [out[q * count:(q + 1) * count] for q in range(ch.size)]
+            return self._run(ctx, ch, name, blocks, blocks[ch.rank])
+        self._run(ctx, ch, name, out, count)
+
+    def all_gather_list(self, ch: Channel, outs, send: np.ndarray) -> None:
+        """Single copy straight into each output when ``choose`` picks it; else (and when an output
+        for a peer overlaps ``send``, which peers read meanwhile) staged like the default."""
+        ctx = self._context(ch)
+        if ctx is not None and self._choose("allgather", send.nbytes * ch.size, ctx, ch) == "allgather_readv" \
+                and not any(q != ch.rank and np.may_share_memory(o, send) for q, o in enumerate(outs)):
+            return self._run(ctx, ch, "allgather_readv", list(outs), send)
+        super().all_gather_list(ch, outs, send)
 
     def gather(self, ch: Channel, send: np.ndarray, out: np.ndarray | None, root: int) -> None:
         ctx = self._context(ch)
@@ -283,6 +296,31 @@ class ShmCollectives(GroupCollectives):
         # observer hears what ran once it is known.
         vote = self._choose("alltoall", send.nbytes, ctx, ch) == "alltoall_readv"
         ran = self._guarded(ctx, ch, alltoall.alltoall_slots, send, list(send_counts), recv, list(recv_counts), vote)
+        observer = observe.current
+        if observer is not None:
+            observer(ran)
+
+    def all_to_all_list(self, ch: Channel, sends, recvs) -> None:
+        """Each piece moved in place (through slots, or single copy from the sender's tensor); staged
+        like the default for a group of one, members on other hosts, elements too large for a slot,
+        or pieces a single-copy reader could not address (misaligned)."""
+        ctx = self._context(ch)
+        r = ch.rank
+        if ctx is None or not alltoall.fits(ctx.slot_bytes, ch.size, sends[r].itemsize):
+            return super().all_to_all_list(ch, sends, recvs)
+        if sends[r].size != recvs[r].size:
+            raise ch.translate(split_mismatch(ch, r, sends[r].size, recvs[r].size), None)
+        base, offsets = 0, [0] * ch.size
+        if self.transport.direct_reads_ok(ch.ranks):
+            # alltoall_rounds publishes one base address and element offsets from it
+            item = sends[r].itemsize
+            addresses = [s.ctypes.data for s in sends]
+            base = min(addresses)
+            offsets = [(a - base) // item for a in addresses]
+            if any((a - base) % item for a in addresses):
+                return super().all_to_all_list(ch, sends, recvs)
+        vote = self._choose("alltoall", sum(s.nbytes for s in sends), ctx, ch) == "alltoall_readv"
+        ran = self._guarded(ctx, ch, alltoall.alltoall_pieces, list(sends), list(recvs), base, offsets, vote)
         observer = observe.current
         if observer is not None:
             observer(ran)
