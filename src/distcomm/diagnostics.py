@@ -46,6 +46,10 @@ ALERT_FRACTION = 0.25  # a wait this fraction of its timeout long makes the rank
 PUBLISH_WINDOW = 5.0  # seconds past the largest group timeout that ranks keep publishing after an alert
 TRACEBACK_LINES = 6  # of the failed rank's traceback, in the peers' errors
 FINGERPRINT_BYTES = 1024
+# how long a leaving rank gives its last look at the store for a dump request: the store's host may
+# be alive but unable to answer (rank 0 in a blocking MPI call that holds the GIL, its store server
+# a Python thread), and leaving must not wait on it
+LEAVE_ANSWER_SECONDS = 1.0
 # The signature of the DETAIL shape check's messages: an opcode no collective has (signatures.py
 # numbers them from 1 up), so these never match a collective's own messages.
 FINGERPRINT_SIGNATURE = 0x7FFF << 16
@@ -234,7 +238,9 @@ def uninstall() -> None:
         if mon.pid != os.getpid():
             return  # a forked child: the thread and the rank are its parent's
         mon.close()
-        mon.answer_dump_request()
+        answering = threading.Thread(target=mon.answer_dump_request, name="distcomm-dump-answer", daemon=True)
+        answering.start()
+        answering.join(LEAVE_ANSWER_SECONDS)
 
 
 atexit.register(uninstall)
