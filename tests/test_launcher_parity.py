@@ -115,6 +115,7 @@ def test_prefix_template_from_torch_variable_and_option(tmp_path, torch_availabl
     assert _worker_lines(option.stdout) == _worker_lines(ours.stdout)
 
 
+@pytest.mark.slow
 def test_rank_prefix_is_opt_in(tmp_path):
     script = _printer(tmp_path)
     plain = _launch("distcomm.run", ["--standalone", "--nproc-per-node", "2", script], tmp_path)

@@ -218,6 +218,8 @@ def default_engine_two_hosts_body(rank, world):
     return x[0], int(y[0]), b.tolist(), transport, sorted(senders), collectives
 
 
+# slow tier: the real multi-host tests (test_multihost_netns.py) run the same shape across namespaces
+@pytest.mark.slow
 def test_default_engine_across_hosts_uses_tcp_between_them():
     pytest.importorskip("distcomm.transport.tcp")
     results = run_world(default_engine_two_hosts_body, 4, timeout=120)
