@@ -7,7 +7,13 @@ results by rank. A rank that raises fails the test with that rank's traceback; a
 running at the deadline is killed (every process) and the test fails naming the ranks that had not
 finished. A hang is a failure, never a stuck CI.
 
-``fn`` must be a module-level function of an importable module (spawn pickles it by name).
+``fn`` must be a module-level function of an importable module (it is pickled by name).
+
+Ranks start from a fork server that has imported numpy and torch once: a spawned interpreter pays
+for ``import torch`` in every rank of every world (seconds of CPU each, most of the suite's time on
+two cores). distcomm itself is not preloaded, so each rank reads its DISTCOMM_* variables afresh;
+each rank gets the parent's environment as it is when the world starts (as spawn would give it),
+plus the world's variables.
 """
 
 from __future__ import annotations
@@ -20,7 +26,11 @@ import time
 import traceback
 from typing import Any, Callable, Sequence
 
-_CTX = mp.get_context("spawn")
+CONTEXT = mp.get_context("forkserver")
+# Modules every rank would import; the fork server imports them once (torch with its distcomm
+# autoload hook, which registers the backend without importing distcomm). Nothing here may start a
+# thread pool: a forked child inherits no threads, and OpenMP would hang in it.
+CONTEXT.set_forkserver_preload(["numpy", "torch", "torch.distributed", "pytest"])
 
 
 def free_port() -> int:
@@ -35,6 +45,7 @@ class RankFailed(AssertionError):
 
 
 def _child(fn, rank, world_size, args, env, conn):
+    os.environ.clear()
     os.environ.update(env)
     os.environ["RANK"] = str(rank)
     os.environ["LOCAL_RANK"] = str(rank)
@@ -63,18 +74,19 @@ def run_world(
     Ranks listed in ``expect_failure`` may raise: their entry in the result list is then the
     exception text (a str starting with the exception class name) instead of a failure of the test.
     """
-    base_env = {
+    base_env = dict(os.environ)
+    base_env.update({
         "WORLD_SIZE": str(world_size),
         "LOCAL_WORLD_SIZE": str(world_size),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()),
         "OMP_NUM_THREADS": "1",
-    }
+    })
     base_env.update(env or {})
     procs, conns = [], []
     for rank in range(world_size):
-        parent_conn, child_conn = _CTX.Pipe(duplex=False)
-        p = _CTX.Process(
+        parent_conn, child_conn = CONTEXT.Pipe(duplex=False)
+        p = CONTEXT.Process(
             target=_child,
             args=(fn, rank, world_size, tuple(args), base_env, child_conn),
             daemon=True,

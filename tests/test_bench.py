@@ -257,18 +257,22 @@ def test_killing_the_tool_kills_its_world(signum):
 
 
 def test_overview_table_from_saved_results(tmp_path, capsys):
-    """The README's speedup table: gloo's time over distcomm's per (op, world) at chosen sizes,
-    barrier's times below it, and the lowest ratio over every row of every file."""
+    """The README's speedup tables: per peer (gloo, then MPICH where the run has it), the peer's
+    time over distcomm's per (op, world) at chosen sizes, barrier's times below it, and the lowest
+    ratio over every row of every file."""
     from distcomm.bench import overview
 
-    def result(world, rows):
+    def result(world, rows, mpi=None):
         runs = {"distcomm/gloo": [], "torch/gloo": []}
         for op, size, ours, theirs in rows:
             runs["distcomm/gloo"].append({"op": op, "size": size, "time_us": ours})
             runs["torch/gloo"].append({"op": op, "size": size, "time_us": theirs})
+        if mpi is not None:
+            runs["mpi/mpich"] = [{"op": op, "size": size, "time_us": t} for op, size, t in mpi]
         return {"meta": {"world_size": world}, "runs": runs}
 
-    two = result(2, [("all_reduce", 8, 10.0, 300.0), ("all_reduce", 1024, 20.0, 30.0), ("barrier", 0, 5.0, 250.0)])
+    two = result(2, [("all_reduce", 8, 10.0, 300.0), ("all_reduce", 1024, 20.0, 30.0), ("barrier", 0, 5.0, 250.0)],
+                 mpi=[("all_reduce", 8, 2.5), ("all_reduce", 1024, 40.0), ("barrier", 0, 1.5)])
     four = result(4, [("all_reduce", 8, 40.0, 800.0), ("all_reduce", 1024, 50.0, 40.0)])
     paths = []
     for i, res in enumerate((two, four)):
@@ -276,9 +280,13 @@ def test_overview_table_from_saved_results(tmp_path, capsys):
         paths[-1].write_text(json.dumps(res))
     assert overview.main([str(p) for p in paths]) == 0
     text = capsys.readouterr().out
-    lines = text.splitlines()
-    assert lines[0].startswith("| op | world | 8 B | 1 KiB | 64 KiB")
-    assert "| all_reduce | 2 | 30.0x | 1.5x |" in text
-    assert "| all_reduce | 4 | 20.0x | 0.8x |" in text
-    assert "barrier: 5.0 µs vs 250 µs (world 2)" in text
-    assert "lowest ratio over every op and size: 0.80x" in text
+    gloo, mpich = text.split("\n\nmpich's time / distcomm's:\n")
+    assert gloo.startswith("gloo's time / distcomm's:\n\n| op | world | 8 B | 1 KiB | 64 KiB")
+    assert "| all_reduce | 2 | 30.0x | 1.5x |" in gloo
+    assert "| all_reduce | 4 | 20.0x | 0.80x |" in gloo
+    assert "barrier: 5.0 µs vs 250.0 µs (world 2)" in gloo
+    assert "lowest ratio over every op and size: 0.80x" in gloo
+    # MPICH: only the world that ran it, its ratios, its barrier
+    assert "| all_reduce | 2 | 0.25x | 2.0x |" in mpich and "| all_reduce | 4 |" not in mpich
+    assert "barrier: 5.0 µs vs 1.5 µs (world 2)" in mpich
+    assert "lowest ratio over every op and size: 0.25x" in mpich

@@ -42,7 +42,6 @@ Deliberate differences checked as distcomm's own semantics:
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import pickle
 import random
@@ -54,7 +53,7 @@ import pytest
 import torch
 
 import diff_cases as dc
-from harness import free_port, run_world
+from harness import CONTEXT, free_port, run_world
 
 WORLD_SIZES = [2, 3, 4]  # every case on every engine variant
 ENGINES = list(dc.ENGINE_VARIANTS)  # distcomm backends (and forced algorithms) compared with gloo
@@ -146,7 +145,7 @@ def all_world_results(wanted: dict[int, set[str]]):
         engines = [e for e in (ENGINES if ws in WORLD_SIZES else LARGE_ENGINES) if e in wanted[ws]]
         plans = [("torch", "gloo", plan_port())] + [("distcomm", e, plan_port()) for e in engines]
         worlds.append((ws, plans, ws in LARGE_WORLD_SIZES))
-    barrier = mp.get_context("spawn").Barrier(nprocs)
+    barrier = CONTEXT.Barrier(nprocs)  # the ranks' start method (harness.py)
     try:
         per_rank = run_world(dc.run_worlds, nprocs, args=(worlds, barrier, WORLD_TIMEOUT), timeout=TOTAL_TIMEOUT)
     except Exception as exc:  # noqa: BLE001 - every case reports it

@@ -450,18 +450,23 @@ def test_autoload_off_with_torch_device_backend_autoload_0(tmp_path):
 
 @pytest.mark.slow
 def test_autoload_hook_is_cheap():
-    """The hook's own cost at import torch: importing it and registering (budget: 10 ms)."""
+    """The hook's cost at import torch (budget: 10 ms) is what it imports: only itself, never
+    distcomm or anything distcomm would pull in (its time is measured in
+    docs/performance-notes.md; a timing assert would fail on a loaded machine)."""
     code = textwrap.dedent("""
-        import time, torch
-        t = time.perf_counter()
+        import sys, torch
+        before = set(sys.modules)
         import distcomm_torch_autoload
         distcomm_torch_autoload.register()
-        print(time.perf_counter() - t)
+        print(sorted(set(sys.modules) - before))
+        print("DISTCOMM" in torch.distributed.Backend._plugins)
     """)
     env = dict(os.environ, PYTHONPATH=SRC, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert float(out.stdout) < 0.010
+    imported, registered = out.stdout.splitlines()
+    assert imported == "['distcomm_torch_autoload']", imported
+    assert registered == "True"
 
 
 # -- the Work torch receives ---------------------------------------------------------------------
