@@ -24,4 +24,6 @@ THRESHOLDS: dict[str, int] = {
     # (_algorithms/allreduce_hierarchical.py). Not tuned: it wins from 16 MiB across namespaced
     # hosts, and ties with the flat algorithms at 1 MiB (docs/performance-notes.md, "Across hosts")
     "allreduce_hierarchical_bytes": 256 * 1024,
+    # its cross-host phase between two hosts: one exchange of the whole slice up to here
+    "allreduce_hierarchical_cross_exchange_bytes": 2 << 20,
 }

@@ -43,8 +43,17 @@ class HybridEngine(Engine):
             hosts = [self._hosts[r] for r in group.ranks]
             by_host, uniform = layout(hosts)
             if uniform and len(by_host) > 1 and len(by_host[0]) > 1:
-                return HierarchicalCollectives(hosts, self._tuning)
+                return HierarchicalCollectives(hosts, self._tuning, self._host_collectives(group, by_host))
         return self._generic
+
+    def _host_collectives(self, group: GroupSpec, by_host: list[list[int]]) -> GroupCollectives | None:
+        """The shared-memory engine's collectives for the group's members on this host (the
+        hierarchy's phases inside a host run on them). Their segment is the group's id on this
+        host's shared memory, which the group itself never uses: it spans hosts."""
+        if self._shm is None:
+            return None
+        mine = next(g for g in by_host if group.rank in g)
+        return self._shm.collectives(GroupSpec(group.group_id, [group.ranks[r] for r in mine], mine.index(group.rank)))
 
     def fast_path(self, pg) -> FastPath | bool | None:
         if self._shm is None or not self._shm.local(pg.spec.ranks):
