@@ -5,11 +5,14 @@ intra/inter split and of Horovod's hierarchical allreduce).
 With H hosts each holding L of the group's ranks, local rank i of every host owns the same slice
 (1/L of the buffer). Three phases, each an existing algorithm on a ``Channel.subset``:
 
-1. ring reduce-scatter among the L ranks of a host: local rank i ends with its host's sum of slice
-   (i+1) mod L;
+1. reduce-scatter among the L ranks of a host: local rank i ends with its host's sum of slice i;
 2. all_reduce of that slice among the H ranks with local index i (one per host): ``cross``, by
    default ``select.choose``'s algorithm for the slice's size and H;
-3. ring all-gather among the L ranks of a host.
+3. all-gather among the L ranks of a host.
+
+The phases inside a host are a ``HostPhases``: by default a ring over point-to-point (the last
+reduce-scatter send is waited for only before the all-gather, see ``_reduce_scatter``); an engine
+may pass collectives it has among the ranks of a host (backends/hierarchical.py: shared memory).
 
 Why: on a hybrid transport the links inside a host are shared memory and those between hosts TCP.
 A flat ring over all H·L ranks sends 2(HL-1)/(HL)·n bytes over each of its TCP hops and runs at the
@@ -52,20 +55,24 @@ class HostPhases:
         self.reduce = reduce
         self._sending: ChannelRequest | None = None
 
-    def reduce_scatter(self, sub: Channel, buf: np.ndarray, bounds: Sequence[int]) -> int:
-        """Reduce each block ``buf[bounds[b]:bounds[b+1]]`` among the host's ranks so that one
-        rank holds each, in place; return the block this rank holds, which must be the same for
-        the same local index on every host."""
+    def reduce_scatter(self, sub: Channel, buf: np.ndarray, bounds: Sequence[int]) -> None:
+        """Reduce each block ``buf[bounds[b]:bounds[b+1]]`` among the host's ranks, in place:
+        block i ends on local rank i (so the all-gather may be another implementation's)."""
         tmp = np.empty(2 * (bounds[1] - bounds[0]), dtype=buf.dtype)
-        block, self._sending = _reduce_scatter(sub, buf, bounds, sub.rank, self.reduce, tmp)
-        return block
+        # the ring from block i - 1 ends on block i
+        _, self._sending = _reduce_scatter(sub, buf, bounds, sub.rank - 1, self.reduce, tmp)
 
     def all_gather(self, sub: Channel, buf: np.ndarray, bounds: Sequence[int], block: int) -> None:
-        """Every rank of the host gets every block; this rank holds ``block``."""
-        if self._sending is not None:
-            self._sending.wait()  # the all-gather receives into the block it sent
-            self._sending = None
+        """Every rank of the host gets every block; this rank holds ``block`` (its local index)."""
+        self.finish_sends()
         ring_allgather(sub, buf, bounds, block)
+
+    def finish_sends(self) -> None:
+        """Wait for the reduce-scatter's last send: before the all-gather, which receives into
+        the block it sent."""
+        if self._sending is not None:
+            self._sending.wait()
+            self._sending = None
 
 
 def allreduce_hierarchical(ch: Channel, buf: np.ndarray, reduce: Reducer, hosts: Sequence,
@@ -86,17 +93,16 @@ def allreduce_hierarchical(ch: Channel, buf: np.ndarray, reduce: Reducer, hosts:
     across = ch.subset([g[i] for g in groups]) if len(groups) > 1 else None
     bounds = offsets(even_counts(buf.size, len(mine)))
     phases = host_phases if host_phases is not None else HostPhases(reduce)
-    done = i
     if local is not None:
-        done = phases.reduce_scatter(local, buf, bounds)
+        phases.reduce_scatter(local, buf, bounds)
     if phase_done is not None:
         phase_done("reduce_scatter")
     if across is not None:
-        cross(across, buf[bounds[done]: bounds[done + 1]], reduce)
+        cross(across, buf[bounds[i]: bounds[i + 1]], reduce)
     if phase_done is not None:
         phase_done("cross")
     if local is not None:
-        phases.all_gather(local, buf, bounds, done)
+        phases.all_gather(local, buf, bounds, i)
     if phase_done is not None:
         phase_done("allgather")
 

@@ -26,4 +26,7 @@ THRESHOLDS: dict[str, int] = {
     "allreduce_hierarchical_bytes": 256 * 1024,
     # its cross-host phase between two hosts: one exchange of the whole slice up to here
     "allreduce_hierarchical_cross_exchange_bytes": 2 << 20,
+    # and its reduce-scatter inside a host on the shared-memory collectives up to here (all_reduce
+    # bytes), point to point above (its all-gather is always on the shared-memory collectives)
+    "allreduce_hierarchical_host_scatter_bytes": 2 << 20,
 }

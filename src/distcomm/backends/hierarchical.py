@@ -32,24 +32,27 @@ from .generic import GenericCollectives
 
 
 class CollectiveHostPhases(HostPhases):
-    """The phases inside a host as one reduce_scatter and one all_gather of ``host`` (a
-    GroupCollectives for the host's ranks of the group), over the host's sub-channel. Needs blocks
-    of equal size (all_gather's); block i ends on local rank i. ``op`` is the reduction as the
-    blocks need it: AVG's division and PREMUL_SUM's factor are the caller's, once, around the
-    whole all_reduce."""
+    """The phases inside a host on ``host`` (a GroupCollectives for the host's ranks of the group),
+    over the host's sub-channel: the all-gather always, the reduce-scatter when ``scatter`` (else
+    the point-to-point ring of HostPhases). Needs blocks of equal size (all_gather's). ``op`` is
+    the reduction as the blocks need it (``reduce`` applies it): AVG's division and PREMUL_SUM's
+    factor are the caller's, once, around the whole all_reduce."""
 
-    def __init__(self, host: GroupCollectives, dtype: DType, op: RedOpType):
-        self.host, self.dtype, self.op = host, dtype, op  # no ring state: HostPhases.__init__ not needed
+    def __init__(self, host: GroupCollectives, dtype: DType, op: RedOpType, reduce, scatter: bool):
+        super().__init__(reduce)
+        self.host, self.dtype, self.op, self.scatter = host, dtype, op, scatter
 
-    def reduce_scatter(self, sub: Channel, buf: np.ndarray, bounds: Sequence[int]) -> int:
+    def reduce_scatter(self, sub: Channel, buf: np.ndarray, bounds: Sequence[int]) -> None:
+        if not self.scatter:
+            return super().reduce_scatter(sub, buf, bounds)
         i = sub.rank
         counts = [bounds[b + 1] - bounds[b] for b in range(sub.size)]
         out = np.empty(counts[i], dtype=buf.dtype)
         self.host.reduce_scatter(sub, buf, out, counts, self.dtype, self.op)  # may clobber buf
         buf[bounds[i]: bounds[i + 1]] = out
-        return i
 
     def all_gather(self, sub: Channel, buf: np.ndarray, bounds: Sequence[int], block: int) -> None:
+        self.finish_sends()
         self.host.all_gather(sub, buf, bounds[1] - bounds[0])
 
 
@@ -81,11 +84,13 @@ class HierarchicalCollectives(GenericCollectives):
                     <= select.threshold("allreduce_hierarchical_cross_exchange_bytes", self.tuning) else None)
             select.choose("allreduce", part.nbytes, sub.size, self.tuning, algo)(sub, part, reduce)
 
+        reduce = reduction.reducer(op, dtype)
         phases = None
         if self.host is not None and flat.size % self._per_host == 0:
             kind = reduction.op_type(op)
             inner = RedOpType.SUM if kind in (RedOpType.AVG, RedOpType.PREMUL_SUM) else kind
-            phases = CollectiveHostPhases(self.host, dtype, inner)
+            scatter = flat.nbytes <= select.threshold("allreduce_hierarchical_host_scatter_bytes", self.tuning)
+            phases = CollectiveHostPhases(self.host, dtype, inner, reduce, scatter)
 
         log, times, mark = self.phase_log, {}, None
         if log is not None:
@@ -97,7 +102,7 @@ class HierarchicalCollectives(GenericCollectives):
                 last[:] = now
 
         def run(buf: np.ndarray) -> None:
-            allreduce_hierarchical(ch, buf, reduction.reducer(op, dtype), self.hosts, cross, mark, phases)
+            allreduce_hierarchical(ch, buf, reduce, self.hosts, cross, mark, phases)
 
         reduction.with_op_arithmetic(op, dtype, ch.size, flat, run)
         if log is not None:
