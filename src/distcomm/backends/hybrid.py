@@ -11,6 +11,8 @@ algorithms over the hybrid transport, except that when each of its hosts holds t
 
 from __future__ import annotations
 
+import dataclasses
+
 from .._algorithms.allreduce_hierarchical import layout
 from ..transport import hostid
 from ..transport.base import unwatch_group, watch_group
@@ -69,6 +71,22 @@ class HybridEngine(Engine):
         return f"HybridEngine({self.transport!r})"
 
 
+def blocking_waits(tuning: Tuning) -> Tuning:
+    """``tuning`` with the shared-memory waiters' spin and yield phases off, unless set
+    (DISTCOMM_SHM_SPIN_US, DISTCOMM_SHM_YIELD_US, DISTCOMM_SHM_SHARED_YIELD_US): when the world spans
+    hosts, a rank waiting on shared memory mostly waits for a host mate whose phase is bound by TCP
+    (the hierarchical all_reduce's all-gather waits for its cross-host phase), for milliseconds;
+    spinning or yielding meanwhile only takes CPU from the ranks doing the work, so it sleeps at
+    once (measured across namespaced hosts sharing a loaded machine's CPUs: docs/performance-notes.md,
+    "Across hosts")."""
+    return dataclasses.replace(
+        tuning,
+        shm_spin_s=0.0 if tuning.shm_spin_s is None else tuning.shm_spin_s,
+        shm_yield_s=0.0 if tuning.shm_yield_s is None else tuning.shm_yield_s,
+        shm_shared_yield_s=0.0 if tuning.shm_shared_yield_s is None else tuning.shm_shared_yield_s,
+    )
+
+
 def connect(store, rank: int, size: int, timeout: float, tuning: Tuning = DEFAULT, options=None) -> Engine:
     """The default CPU engine: shared memory between ranks of a host, TCP between hosts."""
     hosts = hostid.exchange(store, rank, size)
@@ -77,7 +95,7 @@ def connect(store, rank: int, size: int, timeout: float, tuning: Tuning = DEFAUL
         return ShmEngine(ShmTransport.connect(store, rank, size, timeout, tuning=tuning), tuning)
     from ..transport.tcp import TcpTransport
 
-    shm = ShmTransport.connect(store, rank, size, timeout, local, tuning) if len(local) > 1 else None
+    shm = ShmTransport.connect(store, rank, size, timeout, local, blocking_waits(tuning)) if len(local) > 1 else None
     try:
         tcp = TcpTransport.connect(store, rank, size, timeout)
     except BaseException:
