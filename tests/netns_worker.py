@@ -46,6 +46,7 @@ def describe(dist, out: str) -> dict:
         "hostname": socket.gethostname(),
         "engine": type(pg.engine).__name__,
         "collectives": type(pg.collectives).__name__,
+        "host_collectives": type(getattr(pg.collectives, "host", None)).__name__,
         "transport": type(transport).__name__,
         "local_ranks": getattr(transport, "local_ranks", None),
         "shm": type(getattr(transport, "shm", None)).__name__,
