@@ -236,3 +236,21 @@ def test_host_collectives_run_the_phases_inside_a_host(hosts, scatter_limit):
                 assert made == ["all_gather"], (count, made)
             else:
                 assert made == ["reduce_scatter", "all_gather"], (count, made)
+
+
+def test_waiters_sleep_at_once_when_the_world_spans_hosts():
+    """backends/hybrid.py connects the shared-memory transport of a world spread over hosts with
+    blocking_waits(tuning): no spin or yield phase (a host mate is mostly in a TCP-bound phase), but
+    values the user set (DISTCOMM_SHM_SPIN_US, ...) are kept."""
+    from distcomm.backends.hybrid import blocking_waits
+    from distcomm.transport.shm_wait import WaitPolicy
+
+    default = WaitPolicy(2, Tuning.from_env({}))
+    assert (default.spin_s, default.yield_s, default.shared_yield_s) != (0.0, 0.0, 0.0)
+    policy = WaitPolicy(2, blocking_waits(Tuning.from_env({"DISTCOMM_THRESHOLD_ALLREDUCE_HIERARCHICAL_BYTES": "7"})))
+    assert (policy.spin_s, policy.yield_s, policy.shared_yield_s) == (0.0, 0.0, 0.0)
+    tuned = blocking_waits(Tuning.from_env({"DISTCOMM_THRESHOLD_ALLREDUCE_HIERARCHICAL_BYTES": "7"}))
+    assert tuned.thresholds == {"allreduce_hierarchical_bytes": 7}  # the rest is left alone
+    user = WaitPolicy(2, blocking_waits(Tuning.from_env({"DISTCOMM_SHM_SPIN_US": "5", "DISTCOMM_SHM_YIELD_US": "30"})))
+    assert (user.spin_s, user.yield_s, user.shared_yield_s) == pytest.approx((5e-6, 30e-6, 0.0))
+    assert user.spin_s > 0 and user.yield_s > 0

@@ -6,7 +6,9 @@ connects a ShmTransport among the ranks of its host and a TcpTransport to the wo
 ``transport.hybrid.HybridTransport`` sends each message over the right one. A group entirely on
 this host runs the shared-memory collectives; a group that spans hosts runs the generic
 algorithms over the hybrid transport, except that when each of its hosts holds the same number
-(more than one) of its ranks, large all_reduces run hierarchically (backends/hierarchical.py).
+(more than one) of its ranks, large all_reduces run hierarchically (backends/hierarchical.py), their
+phases inside a host on the shared-memory engine's collectives for the group's ranks here. In such
+a world the shared-memory waiters sleep at once (``blocking_waits``).
 """
 
 from __future__ import annotations
