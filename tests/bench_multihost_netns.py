@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import netns  # noqa: E402
 from test_multihost_netns import Job, _env  # noqa: E402
 
-SIZES = [64 << 10, 1 << 20, 16 << 20, 64 << 20]
-ITERATIONS = [40, 20, 8, 5]
+SIZES = [256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+ITERATIONS = [30, 20, 12, 8, 5]
 
 
 def main() -> None:
@@ -47,6 +47,18 @@ def main() -> None:
         (dw, dc), (tw, tc) = res["default"][str(n)], res["tcp"][str(n)]
         label = f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
         print(f"| {label} | {dw * 1e3:.2f} ms, {dc * 1e3:.2f} ms | {tw * 1e3:.2f} ms, {tc * 1e3:.2f} ms | {tw / dw:.2f} |")
+    phases = res.get("phases", {})
+    if phases:
+        names = list(next(iter(phases.values())))
+        print()
+        print("default engine's hierarchical phases, slowest rank's median wall, thread CPU:")
+        print("| size | " + " | ".join(names) + " |")
+        print("|---:|" + "---:|" * len(names))
+        for n in SIZES:
+            if str(n) in phases:
+                label = f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+                cells = [f"{w * 1e3:.2f} ms, {c * 1e3:.2f} ms" for w, c in (phases[str(n)][k] for k in names)]
+                print(f"| {label} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ def describe(dist, out: str) -> dict:
         "hostname": socket.gethostname(),
         "engine": type(pg.engine).__name__,
         "collectives": type(pg.collectives).__name__,
+        "host_collectives": type(getattr(pg.collectives, "host", None)).__name__,
         "transport": type(transport).__name__,
         "local_ranks": getattr(transport, "local_ranks", None),
         "shm": type(getattr(transport, "shm", None)).__name__,
@@ -98,18 +99,32 @@ def main() -> None:
             t = np.ones(nbytes // 4, dtype=np.float32)
             wall = {name: [] for name in groups}
             cpu = {name: [] for name in groups}
+            # the hierarchical collectives time their phases when given a list (phase_log)
+            hier = getattr(dist.group.WORLD, "collectives", None)
+            phases = [] if hasattr(hier, "phase_log") else None
             for i in range(n + 2):  # two warm-ups; the engines alternate, so a noisy moment hits both
                 for name, group in groups.items():
                     dist.barrier(group=group)
+                    if name == "default" and phases is not None:
+                        hier.phase_log = phases
                     t0, c0 = time.perf_counter(), time.process_time()
                     dist.all_reduce(t, group=group)
                     wall[name].append(time.perf_counter() - t0)
                     cpu[name].append(time.process_time() - c0)
+                    if phases is not None:
+                        hier.phase_log = None
             for name, group in groups.items():
                 # a collective takes as long as its slowest rank: the largest median; CPU: the mean
                 m = np.array([np.median(wall[name][2:]), np.median(cpu[name][2:])])
                 dist.all_reduce(m, op=dist.ReduceOp.MAX)
                 result[name][nbytes] = m.tolist()
+            timed = [p for p in (phases or [])[2:] if p]  # empty below the hierarchy's threshold
+            if timed:
+                # per phase: the largest over ranks of each rank's median wall and thread CPU
+                names = list(timed[0])
+                m = np.array([[np.median([p[k][j] for p in timed]) for j in (0, 1)] for k in names])
+                dist.all_reduce(m, op=dist.ReduceOp.MAX)
+                result.setdefault("phases", {})[nbytes] = dict(zip(names, m.tolist()))
         if rank == 0:
             with open(os.path.join(out, "bench.json"), "w") as f:
                 json.dump(result, f)

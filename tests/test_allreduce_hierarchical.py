@@ -22,7 +22,7 @@ from distcomm.backends.hierarchical import HierarchicalCollectives
 from distcomm.dtypes import from_name
 from distcomm.errors import DistTimeoutError
 from distcomm.tuning import Tuning
-from distcomm.types import RedOpType
+from distcomm.types import RedOpType, _make_nccl_premul_sum
 from inproc_threads import run_threads
 from test_algorithms import assert_same, channel, check_allreduce_fn, make_input, run, run_threads_exc
 
@@ -169,3 +169,88 @@ def test_a_forced_generic_algorithm_runs_the_whole_all_reduce():
 
     for rank, sent in enumerate(run_threads(6, rank_main, timeout=60, eager_limit=0)):
         assert sent == {(rank + 1) % 6}, (rank, sent)
+
+
+class CountingHost(GenericCollectives):
+    """Collectives among a host's ranks (the generic ones over the host's sub-channel) that count
+    what the hierarchy asks of them: stands in for the shared-memory engine's."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    def reduce_scatter(self, ch, scratch, out, counts, dtype, op):
+        self.calls.append("reduce_scatter")
+        super().reduce_scatter(ch, scratch, out, counts, dtype, op)
+
+    def all_gather(self, ch, out, count):
+        self.calls.append("all_gather")
+        super().all_gather(ch, out, count)
+
+
+HOST_LAYOUTS = [[0, 0, 1, 1], [0, 1, 0, 1], [0, 0, 0, 1, 1, 1],
+                pytest.param([0, 0, 1, 1, 2, 2, 3, 3], marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("hosts", HOST_LAYOUTS)
+@pytest.mark.parametrize("scatter_limit", [None, 0], ids=["host-scatter", "ring-scatter"])
+def test_host_collectives_run_the_phases_inside_a_host(hosts, scatter_limit):
+    """HierarchicalCollectives given collectives for the host's ranks: the all-gather runs on them,
+    and the reduce-scatter too up to allreduce_hierarchical_host_scatter_bytes (above it, the
+    point-to-point ring, which must leave the same block on each rank for their all-gather).
+    Results match the reference all_reduce bit for bit (AVG and PREMUL_SUM applied once, for the
+    whole group); a count that does not split evenly among a host's ranks runs point to point."""
+    p = len(hosts)
+    per_host = p // len(set(hosts))
+    env = {"DISTCOMM_THRESHOLD_ALLREDUCE_HIERARCHICAL_BYTES": "0"}
+    if scatter_limit is not None:
+        env["DISTCOMM_THRESHOLD_ALLREDUCE_HIERARCHICAL_HOST_SCATTER_BYTES"] = str(scatter_limit)
+    tuning = Tuning.from_env(env)
+    cases = [("float32", RedOpType.SUM), ("float64", RedOpType.AVG), ("int64", RedOpType.MAX),
+             ("bfloat16", RedOpType.SUM), ("uint8", RedOpType.PRODUCT), ("float32", _make_nccl_premul_sum(0.5))]
+    counts = [per_host * 7, per_host * 1000 + 1, per_host * 5000]
+
+    def rank_main(rank, transport):
+        host = CountingHost()
+        coll = HierarchicalCollectives(hosts, tuning, host)
+        seq = iter(range(1000))
+        calls = []
+        for count in counts:
+            for dtype_name, op in cases:
+                dtype = from_name(dtype_name)
+                x = make_input(dtype_name, count, rank)
+                want = x.copy()
+                host.calls.clear()
+                coll.all_reduce(channel(transport, p, rank, next(seq), "all_reduce"), x, dtype, op)
+                GenericCollectives().all_reduce(channel(transport, p, rank, next(seq), "all_reduce"), want,
+                                                dtype, op)
+                assert_same(x, want)
+                calls.append((count, list(host.calls)))
+        return calls
+
+    for calls in run_threads(p, rank_main, timeout=120, eager_limit=0):
+        for count, made in calls:
+            if count % per_host:
+                assert made == [], (count, made)
+            elif scatter_limit == 0:
+                assert made == ["all_gather"], (count, made)
+            else:
+                assert made == ["reduce_scatter", "all_gather"], (count, made)
+
+
+def test_waiters_sleep_at_once_when_the_world_spans_hosts():
+    """backends/hybrid.py connects the shared-memory transport of a world spread over hosts with
+    blocking_waits(tuning): no spin or yield phase (a host mate is mostly in a TCP-bound phase), but
+    values the user set (DISTCOMM_SHM_SPIN_US, ...) are kept."""
+    from distcomm.backends.hybrid import blocking_waits
+    from distcomm.transport.shm_wait import WaitPolicy
+
+    default = WaitPolicy(2, Tuning.from_env({}))
+    assert (default.spin_s, default.yield_s, default.shared_yield_s) != (0.0, 0.0, 0.0)
+    policy = WaitPolicy(2, blocking_waits(Tuning.from_env({"DISTCOMM_THRESHOLD_ALLREDUCE_HIERARCHICAL_BYTES": "7"})))
+    assert (policy.spin_s, policy.yield_s, policy.shared_yield_s) == (0.0, 0.0, 0.0)
+    tuned = blocking_waits(Tuning.from_env({"DISTCOMM_THRESHOLD_ALLREDUCE_HIERARCHICAL_BYTES": "7"}))
+    assert tuned.thresholds == {"allreduce_hierarchical_bytes": 7}  # the rest is left alone
+    user = WaitPolicy(2, blocking_waits(Tuning.from_env({"DISTCOMM_SHM_SPIN_US": "5", "DISTCOMM_SHM_YIELD_US": "30"})))
+    assert (user.spin_s, user.yield_s, user.shared_yield_s) == pytest.approx((5e-6, 30e-6, 0.0))
+    assert user.spin_s > 0 and user.yield_s > 0

@@ -8,8 +8,9 @@ device, mount namespace; the boot id is the same, it is one kernel).
 
 * every case of tests/diff_cases.py (every collective, p2p, object collectives, groups) matches
   torch's gloo run on the same hosts, and the default engine really is shared memory inside a host
-  and TCP between hosts, with the hierarchical all_reduce for the world group (the workers describe
-  their engine through its public attributes; the large all_reduce cases take the hierarchy);
+  and TCP between hosts, with the hierarchical all_reduce for the world group and its phases inside
+  a host on the shared-memory collectives (the workers describe their engine through its public
+  attributes; the large all_reduce cases take the hierarchy);
 * a host whose processes are all SIGKILLed (a worker host, or the one with the job store) makes
   the others fail promptly, naming the lost rank and its address, and nothing is left behind: no
   process, no /dev/shm segment on any host;
@@ -140,8 +141,9 @@ def assert_hybrid(info: dict[int, dict], hosts: list, nproc: int, subnet: int = 
         host = hosts[r // nproc]
         local = list(range(host.index * nproc, host.index * nproc + nproc))
         assert d["hostname"] == host.hostname, d
-        assert (d["engine"], d["collectives"], d["transport"], d["shm"], d["tcp"]) == (
-            "HybridEngine", "HierarchicalCollectives", "HybridTransport", "ShmTransport", "TcpTransport"), d
+        assert (d["engine"], d["collectives"], d["host_collectives"], d["transport"], d["shm"], d["tcp"]) == (
+            "HybridEngine", "HierarchicalCollectives", "ShmCollectives", "HybridTransport", "ShmTransport",
+            "TcpTransport"), d
         assert d["local_ranks"] == local, f"rank {r}: shared memory with {d['local_ranks']}, expected {local}"
         for q, (mine, theirs) in d["connections"].items():
             q = int(q)

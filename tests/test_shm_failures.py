@@ -192,7 +192,10 @@ def default_engine_two_hosts_body(rank, world):
     big = np.arange(70_001, dtype=np.float32) * (rank + 1)  # past 256 KiB: hierarchical
     dist.all_reduce(big)
     assert (big == np.arange(70_001, dtype=np.float32) * 10).all()
-    collectives = type(dist.group.WORLD.collectives).__name__
+    even = np.arange(70_000, dtype=np.float64) * (rank + 1)  # splits evenly between a host's ranks:
+    dist.all_reduce(even, op=dist.ReduceOp.AVG)  # its phases inside a host on the shm collectives
+    assert (even == np.arange(70_000, dtype=np.float64) * 2.5).all()
+    collectives = type(dist.group.WORLD.collectives).__name__, type(dist.group.WORLD.collectives.host).__name__
     local = dist.new_group([0, 1])
     y = np.full(10, rank, np.int64)
     if rank < 2:
@@ -228,7 +231,7 @@ def test_default_engine_across_hosts_uses_tcp_between_them():
     assert results[3][2] == [0.0, 1.0, 2.0, 3.0, 4.0]
     assert {r[3] for r in results} == {"HybridTransport"}
     assert results[0][4] == [1, 2, 3]
-    assert {r[5] for r in results} == {"HierarchicalCollectives"}  # 2 hosts x 2 ranks
+    assert {r[5] for r in results} == {("HierarchicalCollectives", "ShmCollectives")}  # 2 hosts x 2 ranks
 
 
 def _mapped_shm_segments() -> int:

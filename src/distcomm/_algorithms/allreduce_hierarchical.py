@@ -5,11 +5,14 @@ intra/inter split and of Horovod's hierarchical allreduce).
 With H hosts each holding L of the group's ranks, local rank i of every host owns the same slice
 (1/L of the buffer). Three phases, each an existing algorithm on a ``Channel.subset``:
 
-1. ring reduce-scatter among the L ranks of a host: local rank i ends with its host's sum of slice
-   (i+1) mod L;
+1. reduce-scatter among the L ranks of a host: local rank i ends with its host's sum of slice i;
 2. all_reduce of that slice among the H ranks with local index i (one per host): ``cross``, by
    default ``select.choose``'s algorithm for the slice's size and H;
-3. ring all-gather among the L ranks of a host.
+3. all-gather among the L ranks of a host.
+
+The phases inside a host are a ``HostPhases``: by default a ring over point-to-point (the last
+reduce-scatter send is waited for only before the all-gather, see ``_reduce_scatter``); an engine
+may pass collectives it has among the ranks of a host (backends/hierarchical.py: shared memory).
 
 Why: on a hybrid transport the links inside a host are shared memory and those between hosts TCP.
 A flat ring over all H·L ranks sends 2(HL-1)/(HL)·n bytes over each of its TCP hops and runs at the
@@ -29,8 +32,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..transport.base import Channel
-from ._blocks import Reducer, even_counts, offsets, ring_allgather, ring_reduce_scatter
+from ..transport.base import Channel, ChannelRequest
+from ._blocks import Reducer, even_counts, offsets, ring_allgather
 
 
 def layout(hosts: Sequence) -> tuple[list[list[int]], bool]:
@@ -43,10 +46,44 @@ def layout(hosts: Sequence) -> tuple[list[list[int]], bool]:
     return groups, len({len(g) for g in groups}) == 1
 
 
+class HostPhases:
+    """The two phases inside a host, over the host's sub-channel (sub-rank = local index i). This
+    class runs them point to point (ring reduce-scatter, ring all-gather); an engine with a faster
+    way among the ranks of a host (shared-memory collectives) passes its own."""
+
+    def __init__(self, reduce: Reducer):
+        self.reduce = reduce
+        self._sending: ChannelRequest | None = None
+
+    def reduce_scatter(self, sub: Channel, buf: np.ndarray, bounds: Sequence[int]) -> None:
+        """Reduce each block ``buf[bounds[b]:bounds[b+1]]`` among the host's ranks, in place:
+        block i ends on local rank i (so the all-gather may be another implementation's)."""
+        tmp = np.empty(2 * (bounds[1] - bounds[0]), dtype=buf.dtype)
+        # the ring from block i - 1 ends on block i
+        _, self._sending = _reduce_scatter(sub, buf, bounds, sub.rank - 1, self.reduce, tmp)
+
+    def all_gather(self, sub: Channel, buf: np.ndarray, bounds: Sequence[int], block: int) -> None:
+        """Every rank of the host gets every block; this rank holds ``block`` (its local index)."""
+        self.finish_sends()
+        ring_allgather(sub, buf, bounds, block)
+
+    def finish_sends(self) -> None:
+        """Wait for the reduce-scatter's last send: before the all-gather, which receives into
+        the block it sent."""
+        if self._sending is not None:
+            self._sending.wait()
+            self._sending = None
+
+
 def allreduce_hierarchical(ch: Channel, buf: np.ndarray, reduce: Reducer, hosts: Sequence,
-                           cross: Callable[[Channel, np.ndarray, Reducer], None]) -> None:
+                           cross: Callable[[Channel, np.ndarray, Reducer], None],
+                           phase_done: Callable[[str], None] | None = None,
+                           host_phases: HostPhases | None = None) -> None:
     """Reduce ``buf`` across the group in place; ``hosts[r]`` is group rank r's host (any hashable).
-    ``cross(channel, slice, reduce)`` all-reduces a slice among one rank per host."""
+    ``cross(channel, slice, reduce)`` all-reduces a slice among one rank per host. ``host_phases``:
+    how the phases inside a host run (by default ``HostPhases(reduce)``, point to point).
+    ``phase_done(name)``, if given, is called as each phase ends ("reduce_scatter", "cross",
+    "allgather"): what the benchmark times the phases by."""
     groups, uniform = layout(hosts)
     if not uniform:
         raise ValueError(f"hierarchical all_reduce needs the same number of ranks on every host, got {groups}")
@@ -54,13 +91,50 @@ def allreduce_hierarchical(ch: Channel, buf: np.ndarray, reduce: Reducer, hosts:
     i = mine.index(ch.rank)
     local = ch.subset(mine) if len(mine) > 1 else None
     across = ch.subset([g[i] for g in groups]) if len(groups) > 1 else None
-    L = len(mine)
-    bounds = offsets(even_counts(buf.size, L))
-    done = i
+    bounds = offsets(even_counts(buf.size, len(mine)))
+    phases = host_phases if host_phases is not None else HostPhases(reduce)
     if local is not None:
-        tmp = np.empty(2 * (bounds[1] - bounds[0]), dtype=buf.dtype)
-        done = ring_reduce_scatter(local, buf, bounds, i, reduce, tmp)
+        phases.reduce_scatter(local, buf, bounds)
+    if phase_done is not None:
+        phase_done("reduce_scatter")
     if across is not None:
-        cross(across, buf[bounds[done]: bounds[done + 1]], reduce)
+        cross(across, buf[bounds[i]: bounds[i + 1]], reduce)
+    if phase_done is not None:
+        phase_done("cross")
     if local is not None:
-        ring_allgather(local, buf, bounds, done)
+        phases.all_gather(local, buf, bounds, i)
+    if phase_done is not None:
+        phase_done("allgather")
+
+
+def _reduce_scatter(ch: Channel, buf: np.ndarray, bounds, start: int, reduce: Reducer,
+                    tmp: np.ndarray) -> tuple[int, ChannelRequest]:
+    """``_blocks.ring_reduce_scatter`` (the same steps, blocks and result), but the last step's send
+    is returned unfinished rather than waited for: it sends a block this rank does not touch until
+    the all-gather, so the hierarchy waits for it only then, after the cross-host phase. On shared
+    memory a large send completes when the peer has read it, and the peer reads it in its own wait
+    of that step: waiting here would often mean one more sleep and wake-up per call for nothing,
+    which on a loaded machine costs a scheduling delay of milliseconds."""
+    p, r = ch.size, ch.rank
+    right, left = (r + 1) % p, (r - 1) % p
+    half = tmp.size // 2
+    slots = (tmp[:half], tmp[half:])
+
+    def post(step: int):
+        block = (start - step - 1) % p
+        return ch.irecv(left, slots[step % 2][: bounds[block + 1] - bounds[block]])
+
+    recv = post(0)
+    for s in range(p - 1):
+        out_block = (start - s) % p
+        send = ch.isend(right, buf[bounds[out_block]: bounds[out_block + 1]])
+        recv.wait()
+        incoming = slots[s % 2]
+        if s + 1 < p - 1:
+            recv = post(s + 1)  # its slot was consumed by step s-1's reduction
+        in_block = (start - s - 1) % p
+        lo, hi = bounds[in_block], bounds[in_block + 1]
+        reduce(buf[lo:hi], incoming[: hi - lo])
+        if s + 1 < p - 1:
+            send.wait()  # the next step sends the block just reduced; this one must be out first
+    return (start - (p - 1)) % p, send

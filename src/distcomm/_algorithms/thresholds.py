@@ -21,7 +21,14 @@ THRESHOLDS: dict[str, int] = {
     "broadcast_large_bytes": 512 * 1024,
     "allgather_small_bytes": 64 * 1024,
     # the default engine, a group spread evenly over hosts: hierarchical all_reduce from here up
-    # (_algorithms/allreduce_hierarchical.py). Not tuned: it wins from 16 MiB across namespaced
-    # hosts, and ties with the flat algorithms at 1 MiB (docs/performance-notes.md, "Across hosts")
+    # (_algorithms/allreduce_hierarchical.py). Across two namespaced hosts it beats the TCP engine
+    # from 1 MiB and about ties it at 256 KiB (docs/performance-notes.md, "Across hosts")
     "allreduce_hierarchical_bytes": 256 * 1024,
+    # its cross-host phase between two hosts: one exchange of the whole slice up to here (slice
+    # bytes; halving-doubling's two rounds above, where the one exchange lost at 32 MiB)
+    "allreduce_hierarchical_cross_exchange_bytes": 2 << 20,
+    # and its reduce-scatter inside a host on the shared-memory collectives up to here (all_reduce
+    # bytes), point to point above, where their slot algorithm cost ~2x the CPU of the ring at
+    # 4 and 16 MiB (its all-gather is always on the shared-memory collectives)
+    "allreduce_hierarchical_host_scatter_bytes": 2 << 20,
 }
