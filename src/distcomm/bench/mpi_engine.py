@@ -9,6 +9,10 @@ the engine/raw ratios; and the best round of each (the least disturbed by other 
 
 Options: ``--sizes 8,67108864`` (bytes), ``--rounds 7``, ``--seconds 0.3`` (the target length of
 one round; at least 2 calls).
+
+``--phases``: instead, where the CPU of one 8 B all_reduce goes (time.thread_time per call over
+``--calls`` calls, rank 0's numbers): each phase of the call alone, in a loop of its own (the
+local ones communicate nothing), against the whole call, raw and through distcomm.
 """
 
 from __future__ import annotations
@@ -33,7 +37,11 @@ def main(argv=None) -> int:
     p.add_argument("--sizes", default="8,67108864", help="message sizes in bytes, comma-separated")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--seconds", type=float, default=0.3, help="target length of one round")
+    p.add_argument("--phases", action="store_true", help="CPU per phase of an 8 B all_reduce (see above)")
+    p.add_argument("--calls", type=int, default=20000, help="calls per phase (with --phases)")
     args = p.parse_args(argv)
+    if args.phases:
+        return phases(args.calls)
 
     import distcomm as dist
     from distcomm.transport.mpi import load_mpi
@@ -75,6 +83,104 @@ def main(argv=None) -> int:
             print(f"{nbytes:>10} {calls:>6} {rw * 1e6:>10.2f} {ew * 1e6:>10.2f} {ew / rw:>6.2f} {rc * 1e6:>9.2f} "
                   f"{ec * 1e6:>9.2f} {ec / max(rc, 1e-12):>6.2f} {bus / rw:>9.2f} {bus / ew:>9.2f} {rw / ew:>8.2f} "
                   f"{br * 1e6:>9.2f} {be * 1e6:>9.2f} {be / br:>6.2f}")
+    return 0
+
+
+def phases(calls: int) -> int:
+    """Print the CPU per call of each phase of an 8 B float32 SUM all_reduce (see the module doc)."""
+    import distcomm as dist
+    from distcomm import diagnostics
+    from distcomm import flight_recorder as fr
+    from distcomm._api import args as api_args
+    from distcomm.dtypes import from_numpy
+    from distcomm.profiling import profiling
+    from distcomm.transport.mpi import load_mpi
+    from distcomm.types import RedOpType
+    from distcomm.work import Work
+
+    MPI = load_mpi()
+    dist.init_process_group("mpi")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    comm = MPI.COMM_WORLD.Dup()
+    a = np.ones(2, np.float32)
+    pg = api_args.resolve_group(None, "all_reduce")
+    dist.all_reduce(a)  # builds the latency path
+    SUM, IN_PLACE, FLOAT, MSUM = RedOpType.SUM, MPI.IN_PLACE, MPI.FLOAT, MPI.SUM
+    enter, leave = pg.executor.enter_inline, pg.executor.leave_inline
+    plans = {SUM: {a.dtype.num: (FLOAT, MSUM, from_numpy(a.dtype))}}
+
+    def cpu(fn, sync: bool) -> float:
+        if sync:
+            comm.Barrier()
+        c0 = time.thread_time()
+        for _ in range(calls):
+            fn()
+        return (time.thread_time() - c0) / calls * 1e6
+
+    def p_args():
+        api_args.resolve_group(None, "all_reduce")
+        diagnostics.check_shapes or pg.fast_all_reduce
+
+    def p_view():
+        flags = a.flags
+        flags.c_contiguous and flags.writeable
+        a if a.ndim == 1 else a.reshape(-1)
+        a.__class__ is np.ndarray
+
+    def p_mapping():
+        SUM.__class__ is RedOpType and 0 < a.nbytes <= 65536
+        by_dtype = plans[SUM]
+        num = a.dtype.num
+        by_dtype[num] if num in by_dtype else None
+
+    def p_claim():
+        profiling()
+        enter()
+        leave()
+
+    def p_seq():
+        pg.next_seq()
+
+    rec = fr.recorder
+
+    def p_record():
+        if rec is not None:
+            e = rec.record("bench", 1, "all_reduce", 8, "float32", None, fr.STARTED, None, 3)
+            e[fr.T_COMPLETED], e[fr.STATE] = time.time(), fr.COMPLETED
+
+    def p_work():
+        Work("all_reduce", None)
+
+    def p_raw():
+        comm.Allreduce(IN_PLACE, [a, FLOAT], MSUM)
+
+    def p_nonblocking():
+        req = comm.Iallreduce(IN_PLACE, [a, FLOAT], MSUM)
+        while not req.Test():
+            pass
+
+    def p_engine():
+        dist.all_reduce(a)
+
+    rows = [
+        ("arg checks (resolve_group, check_shapes, fast_all_reduce lookup)", cpu(p_args, False)),
+        ("buffer view (type, flags, reshape)", cpu(p_view, False)),
+        ("ReduceOp/dtype -> MPI datatype/op (cached plan lookup)", cpu(p_mapping, False)),
+        ("executor claim/release (+ profiler check)", cpu(p_claim, False)),
+        ("sequence number", cpu(p_seq, False)),
+        ("flight recorder record + complete" + ("" if rec else " (recorder off)"), cpu(p_record, False)),
+        ("Work creation (general path only)", cpu(p_work, False)),
+        ("MPI: Iallreduce + Test loop", cpu(p_nonblocking, True)),
+        ("MPI: blocking Allreduce (= raw mpi4py)", cpu(p_raw, True)),
+        ("whole dist.all_reduce (latency path)", cpu(p_engine, True)),
+        ("whole raw comm.Allreduce again", cpu(p_raw, True)),
+    ]
+    comm.Free()
+    dist.destroy_process_group()
+    if rank == 0:
+        print(f"CPU per call of an 8 B float32 SUM all_reduce, world {size}, {calls} calls per phase (rank 0)")
+        for name, us in rows:
+            print(f"{us:>9.2f} us  {name}")
     return 0
 
 
