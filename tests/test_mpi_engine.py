@@ -142,17 +142,19 @@ def test_latency_paths(ws):
         assert got("reduce_scatter_tensor") == f"True {summed[2 * r:2 * r + 2]}"
         assert got("reduce_scatter_tensor_avg") == f"True {[v / n for v in summed[2 * r:2 * r + 2]]}"
         assert got("barrier") == "True"
+        assert got("broadcast") == "True [7.0, 7.0, 7.0]"
         expected = [("all_reduce", 1, "completed", 12), ("all_reduce", 2, "completed", 32),
                     ("all_reduce", 3, "completed", 32), ("all_reduce", 4, "completed", 16),
                     ("all_gather_into_tensor", 5, "completed", 8), ("reduce_scatter_tensor", 6, "completed", 8 * n),
-                    ("reduce_scatter_tensor", 7, "completed", 8 * n), ("barrier", 8, "completed", 0)]
+                    ("reduce_scatter_tensor", 7, "completed", 8 * n), ("barrier", 8, "completed", 0), ("broadcast", 9, "completed", 24)]
         assert got("records") == str(expected)
         # rank 0 on the latency path, the others on the general one: the same MPI calls
         assert got("mixed_all_reduce") == f"True {[float(n * (n - 1) // 2)] * 2}"
         assert got("mixed_all_gather") == f"True {[q + 5 for q in range(n)]}"
         assert got("mixed_reduce_scatter") == f"True {[float(r * n * (n + 1) // 2)]}"
         assert got("mixed_barrier") == "True"
-        assert got("declined") == "[False, False, False, False]"
+        assert got("mixed_broadcast") == "True [1.0, 1.0]"
+        assert got("declined") == str([False] * 6)
         assert got("finished") == ""
         if r == 1:  # the late rank completes the call the others gave up on
             assert got("timeout") == "ok True"

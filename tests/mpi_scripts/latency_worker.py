@@ -6,7 +6,7 @@ ProcessGroup calls), so a line says both that the path took the call (it returne
 the call computed. The calls are made:
 
 1. on every rank through the path: all_reduce of numpy and torch (SUM, AVG, MAX of int64),
-   all_gather_into_tensor, reduce_scatter_tensor (SUM, AVG), barrier;
+   all_gather_into_tensor, reduce_scatter_tensor (SUM, AVG), barrier, broadcast;
 2. through the path on rank 0 and the general path (async_op=True) on the others: the two must
    make the same MPI call, or this hangs until the harness's deadline;
 3. calls the path must decline (PREMUL_SUM, an output overlapping the input, too large);
@@ -59,6 +59,10 @@ rt = torch.zeros(2, dtype=torch.float32)
 took = paths.reduce_scatter_tensor(as_buffer(rt), as_buffer(torch.from_numpy(inp)), AVG)
 say(f"{rank} reduce_scatter_tensor_avg {took} {rt.tolist()}")
 say(f"{rank} barrier {paths.barrier()}")
+root = size - 1
+c = np.full(3, 7.0 if rank == root else 0.0)
+took = paths.broadcast(as_buffer(c), root)
+say(f"{rank} broadcast {took} {c.tolist()}")
 records = [(e[fr.OP], e[fr.SEQ], e[fr.STATE], e[fr.NBYTES]) for e in fr.recorder.entries()
            if e[fr.GROUP] == g.group_name]
 say(f"{rank} records {records}")
@@ -89,6 +93,12 @@ if rank == 0:
 else:
     took = dist.barrier(group=g, async_op=True).wait()
 say(f"{rank} mixed_barrier {took}")
+d = torch.full((2,), float(rank))
+if rank == 0:
+    took = paths.broadcast(as_buffer(d), 1)
+else:
+    took = dist.broadcast(d, src=1, group=g, async_op=True).wait()
+say(f"{rank} mixed_broadcast {took} {d.tolist()}")
 
 # 3. what the paths decline (having done nothing): the general path then runs it
 whole = np.arange(2 * size, dtype=np.float32)
@@ -97,8 +107,13 @@ declined = [
     paths.reduce_scatter_tensor(as_buffer(whole[:2]), as_buffer(whole), SUM),  # the output is in the input
     paths.all_reduce(np.ones(64 * 1024 // 4 + 1, np.float32), SUM),  # past LIMIT
     paths.all_reduce(np.ones(4, np.float16), SUM),  # MPI has no float16: distcomm's algorithms run it
+    paths.broadcast(as_buffer(np.zeros(0)), 0),  # nothing to send
 ]
 dist.all_reduce(np.ones(2, np.float32), group=g)  # the group still works in step on every rank
+# DETAIL's shape check: the general path exchanges fingerprints first, so the paths on Buffers decline
+dist.set_debug_level(dist.DebugLevel.DETAIL)
+declined.append(paths.broadcast(as_buffer(np.zeros(2)), 0))
+dist.set_debug_level(dist.DebugLevel.OFF)
 say(f"{rank} declined {declined}")
 
 # 5. a latency-path call that times out inside MPI

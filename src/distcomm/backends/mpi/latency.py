@@ -10,7 +10,7 @@ tested to the group's deadline. They are:
 * all_reduce (on the tensor, before any Buffer is made): ``Iallreduce`` in place; it takes only a
   C-contiguous writeable numpy array or a contiguous CPU torch tensor (not bfloat16);
 * barrier: ``Ibarrier``;
-* all_gather_into_tensor (on the ProcessGroup method's Buffers): ``Iallgather`` in place, this
+* on the ProcessGroup method's Buffers: all_gather_into_tensor: ``Iallgather`` in place, this
   rank's block copied in first;
 * reduce_scatter_tensor: ``Ireduce_scatter_block`` from the input (declined when the output
   overlaps it: the general path reduces a copy).
@@ -23,8 +23,11 @@ Once a path has taken a sequence number it completes the call or raises as the g
 the error names the operation, sequence number and rank, is told to the flight recorder and
 ``diagnostics.on_fault``, and a timeout inside MPI marks the group broken (``MpiCollectives``).
 
-broadcast has none: the general path's root check (``GroupCollectives.check_root``, two messages
-over ``MpiTransport``) would have to be run here too, and is most of the call.
+* broadcast: the general path's root check (``GroupCollectives.check_root``: two messages over
+  ``MpiTransport`` on a Channel) then ``Ibcast``.
+
+The Buffer-level paths also decline while DETAIL's shape check is on (``diagnostics.check_shapes``):
+the general path then exchanges fingerprints first, which a member on this path would not.
 """
 
 from __future__ import annotations
@@ -201,24 +204,30 @@ def build(pg, collectives) -> FastPath:
         return True
 
     # -- on the ProcessGroup method's Buffers ----------------------------------------------------
-    sigs: dict = {}  # (op, dtype code, reduce op code) -> signature
+    sigs: dict = {}  # (op, dtype code, reduce op code, root) -> signature
 
-    def sig_of(op: str, code: int, red: int = 0) -> int:
-        key = (op, code, red)
+    def sig_of(op: str, code: int, red: int = 0, root: int | None = None) -> int:
+        key = (op, code, red, root)
         sig = sigs.get(key)
         if sig is None:
-            sig = sigs[key] = signature(op, code, red)
+            sig = sigs[key] = signature(op, code, red, root)
         return sig
 
-    def run(op: str, sig: int, described, start, buffers) -> None:
+    def claim_buffers() -> bool:
+        return not diagnostics.check_shapes and claim()
+
+    def run(op: str, sig: int, described, start, buffers, root: int | None = None) -> None:
         """One claimed call: its sequence number, its record (of ``described``, the Buffer the
-        general path describes), ``start()`` (the MPI call) tested to the deadline."""
+        general path describes), for a rooted call the general path's root check, then
+        ``start()`` (the MPI call) tested to the deadline."""
         seq = next_seq()
         # call site depth 3: run's caller and up (the walk skips distcomm's own frames)
         record = None if fr.recorder is None else fr.recorder.record(
-            group, seq, op, described.flat.nbytes, described.dtype.name, None, STARTED, None, 3)
+            group, seq, op, described.flat.nbytes, described.dtype.name, root, STARTED, None, 3)
         req = None
         try:
+            if root is not None:
+                collectives.check_root(pg.channel(op, seq, sig), root, "src")
             req = start()
             wait(req)
         except BaseException as exc:
@@ -238,7 +247,7 @@ def build(pg, collectives) -> FastPath:
         block = flat_out[rank * count:(rank + 1) * count]
         if not np.shares_memory(block, send):
             block[...] = send
-        if not claim():
+        if not claim_buffers():
             return False
         b = flat_out.reshape(-1).view(np.uint8)
         run("all_gather_into_tensor", sig_of("all_gather_into_tensor", inp.dtype.code), inp,
@@ -252,7 +261,7 @@ def build(pg, collectives) -> FastPath:
         if op.__class__ is not RedOpType or not n or send.nbytes > LIMIT or np.may_share_memory(flat_out, send):
             return False
         native = collectives.reduction(op, out.dtype)
-        if native is None or not claim():
+        if native is None or not claim_buffers():
             return False
         mtype, mop = native
         send = send[: n * size]
@@ -263,5 +272,15 @@ def build(pg, collectives) -> FastPath:
         out.commit()
         return True
 
+    def small_broadcast(buf, root) -> bool:
+        flat = buf.flat
+        if not flat.size or flat.nbytes > LIMIT or not claim_buffers():
+            return False
+        b = flat.reshape(-1).view(np.uint8)
+        run("broadcast", sig_of("broadcast", buf.dtype.code, root=root), buf,
+            lambda: comm.Ibcast([b, BYTE], root), (flat,), root)
+        buf.commit()
+        return True
+
     return FastPath(small_all_reduce, small_barrier, allgather_into_tensor=small_all_gather_into_tensor,
-                    reduce_scatter_tensor=small_reduce_scatter_tensor)
+                    reduce_scatter_tensor=small_reduce_scatter_tensor, broadcast=small_broadcast)
