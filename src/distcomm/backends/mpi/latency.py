@@ -54,6 +54,7 @@ from ..engine import FastPath
 LIMIT = 64 * 1024  # bytes: past this the call's own cost is MPI's, and the general path adds nothing to it
 
 _ndarray = np.ndarray
+_modules = sys.modules
 _storage: dict = {}  # torch dtype -> numpy dtype of its elements
 
 
@@ -80,26 +81,29 @@ def build(pg, collectives) -> FastPath:
     size = len(pg.spec.ranks)
     rank = pg.rank()
     IN_PLACE, BYTE = MPI.IN_PLACE, MPI.BYTE
+    AVG = RedOpType.AVG
     mpi_exception = MPI.Exception
     # for the flight recorder: its fields and states, and the clock, bound once
     group, STARTED, COMPLETED, STATE, T_COMPLETED, now = (pg.group_name, fr.STARTED, fr.COMPLETED, fr.STATE,
                                                           fr.T_COMPLETED, time.time)
-    # op -> {numpy dtype number: (MPI datatype, MPI op, DType, signature) or None}: two cheap
+    # op -> {numpy dtype number: (MPI datatype, MPI op, DType, its name, signature) or None}: two cheap
     # lookups, where an (op, np.dtype) key would hash a dtype object on every call
     plans: dict = {op: {} for op in RedOpType}
     barrier_sig = signature("barrier")
     # The last torch tensor taken, its data pointer and its memory as numpy: a loop that reduces
     # the same tensor call after call skips the conversion (about 2.5 µs). One tuple, read and
     # replaced whole: threads sharing the group never pair one tensor with another's view.
-    last_tensor: list = [(None, 0, None)]
+    # (``t.data = ...`` can swap a tensor's memory and dtype: both are checked.)
+    last_tensor: list = [(None, 0, None, None)]
 
     def tensor_flat(t):
-        known, address, flat = last_tensor[0]
-        if t is known and t.data_ptr() == address and t.numel() == flat.size and t.is_contiguous():
+        known, address, dtype, flat = last_tensor[0]
+        if t is known and t.data_ptr() == address and t.dtype is dtype and t.numel() == flat.size \
+                and t.is_contiguous():
             return flat
         flat = _torch_flat(t)
         if flat is not None and flat.nbytes <= LIMIT:
-            last_tensor[0] = (t, t.data_ptr(), flat)
+            last_tensor[0] = (t, t.data_ptr(), t.dtype, flat)
         return flat
 
     def plan(op, np_dtype):
@@ -110,7 +114,7 @@ def build(pg, collectives) -> FastPath:
             entry = None  # the general path raises the error
         else:
             native = collectives.reduction(op, dtype)
-            entry = None if native is None else (native[0], native[1], dtype,
+            entry = None if native is None else (native[0], native[1], dtype, dtype.name,
                                                  signature("all_reduce", dtype.code, int(op)))
         plans[op][np_dtype.num] = entry
         return entry
@@ -157,19 +161,22 @@ def build(pg, collectives) -> FastPath:
                 return False
         else:
             return False
-        if op.__class__ is not RedOpType or not 0 < flat.nbytes <= LIMIT:
+        nbytes = flat.nbytes
+        if op.__class__ is not RedOpType or not 0 < nbytes <= LIMIT:
             return False
         by_dtype = plans[op]
         num = flat.dtype.num
         entry = by_dtype[num] if num in by_dtype else plan(op, flat.dtype)
-        # claim(), inlined: this is the path whose every call is counted
-        if entry is None or collectives.broken is not None or profiling() is not None or not enter():
+        # claim(), inlined (this is the path whose every call is counted); no profiler can be on
+        # while torch is not loaded
+        if entry is None or collectives.broken is not None or (
+                "torch" in _modules and profiling() is not None) or not enter():
             return False
-        mtype, mop, dtype, sig = entry
+        mtype, mop, dtype, dtype_name, sig = entry
         seq = next_seq()
         # call site depth 3: this function's caller (the API function) and up
-        record = None if fr.recorder is None else fr.recorder.record(group, seq, "all_reduce", flat.nbytes,
-                                                                     dtype.name, None, STARTED, None, 3)
+        record = None if fr.recorder is None else fr.recorder.record(group, seq, "all_reduce", nbytes, dtype_name,
+                                                                     None, STARTED, None, 3)
         req = None
         try:
             req = comm.Iallreduce(IN_PLACE, [flat, mtype], mop)
@@ -181,7 +188,7 @@ def build(pg, collectives) -> FastPath:
             leave()
         if record is not None:
             record[T_COMPLETED], record[STATE] = now(), COMPLETED
-        if op is RedOpType.AVG:
+        if op is AVG:
             finish(op, flat, size, dtype)
         return True
 
