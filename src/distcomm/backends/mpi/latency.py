@@ -247,16 +247,16 @@ def build(pg, collectives) -> FastPath:
     def small_all_gather_into_tensor(out, inp) -> bool:
         flat_out, send = out.flat, inp.flat
         count = send.size
-        if not count or flat_out.nbytes > LIMIT:
+        if not count or flat_out.nbytes > LIMIT or not claim_buffers():
             return False
-        # what ProcessGroup._gather_into does before MpiCollectives.all_gather (done before the
-        # claim, which may send the call the general way: it then copies the same bytes again)
-        block = flat_out[rank * count:(rank + 1) * count]
-        if not np.shares_memory(block, send):
-            block[...] = send
-        if not claim_buffers():
-            return False
-        b = flat_out.reshape(-1).view(np.uint8)
+        try:  # what ProcessGroup._gather_into does before MpiCollectives.all_gather
+            block = flat_out[rank * count:(rank + 1) * count]
+            if not np.shares_memory(block, send):
+                block[...] = send
+            b = flat_out.reshape(-1).view(np.uint8)
+        except BaseException:
+            leave()
+            raise
         run("all_gather_into_tensor", sig_of("all_gather_into_tensor", inp.dtype.code), inp,
             lambda: comm.Iallgather(IN_PLACE, [b, BYTE]), (flat_out,))
         out.commit()
