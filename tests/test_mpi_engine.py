@@ -146,7 +146,8 @@ def test_latency_paths(ws):
         expected = [("all_reduce", 1, "completed", 12), ("all_reduce", 2, "completed", 32),
                     ("all_reduce", 3, "completed", 32), ("all_reduce", 4, "completed", 16),
                     ("all_gather_into_tensor", 5, "completed", 8), ("reduce_scatter_tensor", 6, "completed", 8 * n),
-                    ("reduce_scatter_tensor", 7, "completed", 8 * n), ("barrier", 8, "completed", 0), ("broadcast", 9, "completed", 24)]
+                    ("reduce_scatter_tensor", 7, "completed", 8 * n), ("barrier", 8, "completed", 0),
+                    ("broadcast", 9, "completed", 24)]
         assert got("records") == str(expected)
         # rank 0 on the latency path, the others on the general one: the same MPI calls
         assert got("mixed_all_reduce") == f"True {[float(n * (n - 1) // 2)] * 2}"

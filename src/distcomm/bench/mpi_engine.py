@@ -14,9 +14,10 @@ needed: the job learns them from mpiexec.
 Options: ``--sizes 8,67108864`` (bytes), ``--rounds 7``, ``--seconds 0.3`` (the target length of
 one round; at least ``--min-calls``, default 2), ``--each 2000``.
 
-``--phases``: instead, where the CPU of one 8 B all_reduce goes (time.thread_time per call over
-the least of 5 loops of ``--calls`` calls, rank 0's numbers): each phase of the call alone, in a loop of its own (the
-local ones communicate nothing), against the whole call, raw and through distcomm. Under
+``--phases``: instead, where the CPU of one 8 B all_reduce goes (time.thread_time per call, the
+least of 5 loops of ``--calls`` calls, rank 0's numbers): each phase of the call alone, in a loop
+of its own (the local ones communicate nothing), against the whole call, raw and through distcomm,
+and the latency path alone (``ProcessGroup.fast_all_reduce``). Under
 ``mpiexec -n 1`` nothing waits for a peer, so the whole calls are the CPU each costs on its own;
 the engine has no latency path for a world of one (nothing to wait for: the general path runs),
 so the bench builds the MPI latency path on it itself to time it.
@@ -103,7 +104,8 @@ def main(argv=None) -> int:
             bus = 2 * (size - 1) / size * nbytes / 1e9
             print(f"{nbytes:>10} {calls:>6} {rw * 1e6:>10.2f} {ew * 1e6:>10.2f} {ew / rw:>6.2f} {rc * 1e6:>9.2f} "
                   f"{ec * 1e6:>9.2f} {ec / max(rc, 1e-12):>6.2f} {bus / rw:>9.2f} {bus / ew:>9.2f} {rw / ew:>8.2f} "
-                  f"{br * 1e6:>9.2f} {be * 1e6:>9.2f} {be / br:>6.2f} {pr * 1e6:>8.2f} {pe * 1e6:>8.2f} {pe / pr:>6.2f}")
+                  f"{br * 1e6:>9.2f} {be * 1e6:>9.2f} {be / br:>6.2f} {pr * 1e6:>8.2f} {pe * 1e6:>8.2f} "
+                  f"{pe / pr:>6.2f}")
     return 0
 
 
