@@ -8,6 +8,9 @@ whole job (mpi_harness.run_mpiexec), and with no torch variables in the environm
   gloo's results, or distcomm's documented reference where gloo refuses);
 * errors: a collective and a receive that time out name the op, sequence number and rank; messages
   of the wrong size are mismatches naming the peer; a tag past MPI_TAG_UB is refused;
+* the latency paths (backends/mpi/latency.py) take small synchronous calls, compute what the
+  general path does, meet a member running the same call on the general path, record the calls
+  in the flight recorder, decline what they cannot run, and honour a timeout;
 * a rank killed in the middle of a job ends the job (MPICH's launcher aborts it) instead of
   leaving the others hanging.
 
@@ -122,6 +125,48 @@ def test_collective_timeout_names_op_seq_rank_and_breaks_the_group(error_lines):
 def test_receive_timeout_names_the_peer(error_lines):
     text = error_lines[(0, "timeout_recv")]
     assert text.startswith("DistTimeoutError: recv on rank 0 (peer rank 1) (tag 5): timed out"), text
+
+
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+def test_latency_paths(ws):
+    lines = _lines(ws, "latency_worker.py")
+    n = ws
+    total = float(n * (n + 1) // 2)
+    summed = [float(n * k + n * (n - 1) // 2) for k in range(2 * n)]  # of arange(2n) + r over the ranks
+    for r in range(n):
+        got = lambda check: lines.get((r, check))  # noqa: E731
+        assert got("all_reduce_numpy") == f"True {[total] * 3}"
+        assert got("all_reduce_torch") == f"True True {[total] * 4}"  # AVG then SUM
+        assert got("all_reduce_max") == f"True {[n - 1, 0]}"
+        assert got("all_gather_into_tensor") == f"True {[v for q in range(n) for v in (q, 10 * q)]}"
+        assert got("reduce_scatter_tensor") == f"True {summed[2 * r:2 * r + 2]}"
+        assert got("reduce_scatter_tensor_avg") == f"True {[v / n for v in summed[2 * r:2 * r + 2]]}"
+        assert got("barrier") == "True"
+        assert got("broadcast") == "True [7.0, 7.0, 7.0]"
+        expected = [("all_reduce", 1, "completed", 12), ("all_reduce", 2, "completed", 32),
+                    ("all_reduce", 3, "completed", 32), ("all_reduce", 4, "completed", 16),
+                    ("all_gather_into_tensor", 5, "completed", 8), ("reduce_scatter_tensor", 6, "completed", 8 * n),
+                    ("reduce_scatter_tensor", 7, "completed", 8 * n), ("barrier", 8, "completed", 0),
+                    ("broadcast", 9, "completed", 24)]
+        assert got("records") == str(expected)
+        # rank 0 on the latency path, the others on the general one: the same MPI calls
+        assert got("mixed_all_reduce") == f"True {[float(n * (n - 1) // 2)] * 2}"
+        assert got("mixed_all_gather") == f"True {[q + 5 for q in range(n)]}"
+        assert got("mixed_reduce_scatter") == f"True {[float(r * n * (n + 1) // 2)]}"
+        assert got("mixed_barrier") == "True"
+        assert got("mixed_broadcast") == "True [1.0, 1.0]"
+        assert got("declined") == str([False] * 6)
+        assert got("finished") == ""
+        if r == 1:  # the late rank completes the call the others gave up on
+            assert got("timeout") == "ok True"
+            assert got("timeout_record") == "all_gather_into_tensor 1 completed"
+        else:
+            assert got("timeout").startswith(
+                f"DistTimeoutError: all_gather_into_tensor #1 on rank {r}: timed out"), got("timeout")
+            assert got("timeout_record") == "all_gather_into_tensor 1 failed"
+    after = lines[(0, "after_timeout")]
+    assert after.startswith("DistBackendError: barrier #2 on rank 0: the group cannot be used any more: "
+                            "all_gather_into_tensor #1 timed out inside MPI"), after
 
 
 def test_size_mismatches_are_reported_both_ways(error_lines):

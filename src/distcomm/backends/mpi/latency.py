@@ -1,25 +1,48 @@
-"""The MPI engine's latency path: a small synchronous all_reduce or barrier, straight to MPI.
+"""The MPI engine's latency paths: small synchronous collectives, straight to MPI.
 
-The general path (``ProcessGroup.allreduce`` -> executor -> Channel -> ``MpiCollectives``) costs
-tens of Python calls around a 3 µs MPI call; this one checks the call, claims the group
-(``executor.enter_inline``), takes the sequence number and runs the same nonblocking MPI call,
-tested to the group's deadline. It takes only a C-contiguous writeable numpy array or a contiguous
-CPU torch tensor (not bfloat16) of at most ``LIMIT`` bytes, with a plain ReduceOp that MPI computes
-natively (``native``); anything else returns False having done nothing, and the general path runs
-it (or raises its error). A busy or broken group, and torch's profiler recording, go the general
-way too.
+The general path (``ProcessGroup.<method>`` -> executor -> Work/Channel -> ``MpiCollectives``) costs
+tens of Python calls around a 3 µs MPI call; these check the call, claim the group
+(``executor.enter_inline``), take the sequence number, record the call in the flight recorder and
+run the very nonblocking MPI call the general path would make (a member running the same call
+through the general path meets it: MPI matches nonblocking collectives only with nonblocking ones),
+tested to the group's deadline. They are:
+
+* all_reduce (on the tensor, before any Buffer is made): ``Iallreduce`` in place; it takes only a
+  C-contiguous writeable numpy array or a contiguous CPU torch tensor (not bfloat16);
+* barrier: ``Ibarrier``;
+* on the ProcessGroup method's Buffers: all_gather_into_tensor: ``Iallgather`` in place, this
+  rank's block copied in first;
+* reduce_scatter_tensor: ``Ireduce_scatter_block`` from the input (declined when the output
+  overlaps it: the general path reduces a copy).
+
+Each takes at most ``LIMIT`` bytes (all_reduce, all_gather's output, reduce_scatter's input) and,
+for reductions, a plain ReduceOp that MPI computes natively (``native``); anything else returns
+False having done nothing, and the general path runs it (or raises its error). A busy or broken
+group, and torch's profiler recording (the general path records the call), go the general way too.
+Once a path has taken a sequence number it completes the call or raises as the general path does:
+the error names the operation, sequence number and rank, is told to the flight recorder and
+``diagnostics.on_fault``, and a timeout inside MPI marks the group broken (``MpiCollectives``).
+
+* broadcast: the general path's root check (``GroupCollectives.check_root``: two messages over
+  ``MpiTransport`` on a Channel) then ``Ibcast``.
+
+The Buffer-level paths also decline while DETAIL's shape check is on (``diagnostics.check_shapes``):
+the general path then exchanges fingerprints first, which a member on this path would not.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from time import monotonic as _monotonic
 
 import numpy as np
 
+from ... import diagnostics
+from ... import flight_recorder as fr
 from ...buffers import tensor_memory
 from ...dtypes import from_numpy
-from ...errors import DistBackendError
+from ...errors import DistBackendError, DistError
 from ...profiling import profiling
 from ...reduction import check_supported, finish
 from ...signatures import signature
@@ -31,6 +54,7 @@ from ..engine import FastPath
 LIMIT = 64 * 1024  # bytes: past this the call's own cost is MPI's, and the general path adds nothing to it
 
 _ndarray = np.ndarray
+_modules = sys.modules
 _storage: dict = {}  # torch dtype -> numpy dtype of its elements
 
 
@@ -42,6 +66,7 @@ def _torch_flat(t):
     storage = _storage.get(t.dtype)
     if storage is None:
         storage = _storage[t.dtype] = torch.empty(0, dtype=t.dtype).numpy().dtype
+    # not Tensor.numpy(), which would make the tensor's storage non-resizable (see tensor_memory)
     return tensor_memory(t, storage)
 
 
@@ -54,31 +79,76 @@ def build(pg, collectives) -> FastPath:
     enter, leave = executor.enter_inline, executor.leave_inline
     next_seq = pg.next_seq
     size = len(pg.spec.ranks)
-    IN_PLACE = MPI.IN_PLACE
-    # op -> {numpy dtype number: (MPI datatype, MPI op, DType) or None}: two cheap lookups, where a
-    # (op, np.dtype) key would hash a dtype object on every call
+    rank = pg.rank()
+    IN_PLACE, BYTE = MPI.IN_PLACE, MPI.BYTE
+    AVG = RedOpType.AVG
+    mpi_exception = MPI.Exception
+    # for the flight recorder: its fields and states, and the clock, bound once
+    group, STARTED, COMPLETED, STATE, T_COMPLETED, now = (pg.group_name, fr.STARTED, fr.COMPLETED, fr.STATE,
+                                                          fr.T_COMPLETED, time.time)
+    # op -> {numpy dtype number: (MPI datatype, MPI op, DType, its name, signature) or None}: two cheap
+    # lookups, where an (op, np.dtype) key would hash a dtype object on every call
     plans: dict = {op: {} for op in RedOpType}
+    barrier_sig = signature("barrier")
+    # The last torch tensor taken, its data pointer and its memory as numpy: a loop that reduces
+    # the same tensor call after call skips the conversion (about 2.5 µs). One tuple, read and
+    # replaced whole: threads sharing the group never pair one tensor with another's view.
+    # (``t.data = ...`` can swap a tensor's memory and dtype: both are checked.)
+    last_tensor: list = [(None, 0, None, None)]
+
+    def tensor_flat(t):
+        known, address, dtype, flat = last_tensor[0]
+        if t is known and t.data_ptr() == address and t.dtype is dtype and t.numel() == flat.size \
+                and t.is_contiguous():
+            return flat
+        flat = _torch_flat(t)
+        if flat is not None and flat.nbytes <= LIMIT:
+            last_tensor[0] = (t, t.data_ptr(), t.dtype, flat)
+        return flat
 
     def plan(op, np_dtype):
         try:
             dtype = from_numpy(np_dtype)
             check_supported(op, dtype)
         except (TypeError, ValueError, DistBackendError):
-            entry = None
+            entry = None  # the general path raises the error
         else:
             native = collectives.reduction(op, dtype)
-            entry = None if native is None else (native[0], native[1], dtype)
+            entry = None if native is None else (native[0], native[1], dtype, dtype.name,
+                                                 signature("all_reduce", dtype.code, int(op)))
         plans[op][np_dtype.num] = entry
         return entry
 
-    def fail(exc, op: str, seq: int, sig: int, req, buf):
-        if isinstance(exc, TransportError):
-            if exc.reason == "timeout":
-                collectives.broken = f"{op} #{seq} timed out inside MPI"
-                collectives.abandoned.append((req, (buf,)))
-            raise pg.channel(op, seq, sig).translate(exc, None) from None
-        raise pg.channel(op, seq, sig).translate(mpi_error(MPI, exc, None, "MPI collective"), None) from None
+    def claim() -> bool:
+        """The group is ours for this call (then ``leave()`` must follow), or the general path's."""
+        return collectives.broken is None and profiling() is None and enter()
 
+    def wait(req) -> None:
+        if not req.Test():  # the deadline is computed only for a call that has to wait
+            wait_request(MPI, req, _monotonic() + pg.timeout.total_seconds(), None, closed)
+
+    def fail(exc, op: str, seq: int, sig: int, req, buffers, record):
+        """Raise the failure of a claimed call as the general path would (``MpiCollectives.native``
+        and ``ProcessGroup.run``): in the operation's words, told to the flight recorder and to
+        ``diagnostics.on_fault``; a timeout inside MPI breaks the group."""
+        translated = isinstance(exc, (TransportError, mpi_exception))
+        if translated:
+            if not isinstance(exc, TransportError):
+                exc = mpi_error(MPI, exc, None, "MPI collective")
+            elif exc.reason == "timeout":
+                exc = TransportError(f"{exc} in MPI (MPI does not say which rank has not joined)", reason="timeout")
+                collectives.broken = f"{op} #{seq} timed out inside MPI"
+                collectives.abandoned.append((req, buffers))
+            exc = pg.channel(op, seq, sig).translate(exc, None)
+        if record is not None:
+            fr.fail(record, exc)
+        if isinstance(exc, DistError):
+            diagnostics.on_fault(pg, exc, op, seq)
+        if translated:
+            raise exc from None
+        raise exc
+
+    # -- on the tensor, before any Buffer is made ------------------------------------------------
     def small_all_reduce(tensor, op) -> bool:
         if tensor.__class__ is _ndarray:
             flags = tensor.flags
@@ -86,47 +156,138 @@ def build(pg, collectives) -> FastPath:
                 return False
             flat = tensor if tensor.ndim == 1 else tensor.reshape(-1)
         elif "torch" in sys.modules and isinstance(tensor, sys.modules["torch"].Tensor):
-            flat = _torch_flat(tensor)
+            flat = tensor_flat(tensor)
             if flat is None:
                 return False
         else:
             return False
-        if op.__class__ is not RedOpType or not 0 < flat.nbytes <= LIMIT or collectives.broken is not None:
+        nbytes = flat.nbytes
+        if op.__class__ is not RedOpType or not 0 < nbytes <= LIMIT:
             return False
-        np_dtype = flat.dtype
         by_dtype = plans[op]
-        num = np_dtype.num
-        entry = by_dtype[num] if num in by_dtype else plan(op, np_dtype)
-        if entry is None or profiling() is not None or not enter():
+        num = flat.dtype.num
+        entry = by_dtype[num] if num in by_dtype else plan(op, flat.dtype)
+        # claim(), inlined (this is the path whose every call is counted); no profiler can be on
+        # while torch is not loaded
+        if entry is None or collectives.broken is not None or (
+                "torch" in _modules and profiling() is not None) or not enter():
             return False
-        mtype, mop, dtype = entry
+        mtype, mop, dtype, dtype_name, sig = entry
         seq = next_seq()
+        # call site depth 3: this function's caller (the API function) and up
+        record = None if fr.recorder is None else fr.recorder.record(group, seq, "all_reduce", nbytes, dtype_name,
+                                                                     None, STARTED, None, 3)
         req = None
         try:
             req = comm.Iallreduce(IN_PLACE, [flat, mtype], mop)
-            if not req.Test():  # the deadline is computed only for a call that has to wait
+            if not req.Test():  # wait(), inlined
                 wait_request(MPI, req, _monotonic() + pg.timeout.total_seconds(), None, closed)
-        except (TransportError, MPI.Exception) as exc:
-            fail(exc, "all_reduce", seq, signature("all_reduce", dtype.code, int(op)), req, flat)
+        except BaseException as exc:
+            fail(exc, "all_reduce", seq, sig, req, (flat,), record)
         finally:
             leave()
-        if op is RedOpType.AVG:
+        if record is not None:
+            record[T_COMPLETED], record[STATE] = now(), COMPLETED
+        if op is AVG:
             finish(op, flat, size, dtype)
         return True
 
     def small_barrier() -> bool:
-        if collectives.broken is not None or profiling() is not None or not enter():
+        if not claim():
             return False
         seq = next_seq()
+        record = None if fr.recorder is None else fr.recorder.record(group, seq, "barrier", 0, None, None, STARTED,
+                                                                     None, 3)
         req = None
         try:
             req = comm.Ibarrier()
-            if not req.Test():
-                wait_request(MPI, req, _monotonic() + pg.timeout.total_seconds(), None, closed)
-        except (TransportError, MPI.Exception) as exc:
-            fail(exc, "barrier", seq, signature("barrier"), req, None)
+            wait(req)
+        except BaseException as exc:
+            fail(exc, "barrier", seq, barrier_sig, req, (), record)
         finally:
             leave()
+        if record is not None:
+            record[T_COMPLETED], record[STATE] = now(), COMPLETED
         return True
 
-    return FastPath(small_all_reduce, small_barrier)
+    # -- on the ProcessGroup method's Buffers ----------------------------------------------------
+    sigs: dict = {}  # (op, dtype code, reduce op code, root) -> signature
+
+    def sig_of(op: str, code: int, red: int = 0, root: int | None = None) -> int:
+        key = (op, code, red, root)
+        sig = sigs.get(key)
+        if sig is None:
+            sig = sigs[key] = signature(op, code, red, root)
+        return sig
+
+    def claim_buffers() -> bool:
+        return not diagnostics.check_shapes and claim()
+
+    def run(op: str, sig: int, described, start, buffers, root: int | None = None) -> None:
+        """One claimed call: its sequence number, its record (of ``described``, the Buffer the
+        general path describes), for a rooted call the general path's root check, then
+        ``start()`` (the MPI call) tested to the deadline."""
+        seq = next_seq()
+        # call site depth 3: run's caller and up (the walk skips distcomm's own frames)
+        record = None if fr.recorder is None else fr.recorder.record(
+            group, seq, op, described.flat.nbytes, described.dtype.name, root, STARTED, None, 3)
+        req = None
+        try:
+            if root is not None:
+                collectives.check_root(pg.channel(op, seq, sig), root, "src")
+            req = start()
+            wait(req)
+        except BaseException as exc:
+            fail(exc, op, seq, sig, req, buffers, record)
+        finally:
+            leave()
+        if record is not None:
+            record[T_COMPLETED], record[STATE] = now(), COMPLETED
+
+    def small_all_gather_into_tensor(out, inp) -> bool:
+        flat_out, send = out.flat, inp.flat
+        count = send.size
+        if not count or flat_out.nbytes > LIMIT or not claim_buffers():
+            return False
+        try:  # what ProcessGroup._gather_into does before MpiCollectives.all_gather
+            block = flat_out[rank * count:(rank + 1) * count]
+            if not np.shares_memory(block, send):
+                block[...] = send
+            b = flat_out.reshape(-1).view(np.uint8)
+        except BaseException:
+            leave()
+            raise
+        run("all_gather_into_tensor", sig_of("all_gather_into_tensor", inp.dtype.code), inp,
+            lambda: comm.Iallgather(IN_PLACE, [b, BYTE]), (flat_out,))
+        out.commit()
+        return True
+
+    def small_reduce_scatter_tensor(out, inp, op) -> bool:
+        flat_out, send = out.flat, inp.flat
+        n = flat_out.size
+        if op.__class__ is not RedOpType or not n or send.nbytes > LIMIT or np.may_share_memory(flat_out, send):
+            return False
+        native = collectives.reduction(op, out.dtype)
+        if native is None or not claim_buffers():
+            return False
+        mtype, mop = native
+        send = send[: n * size]
+        run("reduce_scatter_tensor", sig_of("reduce_scatter_tensor", out.dtype.code, int(op)), inp,
+            lambda: comm.Ireduce_scatter_block([send, mtype], [flat_out, mtype], mop), (send, flat_out))
+        if op is RedOpType.AVG:
+            finish(op, flat_out, size, out.dtype)
+        out.commit()
+        return True
+
+    def small_broadcast(buf, root) -> bool:
+        flat = buf.flat
+        if not flat.size or flat.nbytes > LIMIT or not claim_buffers():
+            return False
+        b = flat.reshape(-1).view(np.uint8)
+        run("broadcast", sig_of("broadcast", buf.dtype.code, root=root), buf,
+            lambda: comm.Ibcast([b, BYTE], root), (flat,), root)
+        buf.commit()
+        return True
+
+    return FastPath(small_all_reduce, small_barrier, allgather_into_tensor=small_all_gather_into_tensor,
+                    reduce_scatter_tensor=small_reduce_scatter_tensor, broadcast=small_broadcast)
