@@ -10,7 +10,10 @@ server thread competing for its GIL); the round trip is timed per iteration from
 process, and from the master's own client inside the server process (rank 0's situation). For
 throughput, worker processes forked from this one connect, wait at a start key, do ``--adds``
 add() calls each, and report their first/last timestamps (CLOCK_MONOTONIC, comparable across
-processes); throughput = all adds / (last end - first start). Implementations alternate over
+processes); throughput = all adds / (last end - first start). Next to it, the CPU time per add() of
+the server process (user + system from /proc, over the run) and of the clients (process_time,
+summed): steadier than the rate on a shared machine, and with few CPUs the clients' CPU caps the
+rate as much as the server's. Implementations alternate over
 ``--rounds`` rounds and the table shows the median round, because this machine is shared and noisy.
 """
 
