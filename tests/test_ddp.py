@@ -97,9 +97,7 @@ class _nullcontext:
 
 
 def _compare(name, rank, ws, dc, tdist, kwargs, results, hook=None, torch_hook=None, no_sync=False,
-             batchnorm=False, reference=True, overlap=None):
-    import os
-
+             batchnorm=False, reference=True):
     from distcomm.parallel import DistributedDataParallel as DDP
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
@@ -107,12 +105,7 @@ def _compare(name, rank, ws, dc, tdist, kwargs, results, hook=None, torch_hook=N
 
     micro = 2 if no_sync else 1
     X, Y = _data(ws, micro=micro)
-    if overlap is not None:  # read when the reducer is made
-        os.environ["DISTCOMM_DDP_OVERLAP"] = overlap
-    try:
-        ours = DDP(_model(rank, batchnorm), **kwargs)
-    finally:
-        os.environ.pop("DISTCOMM_DDP_OVERLAP", None)
+    ours = DDP(_model(rank, batchnorm), **kwargs)
     if hook is not None:
         ours.register_comm_hook(None, hook)
     buckets = len(ours.reducer.buckets)
@@ -121,8 +114,7 @@ def _compare(name, rank, ws, dc, tdist, kwargs, results, hook=None, torch_hook=N
     if torch_hook is not None:
         theirs.register_comm_hook(None, torch_hook)
     _train(theirs, X, Y, rank, ws, True, no_sync)
-    entry = {"buckets": buckets, "vs_torch": max_diff(snapshot(ours.module), snapshot(theirs.module)),
-             "overlap": ours.reducer.overlap}
+    entry = {"buckets": buckets, "vs_torch": max_diff(snapshot(ours.module), snapshot(theirs.module))}
     if reference:
         single = _train(_model(0, batchnorm), X, Y, rank, ws, False, no_sync)
         entry["vs_single"] = max_diff(snapshot(ours.module), snapshot(single))
@@ -202,9 +194,6 @@ def world_checks(rank, ws, dc, tdist):
     results: dict = {}
     _compare("default", rank, ws, dc, tdist, {}, results)
     _compare("small_buckets", rank, ws, dc, tdist, {"bucket_cap_mb": 0.0002}, results)
-    # buckets reduced on the worker thread during backward, and in backward's thread
-    _compare("overlapped", rank, ws, dc, tdist, {"bucket_cap_mb": 0.0002}, results, overlap="1")
-    _compare("not_overlapped", rank, ws, dc, tdist, {"bucket_cap_mb": 0.0002}, results, overlap="0")
     _compare("grad_as_view", rank, ws, dc, tdist, {"bucket_cap_mb": 0.001, "gradient_as_bucket_view": True}, results)
     _compare("no_sync", rank, ws, dc, tdist, {"bucket_cap_mb": 0.0002}, results, no_sync=True)
     _compare("batchnorm", rank, ws, dc, tdist, {}, results, batchnorm=True, reference=False)
@@ -286,16 +275,6 @@ def test_matches_single_process_and_torch(world, scenario):
     ws, results = world
     for rank, r in enumerate(results):
         entry = r[scenario]
-        assert entry["vs_single"] < TOL, (rank, entry)
-        assert entry["vs_torch"] < TOL, (rank, entry)
-
-
-@pytest.mark.parametrize("scenario, overlap", [("overlapped", True), ("not_overlapped", False)])
-def test_buckets_reduced_with_and_without_overlap_match(world, scenario, overlap):
-    ws, results = world
-    for rank, r in enumerate(results):
-        entry = r[scenario]
-        assert entry["overlap"] is overlap and entry["buckets"] > 2, (rank, entry)
         assert entry["vs_single"] < TOL, (rank, entry)
         assert entry["vs_torch"] < TOL, (rank, entry)
 

@@ -7,9 +7,7 @@ How one backward pass is reduced
 - Each parameter has a post-accumulate-grad hook. When it fires, the parameter's gradient is
   copied into its slot of the bucket (multiplied by 1/world_size, as torch does) and the parameter
   is *ready*. When every parameter of a bucket is ready the bucket is launched: an async all_reduce
-  (or the registered comm hook), which the group's worker thread runs while backward goes on —
-  where the host has a spare core per rank for that (``overlaps``); where it has not, the
-  all_reduce runs at once in the hook, in backward's thread (DISTCOMM_DDP_OVERLAP=1/0 forces).
+  (or the registered comm hook), which the group's worker thread runs while backward goes on.
 - Buckets are launched strictly in index order, on every rank, whatever order their gradients
   arrive in: collectives on a group are matched by order, so a rank must never launch bucket 3
   before bucket 2 while another rank does the opposite.
@@ -50,35 +48,6 @@ from .._api.collectives import all_reduce
 
 DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024  # torch's dist._DEFAULT_FIRST_BUCKET_BYTES
 MB = 1024 * 1024
-OVERLAP_ENV = "DISTCOMM_DDP_OVERLAP"
-
-
-def overlaps(cpus: int, local_ranks: int, setting: str | None) -> bool:
-    """Whether buckets reduce on the group's worker thread while backward goes on (True), or in the
-    hook that completes them, in backward's own thread (False).
-
-    Overlap needs a core for each rank's reduction besides the one its backward runs on: without
-    one, the worker thread only takes turns with backward on the same cores, and its hand-offs and
-    its spinning or yielding while a peer's worker waits for its turn cost CPU that the step then
-    lacks. ``setting`` (DISTCOMM_DDP_OVERLAP): "1" always, "0" never, unset or "auto" decides so.
-    """
-    if setting in (None, "", "auto"):
-        return cpus >= 2 * local_ranks
-    if setting in ("0", "1"):
-        return setting == "1"
-    raise ValueError(f"{OVERLAP_ENV}={setting!r}: use 1 (overlap), 0 (reduce in backward's thread) or auto")
-
-
-def overlap_on_this_host(group_size: int) -> bool:
-    """``overlaps`` for this process: the CPUs it may run on, and the ranks on this host
-    (LOCAL_WORLD_SIZE, which launchers set; else the group's size)."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        cpus = os.cpu_count() or 1
-    local = os.environ.get("LOCAL_WORLD_SIZE", "")
-    local_ranks = int(local) if local.isdigit() and int(local) > 0 else group_size
-    return overlaps(cpus, local_ranks, os.environ.get(OVERLAP_ENV))
 
 
 def debug_level() -> str:
@@ -287,7 +256,6 @@ class Reducer:
         self.find_unused = find_unused_parameters
         self.static_graph = static_graph
         self.grad_as_view = gradient_as_bucket_view
-        self.overlap = overlap_on_this_host(self.world_size)  # see overlaps(); comm hooks always run as launched
         self.buckets = [
             _Bucket(k, members, params, k == len(bucket_members) - 1) for k, members in enumerate(bucket_members)
         ]
@@ -462,7 +430,7 @@ class Reducer:
                 return
             bucket = self.buckets[self._next_bucket]
             data = bucket.array if bucket.array is not None and self.comm_hook is None else bucket.buffer
-            bucket.handle = self._reduce(bucket.index, data, inline=self._next_bucket == last or not self.overlap)
+            bucket.handle = self._reduce(bucket.index, data, inline=self._next_bucket == last)
             self._next_bucket += 1
         if self._next_bucket == len(self.buckets) and self.find_unused and not self.static_graph:
             if self._used_work is None:
