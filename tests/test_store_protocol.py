@@ -266,6 +266,22 @@ def test_receive_reply_picks_the_awaited_answer_and_drops_late_ones():
     assert not client.has_partial_data
 
 
+def test_receive_integer_decodes_only_the_exact_awaited_integer_and_consumes_nothing_else():
+    awaited = f.encode(f.Integer(4, -9))
+    assert f.decode_integer_reply(awaited, 4) == -9
+    client = _client()
+    assert client.receive_integer(awaited, 4) == -9
+    # anything else is left whole for receive_reply: another id, another frame, a piece, two frames
+    error = f.encode(f.Error(4, f.ERROR_NOT_AN_INTEGER, b"not an integer"))
+    for data in (f.encode(f.Integer(5, 1)), error, awaited[:20], awaited + awaited, f.encode(f.Value(4, b"x" * 8))):
+        assert client.receive_integer(data, 4) is None
+        assert not client.has_partial_data
+    assert client.receive_reply(error, 4) == f.Error(4, f.ERROR_NOT_AN_INTEGER, b"not an integer")
+    # with a piece of a frame buffered, the exact bytes are not the whole reply: no shortcut
+    assert client.receive_reply(f.encode(f.Value(3, b"late"))[:6], 4) is None
+    assert client.receive_integer(awaited, 4) is None
+
+
 # -- fuzzing: whatever arrives, the parser yields events or raises ProtocolError, nothing else --------
 
 from hypothesis import given, settings  # noqa: E402

@@ -10,7 +10,10 @@ server thread competing for its GIL); the round trip is timed per iteration from
 process, and from the master's own client inside the server process (rank 0's situation). For
 throughput, worker processes forked from this one connect, wait at a start key, do ``--adds``
 add() calls each, and report their first/last timestamps (CLOCK_MONOTONIC, comparable across
-processes); throughput = all adds / (last end - first start). Implementations alternate over
+processes); throughput = all adds / (last end - first start). Next to it, the CPU time per add() of
+the server process (user + system from /proc, over the run) and of the clients (process_time,
+summed): steadier than the rate on a shared machine, and with few CPUs the clients' CPU caps the
+rate as much as the server's. Implementations alternate over
 ``--rounds`` rounds and the table shows the median round, because this machine is shared and noisy.
 """
 
@@ -95,10 +98,24 @@ class _Server:
         self.proc.stdin.flush()
         return json.loads(self.proc.stdout.readline())
 
+    def cpu_seconds(self) -> float:
+        """The server process's CPU time so far (user + system, all its threads)."""
+        return _process_cpu(self.proc.pid)
+
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.kill()
         self.proc.wait()
+
+
+def _process_cpu(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (Linux /proc; NaN elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
 def _add_worker(impl: str, port: int, index: int, adds: int, conn) -> None:
@@ -107,17 +124,20 @@ def _add_worker(impl: str, port: int, index: int, adds: int, conn) -> None:
         store.set(f"ready/{index}", "1")
         store.wait(["go"])
         clock = time.perf_counter
-        start = clock()
+        cpu = time.process_time
+        start, start_cpu = clock(), cpu()
         for _ in range(adds):
             store.add("bench/counter", 1)
-        conn.send((start, clock(), adds))
+        conn.send((start, clock(), adds, cpu() - start_cpu))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         conn.send(repr(exc))
     finally:
         conn.close()
 
 
-def _throughput(impl: str, server: _Server, workers: int, adds: int) -> float:
+def _throughput(impl: str, server: _Server, workers: int, adds: int) -> dict:
+    """add()/s over all workers, and the CPU per add() of the server and of a client (µs): on a
+    machine with few CPUs the clients' CPU caps the rate as much as the server's."""
     ctx = mp.get_context("fork")  # forked, not spawned: 32 fresh interpreters importing torch take ages
     pipes, procs = [], []
     for index in range(workers):
@@ -130,8 +150,10 @@ def _throughput(impl: str, server: _Server, workers: int, adds: int) -> float:
     try:
         store = _tcp_store(impl, server.port, False)
         store.wait([f"ready/{i}" for i in range(workers)])
+        server_cpu = server.cpu_seconds()
         store.set("go", "1")
         reports = [pipe.recv() for pipe in pipes]
+        server_cpu = server.cpu_seconds() - server_cpu
     finally:
         for proc in procs:
             proc.join(30)
@@ -142,7 +164,12 @@ def _throughput(impl: str, server: _Server, workers: int, adds: int) -> float:
         raise RuntimeError(f"{len(failures)} {impl} add() workers failed, e.g. {failures[0]}")
     first = min(r[0] for r in reports)
     last = max(r[1] for r in reports)
-    return sum(r[2] for r in reports) / (last - first)
+    total = sum(r[2] for r in reports)
+    return {
+        "adds_per_s": total / (last - first),
+        "server_us_per_add": server_cpu / total * 1e6,
+        "client_us_per_add": sum(r[3] for r in reports) / total * 1e6,
+    }
 
 
 def _measure(impl: str, args) -> dict:
@@ -163,10 +190,10 @@ def _measure_in_env(impl: str, args) -> dict:
         remote = _latency(_round_trips(client, args.iters))
         del client
         local = server.local_latency(args.iters)
-        rate = _throughput(impl, server, args.workers, args.adds)
+        throughput = _throughput(impl, server, args.workers, args.adds)
     finally:
         server.close()
-    return {"client": remote, "master": local, "adds_per_s": rate}
+    return {"client": remote, "master": local, **throughput}
 
 
 def _available(impl: str) -> bool:
@@ -193,6 +220,8 @@ def _median_round(rounds: list[dict]) -> dict:
         "client": {"p50_us": med(("client", "p50_us")), "p99_us": med(("client", "p99_us"))},
         "master": {"p50_us": med(("master", "p50_us")), "p99_us": med(("master", "p99_us"))},
         "adds_per_s": med(("adds_per_s",)),
+        "server_us_per_add": med(("server_us_per_add",)),
+        "client_us_per_add": med(("client_us_per_add",)),
     }
 
 
@@ -203,18 +232,20 @@ def format_table(results: dict, args) -> str:
         f"  set+get round trip: {args.iters} iterations, one client; add() throughput: "
         f"{args.workers} processes x {args.adds} adds",
         "",
-        f"{'store':<24} {'client p50':>11} {'client p99':>11} {'master p50':>11} {'master p99':>11} {'add()/s':>10}",
+        f"{'store':<24} {'client p50':>11} {'client p99':>11} {'master p50':>11} {'master p99':>11} {'add()/s':>10} {'server CPU':>11} {'client CPU':>11}",
     ]
     labels = {"distcomm": "distcomm TCPStore", "distcomm-tcp": "distcomm, TCP only", "torch": "torch TCPStore"}
     for impl, r in results.items():
         lines.append(
             f"{labels[impl]:<24} {r['client']['p50_us']:>8.1f} us {r['client']['p99_us']:>8.1f} us "
-            f"{r['master']['p50_us']:>8.1f} us {r['master']['p99_us']:>8.1f} us {r['adds_per_s']:>10,.0f}"
+            f"{r['master']['p50_us']:>8.1f} us {r['master']['p99_us']:>8.1f} us {r['adds_per_s']:>10,.0f} "
+            f"{r['server_us_per_add']:>8.1f} us {r['client_us_per_add']:>8.1f} us"
         )
     lines.append("")
     lines.append("client: a client in another process than the master; master: the master's own client (rank 0),")
     lines.append("  which for distcomm calls its server in-process. distcomm's same-host clients use the server's")
-    lines.append("  Unix socket; 'TCP only' keeps them on loopback TCP, as torch's are.")
+    lines.append("  Unix socket; 'TCP only' keeps them on loopback TCP, as torch's are. server/client CPU: CPU time")
+    lines.append("  (user + system) per add() of the server process and of one client process, during the add() run.")
     return "\n".join(lines)
 
 

@@ -380,8 +380,9 @@ class TCPStoreClient:
 
     # -- the round trip -----------------------------------------------------------------------------
 
-    def _exchange(self, operation: str, frame: bytes, request_id: int, wait: float):
+    def _exchange(self, operation: str, frame: bytes, request_id: int, wait: float, integer: bool = False):
         """Send ``frame``; return the response with ``request_id``, or None if none came within ``wait`` s.
+        With ``integer`` (add), an Integer response is returned as its int, decoded without an event.
 
         The caller holds ``self._lock``. Responses with another id answer requests this client gave
         up on earlier; they are dropped.
@@ -403,6 +404,10 @@ class TCPStoreClient:
                     return None
                 if not data:
                     raise ConnectionResetError(errno.ECONNRESET, "the server closed the connection")
+                if integer:
+                    value = proto.receive_integer(data, request_id)
+                    if value is not None:
+                        return value
                 event = proto.receive_reply(data, request_id)
                 if event is not None:
                     return event
@@ -487,7 +492,11 @@ class TCPStoreClient:
     def add(self, key: bytes, amount: int) -> int:
         with self._lock:
             self._next_id = request_id = (self._next_id + 1) & 0xFFFFFFFF
-            response = self._exchange("add", frames.encode_add(request_id, key, amount), request_id, self.reply_timeout)
+            response = self._exchange(
+                "add", frames.encode_add(request_id, key, amount), request_id, self.reply_timeout, True
+            )
+        if response.__class__ is int:
+            return response
         if response.__class__ is frames.Integer:
             return response.value
         return self._checked("add", response).value

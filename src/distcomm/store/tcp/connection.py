@@ -204,6 +204,13 @@ class _Connection:
                 return event
         return None
 
+    def receive_integer(self, data: bytes, request_id: int) -> int | None:
+        """The value if ``data`` is exactly the Integer reply to ``request_id`` and nothing is buffered;
+        else None and nothing consumed: give ``data`` to ``receive_reply`` then."""
+        if self.phase is OPEN and self._pos >= len(self._buffer) and not self._pending:
+            return frames.decode_integer_reply(data, request_id)
+        return None
+
 
 
 class ServerConnection(_Connection):

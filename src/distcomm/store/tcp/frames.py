@@ -544,5 +544,16 @@ def encode_integer(request_id: int, value: int) -> bytes:
     return _INTEGER_FRAME.pack(HEAD_AFTER_LENGTH + 8, Integer.OPCODE, request_id, value)
 
 
+def decode_integer_reply(data: bytes, request_id: int) -> int | None:
+    """The value if ``data`` is exactly the Integer frame answering ``request_id``, else None (then
+    parse it the general way: it may be an Error, a late answer, or not all here yet). add()'s
+    reply, decoded without building an event: the client's hottest path."""
+    if len(data) == _INTEGER_FRAME.size:
+        length, opcode, got_id, value = _INTEGER_FRAME.unpack(data)
+        if got_id == request_id and opcode == Integer.OPCODE and length == HEAD_AFTER_LENGTH + 8:
+            return value
+    return None
+
+
 def encode_bool(request_id: int, value: bool) -> bytes:
     return _BOOL_FRAME.pack(HEAD_AFTER_LENGTH + 1, Bool.OPCODE, request_id, value)
