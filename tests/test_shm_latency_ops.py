@@ -321,3 +321,73 @@ def test_latency_path_mismatch_names_the_peer():
         assert "all_gather_into_tensor #3" in message, message
         assert f"rank {1 - rank}" in message and "different sizes" in message, message
         assert "unusable after an earlier failure" in after, after
+
+
+def root_disagreement_body(rank, world, modes, big):
+    """Every rooted op with ranks passing different roots: rank r believes rank ``r % 2`` is the
+    root. Each rank calls synchronously (its latency path, when the message fits one round) or
+    asynchronously (the general path), as ``modes`` says; ``big``: a message past one slot (the
+    root check then has a round of its own). After each mismatch the group still works."""
+    import numpy as np
+
+    import distcomm as dist
+    from distcomm import world as dist_world
+
+    dist.init_process_group(None)
+    dist.all_reduce(np.ones(1))
+    pg = dist_world.default_pg
+    slot = pg.transport.group_shm(pg.group_id).slot_bytes
+    count = slot // 4 + 1 if big else 7
+    root = rank % 2
+    mine = root == rank
+    async_op = modes[rank] == "async"
+    taken = _observe()
+    results = []
+    for op in ("broadcast", "reduce", "gather", "scatter"):
+        x = np.full(count, float(rank), dtype=np.float32)
+        try:
+            if op == "broadcast":
+                work = dist.broadcast(x, src=root, async_op=async_op)
+            elif op == "reduce":
+                work = dist.reduce(x, dst=root, async_op=async_op)
+            elif op == "gather":
+                work = dist.gather(x, [np.zeros_like(x) for _ in range(world)] if mine else None, dst=root,
+                                   async_op=async_op)
+            else:
+                work = dist.scatter(x, [np.full_like(x, q) for q in range(world)] if mine else None, src=root,
+                                    async_op=async_op)
+            if work is not None:
+                work.wait()
+        except RuntimeError as exc:
+            results.append((op, type(exc).__name__, str(exc)))
+        else:
+            results.append((op, "no error", ""))
+        after = np.full(2, float(rank))
+        dist.broadcast(after, src=0)  # the group's memory is still usable
+        assert after.tolist() == [0.0, 0.0], after
+    dist.destroy_process_group()
+    return results, taken
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("modes,big", [
+    (("sync", "sync"), False),  # both on the latency path: the check rides in the op's one round
+    (("sync", "async", "sync"), False),  # latency and general paths meet in that round
+    (("sync", "async"), True),  # past one slot: the general path's root check round of its own
+])
+def test_root_disagreement_raises_on_every_rank(modes, big):
+    world = len(modes)
+    results = run_world(root_disagreement_body, world, args=(modes, big), timeout=120)
+    seq = {"broadcast": 2, "reduce": 4, "gather": 6, "scatter": 8}  # each op, then a broadcast
+    for rank, (rows, taken) in enumerate(results):
+        for op, kind, msg in rows:
+            what = "src" if op in ("broadcast", "scatter") else "dst"
+            assert kind == "CollectiveMismatchError", (rank, op, kind, msg)
+            assert f"{op} #{seq[op]} on rank {rank}" in msg, msg
+            assert f"called {op} with {what}={rank % 2} but rank" in msg, msg
+            assert f"with {what}={1 - rank % 2}" in msg, msg
+        on_latency_path = not big and modes[rank] == "sync"
+        # each op's latency path (when taken), and every check broadcast's (small, synchronous)
+        assert taken.count("latency_broadcast") == 4 + on_latency_path, taken
+        others = ["latency_reduce", "latency_gather", "latency_scatter"] if on_latency_path else []
+        assert [n for n in taken if n != "latency_broadcast"] == others, taken

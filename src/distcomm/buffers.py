@@ -194,7 +194,7 @@ class SparseBuffer:
 
 
 def _array_buffer(a: np.ndarray, name: str) -> Buffer:
-    dtype = dtypes.from_numpy(a.dtype)
+    dtype = _BY_NUMPY.get(a.dtype) or dtypes.from_numpy(a.dtype)  # (the latter raises the error)
     if a.flags.c_contiguous:
         return Buffer(a, a.reshape(-1), dtype, a.shape, None)
     flat = np.ascontiguousarray(a).reshape(-1)
@@ -205,9 +205,12 @@ def _array_buffer(a: np.ndarray, name: str) -> Buffer:
     return Buffer(a, flat, dtype, a.shape, writeback)
 
 
+_BY_NUMPY = dtypes.BY_NUMPY
+
+
 def as_buffer(obj: Any, name: str = "tensor") -> Buffer:
     """The Buffer for a tensor or array; a clear TypeError for anything else."""
-    if isinstance(obj, np.ndarray):
+    if obj.__class__ is np.ndarray or isinstance(obj, np.ndarray):
         return _array_buffer(obj, name)
     if is_tensor(obj):
         return _tensor_buffer(obj, name)

@@ -82,49 +82,70 @@ def tensor(obj: Any, op: str, name: str = "tensor", writes: bool = False) -> Buf
         buf = as_buffer(obj, name)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{op}: {exc}") from None
-    if writes:
-        _writable(obj, op, name)
+    if writes and isinstance(obj, _ndarray) and not obj.flags.writeable:
+        _not_writable(op, name)
     return buf
 
 
-def _writable(obj: Any, op: str, name: str) -> None:
+_ndarray = np.ndarray
+
+
+def _not_writable(op: str, name: str) -> None:
     # Checked before any communication: found while writing the result, the same mistake would
     # leave the group's rounds half done.
-    if isinstance(obj, np.ndarray) and not obj.flags.writeable:
-        raise ArgumentError(
-            f"{op}: {name} is a read-only numpy array (writeable=False), and the result is written into "
-            "it; pass a writable array (a copy, or one whose flags.writeable is True)"
-        )
+    raise ArgumentError(
+        f"{op}: {name} is a read-only numpy array (writeable=False), and the result is written into "
+        "it; pass a writable array (a copy, or one whose flags.writeable is True)"
+    )
 
 
 def tensor_list(
     objs: Any, op: str, name: str, length: int | None = None, like: Buffer | None = None, writes: bool = False
 ) -> list[Buffer]:
     """A list of buffers; with ``length``/``like``, check its length, dtypes and sizes; ``writes``:
-    the call writes its results into them."""
-    try:
-        bufs = as_buffers(objs, name)
-    except (TypeError, ValueError) as exc:
-        raise type(exc)(f"{op}: {exc}") from None
+    the call writes its results into them. (Every collective with a list calls this: the checks
+    pass first, and only a failing one formats names.)"""
+    if objs.__class__ is not list and objs.__class__ is not tuple:
+        bufs = _named_buffers(objs, op, name)  # raises its TypeError, or takes a list/tuple subclass
+    else:
+        try:
+            bufs = [as_buffer(o) for o in objs]
+        except (TypeError, ValueError):
+            bufs = _named_buffers(objs, op, name)  # the same error, naming the element
     if writes:
         for i, obj in enumerate(objs):
-            _writable(obj, op, f"{name}[{i}]")
+            if isinstance(obj, _ndarray) and not obj.flags.writeable:
+                _not_writable(op, f"{name}[{i}]")
     if length is not None and len(bufs) != length:
         raise ArgumentError(f"{op}: {name} must have one tensor per rank: expected length {length}, got {len(bufs)}")
-    same_dtype(bufs + ([like] if like is not None else []), op)
+    if bufs or like is not None:
+        dtype = like.dtype if like is not None else bufs[0].dtype
+        for b in bufs:
+            if b.dtype is not dtype:
+                same_dtype(bufs + ([like] if like is not None else []), op)
     if like is not None:
+        count = like.count
         for i, b in enumerate(bufs):
-            if b.count != like.count:
+            if b.flat.size != count:
                 raise ArgumentError(
-                    f"{op}: {name}[{i}] has {b.count} elements, expected {like.count} (the size of the input)"
+                    f"{op}: {name}[{i}] has {b.count} elements, expected {count} (the size of the input)"
                 )
     return bufs
 
 
+def _named_buffers(objs: Any, op: str, name: str) -> list[Buffer]:
+    try:
+        return as_buffers(objs, name)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{op}: {exc}") from None
+
+
 def same_dtype(bufs: Sequence[Buffer], op: str) -> None:
-    if len({b.dtype.name for b in bufs}) > 1:
-        names = ", ".join(sorted({b.dtype.name for b in bufs}))
-        raise ArgumentError(f"{op}: Invalid usage of tensors with different dtypes: found {names}")
+    first = bufs[0].dtype if bufs else None
+    for b in bufs:
+        if b.dtype is not first:  # DTypes are one object per dtype
+            names = ", ".join(sorted({b.dtype.name for b in bufs}))
+            raise ArgumentError(f"{op}: Invalid usage of tensors with different dtypes: found {names}")
 
 
 def split_sizes(sizes: Sequence[int] | None, dim0: int, size: int, op: str, name: str) -> list[int]:

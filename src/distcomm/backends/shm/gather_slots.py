@@ -5,44 +5,51 @@ Cost per round: one slot written per sender, p - 1 slots read per reader; for al
 rank reads (p-1)·n/p bytes of slots.
 
 A block of at most one slot is one round (``one_round``), which the latency path runs too, with a
-list of output blocks: separate output tensors are written in place, with no staging buffer."""
+list of output blocks: separate output tensors are written in place, with no staging buffer. A
+gather's one round carries its root check (``root_check.exchange``)."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from ...transport.base import Channel
+from . import root_check
 from .common import same_channel
 
 
-def one_round(ctx, seq: int, sig: int, channel, send: np.ndarray, outs, root: int | None) -> None:
+def one_round(ctx, seq: int, sig: int, channel, send: np.ndarray, outs, root: int | None) -> tuple[int, int] | None:
     """The whole gather (all_gather when ``root`` is None) of ``send`` (at most one slot): rank q's
     ``send`` lands in ``outs[q]`` on the root (every rank for all_gather; ``outs`` None elsewhere).
-    ``outs[rank]`` may be ``send`` itself or overlap it (all_gather in place): it is then not copied."""
+    ``outs[rank]`` may be ``send`` itself or overlap it (all_gather in place): it is then not copied.
+    A gather carries its root check (every rank waits for all): returns the first (peer, its root)
+    that disagrees (nothing copied then), or None."""
     r = ctx.rank
     k = ctx.open_round(seq, sig, channel)
     views = ctx.views(k, send.dtype, send.size)
     nbytes = send.nbytes
+    disagreeing = None
     if root is None:
         views[r][...] = send
         ctx.exchange(k, seq, sig, nbytes, channel)
-    elif r != root:
-        views[r][...] = send
-        ctx.publish(k, seq, sig, nbytes)
     else:
-        ctx.collect(k, seq, sig, nbytes, channel, [q for q in range(ctx.size) if q != r])
-    if outs is not None:
+        if r != root:
+            views[r][...] = send
+        disagreeing = root_check.exchange(ctx, k, seq, sig, nbytes, channel, root)
+    if outs is not None and disagreeing is None:
         for q in range(ctx.size):
             if q != r:
                 outs[q][...] = views[q]
             elif not np.may_share_memory(outs[r], send):
                 outs[r][...] = send
     ctx.consume(k)
+    return disagreeing
 
 
-def gather_slots(ctx, ch: Channel, send: np.ndarray, out: np.ndarray | None, root: int | None) -> None:
+def gather_slots(ctx, ch: Channel, send: np.ndarray, out: np.ndarray | None, root: int | None
+                 ) -> tuple[int, int] | None:
     """Rank q's ``send`` into block q of ``out`` on the root (every rank if None: all_gather, where
-    ``send`` is this rank's block of ``out`` itself)."""
+    ``send`` is this rank's block of ``out`` itself). A gather of one slot is ``one_round`` (its
+    root check's result); otherwise the caller has checked the root."""
     if send.nbytes <= ctx.slot_bytes:
         count = send.size
         outs = None if out is None else [out[q * count : (q + 1) * count] for q in range(ctx.size)]

@@ -30,7 +30,6 @@ from ...transport import shm_direct
 from ...transport.base import Channel, TransportError
 from ...tuning import DEFAULT, Tuning
 from ...types import RedOpType
-from ...signatures import without_root
 from ..engine import GroupCollectives, root_mismatch
 from ..generic import GenericCollectives
 from . import alltoall_slots as alltoall, latency, observe, root_check
@@ -48,7 +47,7 @@ from .reduce_direct import reduce_direct
 from .reduce_readv import reduce_readv
 from .reduce_scatter_readv import reduce_scatter_readv
 from .reduce_scatter_slots import reduce_scatter_slots
-from .scatter_slots import scatter_slots
+from .scatter_slots import piece_bytes, scatter_slots
 
 
 def _allgather_slots(ctx, ch: Channel, out: np.ndarray, count: int) -> None:
@@ -81,9 +80,14 @@ def _direct_read_failure(ctx, ch: Channel, exc: "shm_direct.DirectReadError") ->
     return TransportError(text, peer=peer, reason=exc.reason)
 
 
-def _roots_of_peers(ctx, ch: Channel, root: int) -> list[tuple[int, int]]:
-    """The root check's round on this call's Channel; [(peer, its root)]."""
-    return root_check.one_round(ctx, ch.key.seq, without_root(ch.signature), same_channel(ch), root)
+def _root_round(ctx, ch: Channel, root: int) -> tuple[int, int] | None:
+    """The root check's round of its own on this call's Channel: the first (peer, its root) that
+    differs, or None."""
+    return root_check.one_round(ctx, ch.key.seq, ch.signature, same_channel(ch), root)
+
+
+#: per rooted op: its argument's name in a root mismatch's words
+_ROOT_NAME = {"broadcast": "src", "scatter": "src", "reduce": "dst", "gather": "dst"}
 
 
 #: every name ``choose`` returns -> the function that runs it, ``(ctx, ch, ...)``
@@ -229,20 +233,39 @@ class ShmCollectives(GroupCollectives):
             run = lambda buf: self._run(ctx, ch, name, buf, red)  # noqa: E731
         with_op_arithmetic(op, dtype, ch.size, flat, run)
 
+    # -- rooted collectives: the root check runs inside a collective of one round (the latency
+    # paths' rounds, so both paths meet in the same rounds), in a round of its own before a longer one
+    def _check_root_first(self, ctx, ch: Channel, one_round: bool, root: int) -> None:
+        """Before a rooted collective of several rounds (``one_round`` False): the root check's round."""
+        if not one_round:
+            self._raise_disagreement(ch, root, self._guarded(ctx, ch, _root_round, root))
+
+    @staticmethod
+    def _raise_disagreement(ch: Channel, root: int, disagreeing) -> None:
+        # raised here, not in the round: the round itself completed, so the group's memory stays usable
+        if disagreeing is not None:
+            raise root_mismatch(ch, root, disagreeing[0], disagreeing[1], _ROOT_NAME[ch.op])
+
     def reduce(self, ch: Channel, flat: np.ndarray, dtype, op, root: int) -> None:
         ctx = self._context(ch)
         if ctx is None:
             return self.generic.reduce(ch, flat, dtype, op, root)
         name = self._choose("reduce", flat.nbytes, ctx, ch)
+        self._check_root_first(ctx, ch, name == "reduce_direct" and flat.nbytes <= ctx.slot_bytes, root)
         red = self._reducer(op, dtype)
-        with_op_arithmetic(op, dtype, ch.size, flat, lambda buf: self._run(ctx, ch, name, buf, red, root),
-                           keep=ch.rank != root, finishes=ch.rank == root)
+
+        def run(buf):
+            self._raise_disagreement(ch, root, self._run(ctx, ch, name, buf, red, root))
+
+        with_op_arithmetic(op, dtype, ch.size, flat, run, keep=ch.rank != root, finishes=ch.rank == root)
 
     def broadcast(self, ch: Channel, flat: np.ndarray, root: int) -> None:
         ctx = self._context(ch)
         if ctx is None:
             return self.generic.broadcast(ch, flat, root)
-        self._run(ctx, ch, self._choose("broadcast", flat.nbytes, ctx, ch), flat, root)
+        name = self._choose("broadcast", flat.nbytes, ctx, ch)
+        self._check_root_first(ctx, ch, name == "broadcast_slots" and flat.nbytes <= ctx.slot_bytes, root)
+        self._raise_disagreement(ch, root, self._run(ctx, ch, name, flat, root))
 
     def all_gather(self, ch: Channel, out: np.ndarray, count: int) -> None:
         ctx = self._context(ch)
@@ -267,13 +290,18 @@ class ShmCollectives(GroupCollectives):
         ctx = self._context(ch)
         if ctx is None:
             return self.generic.gather(ch, send, out, root)
-        self._run(ctx, ch, self._choose("gather", send.nbytes * ch.size, ctx, ch), send, out, root)
+        name = self._choose("gather", send.nbytes * ch.size, ctx, ch)
+        self._check_root_first(ctx, ch, name == "gather_slots" and send.nbytes <= ctx.slot_bytes, root)
+        self._raise_disagreement(ch, root, self._run(ctx, ch, name, send, out, root))
 
     def scatter(self, ch: Channel, chunks: np.ndarray | None, out: np.ndarray, root: int) -> None:
         ctx = self._context(ch)
         if ctx is None:
             return self.generic.scatter(ch, chunks, out, root)
-        self._run(ctx, ch, self._choose("scatter", out.nbytes * ch.size, ctx, ch), chunks, out, root)
+        name = self._choose("scatter", out.nbytes * ch.size, ctx, ch)
+        one_round = name == "scatter_slots" and out.nbytes <= piece_bytes(ctx.slot_bytes, ch.size)
+        self._check_root_first(ctx, ch, one_round, root)
+        self._raise_disagreement(ch, root, self._run(ctx, ch, name, chunks, out, root))
 
     def reduce_scatter(self, ch: Channel, scratch: np.ndarray, out: np.ndarray, counts, dtype, op) -> None:
         ctx = self._context(ch)
@@ -332,12 +360,9 @@ class ShmCollectives(GroupCollectives):
         self._run(ctx, ch, "barrier_slots")
 
     def check_root(self, ch: Channel, root: int, what: str) -> None:
-        """One round in which every rank posts its root (its header's extra word) and reads every
-        peer's: a barrier's cost, and every rank sees any disagreement (GroupCollectives.check_root)."""
-        ctx = self._context(ch)
-        if ctx is None:
-            return self.generic.check_root(ch, root, what)
-        # raised here, not in the round: the round itself completed, so the group's memory stays usable
-        for q, theirs in self._guarded(ctx, ch, _roots_of_peers, root):
-            if theirs != root:
-                raise root_mismatch(ch, root, q, theirs, what)
+        """Nothing on shared memory: each rooted collective (``broadcast``, ``reduce``, ``gather``,
+        ``scatter`` above) checks its root itself, in its own round when it has one round (as its
+        latency path does), else in a round before its own (GroupCollectives.check_root's contract
+        holds for the pair). Groups of one and members on other hosts: the generic check."""
+        if self._context(ch) is None:
+            self.generic.check_root(ch, root, what)

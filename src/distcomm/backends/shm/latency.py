@@ -59,12 +59,12 @@ from ...dtypes import from_numpy
 from ...errors import DistBackendError, DistError
 from ...profiling import profiling
 from ...reduction import check_supported, finish, reducer, sequence_reducer
-from ...signatures import signature, without_root
+from ...signatures import signature
 from ...transport.base import TransportError
 from ...types import RedOpType
 from ..engine import FastPath, root_mismatch
 from . import (allreduce_direct, alltoall_slots, broadcast_slots, gather_slots, observe, reduce_direct,
-               reduce_scatter_slots, root_check, scatter_slots)
+               reduce_scatter_slots, scatter_slots)
 from .choose import Capabilities, choose
 
 _ndarray = np.ndarray
@@ -313,27 +313,22 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
 
     def run(op: str, sig: int, buf, root: int | None, one_round, *args) -> bool:
         """One claimed call on ``buf`` (the Buffer the flight recorder describes): its sequence
-        number, for a rooted collective the root check's round (as the general path runs it:
-        ``root_check``), then the algorithm's round(s)."""
+        number, then the algorithm's round(s); a rooted collective's one round carries its root
+        check (``root_check.exchange``, as on the general path)."""
         seq = next_seq()
         channel = channels[op]
         # call site depth 3: run's caller and up (the walk skips distcomm's own frames)
         record = None if fr.recorder is None else fr.recorder.record(group, seq, op, buf.flat.nbytes, buf.dtype.name,
                                                                      root, STARTED, None, 3)
-        disagreeing = None
         try:
             observe.current is None or observe.current("latency_" + op)
-            if root is not None and size > 1:
-                for q, theirs in root_check.one_round(ctx, seq, without_root(sig), channel, root):
-                    if theirs != root:
-                        disagreeing = (q, theirs)
-                        break
-            if disagreeing is None:
-                one_round(ctx, seq, sig, channel, *args)
+            ran = one_round(ctx, seq, sig, channel, *args)
         except BaseException as exc:
             fail(exc, op, seq, sig, record)
         finally:
             leave()
+        # a rooted op's round carries its root check (root_check.exchange) and returns its result
+        disagreeing = ran if root is not None else None
         if disagreeing is not None:
             # the round itself completed, so the group's memory stays usable (as on the general path)
             exc = root_mismatch(pg.channel(op, seq, sig), root, disagreeing[0], disagreeing[1],

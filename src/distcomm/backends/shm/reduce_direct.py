@@ -6,7 +6,8 @@ Cost per chunk of m bytes: one round; each reading rank reads p·m and reduces (
 others only write m. Simple and in lockstep; the root does all the reduction work, which is why
 large reductions take ``reduce_readv`` where single-copy reads are allowed.
 
-A reduce of at most one slot is one round (``one_round``), which the latency path runs too.
+A reduce of at most one slot is one round (``one_round``), which the latency path runs too; it
+carries the root check (``root_check.exchange``: every rank waits for all).
 """
 
 from __future__ import annotations
@@ -14,28 +15,31 @@ from __future__ import annotations
 import numpy as np
 
 from ...transport.base import Channel
+from . import root_check
 from .common import same_channel, view
 
 
-def one_round(ctx, seq: int, sig: int, channel, flat: np.ndarray, red, root: int) -> None:
-    """The whole reduce of ``flat`` (at most one slot) to ``root``: every rank posts it, the root
-    waits for every post and reduces the p copies in rank order into ``flat``."""
+def one_round(ctx, seq: int, sig: int, channel, flat: np.ndarray, red, root: int) -> tuple[int, int] | None:
+    """The whole reduce of ``flat`` (at most one slot) to ``root``, with its root check: every rank
+    posts it and waits for every post, the root reduces the p copies in rank order into ``flat``.
+    Returns the first (peer, its root) that disagrees (nothing reduced then), or None."""
     k = ctx.open_round(seq, sig, channel)
     views = ctx.views(k, flat.dtype, flat.size)
     views[ctx.rank][...] = flat
-    if ctx.rank == root:
-        ctx.exchange(k, seq, sig, flat.nbytes, channel)
+    disagreeing = root_check.exchange(ctx, k, seq, sig, flat.nbytes, channel, root)
+    if disagreeing is None and ctx.rank == root:
         if root != 0:
             flat[...] = views[0]
         for q in range(1, ctx.size):
             red(flat, views[q])
-    else:
-        ctx.publish(k, seq, sig, flat.nbytes)
     ctx.consume(k)
+    return disagreeing
 
 
-def reduce_direct(ctx, ch: Channel, flat: np.ndarray, red, root: int | None) -> None:
-    """Every rank posts its chunk; the root (every rank if None) reduces all of them in rank order."""
+def reduce_direct(ctx, ch: Channel, flat: np.ndarray, red, root: int | None) -> tuple[int, int] | None:
+    """Every rank posts its chunk; the root (every rank if None) reduces all of them in rank order.
+    A reduce of one slot is ``one_round`` (its root check's result); otherwise the caller has
+    checked the root."""
     if root is not None and flat.nbytes <= ctx.slot_bytes:
         return one_round(ctx, ch.key.seq, ch.signature, same_channel(ch), flat, red, root)
     p, r = ctx.size, ctx.rank

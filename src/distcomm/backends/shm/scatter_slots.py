@@ -5,13 +5,15 @@ Cost: the root writes (p-1)/p·(p·n) bytes, each rank reads its n; one round pe
 rank's block.
 
 A block of at most one piece (``piece_bytes``) is one round (``one_round``), which the latency path
-runs too, reading the root's inputs from a list: separate input tensors need no staging buffer."""
+runs too, reading the root's inputs from a list: separate input tensors need no staging buffer. It
+carries the root check (``root_check.exchange``)."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from ...transport.base import Channel
+from . import root_check
 from .common import same_channel
 
 
@@ -20,9 +22,10 @@ def piece_bytes(slot_bytes: int, p: int) -> int:
     return max(64, slot_bytes // p // 64 * 64)
 
 
-def one_round(ctx, seq: int, sig: int, channel, ins, out: np.ndarray, root: int) -> None:
-    """The whole scatter (``out.nbytes`` at most one piece): ``ins[q]`` on the root (None
-    elsewhere) lands in rank q's ``out``."""
+def one_round(ctx, seq: int, sig: int, channel, ins, out: np.ndarray, root: int) -> tuple[int, int] | None:
+    """The whole scatter (``out.nbytes`` at most one piece), with its root check: ``ins[q]`` on the
+    root (None elsewhere) lands in rank q's ``out``. Returns the first (peer, its root) that
+    disagrees (nothing copied then), or None."""
     p, r = ctx.size, ctx.rank
     k = ctx.open_round(seq, sig, channel)
     step = piece_bytes(ctx.slot_bytes, p)
@@ -32,15 +35,19 @@ def one_round(ctx, seq: int, sig: int, channel, ins, out: np.ndarray, root: int)
         for q in range(p):
             if q != r:
                 slot[q * step : q * step + nbytes].view(out.dtype)[...] = ins[q]
-        ctx.publish(k, seq, sig, nbytes)
-        out[...] = ins[r]
-    else:
-        ctx.collect(k, seq, sig, nbytes, channel, (root,))
-        out[...] = ctx.data(root, k)[r * step : r * step + nbytes].view(out.dtype)
+    disagreeing = root_check.exchange(ctx, k, seq, sig, nbytes, channel, root)
+    if disagreeing is None:
+        if r == root:
+            out[...] = ins[r]
+        else:
+            out[...] = ctx.data(root, k)[r * step : r * step + nbytes].view(out.dtype)
     ctx.consume(k)
+    return disagreeing
 
 
-def scatter_slots(ctx, ch: Channel, chunks: np.ndarray | None, out: np.ndarray, root: int) -> None:
+def scatter_slots(ctx, ch: Channel, chunks: np.ndarray | None, out: np.ndarray, root: int) -> tuple[int, int] | None:
+    """A block of one piece is ``one_round`` (its root check's result); otherwise the caller has
+    checked the root."""
     p, r = ctx.size, ctx.rank
     step = piece_bytes(ctx.slot_bytes, p)
     if out.nbytes <= step:
