@@ -231,20 +231,39 @@ def _shapes(rank, world_size, engine):
     except dist.CollectiveMismatchError as exc:
         after = np.ones(3)
         dist.all_reduce(after)  # the group goes on: the check failed alike on every rank
-        return str(exc), after.tolist()
-    return None, None
+        error = str(exc)
+    else:
+        return None, None, None, None
+    # every collective is checked, not only all_reduce: a synchronous broadcast (which the
+    # shared-memory engine would otherwise run on its latency path, with no shape check)...
+    try:
+        dist.broadcast(np.ones(shape, dtype=np.float32), src=0)
+        broadcast_error = None
+    except dist.CollectiveMismatchError as exc:
+        broadcast_error = str(exc)
+    # ... and one rank synchronous, the other asynchronous (the general path, which checks): they
+    # meet in the same check
+    x = np.full(6, float(rank + 1), dtype=np.float32)
+    if rank == 0:
+        dist.broadcast(x, src=1, async_op=True).wait()
+    else:
+        dist.broadcast(x, src=1)
+    return error, after.tolist(), broadcast_error, x.tolist()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["tcp", "gloo"])
 def test_detail_checks_shapes_across_ranks(engine):
     results = run_world(_shapes, 2, args=(engine,), timeout=60, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
-    for rank, (error, after) in enumerate(results):
+    for rank, (error, after, broadcast_error, mixed) in enumerate(results):
         assert error is not None, f"rank {rank} saw no mismatch"
         assert f"all_reduce #2 on rank {rank}: ranks called it with different tensors" in error
         assert "rank 0: all_reduce of float32 shape (4, 5)" in error
         assert "rank 1: all_reduce of float32 shape (5, 4)" in error
         assert after == [2.0, 2.0, 2.0]
+        assert broadcast_error is not None, f"rank {rank}: broadcast's shapes were not checked"
+        assert "broadcast #4" in broadcast_error and "shape (5, 4)" in broadcast_error, broadcast_error
+        assert mixed == [2.0] * 6
 
 
 def _shapes_off(rank, world_size):

@@ -526,7 +526,12 @@ class ProcessGroup:
     def _fast(self, method: str, *args) -> bool:
         """Run this synchronous call of ``method`` (a collective method's name, with its arguments)
         through the engine's fast path for it, if there is one and it takes the call: True when
-        the call is done, False when nothing was done (the general path then runs it)."""
+        the call is done, False when nothing was done (the general path then runs it).
+
+        Under DETAIL every call takes the general path: it compares shapes across ranks first, and
+        a rank on a fast path would not meet that exchange."""
+        if diagnostics.check_shapes:
+            return False
         paths = self._fast_paths
         if paths is None:
             if not self._install_fast_path():
