@@ -11,6 +11,8 @@ Every call from torch looks asynchronous (torch's Python API waits on the Work i
 user asked for a synchronous call; DDP's buckets are issued async). An operation issued while the
 group is idle runs inline and returns a completed Work: a small all_reduce does not pay a thread
 hand-off. Only when earlier work is still queued does it go to the group's worker thread, behind it.
+A synchronous all_reduce (``opts.asyncOp`` False: torch's Python API waits on the Work and drops it)
+that the latency path completed returns the group's one reused Work (see ``_finished``).
 
 torch private names used (torch's own seams for Python backends): ``torch.distributed.Work``
 subclassed (work.py), ``ProcessGroup.__init__(rank, size)``. Reduce ops are read from torch's
