@@ -501,8 +501,6 @@ def test_torch_work_failure_is_an_error_for_wait_and_future():
 
 # -- the synchronous all_reduce's Work -------------------------------------------------------------
 def _sync_and_async_all_reduce_works(rank, world):
-    import torch.distributed as dist
-
     dist = _init(rank, world)
     pg = dist.group.WORLD
     # torch's Python API (asyncOp False): each call's result is its own, whatever the op

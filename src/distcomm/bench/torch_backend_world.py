@@ -56,7 +56,8 @@ def _parser() -> argparse.ArgumentParser:
                         "distcomm, distcomm's group directly) instead of the comparison with gloo")
     p.add_argument("--calls", type=int, default=20000, help="calls per --floor row (default 20000)")
     p.add_argument("--no-round", action="store_true",
-                   help="with --floor: skip the shared-memory round (a no-op; results wrong) to see each layer's own CPU")
+                   help="with --floor: skip the shared-memory round (a no-op; results wrong) to see each layer's "
+                        "own CPU")
     return p
 
 
