@@ -44,3 +44,17 @@ def test_ddp_bench_has_torch_ddp_over_distcomm_with_the_same_weights():
     # model params grads(2) buckets local distcomm torch torch-distcomm speedup speedup same ...
     assert all(float(v) > 0 for v in row[5:9]), row
     assert row[11] == "yes", row  # the three DDPs ended with the same weights
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("no_round", [False, True])
+def test_torch_backend_floor_measures_every_layer(no_round):
+    extra = ["--no-round"] if no_round else []
+    result = _bench("torch-backend", "--floor", "--world", "2", "--calls", "300", "--timeout", "60", *extra)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [line for line in result.stdout.splitlines() if line.startswith("(")]
+    assert [row.split()[0] for row in rows] == ["(a)", "(a)", "(a)", "(b)", "(b-)", "(c)"], rows
+    for row in rows:
+        ranks = [float(v) for v in row.split()[-2:]]
+        assert all(v > 0 for v in ranks), row
+    assert ("round skipped" in result.stdout) == no_round

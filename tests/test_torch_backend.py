@@ -502,3 +502,67 @@ def test_torch_work_failure_is_an_error_for_wait_and_future():
     ok._finish(None)
     assert fut.wait() is result or torch.equal(fut.wait()[0], result[0])
     assert pending.is_completed() and pending.is_success()
+
+
+# -- the synchronous all_reduce's Work -------------------------------------------------------------
+def _sync_and_async_all_reduce_works(rank, world):
+    dist = _init(rank, world)
+    pg = dist.group.WORLD
+    # torch's Python API (asyncOp False): each call's result is its own, whatever the op
+    for step in range(5):
+        for name, expect in (("SUM", 3.0 + 2 * step), ("MAX", 2.0 + step), ("AVG", 1.5 + step)):
+            x = torch.full((2,), float(rank + 1 + step))
+            dist.all_reduce(x, op=getattr(dist.ReduceOp, name))
+            assert x.tolist() == [expect, expect], (rank, name, step, x)
+    x = torch.full((3,), float(rank + 1))
+    dist.all_reduce(x, op=dist._make_nccl_premul_sum(2.0))
+    assert x.tolist() == [6.0] * 3, x
+
+    # a synchronous call (asyncOp False) that completed: one Work of the group, its future's value
+    # this call's tensors
+    sync = dist.AllreduceOptions()
+    sync.asyncOp = False
+    a, b = torch.ones(2), torch.ones(4)
+    work_a = pg.allreduce([a], sync)
+    assert work_a.wait() and work_a.get_future().wait()[0].data_ptr() == a.data_ptr()
+    work_b = pg.allreduce([b], sync)
+    assert work_b is work_a and work_b.get_future().wait()[0].data_ptr() == b.data_ptr()
+    assert a.tolist() == [2.0] * 2 and b.tolist() == [2.0] * 4
+
+    # an asynchronous one (torch's default options, DDP, async_op=True) gets its own Work, which
+    # still answers for its tensor after later calls
+    c = torch.full((2,), float(rank))
+    held = dist.all_reduce(c, async_op=True)
+    later = pg.allreduce([torch.ones(1)], dist.AllreduceOptions())
+    assert later is not held and later is not work_a
+    later.wait()
+    dist.all_reduce(torch.ones(2))
+    held.wait()
+    assert held.get_future().wait()[0].data_ptr() == c.data_ptr() and c.tolist() == [1.0, 1.0]
+
+    # a coalescing block's all_reduces (torch issues them together at its end) are right too
+    d, e = torch.ones(2), torch.full((2,), 2.0)
+    with dist._coalescing_manager(device=torch.device("cpu")):
+        dist.all_reduce(d)
+        dist.all_reduce(e)
+    assert d.tolist() == [2.0, 2.0] and e.tolist() == [4.0, 4.0]
+    _close(dist)
+    return True
+
+
+@pytest.mark.slow
+def test_sync_all_reduce_reuses_the_groups_work_async_gets_its_own():
+    assert run_world(_sync_and_async_all_reduce_works, 2, timeout=90) == [True, True]
+
+
+def test_reduce_op_maps_every_torch_op():
+    import torch.distributed as dist
+
+    from distcomm.torch_backend import reduce_op
+    from distcomm.types import PremulSum, RedOpType
+
+    for name in ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"):
+        assert reduce_op(getattr(dist.ReduceOp, name)) is RedOpType[name]
+        assert reduce_op(dist.ReduceOp(getattr(dist.ReduceOp, name))) is RedOpType[name]
+    premul = reduce_op(dist._make_nccl_premul_sum(0.25))
+    assert isinstance(premul, PremulSum) and premul.factor == 0.25

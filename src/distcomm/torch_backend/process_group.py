@@ -11,6 +11,8 @@ Every call from torch looks asynchronous (torch's Python API waits on the Work i
 user asked for a synchronous call; DDP's buckets are issued async). An operation issued while the
 group is idle runs inline and returns a completed Work: a small all_reduce does not pay a thread
 hand-off. Only when earlier work is still queued does it go to the group's worker thread, behind it.
+A synchronous all_reduce (``opts.asyncOp`` False: torch's Python API waits on the Work and drops it)
+that the latency path completed returns the group's one reused Work (see ``_finished``).
 
 torch private names used (torch's own seams for Python backends): ``torch.distributed.Work``
 subclassed (work.py), ``ProcessGroup.__init__(rank, size)``. Reduce ops are read from torch's
@@ -37,12 +39,27 @@ BACKEND_NAME = "distcomm"
 DEFAULT_ENGINE = "gloo"  # distcomm's default: shared memory within a host, TCP between hosts
 
 
+_RED_OPS = {int(kind): kind for kind in RedOpType}  # an Enum call costs a microsecond; a dict a tenth
+_TORCH_SUM = tdist.ReduceOp.SUM
+
+
 def reduce_op(op) -> Any:
     """torch's ReduceOp (an object with ``.op``, and ``.factor`` for PREMUL_SUM) as distcomm's."""
-    kind = RedOpType(int(getattr(op, "op", op)))
+    kind = _RED_OPS.get(int(getattr(op, "op", op)))
+    if kind is None:
+        raise ValueError(f"distcomm: unknown torch ReduceOp {op!r}")
     if kind is RedOpType.PREMUL_SUM:
         return PremulSum(op.factor)
     return kind
+
+
+def _allreduce_op(opts) -> Any:
+    """The op of torch's AllreduceOptions: SUM (nearly every call) is one comparison, not the two
+    pybind attribute reads ``reduce_op`` makes."""
+    if opts is None:
+        return RedOpType.SUM
+    op = opts.reduceOp
+    return RedOpType.SUM if op == _TORCH_SUM else reduce_op(op)
 
 
 def _timeout(value) -> timedelta:
@@ -59,6 +76,7 @@ class DistcommProcessGroup(tdist.ProcessGroup):
         self._name = ""
         self._desc = ""
         self._coalesced: list[TorchWork] | None = None  # Works issued inside _start/_end_coalescing
+        self._done = TorchWork([])  # see _finished
 
     # -- identity -------------------------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 - torch's name (C++ virtual)
@@ -119,6 +137,15 @@ class DistcommProcessGroup(tdist.ProcessGroup):
         error = next((w.exception() for w in issued if w.exception() is not None), None)
         return TorchWork([t for w in issued for t in w.outputs], [x for w in issued for x in w.works], error)
 
+    def _finished(self, result) -> TorchWork:
+        """The Work of a synchronous call (``opts.asyncOp`` False) that has completed: one Work per
+        group, reused. Only torch's Python API sets asyncOp False, and it waits on the Work and drops
+        it; making and freeing a torch Work subclass costs more than the rest of our part of an 8-byte
+        all_reduce. Its result is this call's, so that its future's value is right too."""
+        done = self._done
+        done._result = result
+        return done
+
     def _track(self, work: TorchWork) -> TorchWork:
         if self._coalesced is not None:
             self._coalesced.append(work)
@@ -126,13 +153,17 @@ class DistcommProcessGroup(tdist.ProcessGroup):
 
     # -- collectives ------------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
-        op = reduce_op(opts.reduceOp) if opts is not None else RedOpType.SUM
+        op = _allreduce_op(opts)
         tensor = tensors[0]
+        # the latency path takes the call only when the group is idle and the tensor a plain dense
+        # CPU one (it declines a sparse tensor, a PREMUL_SUM, a busy group, having done nothing)
+        if op.__class__ is RedOpType and self.group.fast_all_reduce(tensor, op):
+            if self._coalesced is None and opts is not None and not opts.asyncOp:
+                return self._finished(tensors)
+            return self._track(TorchWork(tensors))
         if tensor.is_sparse:
             sparse = SparseBuffer(tensor)
             return self._run(lambda a: self.group.allreduce_sparse(sparse, a, tensors), tensors)
-        if isinstance(op, RedOpType) and self.group.executor.idle() and self.group.fast_all_reduce(tensor, op):
-            return self._track(TorchWork(tensors))
         buf = as_buffer(tensor)
         return self._run(lambda a: self.group.allreduce(buf, op, a, tensors), tensors)
 
