@@ -156,8 +156,9 @@ class DistcommProcessGroup(tdist.ProcessGroup):
         op = _allreduce_op(opts)
         tensor = tensors[0]
         # the latency path takes the call only when the group is idle and the tensor a plain dense
-        # CPU one (it declines a sparse tensor, a PREMUL_SUM, a busy group, having done nothing)
-        if op.__class__ is RedOpType and self.group.fast_all_reduce(tensor, op):
+        # CPU one (it declines a sparse tensor, a PREMUL_SUM, a busy group, having done nothing);
+        # never under DETAIL, whose shape check only the general path makes
+        if op.__class__ is RedOpType and not diagnostics.check_shapes and self.group.fast_all_reduce(tensor, op):
             if self._coalesced is None and opts is not None and not opts.asyncOp:
                 return self._finished(tensors)
             return self._track(TorchWork(tensors))
