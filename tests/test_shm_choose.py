@@ -76,6 +76,7 @@ def test_thresholds_from_the_tuning():
     ("reducescatter", "reduce_scatter_slots", "reduce_scatter_readv"),
     ("alltoall", "alltoall_slots", "alltoall_readv"),
     ("broadcast", "broadcast_slots", "broadcast_readv"),
+    ("scatter", "scatter_slots", "scatter_readv"),
 ])
 def test_single_copy_from_4_mib(op, slots, readv):
     assert choose(op, 4 * MiB - 1, 4, CAN, DEFAULT) == slots
@@ -93,7 +94,7 @@ def test_broadcast_at_two_ranks_stays_in_slots_unless_forced():
     assert choose("broadcast", 8, 2, CAN, tuned(DISTCOMM_SHM_ALGO_BROADCAST="readv")) == "broadcast_readv"
 
 
-@pytest.mark.parametrize("op", ["gather", "scatter", "barrier"])
+@pytest.mark.parametrize("op", ["gather", "barrier"])
 def test_slots_only(op):
     for nbytes in (0, 8, 64 * MiB):
         assert choose(op, nbytes, 4, CAN, DEFAULT) == op + "_slots"

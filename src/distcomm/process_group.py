@@ -375,8 +375,7 @@ class ProcessGroup:
 
         def body(ch: Channel) -> None:
             coll.check_root(ch, root, "src")
-            chunks = np.concatenate([b.flat for b in ins]) if ins is not None else None
-            coll.scatter(ch, chunks, out.flat, root)
+            coll.scatter_list(ch, [b.flat for b in ins] if ins is not None else None, out.flat, root)
             out.commit()
 
         return self.run("scatter", signature("scatter", out.dtype.code, root=root), body, async_op, result,

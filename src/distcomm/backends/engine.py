@@ -125,6 +125,12 @@ class GroupCollectives(ABC):
             x[...] = recv[offset:offset + x.size]
             offset += x.size
 
+    def scatter_list(self, ch: Channel, ins: Sequence[np.ndarray] | None, out: np.ndarray, root: int) -> None:
+        """``ins[q]`` on ``root`` (separate arrays of ``out``'s size; None elsewhere) lands in rank q's
+        ``out``. The default stages through one flat buffer and ``scatter``; an engine that can
+        read each input in place overrides it."""
+        self.scatter(ch, np.concatenate(list(ins)) if ins is not None else None, out, root)
+
     def check_root(self, ch: Channel, root: int, what: str) -> None:
         """Raise CollectiveMismatchError if the ranks passed different roots to a rooted collective
         (``what``: the argument's name, "src" or "dst"); called before the collective itself.

@@ -9,15 +9,16 @@ measurements behind each threshold):
   rounds and copies of slices cost more than the extra reductions up to there. Past one slot the
   direct algorithm runs as "reduce_direct" with every rank reading, a round per slot. From
   ``allreduce_readv_bytes`` (16 MiB) "allreduce_readv", else "allreduce_slices".
-* the copy-only collectives and reduce: single copy ("<op>_readv") from ``readv_bytes`` (4 MiB),
+* the copy-only collectives (scatter by its whole input), and reduce: single copy ("<op>_readv")
+  from ``readv_bytes`` (4 MiB),
   where a system call and page pinning per chunk are paid back by copying once and not running in
   lockstep; below, through slots. broadcast only at p > 2: at two ranks the slots' pipeline wins.
-* gather, scatter, barrier: through slots only.
+* gather, barrier: through slots only.
 * Single copy needs every member allowed to read every other's memory (``direct_reads``); without
   it every "readv" choice, forced ones included, falls back to its slots form.
 
 ``DISTCOMM_SHM_ALGO_ALLREDUCE=direct|slices|readv`` and
-``DISTCOMM_SHM_ALGO_<BROADCAST|ALLGATHER|REDUCE|REDUCESCATTER|ALLTOALL>=slots|readv`` force a
+``DISTCOMM_SHM_ALGO_<BROADCAST|ALLGATHER|REDUCE|REDUCESCATTER|ALLTOALL|SCATTER>=slots|readv`` force a
 choice (``check_forced`` refuses other values when the engine is set up);
 ``DISTCOMM_SHM_THRESHOLD_<NAME>`` replaces a threshold (``allreduce_direct_bytes`` replaces
 both direct limits).
@@ -44,6 +45,7 @@ FORCEABLE = {
     "reduce": ("slots", "readv"),
     "reducescatter": ("slots", "readv"),
     "alltoall": ("slots", "readv"),
+    "scatter": ("slots", "readv"),
 }
 
 
@@ -99,7 +101,7 @@ def choose(op: str, nbytes: int, size: int, caps: Capabilities, tuning: Tuning) 
         if forced == "direct":
             return "allreduce_direct" if nbytes <= caps.slot_bytes else "reduce_direct"
         return "allreduce_" + forced
-    if op in ("gather", "scatter", "barrier"):
+    if op in ("gather", "barrier"):
         return op + "_slots"
     readv = forced == "readv" if forced else nbytes >= _threshold(tuning, "readv_bytes")
     if op == "broadcast" and size <= 2 and not forced:

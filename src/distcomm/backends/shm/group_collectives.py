@@ -47,6 +47,7 @@ from .reduce_direct import reduce_direct
 from .reduce_readv import reduce_readv
 from .reduce_scatter_readv import reduce_scatter_readv
 from .reduce_scatter_slots import reduce_scatter_slots
+from .scatter_readv import scatter_readv
 from .scatter_slots import piece_bytes, scatter_slots
 
 
@@ -103,6 +104,7 @@ ALGORITHMS = {
     "allgather_readv": allgather_readv,
     "gather_slots": gather_slots,
     "scatter_slots": scatter_slots,
+    "scatter_readv": scatter_readv,
     "reduce_scatter_slots": reduce_scatter_slots,
     "reduce_scatter_readv": reduce_scatter_readv,
     "alltoall_slots": alltoall.alltoall_slots,
@@ -295,13 +297,20 @@ class ShmCollectives(GroupCollectives):
         self._raise_disagreement(ch, root, self._run(ctx, ch, name, send, out, root))
 
     def scatter(self, ch: Channel, chunks: np.ndarray | None, out: np.ndarray, root: int) -> None:
+        n = out.size
+        self.scatter_list(ch, None if chunks is None else [chunks[q * n:(q + 1) * n] for q in range(ch.size)],
+                          out, root)
+
+    def scatter_list(self, ch: Channel, ins, out: np.ndarray, root: int) -> None:
+        """Single copy straight from each input when ``choose`` picks it (no staging either way:
+        the slots copy each input's pieces into the root's slot)."""
         ctx = self._context(ch)
         if ctx is None:
-            return self.generic.scatter(ch, chunks, out, root)
+            return self.generic.scatter_list(ch, ins, out, root)
         name = self._choose("scatter", out.nbytes * ch.size, ctx, ch)
         one_round = name == "scatter_slots" and out.nbytes <= piece_bytes(ctx.slot_bytes, ch.size)
         self._check_root_first(ctx, ch, one_round, root)
-        self._raise_disagreement(ch, root, self._run(ctx, ch, name, chunks, out, root))
+        self._raise_disagreement(ch, root, self._run(ctx, ch, name, ins, out, root))
 
     def reduce_scatter(self, ch: Channel, scratch: np.ndarray, out: np.ndarray, counts, dtype, op) -> None:
         ctx = self._context(ch)

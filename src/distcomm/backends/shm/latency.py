@@ -153,7 +153,7 @@ class Limits(NamedTuple):
             reduce=_largest(picks("reduce", "reduce_direct"), slot_bytes),
             all_gather=_largest(picks("allgather", "allgather_slots", size), slot_bytes),
             gather=slot_bytes,
-            scatter=scatter_slots.piece_bytes(slot_bytes, size),
+            scatter=_largest(picks("scatter", "scatter_slots", size), scatter_slots.piece_bytes(slot_bytes, size)),
             reduce_scatter=_largest(picks("reducescatter", "reduce_scatter_slots"), size * piece),
             reduce_scatter_piece=piece,
             all_to_all=_largest(picks("alltoall", "alltoall_slots"), 4 * slot_bytes),

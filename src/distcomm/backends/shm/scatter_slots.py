@@ -45,17 +45,16 @@ def one_round(ctx, seq: int, sig: int, channel, ins, out: np.ndarray, root: int)
     return disagreeing
 
 
-def scatter_slots(ctx, ch: Channel, chunks: np.ndarray | None, out: np.ndarray, root: int) -> tuple[int, int] | None:
-    """A block of one piece is ``one_round`` (its root check's result); otherwise the caller has
-    checked the root."""
+def scatter_slots(ctx, ch: Channel, ins, out: np.ndarray, root: int) -> tuple[int, int] | None:
+    """``ins[q]`` on the root (contiguous arrays of ``out``'s size; None elsewhere) lands in rank
+    q's ``out``. A block of one piece is ``one_round`` (its root check's result); otherwise the
+    caller has checked the root."""
     p, r = ctx.size, ctx.rank
     step = piece_bytes(ctx.slot_bytes, p)
     if out.nbytes <= step:
-        n = out.size
-        ins = None if chunks is None else [chunks[q * n : (q + 1) * n] for q in range(p)]
         return one_round(ctx, ch.key.seq, ch.signature, same_channel(ch), ins, out, root)
     raw = out.view(np.uint8)
-    src = None if chunks is None else chunks.view(np.uint8)
+    src = None if ins is None else [x.view(np.uint8) for x in ins]
     bb = raw.size
     lo = 0
     while True:
@@ -65,9 +64,9 @@ def scatter_slots(ctx, ch: Channel, chunks: np.ndarray | None, out: np.ndarray, 
             slot = ctx.acquire(k, ch)
             for q in range(p):
                 if q != r:
-                    slot[q * step : q * step + hi - lo] = src[q * bb + lo : q * bb + hi]
+                    slot[q * step : q * step + hi - lo] = src[q][lo:hi]
             ctx.post(k, ch, bb)
-            raw[lo:hi] = src[r * bb + lo : r * bb + hi]
+            raw[lo:hi] = src[r][lo:hi]
         else:
             ctx.wait_posted(k, ch, bb, [root])
             raw[lo:hi] = ctx.data(root, k)[r * step : r * step + hi - lo]
