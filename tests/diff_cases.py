@@ -879,7 +879,7 @@ def _run_cases(dist, rank: int, ws: int, framework: str, backend: str, only: lis
 # them meets torch's results on the real transport, not only the default choice per size. The
 # "shm/..." variants do the same for the shared-memory collectives (backends/shm/): those variables
 # are read into the engine's Tuning when it is connected, i.e. once per init_process_group, so each plan gets its own choice (test_shm_variants_ran checks it).
-_SHM_OPS = ("BROADCAST", "ALLGATHER", "REDUCE", "REDUCESCATTER", "ALLTOALL", "SCATTER")
+_SHM_OPS = ("BROADCAST", "ALLGATHER", "REDUCE", "REDUCESCATTER", "ALLTOALL", "SCATTER", "GATHER")
 ENGINE_VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
     "gloo": ("gloo", {}),
     "tcp": ("tcp", {}),

@@ -225,16 +225,16 @@ def test_oracle_stayed_in_step(results_by_world, ws):
 # would otherwise quietly compare the default.
 SHM_VARIANT_ALGOS: dict[str, tuple[set, set]] = {
     "shm/readv": ({"allreduce_readv", "broadcast_readv", "allgather_readv", "reduce_readv", "reduce_scatter_readv",
-                   "alltoall_readv", "gather_slots", "scatter_readv", "barrier_slots"},
+                   "alltoall_readv", "gather_readv", "scatter_readv", "barrier_slots"},
                   {"allreduce_direct", "latency_all_reduce", "allreduce_slices", "reduce_direct", "broadcast_slots",
-                   "allgather_slots", "reduce_scatter_slots", "scatter_slots"}),
+                   "allgather_slots", "reduce_scatter_slots", "scatter_slots", "gather_slots"}),
     "shm/slices": ({"allreduce_slices", "broadcast_slots", "reduce_direct", "allgather_slots", "gather_slots",
                     "scatter_slots", "reduce_scatter_slots", "alltoall_slots", "barrier_slots"},
                    {"allreduce_direct", "latency_all_reduce", "allreduce_readv", "broadcast_readv", "allgather_readv",
-                    "reduce_readv", "reduce_scatter_readv", "alltoall_readv", "scatter_readv"}),
+                    "reduce_readv", "reduce_scatter_readv", "alltoall_readv", "scatter_readv", "gather_readv"}),
     "shm/direct": ({"allreduce_direct", "reduce_direct"},  # all_reduce cases only (diff_cases.VARIANT_CASES)
                    {"latency_all_reduce", "allreduce_slices", "allreduce_readv", "broadcast_readv", "allgather_readv",
-                    "reduce_readv", "reduce_scatter_readv", "alltoall_readv", "scatter_readv"}),
+                    "reduce_readv", "reduce_scatter_readv", "alltoall_readv", "scatter_readv", "gather_readv"}),
     # by size: direct and slices for all_reduce; from world size 4 on the 300k all_gather and
     # reduce_scatter_tensor cases pass 4 MiB and take single-copy reads (added below)
     # the latency path (latency_all_reduce) takes the synchronous small all_reduces, allreduce_direct

@@ -94,10 +94,17 @@ def test_broadcast_at_two_ranks_stays_in_slots_unless_forced():
     assert choose("broadcast", 8, 2, CAN, tuned(DISTCOMM_SHM_ALGO_BROADCAST="readv")) == "broadcast_readv"
 
 
-@pytest.mark.parametrize("op", ["gather", "barrier"])
-def test_slots_only(op):
+@pytest.mark.parametrize("op", ["barrier", "gather"])
+def test_slots_unless_forced(op):
     for nbytes in (0, 8, 64 * MiB):
         assert choose(op, nbytes, 4, CAN, DEFAULT) == op + "_slots"
+
+
+def test_gather_single_copy_only_when_forced():
+    forced = tuned(DISTCOMM_SHM_ALGO_GATHER="readv")
+    assert choose("gather", 8, 4, CAN, forced) == "gather_readv"
+    assert choose("gather", 64 * MiB, 2, CANNOT, forced) == "gather_slots"  # not allowed: through slots
+    assert choose("gather", 64 * MiB, 4, CAN, tuned(DISTCOMM_SHM_ALGO_GATHER="slots")) == "gather_slots"
 
 
 def test_every_choice_names_an_algorithm():

@@ -352,15 +352,12 @@ class ProcessGroup:
         if not async_op and self._fast("gather", outs, inp, root):
             return None
         coll = self.collectives
-        count = inp.count
 
         def body(ch: Channel) -> None:
             coll.check_root(ch, root, "dst")
-            flat = np.empty(count * ch.size, dtype=inp.flat.dtype) if outs is not None else None
-            coll.gather(ch, inp.flat, flat, root)
+            coll.gather_list(ch, inp.flat, [out.flat for out in outs] if outs is not None else None, root)
             if outs is not None:
-                for i, out in enumerate(outs):
-                    out.flat[...] = flat[i * count:(i + 1) * count]
+                for out in outs:
                     out.commit()
 
         return self.run("gather", signature("gather", inp.dtype.code, root=root), body, async_op, result,

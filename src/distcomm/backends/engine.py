@@ -125,6 +125,17 @@ class GroupCollectives(ABC):
             x[...] = recv[offset:offset + x.size]
             offset += x.size
 
+    def gather_list(self, ch: Channel, send: np.ndarray, outs: Sequence[np.ndarray] | None, root: int) -> None:
+        """Rank q's ``send`` lands in ``outs[q]`` on ``root`` (separate arrays of ``send``'s size; None
+        elsewhere). The default stages through one flat buffer and ``gather``; an engine that can
+        write each output in place overrides it."""
+        count = send.size
+        flat = np.empty(count * ch.size, dtype=send.dtype) if outs is not None else None
+        self.gather(ch, send, flat, root)
+        if outs is not None:
+            for q, out in enumerate(outs):
+                out[...] = flat[q * count:(q + 1) * count]
+
     def scatter_list(self, ch: Channel, ins: Sequence[np.ndarray] | None, out: np.ndarray, root: int) -> None:
         """``ins[q]`` on ``root`` (separate arrays of ``out``'s size; None elsewhere) lands in rank q's
         ``out``. The default stages through one flat buffer and ``scatter``; an engine that can

@@ -13,12 +13,13 @@ measurements behind each threshold):
   from ``readv_bytes`` (4 MiB),
   where a system call and page pinning per chunk are paid back by copying once and not running in
   lockstep; below, through slots. broadcast only at p > 2: at two ranks the slots' pipeline wins.
-* gather, barrier: through slots only.
+* gather: through slots unless single copy is forced (the root alone reads: measured, slots
+  matched single copy at every size, and beat it below 16 MiB); barrier: through slots only.
 * Single copy needs every member allowed to read every other's memory (``direct_reads``); without
   it every "readv" choice, forced ones included, falls back to its slots form.
 
 ``DISTCOMM_SHM_ALGO_ALLREDUCE=direct|slices|readv`` and
-``DISTCOMM_SHM_ALGO_<BROADCAST|ALLGATHER|REDUCE|REDUCESCATTER|ALLTOALL|SCATTER>=slots|readv`` force a
+``DISTCOMM_SHM_ALGO_<BROADCAST|ALLGATHER|REDUCE|REDUCESCATTER|ALLTOALL|SCATTER|GATHER>=slots|readv`` force a
 choice (``check_forced`` refuses other values when the engine is set up);
 ``DISTCOMM_SHM_THRESHOLD_<NAME>`` replaces a threshold (``allreduce_direct_bytes`` replaces
 both direct limits).
@@ -46,6 +47,7 @@ FORCEABLE = {
     "reducescatter": ("slots", "readv"),
     "alltoall": ("slots", "readv"),
     "scatter": ("slots", "readv"),
+    "gather": ("slots", "readv"),
 }
 
 
@@ -101,8 +103,10 @@ def choose(op: str, nbytes: int, size: int, caps: Capabilities, tuning: Tuning) 
         if forced == "direct":
             return "allreduce_direct" if nbytes <= caps.slot_bytes else "reduce_direct"
         return "allreduce_" + forced
-    if op in ("gather", "barrier"):
-        return op + "_slots"
+    if op == "barrier":
+        return "barrier_slots"
+    if op == "gather" and forced != "readv":
+        return "gather_slots"  # one reader: the slots' pipeline matches single copy at every size
     readv = forced == "readv" if forced else nbytes >= _threshold(tuning, "readv_bytes")
     if op == "broadcast" and size <= 2 and not forced:
         readv = False  # two ranks: the slots' pipeline beats one single copy at every size

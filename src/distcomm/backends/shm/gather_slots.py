@@ -45,18 +45,15 @@ def one_round(ctx, seq: int, sig: int, channel, send: np.ndarray, outs, root: in
     return disagreeing
 
 
-def gather_slots(ctx, ch: Channel, send: np.ndarray, out: np.ndarray | None, root: int | None
-                 ) -> tuple[int, int] | None:
-    """Rank q's ``send`` into block q of ``out`` on the root (every rank if None: all_gather, where
-    ``send`` is this rank's block of ``out`` itself). A gather of one slot is ``one_round`` (its
-    root check's result); otherwise the caller has checked the root."""
+def gather_slots(ctx, ch: Channel, send: np.ndarray, outs, root: int | None) -> tuple[int, int] | None:
+    """Rank q's ``send`` into ``outs[q]`` (contiguous arrays of ``send``'s size) on the root (every
+    rank if None: all_gather, where ``send`` is this rank's output itself). A gather of one slot is
+    ``one_round`` (its root check's result); otherwise the caller has checked the root."""
     if send.nbytes <= ctx.slot_bytes:
-        count = send.size
-        outs = None if out is None else [out[q * count : (q + 1) * count] for q in range(ctx.size)]
         return one_round(ctx, ch.key.seq, ch.signature, same_channel(ch), send, outs, root)
     r = ctx.rank
     src = send.view(np.uint8)
-    raw = None if out is None else out.view(np.uint8)
+    raw = None if outs is None else [o.view(np.uint8) for o in outs]
     bb, step = src.size, ctx.slot_bytes
     peers = [q for q in range(ctx.size) if q != r]
     reads = root is None or r == root
@@ -70,9 +67,9 @@ def gather_slots(ctx, ch: Channel, send: np.ndarray, out: np.ndarray | None, roo
         if reads:
             ctx.wait_posted(k, ch, bb, None if root is None else peers)
             for q in peers:
-                raw[q * bb + lo : q * bb + hi] = ctx.data(q, k)[: hi - lo]
+                raw[q][lo:hi] = ctx.data(q, k)[: hi - lo]
             if root is not None:
-                raw[r * bb + lo : r * bb + hi] = src[lo:hi]
+                raw[r][lo:hi] = src[lo:hi]
         ctx.consume(k)
         lo = hi
         if lo >= bb:

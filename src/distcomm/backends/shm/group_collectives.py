@@ -42,6 +42,7 @@ from .broadcast_readv import broadcast_readv
 from .broadcast_slots import broadcast_slots
 from .choose import Capabilities, check_forced, choose, direct_limit, latency_limit
 from .common import same_channel, split_mismatch
+from .gather_readv import gather_readv
 from .gather_slots import gather_slots
 from .reduce_direct import reduce_direct
 from .reduce_readv import reduce_readv
@@ -53,7 +54,8 @@ from .scatter_slots import piece_bytes, scatter_slots
 
 def _allgather_slots(ctx, ch: Channel, out: np.ndarray, count: int) -> None:
     """all_gather through slots: gather_slots with every rank reading."""
-    gather_slots(ctx, ch, out[ch.rank * count : (ch.rank + 1) * count], out, None)
+    gather_slots(ctx, ch, out[ch.rank * count : (ch.rank + 1) * count],
+                 [out[q * count : (q + 1) * count] for q in range(ch.size)], None)
 
 
 def _direct_read_failure(ctx, ch: Channel, exc: "shm_direct.DirectReadError") -> TransportError:
@@ -103,6 +105,7 @@ ALGORITHMS = {
     "allgather_slots": _allgather_slots,
     "allgather_readv": allgather_readv,
     "gather_slots": gather_slots,
+    "gather_readv": gather_readv,
     "scatter_slots": scatter_slots,
     "scatter_readv": scatter_readv,
     "reduce_scatter_slots": reduce_scatter_slots,
@@ -289,12 +292,17 @@ class ShmCollectives(GroupCollectives):
         super().all_gather_list(ch, outs, send)
 
     def gather(self, ch: Channel, send: np.ndarray, out: np.ndarray | None, root: int) -> None:
+        n = send.size
+        self.gather_list(ch, send, None if out is None else [out[q * n:(q + 1) * n] for q in range(ch.size)], root)
+
+    def gather_list(self, ch: Channel, send: np.ndarray, outs, root: int) -> None:
+        """Straight into each output, through slots or (when ``choose`` picks it) single copy."""
         ctx = self._context(ch)
         if ctx is None:
-            return self.generic.gather(ch, send, out, root)
+            return self.generic.gather_list(ch, send, outs, root)
         name = self._choose("gather", send.nbytes * ch.size, ctx, ch)
         self._check_root_first(ctx, ch, name == "gather_slots" and send.nbytes <= ctx.slot_bytes, root)
-        self._raise_disagreement(ch, root, self._run(ctx, ch, name, send, out, root))
+        self._raise_disagreement(ch, root, self._run(ctx, ch, name, send, outs, root))
 
     def scatter(self, ch: Channel, chunks: np.ndarray | None, out: np.ndarray, root: int) -> None:
         n = out.size

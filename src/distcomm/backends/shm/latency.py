@@ -152,7 +152,7 @@ class Limits(NamedTuple):
             broadcast=_largest(picks("broadcast", "broadcast_slots"), slot_bytes),
             reduce=_largest(picks("reduce", "reduce_direct"), slot_bytes),
             all_gather=_largest(picks("allgather", "allgather_slots", size), slot_bytes),
-            gather=slot_bytes,
+            gather=_largest(picks("gather", "gather_slots", size), slot_bytes),
             scatter=_largest(picks("scatter", "scatter_slots", size), scatter_slots.piece_bytes(slot_bytes, size)),
             reduce_scatter=_largest(picks("reducescatter", "reduce_scatter_slots"), size * piece),
             reduce_scatter_piece=piece,
