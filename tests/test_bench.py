@@ -290,3 +290,14 @@ def test_overview_table_from_saved_results(tmp_path, capsys):
     assert "| all_reduce | 2 | 0.25x | 2.0x |" in mpich and "| all_reduce | 4 |" not in mpich
     assert "barrier: 5.0 µs vs 1.5 µs (world 2)" in mpich
     assert "lowest ratio over every op and size: 0.25x" in mpich
+
+
+def test_a_tiny_speedup_is_printed_with_its_digits_not_as_zero():
+    """A row where the peer is hundreds of times faster (a loaded machine, or MPICH at 8 B) shows
+    its ratio, not "0.00"; ordinary ratios keep two decimals."""
+    def row(time_us):
+        return {"op": "all_reduce", "size": 8, "count": 2, "dtype": "float32", "time_us": time_us,
+                "algbw": 0.0, "busbw": 0.0, "wrong": 0}
+
+    fields = report.compare_row(row(1000.0), row(4.0), row(2500.0)).split()
+    assert fields[-2:] == ["0.004", "2.50"], fields

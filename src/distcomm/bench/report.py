@@ -67,6 +67,14 @@ def _num(value: float, width: int, digits: int = 2) -> str:
     return f"{'-':>{width}}" if value is None or math.isnan(value) else f"{value:{width}.{digits}f}"
 
 
+def _ratio(value: float, width: int) -> str:
+    """A speedup: two decimals, or two significant digits below 0.1 (a loaded machine can make one
+    engine hundreds of times slower for a row, and "0.00" would read as no measure)."""
+    if value is None or math.isnan(value) or value >= 0.1:
+        return _num(value, width)
+    return f"{value:{width}.2g}"
+
+
 def _time(value: float, width: int = 10) -> str:
     return _num(value, width, 1 if value >= 1000 else 2)
 
@@ -129,7 +137,7 @@ def compare_row(ours: dict | None, *theirs: dict | None) -> str:
     """One size: the first engine's measures, each other engine's, then ours' speedup over each."""
     key = _key(next(r for r in (ours, *theirs) if r is not None))
     measures = " ".join(_measure(r) for r in (ours, *theirs))
-    return f"{key} {measures} {' '.join(_num(speedup(ours, t), 8) for t in theirs)}"
+    return f"{key} {measures} {' '.join(_ratio(speedup(ours, t), 8) for t in theirs)}"
 
 
 def _by_key(rows: Iterable[dict]) -> dict[tuple, dict]:
