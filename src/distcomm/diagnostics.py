@@ -333,6 +333,16 @@ def describe_state(rank: int, state: dict | None, group: str, now: float, stale_
     return f"rank {rank}: not in an operation of this group; last completed {_describe_record(completed)}{stale}"
 
 
+def record_fault(pg: Any, exc: BaseException, op: str, seq: int | None, entry: list | None) -> None:
+    """A call of ``pg`` failed with ``exc``: its flight recorder ``entry`` (if any) says so, and a
+    DistError gets what the other ranks report (``on_fault``). Every path that runs a call (the
+    general path, p2p, the engines' latency paths) tells its failures through here."""
+    if entry is not None:
+        fr.fail(entry, exc)
+    if isinstance(exc, DistError):
+        on_fault(pg, exc, op, seq)
+
+
 def on_fault(pg: Any, exc: DistError, op: str, seq: int | None) -> None:
     """An operation of ``pg`` failed with ``exc``: add what the other ranks report to its message,
     dump this rank's flight recorder and ask every rank to dump theirs. Changes ``exc`` in place
@@ -421,4 +431,4 @@ def check_fingerprints(ch: Any, fp: dict, seq: int) -> None:
     )
 
 
-__all__ = ["install", "uninstall", "report_failure", "on_fault", "check_fingerprints", "fingerprint"]
+__all__ = ["install", "uninstall", "report_failure", "record_fault", "on_fault", "check_fingerprints", "fingerprint"]

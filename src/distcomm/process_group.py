@@ -32,7 +32,6 @@ from .buffers import Buffer, SparseBuffer
 from .errors import (
     CollectiveMismatchError,
     DistBackendError,
-    DistError,
     DistTimeoutError,
     PeerLostError,
     describe_op,
@@ -194,10 +193,7 @@ class ProcessGroup:
                     with profiler_scope(f"{self.backend_name}:{op}"):  # torch's "<backend>:<op>" event names
                         body(self.channel(op, seq, sig, timeout))
             except BaseException as exc:
-                if entry is not None:
-                    fr.fail(entry, exc)
-                if isinstance(exc, DistError):
-                    diagnostics.on_fault(self, exc, op, seq)
+                diagnostics.record_fault(self, exc, op, seq, entry)
                 raise
             if entry is not None:
                 entry[_T_COMPLETED], entry[_STATE] = _now(), _COMPLETED
@@ -587,9 +583,7 @@ class P2PWork(Work):
             if exc.peer is not None:
                 peer = self._pg.group_rank(self._pg.global_rank_of_engine_rank(exc.peer))
             err = self._translate(exc, peer)
-            if self._entry is not None:
-                fr.fail(self._entry, err)
-            diagnostics.on_fault(self._pg, err, self.op, None)
+            diagnostics.record_fault(self._pg, err, self.op, None, self._entry)
             self._finish(err)
             raise err from None
         source = None

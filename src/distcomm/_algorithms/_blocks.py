@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -41,6 +41,18 @@ def ring_reduce_scatter(
     the receive for step s+1 is posted before step s's reduction, so a transport can land the bytes
     in place (no unexpected-message copy) while this rank reduces.
     """
+    done, last_send = ring_reduce_scatter_pending(ch, buf, bounds, start, reduce, tmp)
+    if last_send is not None:
+        last_send.wait()
+    return done
+
+
+def ring_reduce_scatter_pending(
+    ch: Channel, buf: np.ndarray, bounds: Sequence[int], start: int, reduce: Reducer, tmp: np.ndarray
+) -> tuple[int, Any]:
+    """``ring_reduce_scatter``, but its last step's send is returned unfinished (None when there
+    was no step) instead of waited for: that send's block is not touched again by the ring, so a
+    caller with more to do (the hierarchical all_reduce) waits for it later."""
     p, r = ch.size, ch.rank
     right, left = (r + 1) % p, (r - 1) % p
     half = tmp.size // 2
@@ -50,7 +62,8 @@ def ring_reduce_scatter(
         block = (start - step - 1) % p
         return ch.irecv(left, slots[step % 2][: bounds[block + 1] - bounds[block]])
 
-    recv = post(0)
+    send = None
+    recv = post(0) if p > 1 else None
     for s in range(p - 1):
         out_block = (start - s) % p
         send = ch.isend(right, buf[bounds[out_block] : bounds[out_block + 1]])
@@ -61,8 +74,9 @@ def ring_reduce_scatter(
         in_block = (start - s - 1) % p
         lo, hi = bounds[in_block], bounds[in_block + 1]
         reduce(buf[lo:hi], incoming[: hi - lo])
-        send.wait()  # the next step sends the block just reduced; this one must be out first
-    return (start - (p - 1)) % p
+        if s + 1 < p - 1:
+            send.wait()  # the next step sends the block just reduced; this one must be out first
+    return (start - (p - 1)) % p, send
 
 
 def ring_allgather(ch: Channel, buf: np.ndarray, bounds: Sequence[int], mine: int) -> None:

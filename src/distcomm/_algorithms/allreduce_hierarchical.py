@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..transport.base import Channel, ChannelRequest
-from ._blocks import Reducer, even_counts, offsets, ring_allgather
+from ._blocks import Reducer, even_counts, offsets, ring_allgather, ring_reduce_scatter_pending
 
 
 def layout(hosts: Sequence) -> tuple[list[list[int]], bool]:
@@ -60,7 +60,10 @@ class HostPhases:
         block i ends on local rank i (so the all-gather may be another implementation's)."""
         tmp = np.empty(2 * (bounds[1] - bounds[0]), dtype=buf.dtype)
         # the ring from block i - 1 ends on block i
-        _, self._sending = _reduce_scatter(sub, buf, bounds, sub.rank - 1, self.reduce, tmp)
+        # the last step's send is waited for only before the all-gather, after the cross-host phase:
+        # on shared memory a large send completes when the peer has read it, and waiting here would
+        # often cost one more sleep and wake-up per call for nothing
+        _, self._sending = ring_reduce_scatter_pending(sub, buf, bounds, sub.rank - 1, self.reduce, tmp)
 
     def all_gather(self, sub: Channel, buf: np.ndarray, bounds: Sequence[int], block: int) -> None:
         """Every rank of the host gets every block; this rank holds ``block`` (its local index)."""
@@ -105,36 +108,3 @@ def allreduce_hierarchical(ch: Channel, buf: np.ndarray, reduce: Reducer, hosts:
         phases.all_gather(local, buf, bounds, i)
     if phase_done is not None:
         phase_done("allgather")
-
-
-def _reduce_scatter(ch: Channel, buf: np.ndarray, bounds, start: int, reduce: Reducer,
-                    tmp: np.ndarray) -> tuple[int, ChannelRequest]:
-    """``_blocks.ring_reduce_scatter`` (the same steps, blocks and result), but the last step's send
-    is returned unfinished rather than waited for: it sends a block this rank does not touch until
-    the all-gather, so the hierarchy waits for it only then, after the cross-host phase. On shared
-    memory a large send completes when the peer has read it, and the peer reads it in its own wait
-    of that step: waiting here would often mean one more sleep and wake-up per call for nothing,
-    which on a loaded machine costs a scheduling delay of milliseconds."""
-    p, r = ch.size, ch.rank
-    right, left = (r + 1) % p, (r - 1) % p
-    half = tmp.size // 2
-    slots = (tmp[:half], tmp[half:])
-
-    def post(step: int):
-        block = (start - step - 1) % p
-        return ch.irecv(left, slots[step % 2][: bounds[block + 1] - bounds[block]])
-
-    recv = post(0)
-    for s in range(p - 1):
-        out_block = (start - s) % p
-        send = ch.isend(right, buf[bounds[out_block]: bounds[out_block + 1]])
-        recv.wait()
-        incoming = slots[s % 2]
-        if s + 1 < p - 1:
-            recv = post(s + 1)  # its slot was consumed by step s-1's reduction
-        in_block = (start - s - 1) % p
-        lo, hi = bounds[in_block], bounds[in_block + 1]
-        reduce(buf[lo:hi], incoming[: hi - lo])
-        if s + 1 < p - 1:
-            send.wait()  # the next step sends the block just reduced; this one must be out first
-    return (start - (p - 1)) % p, send

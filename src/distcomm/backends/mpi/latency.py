@@ -42,7 +42,7 @@ from ... import diagnostics
 from ... import flight_recorder as fr
 from ...buffers import tensor_memory
 from ...dtypes import from_numpy
-from ...errors import DistBackendError, DistError
+from ...errors import DistBackendError
 from ...profiling import profiling
 from ...reduction import check_supported, finish
 from ...signatures import signature
@@ -140,10 +140,7 @@ def build(pg, collectives) -> FastPath:
                 collectives.broken = f"{op} #{seq} timed out inside MPI"
                 collectives.abandoned.append((req, buffers))
             exc = pg.channel(op, seq, sig).translate(exc, None)
-        if record is not None:
-            fr.fail(record, exc)
-        if isinstance(exc, DistError):
-            diagnostics.on_fault(pg, exc, op, seq)
+        diagnostics.record_fault(pg, exc, op, seq, record)
         if translated:
             raise exc from None
         raise exc

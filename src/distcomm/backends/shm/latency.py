@@ -56,7 +56,7 @@ from ... import diagnostics
 from ... import flight_recorder as fr
 from ...buffers import tensor_memory
 from ...dtypes import from_numpy
-from ...errors import DistBackendError, DistError
+from ...errors import DistBackendError
 from ...profiling import profiling
 from ...reduction import check_supported, finish, reducer, sequence_reducer
 from ...signatures import signature
@@ -212,10 +212,7 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
             exc = pg.channel(op, seq, sig).translate(exc, None)
         else:
             ctx.broken = f"{type(exc).__name__}: {exc}"
-        if entry is not None:
-            fr.fail(entry, exc)
-        if isinstance(exc, DistError):
-            diagnostics.on_fault(pg, exc, op, seq)
+        diagnostics.record_fault(pg, exc, op, seq, entry)
         if translated:
             raise exc from None
         raise exc
