@@ -1,7 +1,7 @@
 """Multi-process test harness: run one function on every rank of a world, with a hard deadline.
 
-``run_world(fn, world_size, args=..., timeout=...)`` starts ``world_size`` processes with the spawn
-start method, calls ``fn(rank, world_size, *args)`` in each with RANK/WORLD_SIZE/MASTER_ADDR/
+``run_world(fn, world_size, args=..., timeout=...)`` starts ``world_size`` processes (the forkserver
+start method, below), calls ``fn(rank, world_size, *args)`` in each with RANK/WORLD_SIZE/MASTER_ADDR/
 MASTER_PORT set (so ``init_process_group()`` with no arguments works), and returns the list of
 results by rank. A rank that raises fails the test with that rank's traceback; a world still
 running at the deadline is killed (every process) and the test fails naming the ranks that had not
@@ -69,7 +69,7 @@ def run_world(
     env: dict[str, str] | None = None,
     expect_failure: Sequence[int] = (),
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; return results.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes (forked from the server); return results.
 
     Ranks listed in ``expect_failure`` may raise: their entry in the result list is then the
     exception text (a str starting with the exception class name) instead of a failure of the test.
