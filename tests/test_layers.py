@@ -27,6 +27,9 @@ LAYERS = [
 ]
 LAYER_OF = {name: level for level, names in LAYERS for name in names}
 
+# Compiled modules (C sources beside the Python ones): imports of them are leaves, not the package.
+COMPILED = {"distcomm.backends.shm._native"}
+
 
 def modules() -> dict[str, Path]:
     found = {}
@@ -51,7 +54,8 @@ def import_graph() -> dict[str, set[str]]:
                     target = ".".join(base + ([node.module] if node.module else []))
                 else:
                     target = node.module or ""
-                submodules = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in mods]
+                submodules = [f"{target}.{a.name}" for a in node.names
+                              if f"{target}.{a.name}" in mods or f"{target}.{a.name}" in COMPILED]
                 targets = submodules or [target]
             elif isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
@@ -59,6 +63,11 @@ def import_graph() -> dict[str, set[str]]:
                 continue
             graph[name].update(t for t in targets if t in mods and t != name)
     return graph
+
+
+def test_compiled_modules_have_their_source():
+    for name in COMPILED:
+        assert (PACKAGE.parent / (name.replace(".", "/") + ".c")).exists(), name
 
 
 def layer(module: str) -> int:

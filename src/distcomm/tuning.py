@@ -33,6 +33,8 @@ variable                               meaning (default)
 ``DISTCOMM_SHM_YIELD_US``              yield before sleeping (100 µs; 50 when oversubscribed)
 ``DISTCOMM_SHM_SHARED_YIELD_US``       yield when the awaited peer shares our CPU (200 µs)
 ``DISTCOMM_SHM_DIRECT``                0: no single-copy reads (process_vm_readv) (1)
+``DISTCOMM_SHM_NATIVE``                0: the latency path's all_reduce and barrier rounds in
+                                       Python even where their C version is built (1)
 =====================================  =======================================================
 
 Not tuning, and so not here: where things are (``DISTCOMM_SHM_DIR``, ``DISTCOMM_HOST_ID``,
@@ -112,6 +114,7 @@ class Tuning:
     shm_yield_s: float | None = None
     shm_shared_yield_s: float | None = None
     shm_direct: bool = True
+    shm_native: bool = True
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Tuning":
@@ -129,6 +132,7 @@ class Tuning:
             shm_yield_s=_micros(env, "DISTCOMM_SHM_YIELD_US"),
             shm_shared_yield_s=_micros(env, "DISTCOMM_SHM_SHARED_YIELD_US"),
             shm_direct=env.get("DISTCOMM_SHM_DIRECT", "1").lower() not in _OFF,
+            shm_native=env.get("DISTCOMM_SHM_NATIVE", "1").lower() not in _OFF,
         )
 
     def algorithm(self, op_key: str) -> str | None:

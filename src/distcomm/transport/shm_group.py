@@ -82,7 +82,7 @@ def init_segment(buf: np.ndarray, gid: int, size: int, slot_bytes: int, nslots: 
     words[_H_MAGIC] = MAGIC
 
 
-ROUND_STEPS = ("open_round", "publish", "check_posts", "exchange", "collect", "consume")  # see _build_round_steps
+ROUND_STEPS = ("open_round", "publish", "check_posts", "exchange", "await_posts", "collect", "consume")  # see _build_round_steps
 
 
 class GroupShm:
@@ -102,7 +102,8 @@ class GroupShm:
     4. **wait** for the peers' posts of round k and check their headers: ``wait_posted(k, ch,
        nbytes, peers)``. ``exchange(k, seq, sig, nbytes, channel)`` is steps 3 and 4 for the
        common case (post, then wait for every peer), spinning or yielding first without
-       publishing anything, so the peers' posts need not look for us; ``collect(k, seq, sig,
+       publishing anything, so the peers' posts need not look for us (``await_posts`` is its
+       step 4 alone, after a ``publish``); ``collect(k, seq, sig,
        nbytes, channel, among)`` is step 4 alone for some members (a root waiting for the others,
        or the others for the root), waiting the same way;
     5. **read** the peers' slots of round k (``data``, ``raw``, ``words``, ``views``, ``extra``);
@@ -170,7 +171,7 @@ class GroupShm:
         mine, my_headers, headers, ctl = self._mine, self._my_headers, self.headers, self.ctl
         peers, peer_ctl = self._peers, self._peer_ctl
         poll_posted, wait_posts, mismatch = self._poll_posted, self._wait_posts, self._mismatch
-        ring_posted, ring_consumed, reserve = self._ring_posted, self._ring_consumed, self._reserve
+        ring_posted, ring_consumed, reserve = self.ring_posted, self.ring_consumed, self._reserve
 
         news, check_members, members = self.transport.crash_news, self.transport.check_members, self.ranks
 
@@ -212,13 +213,19 @@ class GroupShm:
 
         def exchange(k: int, seq: int, sig: int, nbytes: int, channel, extra: int = 0) -> None:
             """Post round k (our slot holds ``nbytes``), wait until every peer has, check their
-            headers (steps 3 and 4). A wait begins by spinning (a core per rank) or yielding (more
-            ranks than cores) for the wait policy's spin or yield time without publishing anything;
-            past that it sleeps as ``wait_posted`` does, with the Channel ``channel(seq, sig)`` makes."""
+            headers (steps 3 and 4: ``publish`` then ``await_posts``)."""
             publish(k, seq, sig, nbytes, extra)
+            await_posts(k, seq, sig, nbytes, channel)
+
+        def await_posts(k: int, seq: int, sig: int, nbytes: int, channel, polled: bool = False) -> None:
+            """Step 4 after our post of round k: wait until every peer has posted it, check their
+            headers. The wait begins by spinning (a core per rank) or yielding (more ranks than
+            cores) for the wait policy's spin or yield time without publishing anything (not again
+            if the caller has just ``polled`` that long); past that it sleeps as ``wait_posted``
+            does, with the Channel ``channel(seq, sig)`` makes."""
             for c in peer_ctl:
                 if c[POSTED] < k:
-                    if not poll_posted(k):
+                    if polled or not poll_posted(k):
                         wait_posts(k, channel(seq, sig), peers, 0, True)
                     break
             slot = k % nslots  # check_posts, inline: this is the latency path's step
@@ -251,7 +258,7 @@ class GroupShm:
                     break
 
         self.open_round, self.publish, self.check_posts = open_round, publish, check_posts
-        self.exchange, self.collect, self.consume = exchange, collect, consume
+        self.exchange, self.await_posts, self.collect, self.consume = exchange, await_posts, collect, consume
         assert tuple(name for name in ROUND_STEPS if name in self.__dict__) == ROUND_STEPS
 
     # -- rounds -------------------------------------------------------------------------------
@@ -334,9 +341,9 @@ class GroupShm:
         costs the poster one read.
         """
         fence()
-        self._ring_posted()
+        self.ring_posted()
 
-    def _ring_posted(self) -> None:
+    def ring_posted(self) -> None:
         """_wake_posted after its fence: ring the peers whose wait for posts is now complete."""
         ctl = self.ctl
         for q, c, bell in self._peer_info:
@@ -432,6 +439,21 @@ class GroupShm:
         self._views_dtype, self._views_count, self._views_last = dtype, count, per_slot
         return per_slot[k % self.nslots]
 
+    def native_layout(self) -> dict:
+        """Where this group's memory lies in this process, for the round in C (backends/shm/native.py):
+        every member's counters, slot headers and slots by address, and the word indexes defined
+        above, so that this module stays their only definition. The segments are passed along to
+        keep the mappings alive; a caller must stop using the addresses once ``broken`` is set
+        (``close`` sets it before unmapping)."""
+        first, _ = layout(self.size, self.slot_bytes, self.nslots)
+        stride = _align(SLOT_HEADER + self.slot_bytes, 4096)
+        bases = [s.address for s in self.segments]
+        headers = [b + first + k * stride for b in bases for k in range(self.nslots)]
+        return dict(rank=self.rank, size=self.size, nslots=self.nslots, slot_bytes=self.slot_bytes, ctl=bases,
+                    headers=headers, slots=[h + SLOT_HEADER for h in headers], posted=POSTED, consumed=CONSUMED,
+                    reusing=REUSING, awaiting=AWAITING, s_round=S_ROUND, s_seq=S_SEQ, s_sig=S_SIG,
+                    s_nbytes=S_NBYTES, s_extra=S_EXTRA, keepalive=tuple(self.segments))
+
     def raw(self, q: int, k: int) -> memoryview:
         """Member q's slot of round k as a memoryview of bytes (cached: slicing and copying a
         memoryview costs a fraction of numpy's per-call overhead on small pieces)."""
@@ -448,7 +470,7 @@ class GroupShm:
         """Member q's slot of round k (uint8)."""
         return self.slots[q][k % self.nslots]
 
-    def _ring_consumed(self) -> None:
+    def ring_consumed(self) -> None:
         """After ``consumed`` moved (and a fence): ring each peer waiting to reuse a slot (its
         ``REUSING``) whose wait is now complete (Dekker's pattern, as in _wake_posted)."""
         ctl = self.ctl

@@ -3,7 +3,8 @@ posts, waits for every post and reduces all p copies into its own buffer in rank
 
 Cost per rank: one round (one write of n bytes, one post, one wait), p reads of n bytes and p - 1
 reductions of n. The fewest synchronizations of any all_reduce: the latency path runs this very
-round (``one_round``) and so does every small all_reduce of the general path. Larger messages
+round (``one_round``; or, for common dtypes and ops where it is built, the same round in C:
+``native.py``) and so does every small all_reduce of the general path. Larger messages
 use ``reduce_direct`` (the same round per chunk) or slices (choose.py).
 """
 
@@ -19,9 +20,16 @@ def one_round(ctx, seq: int, sig: int, channel, flat: np.ndarray, reduce_all) ->
     """The round itself, for ``flat.nbytes <= ctx.slot_bytes``: ``reduce_all(acc, xs)`` folds the
     peers' copies into ``acc`` in order; ``channel(seq, sig)`` makes the Channel if a wait must sleep."""
     k = ctx.open_round(seq, sig, channel)
-    views = ctx.views(k, flat.dtype, flat.size)  # cached typed views: no slicing per call
-    views[ctx.rank][...] = flat
+    ctx.views(k, flat.dtype, flat.size)[ctx.rank][...] = flat  # cached typed views: no slicing per call
     ctx.exchange(k, seq, sig, flat.nbytes, channel)
+    finish(ctx, k, flat, reduce_all)
+
+
+def finish(ctx, k: int, flat: np.ndarray, reduce_all) -> None:
+    """The round's end, once every post of round k is in and checked: the reduction of every
+    member's copy, in rank order, into ``flat``, and the consume (also native.py's, for a round
+    its C call handed back)."""
+    views = ctx.views(k, flat.dtype, flat.size)
     if ctx.rank:
         flat[...] = views[0]
     reduce_all(flat, views[1:])

@@ -190,7 +190,8 @@ class ShmCollectives(GroupCollectives):
         if ctx is not None and ctx.broken:
             lost = self.transport.lost_peers(ch.ranks)
             if lost:  # the earlier failure was (or is now known to be) a crashed or closed member
-                raise ch.translate(self.transport.lost_error(lost), None)
+                earlier = f" (this group's shared memory was already unusable after an earlier failure: {ctx.broken})"
+                raise ch.translate(self.transport.lost_error(lost, earlier), None)
             raise DistBackendError(
                 f"{ch.op} (sequence number {ch.key.seq}) on rank {ch.rank}: this group's shared memory is "
                 f"unusable after an earlier failure ({ctx.broken}); destroy the process group and create it again"

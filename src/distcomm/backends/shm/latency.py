@@ -11,8 +11,9 @@ Each runs the very round(s) of the algorithm the general path would choose for t
 member running the same call through the general path (async, or declined here) meets it in the
 same rounds: ``ROUNDS`` maps each path's observer name to that algorithm. They are:
 
-* all_reduce (on the tensor, before any Buffer is made): ``allreduce_direct.one_round``;
-* barrier: the three steps of ``barrier_slots.one_round``, without its frame;
+* all_reduce (on the tensor, before any Buffer is made): ``allreduce_direct.one_round``, or the
+  same round in C for the common dtypes and ops where it is built (``native.py``);
+* barrier: the three steps of ``barrier_slots.one_round``, without its frame (or in C: ``native.py``);
 * on the ProcessGroup method's Buffers: broadcast (``broadcast_slots.one_round``), reduce
   (``reduce_direct.one_round``), all_gather into a list or a tensor and gather
   (``gather_slots.one_round``, writing each output in place), scatter (``scatter_slots.one_round``),
@@ -63,7 +64,7 @@ from ...signatures import signature
 from ...transport.base import TransportError
 from ...types import RedOpType
 from ..engine import FastPath, root_mismatch
-from . import (allreduce_direct, alltoall_slots, broadcast_slots, gather_slots, observe, reduce_direct,
+from . import (allreduce_direct, alltoall_slots, broadcast_slots, gather_slots, native, observe, reduce_direct,
                reduce_scatter_slots, scatter_slots)
 from .choose import Capabilities, choose
 
@@ -172,7 +173,8 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
     all_reduce_round = allreduce_direct.one_round
     open_round, exchange, consume = ctx.open_round, ctx.exchange, ctx.consume
     all_reduce_channel, barrier_channel = partial(pg.channel, "all_reduce"), partial(pg.channel, "barrier")
-    plans: dict = {}  # (op, numpy dtype) -> (signature, reduce_all, DType), once checked
+    plans: dict = {}  # (op, numpy dtype) -> (signature, reduce_all, DType, the C round's kind), once checked
+    in_c = native.rounds_for(ctx, ctx.transport.policy, tuning.shm_native)  # None: every round in Python
     barrier_sig = signature("barrier")
     # for the flight recorder: its fields and states, and the clock, bound once
     group, STARTED, COMPLETED, STATE, T_COMPLETED, now = (pg.group_name, fr.STARTED, fr.COMPLETED, fr.STATE,
@@ -198,7 +200,8 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
             check_supported(op, dtype)
         except (TypeError, ValueError, DistBackendError):
             return None  # the general path raises the error
-        entry = (signature("all_reduce", dtype.code, int(op)), sequence_reducer(op, dtype), dtype)
+        entry = (signature("all_reduce", dtype.code, int(op)), sequence_reducer(op, dtype), dtype,
+                 None if in_c is None else native.kind(op, np_dtype))
         plans[(op, np_dtype)] = entry
         return entry
 
@@ -237,14 +240,17 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
         entry = plans.get((op, np_dtype)) or plan(op, np_dtype)
         if entry is None or profiling() is not None or not enter():
             return False
-        sig, reduce_all, dtype = entry
+        sig, reduce_all, dtype, code = entry
         seq = next_seq()
         # call site depth 3: this function's caller (the API function) and up
         record = None if fr.recorder is None else fr.recorder.record(group, seq, "all_reduce", n, dtype.name, None,
                                                                      STARTED, None, 3)
         try:
             observe.current is None or observe.current("latency_all_reduce")  # one check when unobserved
-            all_reduce_round(ctx, seq, sig, all_reduce_channel, flat, reduce_all)
+            if code is None:
+                all_reduce_round(ctx, seq, sig, all_reduce_channel, flat, reduce_all)
+            else:
+                in_c.all_reduce(seq, sig, all_reduce_channel, flat, reduce_all, code)
         except BaseException as exc:
             fail(exc, "all_reduce", seq, sig, record)
         finally:
@@ -263,10 +269,12 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
                                                                      None, 3)
         try:
             observe.current is None or observe.current("latency_barrier")
-            # barrier_slots.one_round's three steps, without its frame: a barrier is nothing else
-            k = open_round(seq, barrier_sig, barrier_channel)
-            exchange(k, seq, barrier_sig, 0, barrier_channel)
-            consume(k)
+            if in_c is not None:
+                in_c.barrier(seq, barrier_sig, barrier_channel)
+            else:  # barrier_slots.one_round's three steps, without its frame: a barrier is nothing else
+                k = open_round(seq, barrier_sig, barrier_channel)
+                exchange(k, seq, barrier_sig, 0, barrier_channel)
+                consume(k)
         except BaseException as exc:
             fail(exc, "barrier", seq, barrier_sig, record)
         finally:
