@@ -1,7 +1,7 @@
-"""The one compiled piece: the shared-memory round in C (src/distcomm/backends/shm/_native.c).
+"""The one compiled piece: the shared-memory round steps in C (src/distcomm/transport/_shm_round.c).
 
 Optional: where it does not build (no C compiler, no Python headers), the install goes on and
-distcomm runs the same rounds in Python (backends/shm/native.py says which is in use). Everything
+distcomm runs the same rounds in Python (transport/shm_group.py says which is in use: ROUNDS_IN_C). Everything
 else about the package is in pyproject.toml.
 """
 
@@ -10,8 +10,8 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "distcomm.backends.shm._native",
-            ["src/distcomm/backends/shm/_native.c"],
+            "distcomm.transport._shm_round",
+            ["src/distcomm/transport/_shm_round.c"],
             extra_compile_args=["-O2", "-fno-fast-math"],
             optional=True,
         )

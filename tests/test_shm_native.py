@@ -1,10 +1,11 @@
-"""The shared-memory round in C (backends/shm/native.py, _native.c) beside its Python reference.
+"""The shared-memory round steps in C (transport/_shm_round.c: GroupShm's exchange and consume, and
+backends/shm/native.py's whole all_reduce round) beside their Python reference.
 
-* On bytes, with no process: two members' memory laid out as GroupShm lays it out, one
-  ``Rounds`` per member. A round writes the header and counters GroupShm's Python steps write,
-  reduces in rank order, reports a peer that has not posted (PENDING, nothing read or consumed),
-  a header that is not ours (MISMATCH), a sleeping peer (RING_POSTED) and a peer waiting to reuse
-  a slot (RING_CONSUMED), and refuses a message larger than a slot.
+* On bytes, with no process: members' memory laid out as GroupShm lays it out, one ``Rounds`` per
+  member. A round writes the header and counters GroupShm's Python steps write, reduces in rank
+  order, reports a peer that has not posted (PENDING, nothing read or consumed), a header that is
+  not ours (MISMATCH), a sleeping peer (RING_POSTED) and a peer waiting to reuse a slot
+  (RING_CONSUMED), and refuses a message larger than a slot.
 * Its reductions give numpy's bits, special values included (NaN, signed zeros, infinities,
   integer wrap-around).
 * In real worlds: small all_reduces and barriers complete in C (counted by the module), ranks
@@ -30,7 +31,8 @@ from distcomm.backends.shm import native
 from distcomm.transport import shm_group as g
 from harness import run_world
 
-needs_c = pytest.mark.skipif(native.UNAVAILABLE is not None, reason=str(native.UNAVAILABLE))
+needs_c = pytest.mark.skipif(g.C_UNAVAILABLE is not None, reason=str(g.C_UNAVAILABLE))
+C = None if g.C_UNAVAILABLE is not None else __import__("distcomm.transport._shm_round", fromlist=["_"])
 
 
 def test_the_c_round_is_built_where_it_can_be():
@@ -38,7 +40,7 @@ def test_the_c_round_is_built_where_it_can_be():
     headers = Path(sysconfig.get_paths()["include"], "Python.h")
     if not (shutil.which("cc") or shutil.which("gcc")) or not headers.exists():
         pytest.skip("no C compiler or no Python headers here: the Python rounds run")
-    assert native.UNAVAILABLE is None, native.UNAVAILABLE
+    assert g.C_UNAVAILABLE is None, g.C_UNAVAILABLE
 
 
 # -- on bytes ---------------------------------------------------------------------------------
@@ -60,7 +62,7 @@ class Members:
         bases = [m.ctypes.data for m in self.mem]
         header_addresses = [b + first + k * stride for b in bases for k in range(NSLOTS)]
         self.rounds = [
-            native._native.Rounds(rank=r, size=size, nslots=NSLOTS, slot_bytes=SLOT_BYTES, ctl=bases,
+            C.Rounds(rank=r, size=size, nslots=NSLOTS, slot_bytes=SLOT_BYTES, ctl=bases,
                                   headers=header_addresses, slots=[h + g.SLOT_HEADER for h in header_addresses],
                                   posted=g.POSTED, consumed=g.CONSUMED, reusing=g.REUSING, awaiting=g.AWAITING,
                                   s_round=g.S_ROUND, s_seq=g.S_SEQ, s_sig=g.S_SIG, s_nbytes=g.S_NBYTES,
@@ -88,8 +90,8 @@ def test_a_round_posts_what_python_posts_and_reduces_in_rank_order():
     for q in (0, 2):
         m.post_as_python(q, 1, seq=7, sig=0xABC, data=xs[q])
     mine = xs[1].copy()
-    status = m.rounds[1].run(1, 7, 0xABC, mine, kind_of("SUM", np.float32))
-    assert status == native._native.DONE
+    status = m.rounds[1].all_reduce(1, 7, 0xABC, mine, kind_of("SUM", np.float32))
+    assert status == C.DONE
     h = m.headers[1][1]
     assert (h[g.S_ROUND], h[g.S_SEQ], h[g.S_SIG], h[g.S_NBYTES], h[g.S_EXTRA]) == (1, 7, 0xABC, 12, 0)
     assert m.ctl[1][g.POSTED] == 1 and m.ctl[1][g.CONSUMED] == 1
@@ -104,12 +106,12 @@ def test_a_round_posts_what_python_posts_and_reduces_in_rank_order():
 def test_a_peer_that_has_not_posted_hands_the_round_back_unread():
     m = Members(2)
     mine = np.arange(4, dtype=np.int64)
-    before = native.completed_in_c()
-    status = m.rounds[0].run(1, 1, 5, mine, kind_of("SUM", np.int64))
-    assert status == native._native.PENDING
+    before = g.rounds_consumed_in_c()
+    status = m.rounds[0].all_reduce(1, 1, 5, mine, kind_of("SUM", np.int64))
+    assert status == C.PENDING
     assert m.ctl[0][g.POSTED] == 1 and m.ctl[0][g.CONSUMED] == 0  # posted, nothing consumed
     assert mine.tolist() == [0, 1, 2, 3]
-    assert native.completed_in_c() == before
+    assert g.rounds_consumed_in_c() == before
 
 
 @needs_c
@@ -117,11 +119,11 @@ def test_a_header_that_is_not_ours_is_a_mismatch_and_nothing_is_read():
     m = Members(2)
     m.post_as_python(1, 1, seq=1, sig=5, data=np.ones(3, np.float64))  # 24 bytes against our 16
     mine = np.ones(2, np.float64)
-    assert m.rounds[0].run(1, 1, 5, mine, kind_of("SUM", np.float64)) == native._native.MISMATCH
+    assert m.rounds[0].all_reduce(1, 1, 5, mine, kind_of("SUM", np.float64)) == C.MISMATCH
     assert m.ctl[0][g.CONSUMED] == 0 and mine.tolist() == [1.0, 1.0]
     m2 = Members(2)
     m2.post_as_python(1, 1, seq=2, sig=5, data=np.ones(2, np.float64))  # another sequence number
-    assert m2.rounds[0].run(1, 1, 5, np.ones(2), kind_of("SUM", np.float64)) == native._native.MISMATCH
+    assert m2.rounds[0].all_reduce(1, 1, 5, np.ones(2), kind_of("SUM", np.float64)) == C.MISMATCH
 
 
 @needs_c
@@ -129,8 +131,8 @@ def test_a_sleeping_peer_is_left_to_python_to_ring():
     m = Members(2)
     m.post_as_python(1, 1, seq=1, sig=9, data=np.ones(2, np.float32))
     m.ctl[1][g.AWAITING] = 1  # member 1 sleeps until round 1 is posted
-    status = m.rounds[0].run(1, 1, 9, np.ones(2, np.float32), kind_of("SUM", np.float32))
-    assert status == native._native.PENDING | native._native.RING_POSTED
+    status = m.rounds[0].all_reduce(1, 1, 9, np.ones(2, np.float32), kind_of("SUM", np.float32))
+    assert status == C.PENDING | C.RING_POSTED
     assert m.ctl[0][g.POSTED] == 1 and m.ctl[0][g.CONSUMED] == 0
 
 
@@ -139,17 +141,32 @@ def test_a_peer_waiting_to_reuse_a_slot_is_reported_after_the_consume():
     m = Members(2)
     m.post_as_python(1, 1, seq=1, sig=9, data=np.zeros(0, np.uint8))
     m.ctl[1][g.REUSING] = 1
-    assert m.rounds[0].run(1, 1, 9, None, 0) == native._native.RING_CONSUMED  # a barrier: no data
-    assert m.ctl[0][g.CONSUMED] == 1 and m.headers[0][1][g.S_NBYTES] == 0
+    assert m.rounds[0].exchange(1, 1, 9, 0, 0) == C.DONE  # a barrier's round: no data
+    assert m.ctl[0][g.CONSUMED] == 0 and m.headers[0][1][g.S_NBYTES] == 0
+    assert m.rounds[0].consume(1) == C.RING_CONSUMED
+    assert m.ctl[0][g.CONSUMED] == 1
+
+
+@needs_c
+def test_exchange_posts_the_extra_word_and_checks_every_peer():
+    m = Members(3)
+    m.post_as_python(0, 1, seq=4, sig=6, data=np.zeros(5, np.uint8))
+    assert m.rounds[1].exchange(1, 4, 6, 5, 77) == C.PENDING  # member 2 has not posted
+    assert m.headers[1][1][g.S_EXTRA] == 77 and m.ctl[1][g.POSTED] == 1
+    m.post_as_python(2, 1, seq=4, sig=6, data=np.zeros(5, np.uint8))
+    m2 = Members(3)
+    m2.post_as_python(0, 1, seq=4, sig=6, data=np.zeros(5, np.uint8))
+    m2.post_as_python(2, 1, seq=4, sig=7, data=np.zeros(5, np.uint8))  # member 2 runs something else
+    assert m2.rounds[1].exchange(1, 4, 6, 5, 0) == C.MISMATCH
 
 
 @needs_c
 def test_a_message_larger_than_a_slot_or_an_unknown_kind_is_refused_before_posting():
     m = Members(2)
     with pytest.raises(ValueError, match="at most 4096 bytes"):
-        m.rounds[0].run(1, 1, 1, np.zeros(SLOT_BYTES + 8, np.uint8), kind_of("SUM", np.uint8))
+        m.rounds[0].all_reduce(1, 1, 1, np.zeros(SLOT_BYTES + 8, np.uint8), kind_of("SUM", np.uint8))
     with pytest.raises(ValueError, match="known kind"):
-        m.rounds[0].run(1, 1, 1, np.zeros(2, np.float32), 8 * 0 + 4)  # BAND on float32
+        m.rounds[0].all_reduce(1, 1, 1, np.zeros(2, np.float32), 8 * 0 + 4)  # BAND on float32
     assert m.ctl[0][g.POSTED] == 0
 
 
@@ -192,7 +209,7 @@ def test_reductions_give_numpys_bits_on_special_values(dtype):
             m.post_as_python(q, 1, seq=1, sig=3, data=xs[q])
         mine = xs[1].copy()
         with np.errstate(all="ignore"):
-            assert m.rounds[1].run(1, 1, 3, mine, code) == native._native.DONE
+            assert m.rounds[1].all_reduce(1, 1, 3, mine, code) == C.DONE
             expected = xs[0].copy()
             for q in (1, 2):
                 ufunc(expected, xs[q], out=expected)
@@ -212,10 +229,9 @@ def mixed_body(rank, world, native_ranks):
     if rank not in native_ranks:
         os.environ["DISTCOMM_SHM_NATIVE"] = "0"
     import distcomm as dist
-    from distcomm.backends.shm import native
 
     dist.init_process_group(None)
-    before = native.completed_in_c()
+    before = g.rounds_consumed_in_c()
     results = []
     for i, n in enumerate((1, 2, 7, 33, 1000)):
         for dtype, op in (("float32", dist.ReduceOp.SUM), ("int64", dist.ReduceOp.MAX), ("float64", dist.ReduceOp.AVG),
@@ -224,7 +240,7 @@ def mixed_body(rank, world, native_ranks):
             dist.all_reduce(x, op=op)
             results.append((dtype, n, x.tolist()))
         dist.barrier()
-    taken = native.completed_in_c() - before
+    taken = g.rounds_consumed_in_c() - before
     dist.destroy_process_group()
     return results, taken
 

@@ -24,6 +24,7 @@ from distcomm.transport.base import KIND_COLLECTIVE, MessageKey, TransportError
 from distcomm.transport.shm_ring import MODE_DIRECT, MODE_INLINE, RECORD, Ring, decode, encode
 from distcomm.transport.shm_segment import Segment
 from distcomm.transport.shm_wait import Bell, PeerHealth, WaitPolicy, futex_wait, wait_until
+from distcomm.tuning import Tuning
 
 
 @pytest.fixture
@@ -323,6 +324,7 @@ class _Members:
 
         class Transport:
             crash_news = memoryview(np.zeros(1, np.uint64))  # nobody crashes here
+            tuning = Tuning(shm_native=False)  # these pin the Python steps (test_shm_native.py: the C ones)
 
             def __init__(self, q):
                 self.q = q

@@ -17,6 +17,11 @@ fail with a mismatch naming the peer instead of exchanging the wrong bytes.
 
 Two groups on the same ranks have different segments, so concurrent collectives on them (async
 work on both) never touch each other's memory.
+
+Where ``_shm_round.c`` is built (and DISTCOMM_SHM_NATIVE is not 0), ``exchange`` and ``consume`` post,
+poll, check and consume in one C call each, over the same memory; the Python steps remain the
+reference, and take over whatever the C call hands back (a sleeping peer to ring, a wait past the
+poll budget, a mismatch to report). Ranks with and without them meet in the same rounds.
 """
 
 from __future__ import annotations
@@ -29,6 +34,24 @@ import numpy as np
 from ..tuning import DEFAULT, Tuning
 from .base import TransportError
 from .shm_wait import fence
+
+try:
+    from . import _shm_round
+except ImportError as exc:  # not built here: every round step runs in Python
+    _shm_round = None
+    #: why the round steps in C are not available here, or None (setup.py builds them; see _shm_round.c)
+    C_UNAVAILABLE: str | None = (f"the round steps in C are not built ({exc}): reinstall where a C compiler and "
+                                 "Python's headers exist")
+else:
+    C_UNAVAILABLE = None
+
+#: the C calls' result bits that Python acts on (_shm_round.c; never set where it is not built)
+RING_POSTED, RING_CONSUMED = (4, 8) if _shm_round is None else (_shm_round.RING_POSTED, _shm_round.RING_CONSUMED)
+
+
+def rounds_consumed_in_c() -> int:
+    """How many rounds this process has consumed through the C steps (0 where they are not built)."""
+    return 0 if _shm_round is None else _shm_round.completed()
 
 MAGIC = 0x64636F6D6D677270  # "dcommgrp"
 
@@ -156,6 +179,13 @@ class GroupShm:
         self._consumed_floor = 0  # a lower bound of every peer's CONSUMED (acquire's cache)
         self._views: dict = {}
         self._views_dtype = self._views_count = self._views_last = None
+        #: the round steps in C over this group's memory (None: Python's; see the module docstring)
+        self.native = None
+        if _shm_round is not None and transport.tuning.shm_native:
+            policy = transport.policy
+            yields = policy.spin_s == 0  # more ranks than cores: yield while polling, as _poll_posted does
+            budget = policy.yield_s if yields else policy.spin_s
+            self.native = _shm_round.Rounds(**self.native_layout(), budget_ns=int(budget * 1e9), yields=yields)
         self._build_round_steps()
         for q in self._peers:  # tell each owner we have mapped its segment
             segments[q].buf[_OPENED_AT + rank] = 1
@@ -257,11 +287,35 @@ class GroupShm:
                     ring_consumed()
                     break
 
+        native = self.native
+        if native is not None:  # the same two steps in C: exchange's post and poll, and consume
+            c_exchange, c_consume, settle = native.exchange, native.consume, self.settle
+
+            def exchange_in_c(k: int, seq: int, sig: int, nbytes: int, channel, extra: int = 0) -> None:
+                status = c_exchange(k, seq, sig, nbytes, extra)
+                if status:
+                    settle(status, k, seq, sig, nbytes, channel)
+
+            def consume_in_c(k: int) -> None:
+                if c_consume(k):
+                    ring_consumed()
+
+            exchange, consume = exchange_in_c, consume_in_c
+
         self.open_round, self.publish, self.check_posts = open_round, publish, check_posts
         self.exchange, self.await_posts, self.collect, self.consume = exchange, await_posts, collect, consume
         assert tuple(name for name in ROUND_STEPS if name in self.__dict__) == ROUND_STEPS
 
     # -- rounds -------------------------------------------------------------------------------
+    def settle(self, status: int, k: int, seq: int, sig: int, nbytes: int, channel) -> None:
+        """After a C call posted round k and handed it back (``status``, not DONE): ring a peer
+        that sleeps, then wait for the posts and check them as ``await_posts`` does (a mismatch
+        raises, naming the peer). The round is then ready to read, as after ``exchange``."""
+        ring = status & RING_POSTED
+        if ring:
+            self.ring_posted()
+        self.await_posts(k, seq, sig, nbytes, channel, not ring)  # without a ring, C polled the whole budget
+
     def next_round(self) -> int:
         self.round += 1
         return self.round
@@ -442,9 +496,9 @@ class GroupShm:
     def native_layout(self) -> dict:
         """Where this group's memory lies in this process, for the round in C (backends/shm/native.py):
         every member's counters, slot headers and slots by address, and the word indexes defined
-        above, so that this module stays their only definition. The segments are passed along to
-        keep the mappings alive; a caller must stop using the addresses once ``broken`` is set
-        (``close`` sets it before unmapping)."""
+        above, so that this module stays their only definition. The segments' arrays are passed
+        along: while they live, a segment's close leaves its mapping in place (Segment.close), so
+        the addresses stay valid for as long as the C object holding them."""
         first, _ = layout(self.size, self.slot_bytes, self.nslots)
         stride = _align(SLOT_HEADER + self.slot_bytes, 4096)
         bases = [s.address for s in self.segments]
@@ -452,7 +506,7 @@ class GroupShm:
         return dict(rank=self.rank, size=self.size, nslots=self.nslots, slot_bytes=self.slot_bytes, ctl=bases,
                     headers=headers, slots=[h + SLOT_HEADER for h in headers], posted=POSTED, consumed=CONSUMED,
                     reusing=REUSING, awaiting=AWAITING, s_round=S_ROUND, s_seq=S_SEQ, s_sig=S_SIG,
-                    s_nbytes=S_NBYTES, s_extra=S_EXTRA, keepalive=tuple(self.segments))
+                    s_nbytes=S_NBYTES, s_extra=S_EXTRA, keepalive=tuple(s.buf for s in self.segments))
 
     def raw(self, q: int, k: int) -> memoryview:
         """Member q's slot of round k as a memoryview of bytes (cached: slicing and copying a
@@ -521,6 +575,7 @@ class GroupShm:
     def close(self) -> None:
         """Unlink our segment (if still named) and let go of every member's mapping."""
         self.broken = self.broken or "the transport was closed"
+        self.native = None
         # The round steps are closures over this object: without them it is freed (and its views
         # of the mappings with it) as soon as the last caller lets go, not at the next gc pass.
         for step in ROUND_STEPS:

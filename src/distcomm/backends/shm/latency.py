@@ -12,15 +12,15 @@ member running the same call through the general path (async, or declined here) 
 same rounds: ``ROUNDS`` maps each path's observer name to that algorithm. They are:
 
 * all_reduce (on the tensor, before any Buffer is made): ``allreduce_direct.one_round``, or the
-  same round in C for the common dtypes and ops where it is built (``native.py``);
-* barrier: the three steps of ``barrier_slots.one_round``, without its frame (or in C: ``native.py``);
+  same round in one C call for the common dtypes and ops where it is built (``native.py``);
+* barrier: the three steps of ``barrier_slots.one_round``, without its frame;
 * on the ProcessGroup method's Buffers: broadcast (``broadcast_slots.one_round``), reduce
   (``reduce_direct.one_round``), all_gather into a list or a tensor and gather
   (``gather_slots.one_round``, writing each output in place), scatter (``scatter_slots.one_round``),
   reduce_scatter of a list or a tensor (``reduce_scatter_slots.one_round``, reading the blocks in
   place), all_to_all of lists or one tensor (``alltoall_slots.alltoall_rounds``, pieces in place).
 
-Each over GroupShm's round API; the Channel they would need to sleep is made only then
+Each over GroupShm's round API (whose exchange and consume run in C where built); the Channel they would need to sleep is made only then
 (``ProcessGroup.channel``). What does not change from call to call is looked up once, when the
 group's shared memory exists: the executor, the reducers, the signatures, and ``Limits``: the
 sizes for which ``choose`` picks the algorithm above and it takes one round (all_to_all: any
@@ -174,7 +174,7 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
     open_round, exchange, consume = ctx.open_round, ctx.exchange, ctx.consume
     all_reduce_channel, barrier_channel = partial(pg.channel, "all_reduce"), partial(pg.channel, "barrier")
     plans: dict = {}  # (op, numpy dtype) -> (signature, reduce_all, DType, the C round's kind), once checked
-    in_c = native.rounds_for(ctx, ctx.transport.policy, tuning.shm_native)  # None: every round in Python
+    all_reduce_in_c = native.all_reduce_in_c(ctx)  # None: the round in Python
     barrier_sig = signature("barrier")
     # for the flight recorder: its fields and states, and the clock, bound once
     group, STARTED, COMPLETED, STATE, T_COMPLETED, now = (pg.group_name, fr.STARTED, fr.COMPLETED, fr.STATE,
@@ -201,7 +201,7 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
         except (TypeError, ValueError, DistBackendError):
             return None  # the general path raises the error
         entry = (signature("all_reduce", dtype.code, int(op)), sequence_reducer(op, dtype), dtype,
-                 None if in_c is None else native.kind(op, np_dtype))
+                 None if all_reduce_in_c is None else native.kind(op, np_dtype))
         plans[(op, np_dtype)] = entry
         return entry
 
@@ -250,7 +250,7 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
             if code is None:
                 all_reduce_round(ctx, seq, sig, all_reduce_channel, flat, reduce_all)
             else:
-                in_c.all_reduce(seq, sig, all_reduce_channel, flat, reduce_all, code)
+                all_reduce_in_c(seq, sig, all_reduce_channel, flat, reduce_all, code)
         except BaseException as exc:
             fail(exc, "all_reduce", seq, sig, record)
         finally:
@@ -269,12 +269,10 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
                                                                      None, 3)
         try:
             observe.current is None or observe.current("latency_barrier")
-            if in_c is not None:
-                in_c.barrier(seq, barrier_sig, barrier_channel)
-            else:  # barrier_slots.one_round's three steps, without its frame: a barrier is nothing else
-                k = open_round(seq, barrier_sig, barrier_channel)
-                exchange(k, seq, barrier_sig, 0, barrier_channel)
-                consume(k)
+            # barrier_slots.one_round's three steps, without its frame: a barrier is nothing else
+            k = open_round(seq, barrier_sig, barrier_channel)
+            exchange(k, seq, barrier_sig, 0, barrier_channel)
+            consume(k)
         except BaseException as exc:
             fail(exc, "barrier", seq, barrier_sig, record)
         finally:

@@ -1,11 +1,12 @@
-/* One round of a group's shared memory in C: the latency path's all_reduce and barrier.
+/* A group's shared-memory round steps in C: exchange and consume (GroupShm's), and the whole
+ * round of the direct all_reduce (backends/shm/native.py).
  *
- * The same round as the Python steps of transport/shm_group.py (GroupShm: open, write, post,
- * wait, read, consume) over the same memory, so a rank running this and a rank running the
- * Python steps meet in the same rounds. Python keeps everything that is not the common case:
- * numbering the round and waiting for slot reuse (open_round), ringing a peer that sleeps,
- * sleeping, peer health, timeouts and mismatch errors. This file only does what a round does when
- * every peer arrives within the wait policy's poll budget, and says so when one does not.
+ * The same steps as the Python ones of transport/shm_group.py over the same memory, so a rank
+ * running these and a rank running the Python steps meet in the same rounds. Python keeps
+ * everything that is not the common case: numbering the round and waiting for slot reuse
+ * (open_round), ringing a peer that sleeps, sleeping, peer health, timeouts and mismatch errors.
+ * These functions do what a round does when every peer arrives within the wait policy's poll
+ * budget, and say so when one does not.
  *
  * Why C: one Python round costs about 9 µs of CPU at world size 2 (about 50 Python calls); the
  * same steps here cost under 1 µs (docs/performance-notes.md, "The round in C").
@@ -14,9 +15,9 @@
  * headers and slots) is handed in by Python at construction: shm_group.py stays its only
  * definition.
  *
- * Reductions: acc = x0 op x1 op ... in rank order, elementwise, as the Python path's numpy ufuncs
- * compute them (the same IEEE operations; MIN/MAX return the second operand on ties and
- * propagate NaN as numpy.minimum/maximum do; integers wrap as numpy's do).
+ * Reductions (all_reduce): acc = x0 op x1 op ... in rank order, elementwise, as the Python path's
+ * numpy ufuncs compute them (the same IEEE operations; MIN/MAX return the second operand on ties
+ * and propagate NaN as numpy.minimum/maximum do; integers wrap as numpy's do).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -25,7 +26,7 @@
 #include <string.h>
 #include <time.h>
 
-/* run()'s result: bits */
+/* exchange()'s and all_reduce()'s result: bits */
 #define DONE 0
 #define PENDING 1       /* posted; not every peer's post arrived within the budget (or one sleeps) */
 #define MISMATCH 2      /* every peer posted, one header differs: nothing was read or consumed */
@@ -36,7 +37,7 @@
 enum { T_F32, T_F64, T_I8, T_I16, T_I32, T_I64, T_U8, T_NTYPES };
 enum { O_SUM, O_PRODUCT, O_MIN, O_MAX, O_BAND, O_BOR, O_BXOR, O_NOPS };
 
-/* rounds this process completed in C (tests read it through native.completed_in_c()) */
+/* rounds this process consumed in C (tests read it: completed()) */
 static unsigned long long completed;
 
 typedef struct {
@@ -141,10 +142,70 @@ static int valid_kind(long kind) {
     return 1;
 }
 
-/* run(k, seq, sig, buffer or None, kind) -> status bits (see the top of this file) */
-static PyObject *Rounds_run(Rounds *r, PyObject *const *args, Py_ssize_t nargs) {
+/* GroupShm.publish and exchange's wait: post round k (header, then the counter), poll every
+ * peer's post within the budget, check their headers. */
+static int post_and_poll(Rounds *r, uint64_t k, uint64_t seq, uint64_t sig, uint64_t nbytes, uint64_t extra) {
+    int s = (int)(k % (uint64_t)r->nslots), me = r->rank;
+    uint64_t *h = r->hdr[me * r->nslots + s];
+    h[r->s_seq] = seq;
+    h[r->s_sig] = sig;
+    h[r->s_nbytes] = nbytes;
+    h[r->s_extra] = extra;
+    store(&h[r->s_round], k);
+    store(&r->ctl[me][r->posted], k);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    for (int q = 0; q < r->size; q++)
+        if (q != me && load(&r->ctl[q][r->awaiting])) return PENDING | RING_POSTED; /* Python rings and waits */
+    if (!poll_posted(r, k)) return PENDING;
+    for (int q = 0; q < r->size; q++) {
+        if (q == me) continue;
+        uint64_t *g = r->hdr[q * r->nslots + s];
+        if (g[r->s_round] != k || g[r->s_seq] != seq || g[r->s_sig] != sig || g[r->s_nbytes] != nbytes)
+            return MISMATCH;
+    }
+    return DONE;
+}
+
+/* GroupShm.consume: done reading round k; RING_CONSUMED if a peer waits to reuse a slot. */
+static int consume(Rounds *r, uint64_t k) {
+    store(&r->ctl[r->rank][r->consumed], k);
+    completed++;
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    for (int q = 0; q < r->size; q++)
+        if (q != r->rank && load(&r->ctl[q][r->reusing])) return RING_CONSUMED;
+    return DONE;
+}
+
+static int u64_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, uint64_t *out, const char *usage) {
+    if (nargs != want) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < want; i++) out[i] = PyLong_AsUnsignedLongLong(args[i]);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* exchange(k, seq, sig, nbytes, extra) -> status bits: GroupShm.exchange's post and poll (the slot
+ * written before); DONE: every peer posted round k with our header, ready to read. */
+static PyObject *Rounds_exchange(Rounds *r, PyObject *const *args, Py_ssize_t nargs) {
+    uint64_t a[5];
+    if (u64_args(args, nargs, 5, a, "exchange(k, seq, sig, nbytes, extra)") < 0) return NULL;
+    return PyLong_FromLong(post_and_poll(r, a[0], a[1], a[2], a[3], a[4]));
+}
+
+/* consume(k) -> RING_CONSUMED or DONE */
+static PyObject *Rounds_consume(Rounds *r, PyObject *const *args, Py_ssize_t nargs) {
+    uint64_t k;
+    if (u64_args(args, nargs, 1, &k, "consume(k)") < 0) return NULL;
+    return PyLong_FromLong(consume(r, k));
+}
+
+/* all_reduce(k, seq, sig, buffer, kind) -> status bits: the direct all_reduce's whole round k on
+ * buffer (written, posted, polled, checked, reduced in rank order, consumed); anything but DONE
+ * or RING_CONSUMED leaves the rest of the round to Python, unread and unconsumed. */
+static PyObject *Rounds_all_reduce(Rounds *r, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "run(k, seq, sig, buffer, kind)");
+        PyErr_SetString(PyExc_TypeError, "all_reduce(k, seq, sig, buffer, kind)");
         return NULL;
     }
     uint64_t k = PyLong_AsUnsignedLongLong(args[0]);
@@ -152,67 +213,25 @@ static PyObject *Rounds_run(Rounds *r, PyObject *const *args, Py_ssize_t nargs) 
     uint64_t sig = PyLong_AsUnsignedLongLong(args[2]);
     long kind = PyLong_AsLong(args[4]);
     if (PyErr_Occurred()) return NULL;
-    Py_buffer view = {0};
-    int have = args[3] != Py_None;
-    if (have) {
-        if (PyObject_GetBuffer(args[3], &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
-        if (view.len > r->slot_bytes || !valid_kind(kind)) {
-            PyBuffer_Release(&view);
-            PyErr_Format(PyExc_ValueError, "a round carries at most %zd bytes of a known kind (got %zd, kind %ld)",
-                         r->slot_bytes, view.len, kind);
-            return NULL;
-        }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[3], &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (view.len > r->slot_bytes || !valid_kind(kind)) {
+        PyBuffer_Release(&view);
+        PyErr_Format(PyExc_ValueError, "a round carries at most %zd bytes of a known kind (got %zd, kind %ld)",
+                     r->slot_bytes, view.len, kind);
+        return NULL;
     }
-    Py_ssize_t n = have ? view.len : 0;
-    int s = (int)(k % (uint64_t)r->nslots), me = r->rank, size = r->size, status = DONE;
-
-    /* write and post (GroupShm.publish) */
+    Py_ssize_t n = view.len;
+    int s = (int)(k % (uint64_t)r->nslots), me = r->rank;
     if (n) memcpy(r->slot[me * r->nslots + s], view.buf, (size_t)n);
-    uint64_t *h = r->hdr[me * r->nslots + s];
-    h[r->s_seq] = seq;
-    h[r->s_sig] = sig;
-    h[r->s_nbytes] = (uint64_t)n;
-    h[r->s_extra] = 0;
-    store(&h[r->s_round], k);
-    store(&r->ctl[me][r->posted], k);
-    __atomic_thread_fence(__ATOMIC_SEQ_CST);
-    for (int q = 0; q < size; q++) {
-        if (q != me && load(&r->ctl[q][r->awaiting])) { /* someone sleeps: Python rings and waits */
-            status = PENDING | RING_POSTED;
-            goto out;
-        }
-    }
-    /* wait (GroupShm.exchange's poll) and check the headers */
-    if (!poll_posted(r, k)) {
-        status = PENDING;
-        goto out;
-    }
-    for (int q = 0; q < size; q++) {
-        if (q == me) continue;
-        uint64_t *g = r->hdr[q * r->nslots + s];
-        if (g[r->s_round] != k || g[r->s_seq] != seq || g[r->s_sig] != sig || g[r->s_nbytes] != (uint64_t)n) {
-            status = MISMATCH;
-            goto out;
-        }
-    }
-    /* read: acc = x0 op x1 op ... in rank order (acc already holds x_me) */
-    if (n) {
+    int status = post_and_poll(r, k, seq, sig, (uint64_t)n, 0);
+    if (status == DONE) {
         char *acc = view.buf;
-        if (me) memcpy(acc, r->slot[s], (size_t)n);
-        for (int q = 1; q < size; q++) reduce_into(acc, r->slot[q * r->nslots + s], n, (int)kind);
+        if (n && me) memcpy(acc, r->slot[s], (size_t)n);
+        for (int q = 1; q < r->size && n; q++) reduce_into(acc, r->slot[q * r->nslots + s], n, (int)kind);
+        status = consume(r, k);
     }
-    /* consume (GroupShm.consume) */
-    store(&r->ctl[me][r->consumed], k);
-    completed++;
-    __atomic_thread_fence(__ATOMIC_SEQ_CST);
-    for (int q = 0; q < size; q++) {
-        if (q != me && load(&r->ctl[q][r->reusing])) {
-            status |= RING_CONSUMED;
-            break;
-        }
-    }
-out:
-    if (have) PyBuffer_Release(&view);
+    PyBuffer_Release(&view);
     return PyLong_FromLong(status);
 }
 
@@ -275,13 +294,16 @@ static int Rounds_init(Rounds *r, PyObject *args, PyObject *kwds) {
 }
 
 static PyMethodDef Rounds_methods[] = {
-    {"run", (PyCFunction)(void (*)(void))Rounds_run, METH_FASTCALL,
-     "run(k, seq, sig, buffer or None, kind) -> status bits: round k of a direct all_reduce of buffer "
-     "(None: a barrier)"},
+    {"exchange", (PyCFunction)(void (*)(void))Rounds_exchange, METH_FASTCALL,
+     "exchange(k, seq, sig, nbytes, extra) -> status bits: post round k, poll the peers' posts, check them"},
+    {"consume", (PyCFunction)(void (*)(void))Rounds_consume, METH_FASTCALL,
+     "consume(k) -> RING_CONSUMED or DONE: done reading round k"},
+    {"all_reduce", (PyCFunction)(void (*)(void))Rounds_all_reduce, METH_FASTCALL,
+     "all_reduce(k, seq, sig, buffer, kind) -> status bits: the direct all_reduce's whole round k"},
     {NULL}};
 
 static PyTypeObject RoundsType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "distcomm.backends.shm._native.Rounds",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "distcomm.transport._shm_round.Rounds",
     .tp_basicsize = sizeof(Rounds),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "One group's rounds in C (see the module's source).",
@@ -296,10 +318,10 @@ static PyObject *completed_rounds(PyObject *self, PyObject *unused) { return PyL
 static PyMethodDef module_methods[] = {
     {"completed", completed_rounds, METH_NOARGS, "completed() -> rounds this process completed in C"}, {NULL}};
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, .m_name = "distcomm.backends.shm._native", .m_size = -1,
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, .m_name = "distcomm.transport._shm_round", .m_size = -1,
                                     .m_methods = module_methods};
 
-PyMODINIT_FUNC PyInit__native(void) {
+PyMODINIT_FUNC PyInit__shm_round(void) {
     if (PyType_Ready(&RoundsType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
