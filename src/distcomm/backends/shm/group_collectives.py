@@ -40,10 +40,12 @@ from .allreduce_slices import allreduce_slices
 from .barrier_slots import barrier_slots
 from .broadcast_readv import broadcast_readv
 from .broadcast_slots import broadcast_slots
+from .broadcast_split import broadcast_split
 from .choose import Capabilities, check_forced, choose, direct_limit, latency_limit
 from .common import offsets, same_channel, split_mismatch
 from .gather_readv import gather_readv
 from .gather_slots import gather_slots
+from .gather_writev import gather_writev
 from .reduce_direct import reduce_direct
 from .reduce_readv import reduce_readv
 from .reduce_scatter_readv import reduce_scatter_readv
@@ -102,10 +104,12 @@ ALGORITHMS = {
     "reduce_readv": reduce_readv,
     "broadcast_slots": broadcast_slots,
     "broadcast_readv": broadcast_readv,
+    "broadcast_split": broadcast_split,
     "allgather_slots": _allgather_slots,
     "allgather_readv": allgather_readv,
     "gather_slots": gather_slots,
     "gather_readv": gather_readv,
+    "gather_writev": gather_writev,
     "scatter_slots": scatter_slots,
     "scatter_readv": scatter_readv,
     "reduce_scatter_slots": reduce_scatter_slots,
