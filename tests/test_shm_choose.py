@@ -32,9 +32,9 @@ def tuned(**env) -> Tuning:
         (256 * KiB + 1, 8, "allreduce_slices"),
         (1 * MiB, 2, "allreduce_direct"),  # two ranks: direct up to its one slot
         (1 * MiB + 1, 2, "allreduce_slices"),
-        (16 * MiB - 1, 4, "allreduce_slices"),
-        (16 * MiB, 4, "allreduce_readv"),  # single copy from 16 MiB
-        (16 * MiB, 2, "allreduce_readv"),
+        (4 * MiB - 1, 4, "allreduce_slices"),
+        (4 * MiB, 4, "allreduce_readv"),  # single copy from 4 MiB
+        (4 * MiB, 2, "allreduce_readv"),
     ],
 )
 def test_all_reduce_by_size(nbytes, size, expected):
@@ -42,7 +42,7 @@ def test_all_reduce_by_size(nbytes, size, expected):
 
 
 def test_all_reduce_without_direct_reads_falls_back_to_slices():
-    assert choose("allreduce", 16 * MiB, 4, CANNOT, DEFAULT) == "allreduce_slices"
+    assert choose("allreduce", 4 * MiB, 4, CANNOT, DEFAULT) == "allreduce_slices"
     assert choose("allreduce", 8, 4, CANNOT, tuned(DISTCOMM_SHM_ALGO_ALLREDUCE="readv")) == "allreduce_slices"
 
 

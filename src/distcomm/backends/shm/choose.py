@@ -8,7 +8,7 @@ measurements behind each threshold):
   ``allreduce_direct_bytes`` (256 KiB; ``allreduce_direct_bytes_2ranks``, 1 MiB, at p = 2): the
   rounds and copies of slices cost more than the extra reductions up to there. Past one slot the
   direct algorithm runs as "reduce_direct" with every rank reading, a round per slot. From
-  ``allreduce_readv_bytes`` (16 MiB) "allreduce_readv", else "allreduce_slices".
+  ``allreduce_readv_bytes`` (4 MiB) "allreduce_readv", else "allreduce_slices".
 * the copy-only collectives (scatter by its whole input), and reduce: single copy ("<op>_readv")
   from ``readv_bytes`` (4 MiB),
   where a system call and page pinning per chunk are paid back by copying once and not running in
@@ -39,7 +39,7 @@ THRESHOLDS = {
     "allreduce_direct_bytes": 256 * 1024,
     "allreduce_direct_bytes_2ranks": 1 << 20,
     "readv_bytes": 4 << 20,
-    "allreduce_readv_bytes": 16 << 20,
+    "allreduce_readv_bytes": 4 << 20,
 }
 
 #: op -> the values DISTCOMM_SHM_ALGO_<OP> may take
