@@ -8,6 +8,7 @@ that no process or shared-memory segment is left behind. The faults:
 * a rank SIGKILLed while the others wait on someone else (TCP at 4 KiB and 64 MiB, shared memory),
   and a rank that leaves without destroy_process_group (not a crash);
 * a rank SIGKILLed during a 64 MiB shared-memory all_reduce (process_vm_readv of a dying peer);
+* a rank SIGKILLed during 64 MiB broadcasts and gathers that write into it (process_vm_writev);
 * ranks passing different roots to broadcast, reduce, gather and scatter, on both engines;
 * a full shared-memory directory (a 4 MiB tmpfs mounted for the test; skipped unless root);
 * monitored_barrier's error; the shm engine refusing ranks on two hosts;
@@ -207,6 +208,53 @@ def test_rank_killed_during_large_shm_all_reduce(delay, seg_dir, tmp_path):
         # never a bare ProcessLookupError/OSError from process_vm_readv
         assert kind == "PeerLostError", (rank, kind, msg)
         assert "all_reduce #" in msg and f"on rank {rank}" in msg and f"rank {world - 1}" in msg, msg
+        assert since < PROMPT_S, (rank, since, msg)
+    no_children_left()
+
+
+def killed_during_large_writes_body(rank, world, stamp, delay, op):
+    """As above, through the algorithms where ranks write into a peer (process_vm_writev): 64 MiB
+    broadcasts at two ranks ("broadcast_split": the root writes into the reader) or 64 MiB gathers
+    at the last rank, which dies ("gather_writev": every peer writes into it)."""
+    from datetime import timedelta
+
+    import numpy as np
+
+    import distcomm as dist
+
+    dist.init_process_group("shm", timeout=timedelta(seconds=TIMEOUT_S))
+    n = 16 << 20
+    root = world - 1
+    if op == "broadcast":
+        x = np.ones(n, dtype=np.float32)
+        call = lambda: dist.broadcast(x, src=0)  # noqa: E731
+    else:
+        mine = np.ones(n // world, dtype=np.float32)
+        outs = [np.empty_like(mine) for _ in range(world)] if rank == root else None
+        call = lambda: dist.gather(mine, outs, dst=root)  # noqa: E731
+    call()
+    if rank == world - 1:
+        _kill_self_later(delay, stamp)
+    try:
+        for _ in range(400):
+            call()
+    except Exception as exc:  # noqa: BLE001 - the type is what is checked
+        return type(exc).__name__, str(exc), _since_kill(stamp)
+    return "no error", "", 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("op, world", [("broadcast", 2), ("gather", 3)])
+@pytest.mark.parametrize("delay", [0.05, 0.3])
+def test_rank_killed_during_large_shm_writes(op, world, delay, seg_dir, tmp_path):
+    stamp = str(tmp_path / "killed_at")
+    results = run_world(killed_during_large_writes_body, world, args=(stamp, delay, op), timeout=120,
+                        env={"DISTCOMM_SHM_DIR": seg_dir}, expect_failure=[world - 1])
+    for rank in range(world - 1):
+        kind, msg, since = results[rank]
+        # never a bare OSError from process_vm_writev, nor an error naming a pid rather than the rank
+        assert kind == "PeerLostError", (rank, kind, msg)
+        assert f"{op} #" in msg and f"on rank {rank}" in msg and f"rank {world - 1}" in msg, msg
         assert since < PROMPT_S, (rank, since, msg)
     no_children_left()
 

@@ -32,9 +32,9 @@ def tuned(**env) -> Tuning:
         (256 * KiB + 1, 8, "allreduce_slices"),
         (1 * MiB, 2, "allreduce_direct"),  # two ranks: direct up to its one slot
         (1 * MiB + 1, 2, "allreduce_slices"),
-        (16 * MiB - 1, 4, "allreduce_slices"),
-        (16 * MiB, 4, "allreduce_readv"),  # single copy from 16 MiB
-        (16 * MiB, 2, "allreduce_readv"),
+        (4 * MiB - 1, 4, "allreduce_slices"),
+        (4 * MiB, 4, "allreduce_readv"),  # single copy from 4 MiB
+        (4 * MiB, 2, "allreduce_readv"),
     ],
 )
 def test_all_reduce_by_size(nbytes, size, expected):
@@ -42,7 +42,7 @@ def test_all_reduce_by_size(nbytes, size, expected):
 
 
 def test_all_reduce_without_direct_reads_falls_back_to_slices():
-    assert choose("allreduce", 16 * MiB, 4, CANNOT, DEFAULT) == "allreduce_slices"
+    assert choose("allreduce", 4 * MiB, 4, CANNOT, DEFAULT) == "allreduce_slices"
     assert choose("allreduce", 8, 4, CANNOT, tuned(DISTCOMM_SHM_ALGO_ALLREDUCE="readv")) == "allreduce_slices"
 
 
@@ -88,19 +88,32 @@ def test_single_copy_from_4_mib(op, slots, readv):
     assert choose(op, 64 * MiB, 4, CAN, tuned(**{f"DISTCOMM_SHM_ALGO_{op.upper()}": "slots"})) == slots
 
 
-def test_broadcast_at_two_ranks_stays_in_slots_unless_forced():
-    assert choose("broadcast", 64 * MiB, 2, CAN, DEFAULT) == "broadcast_slots"
+def test_broadcast_at_two_ranks_splits_the_copy_from_4_mib():
+    assert choose("broadcast", 4 * MiB - 1, 2, CAN, DEFAULT) == "broadcast_slots"
+    assert choose("broadcast", 4 * MiB, 2, CAN, DEFAULT) == "broadcast_split"
+    assert choose("broadcast", 64 * MiB, 2, CANNOT, DEFAULT) == "broadcast_slots"  # not allowed: through slots
     assert choose("broadcast", 4 * MiB, 3, CAN, DEFAULT) == "broadcast_readv"
     assert choose("broadcast", 8, 2, CAN, tuned(DISTCOMM_SHM_ALGO_BROADCAST="readv")) == "broadcast_readv"
+    split = tuned(DISTCOMM_SHM_ALGO_BROADCAST="split")
+    assert choose("broadcast", 8, 4, CAN, split) == "broadcast_split"
+    assert choose("broadcast", 8, 4, CANNOT, split) == "broadcast_slots"
+    assert choose("broadcast", 64 * MiB, 2, CAN, tuned(DISTCOMM_SHM_ALGO_BROADCAST="slots")) == "broadcast_slots"
 
 
-@pytest.mark.parametrize("op", ["barrier", "gather"])
-def test_slots_unless_forced(op):
+def test_barrier_through_slots_only():
     for nbytes in (0, 8, 64 * MiB):
-        assert choose(op, nbytes, 4, CAN, DEFAULT) == op + "_slots"
+        assert choose("barrier", nbytes, 4, CAN, DEFAULT) == "barrier_slots"
 
 
-def test_gather_single_copy_only_when_forced():
+def test_gather_written_by_the_senders_from_4_mib():
+    for size in (2, 4):
+        assert choose("gather", 4 * MiB - 1, size, CAN, DEFAULT) == "gather_slots"
+        assert choose("gather", 4 * MiB, size, CAN, DEFAULT) == "gather_writev"
+        assert choose("gather", 64 * MiB, size, CANNOT, DEFAULT) == "gather_slots"  # not allowed: through slots
+    assert choose("gather", 8, 4, CAN, tuned(DISTCOMM_SHM_ALGO_GATHER="writev")) == "gather_writev"
+
+
+def test_gather_read_by_the_root_only_when_forced():
     forced = tuned(DISTCOMM_SHM_ALGO_GATHER="readv")
     assert choose("gather", 8, 4, CAN, forced) == "gather_readv"
     assert choose("gather", 64 * MiB, 2, CANNOT, forced) == "gather_slots"  # not allowed: through slots

@@ -1,5 +1,6 @@
 """all_gather and all_to_all on the shared-memory engine written straight into each output: into a
-list of separate tensors and into one tensor, single copy (process_vm_readv) and through slots.
+list of separate tensors and into one tensor, single copy (process_vm_readv) and through slots;
+reduce_scatter and reduce_scatter_tensor reduced straight from each input, which stays as it was.
 
 Each rank computes every rank's input (deterministic per rank) and checks its own outputs element
 for element against what the collective's definition says lands there (the data-movement semantics
@@ -94,9 +95,11 @@ def body(rank, world, sizes, tensors, expect):
         dist.all_to_all_single(out, inp, recv_counts, send_counts, async_op=True).wait()
         _check(f"all_to_all_single n={n}", back(out), np.concatenate([piece(q, rank) for q in range(world)]))
 
+        _reduce_scatter_forms(dist, rank, world, n, salt, wrap, back)
+
     dist.destroy_process_group()
     if expect is not None:
-        for op in ("allgather", "alltoall"):
+        for op in ("allgather", "alltoall", "reduce_scatter"):
             want = f"{op}_{expect}"
             if want not in ran:
                 raise AssertionError(f"{want} never ran; ran: {sorted(set(ran))}")
@@ -104,6 +107,55 @@ def body(rank, world, sizes, tensors, expect):
             if expect == "slots" and other in ran:
                 raise AssertionError(f"{other} ran with single-copy reads off")
     return "ok"
+
+
+def _fold(blocks):
+    """The rank-order sum, as the shared-memory algorithms compute it (bit for bit)."""
+    acc = blocks[0].copy()
+    for b in blocks[1:]:
+        acc += b
+    return acc
+
+
+def _reduce_scatter_forms(dist, rank, world, n, salt, wrap, back):
+    """reduce_scatter of a list and reduce_scatter_tensor, read from the inputs in place: the result,
+    the inputs left as they were, and the staged cases (an output overlapping an input, PREMUL_SUM)."""
+    def block(src, dst):  # rank src's block for rank dst
+        return _data(src * world + dst, n, 90 + salt)
+
+    from distcomm.backends.shm import observe
+
+    staged: list[str] = []
+    seen = observe.current
+    observe.set_observer(lambda name: (seen(name), staged.append(name) if name == "reduce_scatter_staged" else None))
+    ins = [wrap(block(rank, q)) for q in range(world)]
+    out = wrap(np.full(n, -1.0, np.float32))
+    dist.reduce_scatter(out, ins, async_op=True).wait()
+    _check(f"reduce_scatter list n={n}", back(out), _fold([block(q, rank) for q in range(world)]))
+    for q in range(world):
+        _check(f"reduce_scatter list n={n}: input {q} left as it was", back(ins[q]), block(rank, q))
+    whole = wrap(np.concatenate([block(rank, q) for q in range(world)]))
+    out = wrap(np.full(n, -1.0, np.float32))
+    dist.reduce_scatter_tensor(out, whole, op=dist.ReduceOp.AVG, async_op=True).wait()
+    _check(f"reduce_scatter_tensor AVG n={n}", back(out),
+           _fold([block(q, rank) for q in range(world)]) / np.float32(world))
+    _check(f"reduce_scatter_tensor n={n}: input left as it was", back(whole),
+           np.concatenate([block(rank, q) for q in range(world)]))
+    if world > 1 and staged:
+        raise AssertionError(f"reduce_scatter n={n} staged its inputs: {staged}")
+    # the output is this rank's own input block (a view of the input tensor): staged, still right
+    whole = np.concatenate([block(rank, q) for q in range(world)])
+    mine = whole[rank * n:(rank + 1) * n]
+    dist.reduce_scatter_tensor(wrap(mine), wrap(whole), async_op=True).wait()
+    _check(f"reduce_scatter_tensor into its own input block n={n}", mine, _fold([block(q, rank) for q in range(world)]))
+    ins = [wrap(block(rank, q)) for q in range(world)]
+    out = wrap(np.full(n, -1.0, np.float32))
+    dist.reduce_scatter(out, ins, op=dist.ReduceOp.PREMUL_SUM(2.0), async_op=True).wait()
+    _check(f"reduce_scatter PREMUL_SUM n={n}", back(out), _fold([block(q, rank) * np.float32(2.0) for q in range(world)]))
+    _check(f"reduce_scatter PREMUL_SUM n={n}: input left as it was", back(ins[0]), block(rank, 0))
+    observe.set_observer(seen)
+    if world > 1 and len(staged) != (2 if n else 1):  # an empty output overlaps nothing
+        raise AssertionError(f"reduce_scatter n={n}: the output overlapping an input and PREMUL_SUM should stage: {staged}")
 
 
 def _run(world, sizes, tensors, env, expect, timeout=120):

@@ -380,11 +380,9 @@ class ProcessGroup:
         if not async_op and self._fast("reduce_scatter", out, ins, op):
             return None
         coll = self.collectives
-        counts = [b.count for b in ins]
 
         def body(ch: Channel) -> None:
-            scratch = np.concatenate([b.flat for b in ins]) if ins else np.empty(0, out.flat.dtype)
-            coll.reduce_scatter(ch, scratch, out.flat, counts, out.dtype, op)
+            coll.reduce_scatter_list(ch, [b.flat for b in ins], out.flat, out.dtype, op)
             out.commit()
 
         sig = signature("reduce_scatter", out.dtype.code, _op_code(op))
@@ -396,10 +394,11 @@ class ProcessGroup:
         if not async_op and self._fast("reduce_scatter_tensor", out, inp, op):
             return None
         coll = self.collectives
-        counts = [out.count] * self.size()
+        n, size = out.count, self.size()
 
         def body(ch: Channel) -> None:
-            coll.reduce_scatter(ch, inp.flat.copy(), out.flat, counts, out.dtype, op)
+            flat = inp.flat  # read in place: the engine copies it if its algorithm needs scratch
+            coll.reduce_scatter_list(ch, [flat[q * n:(q + 1) * n] for q in range(size)], out.flat, out.dtype, op)
             out.commit()
 
         sig = signature("reduce_scatter_tensor", out.dtype.code, _op_code(op))

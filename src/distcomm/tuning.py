@@ -22,7 +22,8 @@ variable                               meaning (default)
                                        over its rings instead of its own collectives (1)
 ``DISTCOMM_SHM_ALGO_<OP>``             force a shared-memory algorithm: ALLREDUCE =
                                        direct|slices|readv; BROADCAST, ALLGATHER, REDUCE,
-                                       REDUCESCATTER, ALLTOALL, SCATTER, GATHER = slots|readv
+                                       REDUCESCATTER, ALLTOALL, SCATTER, GATHER = slots|readv;
+                                       also BROADCAST = split, GATHER = writev
 ``DISTCOMM_SHM_THRESHOLD_<NAME>``      a shared-memory selection threshold in bytes
                                        (the shared-memory engine's ``THRESHOLDS``)
 ``DISTCOMM_SHM_SLOT_BYTES``            bytes per slot of a group's shared memory (1 MiB)

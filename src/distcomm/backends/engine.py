@@ -142,6 +142,15 @@ class GroupCollectives(ABC):
         read each input in place overrides it."""
         self.scatter(ch, np.concatenate(list(ins)) if ins is not None else None, out, root)
 
+    def reduce_scatter_list(self, ch: Channel, ins: Sequence[np.ndarray], out: np.ndarray, dtype: DType,
+                            op: Any) -> None:
+        """``out`` receives the reduction over ranks of their ``ins[ch.rank]``; ``ins[q]`` (separate
+        arrays, or views of one input tensor) are the caller's and must be left as they were. The
+        default stages them through one scratch buffer and ``reduce_scatter`` (which may clobber
+        it); an engine that can reduce from the inputs in place overrides it."""
+        scratch = np.concatenate(list(ins)) if ins else np.empty(0, out.dtype)
+        self.reduce_scatter(ch, scratch, out, [x.size for x in ins], dtype, op)
+
     def check_root(self, ch: Channel, root: int, what: str) -> None:
         """Raise CollectiveMismatchError if the ranks passed different roots to a rooted collective
         (``what``: the argument's name, "src" or "dst"); called before the collective itself.

@@ -1,4 +1,5 @@
-"""Single-copy reads from a peer's memory with process_vm_readv, where the OS allows it.
+"""Single-copy reads from (and writes to) a peer's memory with process_vm_readv/writev, where the
+OS allows it.
 
 Linux lets a process read another's memory when it may ptrace it: same user, the target dumpable,
 and, under the Yama LSM (/proc/sys/kernel/yama/ptrace_scope = 1), only if the target named it as a
@@ -31,22 +32,29 @@ class _Iovec(ctypes.Structure):
 try:
     _libc = ctypes.CDLL(None, use_errno=True)
     _readv = _libc.process_vm_readv
-    _readv.restype = ctypes.c_ssize_t
-    _readv.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.c_ulong]
+    _writev = _libc.process_vm_writev
+    for _fn in (_readv, _writev):
+        _fn.restype = ctypes.c_ssize_t
+        _fn.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.POINTER(_Iovec), ctypes.c_ulong,
+                        ctypes.c_ulong]
 except (OSError, AttributeError):  # pragma: no cover - not Linux/glibc
     _libc = None
     _readv = None
+    _writev = None
 
 
 class DirectReadError(TransportError):
-    """process_vm_readv from a peer failed. ``pid`` is the peer's process; ``reason`` is "lost"
-    when that process is gone (ESRCH, or it died while we read: its memory is torn down before it
-    is reaped), else "error". The caller knows which rank has that pid and names it."""
+    """process_vm_readv from a peer (or process_vm_writev to it: ``writing``) failed. ``pid`` is
+    the peer's process; ``reason`` is "lost" when that process is gone (ESRCH, or it died while we
+    read: its memory is torn down before it is reaped), else "error". The caller knows which rank
+    has that pid and names it."""
 
-    def __init__(self, pid: int, err: int):
+    def __init__(self, pid: int, err: int, writing: bool = False):
         gone = err == errno.ESRCH or not process_alive(pid)
         what = "the process has exited" if gone else os.strerror(err)
-        super().__init__(f"reading the memory of pid {pid} (process_vm_readv) failed: {what}",
+        action = "writing to the memory of pid {} (process_vm_writev)" if writing else \
+            "reading the memory of pid {} (process_vm_readv)"
+        super().__init__(f"{action.format(pid)} failed: {what}",
                          reason="lost" if gone else "error")
         self.pid = pid
         self.errno = err
@@ -78,6 +86,22 @@ def read(pid: int, address: int, out: np.ndarray) -> None:
         got = _readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
         if got <= 0:
             raise DirectReadError(pid, ctypes.get_errno())
+        done += got
+
+
+def write(pid: int, address: int, src: np.ndarray) -> None:
+    """Copy ``src`` (contiguous) to ``address`` in process ``pid`` (process_vm_writev: the same
+    permission as reading, so whatever ``probe`` found readable is writable too)."""
+    total = src.nbytes
+    base = src.ctypes.data
+    done = 0
+    while done < total:
+        n = min(total - done, 1 << 30)
+        local = _Iovec(base + done, n)
+        remote = _Iovec(address + done, n)
+        got = _writev(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+        if got <= 0:
+            raise DirectReadError(pid, ctypes.get_errno(), writing=True)
         done += got
 
 

@@ -6,8 +6,9 @@ shared memory (``transport/shm_group.GroupShm``, in rounds of slots).
 * ``choose``: which algorithm, a pure function of the call, the group and the Tuning;
 * one module per algorithm: ``allreduce_direct``, ``allreduce_slices``, ``allreduce_readv``,
   ``reduce_direct``, ``reduce_readv``, ``broadcast_slots``, ``broadcast_readv``,
-  ``allgather_readv``, ``gather_slots`` (all_gather through slots too), ``gather_readv`` (only
-  when forced), ``scatter_slots``, ``scatter_readv``,
+  ``broadcast_split`` (reader reads, root writes: two ranks), ``allgather_readv``,
+  ``gather_slots`` (all_gather through slots too), ``gather_writev`` (peers write into the root),
+  ``gather_readv`` (only when forced), ``scatter_slots``, ``scatter_readv``,
   ``reduce_scatter_slots``, ``reduce_scatter_readv``, ``alltoall_slots`` (with its single-copy
   form), ``barrier_slots``; ``common`` holds the pieces they share;
 * ``latency``: the latency paths of small synchronous all_reduces and barriers;

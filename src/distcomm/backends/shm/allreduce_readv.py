@@ -3,7 +3,8 @@ slice reading the peers' copies of it straight from their buffers, then copies e
 slice's result straight from its owner's buffer.
 
 Cost per rank: about 2.5 n bytes through memory (its slice and the peers' copies of it read, its
-slice written, the other results read and written) against ~4.5 n through slots, plus a system
+slice written, the other results read and written; rank 0 reduces into its own slice in place,
+the others into an accumulator that starts as rank 0's chunk, read straight into it) against ~4.5 n through slots, plus a system
 call and page pinning per chunk. And no lockstep: after the first round (which publishes each
 buffer's address) a rank reduces its whole slice without waiting for anyone, picking up the
 peers' finished chunks as they come (the ``posted`` counter of round k0 + 1 + j says "chunk j of
@@ -51,18 +52,21 @@ def allreduce_readv(ctx, ch: Channel, flat: np.ndarray, red) -> None:
         lo = edges[r] + j * per
         hi = min(lo + per, edges[r + 1])
         if hi > lo:  # my slice's chunk j, reduced in rank order
-            mine, a, t = flat[lo:hi], acc[: hi - lo], tmp[: hi - lo]
+            mine, t = flat[lo:hi], tmp[: hi - lo]
+            # rank 0 folds the peers into its own copy; the others start from rank 0's, read
+            # straight into the accumulator: no copy of either into place
+            a = mine if r == 0 else acc[: hi - lo]
             for q in range(p):
-                if q == r:
-                    x = mine
+                if q == 0:
+                    if r != 0:
+                        read(pids[0], base[0] + lo * item, a)
+                elif q == r:
+                    red(a, mine)
                 else:
                     read(pids[q], base[q] + lo * item, t)
-                    x = t
-                if q == 0:
-                    a[...] = x
-                else:
-                    red(a, x)
-            mine[...] = a
+                    red(a, t)
+            if a is not mine:
+                mine[...] = a
         ctx.advance(k0 + 1 + j, wake=j == chunks - 1)
         for q in range(p):  # whatever the peers have finished meanwhile
             while copied[q] < chunks and ctx.posted(q) > k0 + copied[q]:

@@ -96,11 +96,14 @@ def alltoall_rounds(ctx, seq: int, sig: int, channel, sends, recvs, base: int, s
             words[3 * p + 1] = int(single_copy)
             words[3 * p + 2] = base
         ctx.publish(k, seq, sig, 0)
+        own_copied = j == 0 and single_copy and recvs[r].size == sends[r].size
+        if own_copied:  # our vote makes it single copy: our own piece moves while the peers publish
+            recvs[r][...] = sends[r]
         ctx.collect(k, seq, sig, None, channel, [q for q in range(p) if q != r])
         if rounds is None:
             tables = [ctx.words(q, k) for q in range(p)]
             if any(t[3 * p + 1] for t in tables):
-                _read_from_senders(ctx, channel(seq, sig), tables, sends[r], recvs)
+                _read_from_senders(ctx, channel(seq, sig), tables, sends[r], recvs, own_copied)
                 ctx.consume(k)
                 ctx.wait_consumed(k, channel(seq, sig))  # no send buffer may change before every reader is done
                 return "alltoall_readv"
@@ -123,14 +126,16 @@ def alltoall_rounds(ctx, seq: int, sig: int, channel, sends, recvs, base: int, s
             return "alltoall_slots"
 
 
-def _read_from_senders(ctx, ch: Channel, tables, mine: np.ndarray, recvs) -> None:
-    """all_to_all's single-copy path: rank q's piece for this rank, from q's send buffer."""
+def _read_from_senders(ctx, ch: Channel, tables, mine: np.ndarray, recvs, own_copied: bool = False) -> None:
+    """all_to_all's single-copy path: rank q's piece for this rank, from q's send buffer (our own
+    piece too unless ``own_copied``)."""
     p, r = ctx.size, ctx.rank
     item = mine.itemsize
     for q in range(p):
         n = recvs[q].size
         if q == r:
-            recvs[r][...] = mine
+            if not own_copied:
+                recvs[r][...] = mine
             continue
         t = tables[q]
         sent = int(t[2 * p + r])

@@ -8,18 +8,22 @@ measurements behind each threshold):
   ``allreduce_direct_bytes`` (256 KiB; ``allreduce_direct_bytes_2ranks``, 1 MiB, at p = 2): the
   rounds and copies of slices cost more than the extra reductions up to there. Past one slot the
   direct algorithm runs as "reduce_direct" with every rank reading, a round per slot. From
-  ``allreduce_readv_bytes`` (16 MiB) "allreduce_readv", else "allreduce_slices".
+  ``allreduce_readv_bytes`` (4 MiB) "allreduce_readv", else "allreduce_slices".
 * the copy-only collectives (scatter by its whole input), and reduce: single copy ("<op>_readv")
   from ``readv_bytes`` (4 MiB),
   where a system call and page pinning per chunk are paid back by copying once and not running in
-  lockstep; below, through slots. broadcast only at p > 2: at two ranks the slots' pipeline wins.
-* gather: through slots unless single copy is forced (the root alone reads: measured, slots
-  matched single copy at every size, and beat it below 16 MiB); barrier: through slots only.
-* Single copy needs every member allowed to read every other's memory (``direct_reads``); without
-  it every "readv" choice, forced ones included, falls back to its slots form.
+  lockstep; below, through slots. broadcast at p = 2 from there: "broadcast_split" (the reader
+  reads the head while the root writes the tail: both CPUs copy).
+* gather: from ``readv_bytes`` "gather_writev" (every peer writes its block into the root's output,
+  all at once); below, through slots. "gather_readv" (the root alone reads every block) only when
+  forced: the slots' pipeline matched it at every size. barrier: through slots only.
+* Single copy needs every member allowed to read (and so write: the same ptrace permission) every
+  other's memory (``direct_reads``); without it every single-copy choice, forced ones included,
+  falls back to its slots form.
 
 ``DISTCOMM_SHM_ALGO_ALLREDUCE=direct|slices|readv`` and
-``DISTCOMM_SHM_ALGO_<BROADCAST|ALLGATHER|REDUCE|REDUCESCATTER|ALLTOALL|SCATTER|GATHER>=slots|readv`` force a
+``DISTCOMM_SHM_ALGO_<BROADCAST|ALLGATHER|REDUCE|REDUCESCATTER|ALLTOALL|SCATTER|GATHER>=slots|readv``,
+``DISTCOMM_SHM_ALGO_BROADCAST=split`` and ``DISTCOMM_SHM_ALGO_GATHER=writev`` force a
 choice (``check_forced`` refuses other values when the engine is set up);
 ``DISTCOMM_SHM_THRESHOLD_<NAME>`` replaces a threshold (``allreduce_direct_bytes`` replaces
 both direct limits).
@@ -35,19 +39,19 @@ THRESHOLDS = {
     "allreduce_direct_bytes": 256 * 1024,
     "allreduce_direct_bytes_2ranks": 1 << 20,
     "readv_bytes": 4 << 20,
-    "allreduce_readv_bytes": 16 << 20,
+    "allreduce_readv_bytes": 4 << 20,
 }
 
 #: op -> the values DISTCOMM_SHM_ALGO_<OP> may take
 FORCEABLE = {
     "allreduce": ("direct", "slices", "readv"),
-    "broadcast": ("slots", "readv"),
+    "broadcast": ("slots", "readv", "split"),
     "allgather": ("slots", "readv"),
     "reduce": ("slots", "readv"),
     "reducescatter": ("slots", "readv"),
     "alltoall": ("slots", "readv"),
     "scatter": ("slots", "readv"),
-    "gather": ("slots", "readv"),
+    "gather": ("slots", "readv", "writev"),
 }
 
 
@@ -105,11 +109,14 @@ def choose(op: str, nbytes: int, size: int, caps: Capabilities, tuning: Tuning) 
         return "allreduce_" + forced
     if op == "barrier":
         return "barrier_slots"
-    if op == "gather" and forced != "readv":
-        return "gather_slots"  # one reader: the slots' pipeline matches single copy at every size
-    readv = forced == "readv" if forced else nbytes >= _threshold(tuning, "readv_bytes")
-    if op == "broadcast" and size <= 2 and not forced:
-        readv = False  # two ranks: the slots' pipeline beats one single copy at every size
+    large = nbytes >= _threshold(tuning, "readv_bytes")
+    if op == "gather":
+        if forced is None:
+            forced = "writev" if large else "slots"
+        return f"gather_{forced}" if forced != "slots" and caps.direct_reads else "gather_slots"
+    if op == "broadcast" and (forced == "split" or (forced is None and size <= 2 and large)):
+        return "broadcast_split" if caps.direct_reads else "broadcast_slots"
+    readv = forced == "readv" if forced else large
     if op == "reduce":
         return "reduce_readv" if readv and caps.direct_reads else "reduce_direct"
     names = {"reducescatter": "reduce_scatter"}

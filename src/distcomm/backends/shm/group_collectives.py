@@ -40,10 +40,12 @@ from .allreduce_slices import allreduce_slices
 from .barrier_slots import barrier_slots
 from .broadcast_readv import broadcast_readv
 from .broadcast_slots import broadcast_slots
+from .broadcast_split import broadcast_split
 from .choose import Capabilities, check_forced, choose, direct_limit, latency_limit
-from .common import same_channel, split_mismatch
+from .common import offsets, same_channel, split_mismatch
 from .gather_readv import gather_readv
 from .gather_slots import gather_slots
+from .gather_writev import gather_writev
 from .reduce_direct import reduce_direct
 from .reduce_readv import reduce_readv
 from .reduce_scatter_readv import reduce_scatter_readv
@@ -102,10 +104,12 @@ ALGORITHMS = {
     "reduce_readv": reduce_readv,
     "broadcast_slots": broadcast_slots,
     "broadcast_readv": broadcast_readv,
+    "broadcast_split": broadcast_split,
     "allgather_slots": _allgather_slots,
     "allgather_readv": allgather_readv,
     "gather_slots": gather_slots,
     "gather_readv": gather_readv,
+    "gather_writev": gather_writev,
     "scatter_slots": scatter_slots,
     "scatter_readv": scatter_readv,
     "reduce_scatter_slots": reduce_scatter_slots,
@@ -325,10 +329,30 @@ class ShmCollectives(GroupCollectives):
         ctx = self._context(ch)
         if ctx is None:
             return self.generic.reduce_scatter(ch, scratch, out, counts, dtype, op)
-        name = self._choose("reducescatter", scratch.nbytes, ctx, ch)
+        offs = offsets(counts)
+        self._reduce_scatter(ctx, ch, [scratch[offs[q]:offs[q + 1]] for q in range(ch.size)], out, dtype, op, scratch)
+
+    def reduce_scatter_list(self, ch: Channel, ins, out: np.ndarray, dtype, op) -> None:
+        """Reduced straight from each input (views of one tensor, or separate tensors), which stay as
+        they were; staged like the default when PREMUL_SUM must scale them first, or when ``out``
+        overlaps an input (peers read the inputs while this rank writes ``out``)."""
+        ctx = self._context(ch)
+        if ctx is None:
+            return super().reduce_scatter_list(ch, ins, out, dtype, op)
+        if type(op) is not RedOpType or any(np.may_share_memory(out, x) for x in ins):
+            observer = observe.current
+            if observer is not None:
+                observer("reduce_scatter_staged")
+            return super().reduce_scatter_list(ch, ins, out, dtype, op)
+        self._reduce_scatter(ctx, ch, list(ins), out, dtype, op)
+
+    def _reduce_scatter(self, ctx, ch: Channel, ins, out: np.ndarray, dtype, op, scratch=None) -> None:
+        """``ins``: this rank's block for each rank; ``scratch``: the buffer they are views of when
+        the caller staged them (PREMUL_SUM scales it in place first), else None (a plain op)."""
+        name = self._choose("reducescatter", sum(x.nbytes for x in ins), ctx, ch)
         red = self._reducer(op, dtype)
-        with_op_arithmetic(op, dtype, ch.size, scratch, lambda buf: self._run(ctx, ch, name, buf, out, list(counts), red),
-                           result=out)
+        with_op_arithmetic(op, dtype, ch.size, out if scratch is None else scratch,
+                           lambda buf: self._run(ctx, ch, name, ins, out, red), result=out)
 
     def all_to_all(self, ch: Channel, send: np.ndarray, send_counts, recv: np.ndarray, recv_counts) -> None:
         ctx = self._context(ch)

@@ -1,9 +1,14 @@
 """reduce_scatter "readv" (single copy): each rank reduces its own block straight from every
-member's input, into its output.
+member's input for it, into its output.
 
-Cost per rank: reads p blocks of its own size (one through a system call per chunk of a slot) and
-reduces p - 1 of them; one round to publish the inputs' addresses and one wait at the end so that
-no input changes before every reader is done.
+The inputs are one array per destination (``ins[q]`` is this rank's block for rank q): views of
+one input tensor (reduce_scatter_tensor) or separate tensors (reduce_scatter of a list), read in
+place and left as they were, with no staging buffer. Each rank posts the addresses of its p blocks
+in its slot.
+
+Cost per rank: reads p - 1 blocks of its own size (one system call per chunk of a slot, so the
+chunk being reduced stays in cache) and reduces p - 1 of them; one round to publish the inputs'
+addresses and one wait at the end so that no input changes before every reader is done.
 """
 
 from __future__ import annotations
@@ -11,21 +16,25 @@ from __future__ import annotations
 import numpy as np
 
 from ...transport.base import Channel
-from .common import offsets, reduce_from_peers
+from .common import reduce_from_peers
 
 
-def reduce_scatter_readv(ctx, ch: Channel, scratch: np.ndarray, out: np.ndarray, counts, red) -> None:
-    r = ctx.rank
-    offs = offsets(counts)
+def reduce_scatter_readv(ctx, ch: Channel, ins, out: np.ndarray, red) -> None:
+    """``out`` = the rank-order reduction of every rank's ``ins[ch.rank]``; ``out`` must not
+    overlap any of ``ins`` (peers read them meanwhile)."""
+    p, r = ctx.size, ctx.rank
+    nbytes = sum(x.nbytes for x in ins)  # every rank's header carries it: a disagreement is a mismatch
     k = ctx.next_round()
-    ctx.acquire(k, ch)
-    ctx.post(k, ch, scratch.nbytes, extra=scratch.ctypes.data)
-    ctx.wait_posted(k, ch, scratch.nbytes)
-    base = [ctx.extra(q, k) for q in range(ctx.size)]
-    per = max(1, ctx.slot_bytes // scratch.itemsize)
-    tmp = np.empty(min(per, counts[r]), scratch.dtype)
-    for lo in range(0, counts[r], per):
-        n = min(per, counts[r] - lo)
-        reduce_from_peers(ctx, out[lo : lo + n], offs[r] + lo, scratch[offs[r] + lo : offs[r] + lo + n], base, red, tmp)
+    slot = ctx.acquire(k, ch)
+    slot[: 8 * p].view(np.uint64)[...] = [x.ctypes.data for x in ins]
+    ctx.post(k, ch, nbytes)
+    ctx.wait_posted(k, ch, nbytes)
+    base = [int(ctx.data(q, k)[8 * r : 8 * r + 8].view(np.uint64)[0]) for q in range(p)]
+    mine, count = ins[r], out.size
+    per = max(1, ctx.slot_bytes // out.itemsize)
+    tmp = np.empty(min(per, count), out.dtype)
+    for lo in range(0, count, per):
+        n = min(per, count - lo)
+        reduce_from_peers(ctx, out[lo : lo + n], lo, mine[lo : lo + n], base, red, tmp)
     ctx.consume(k)
     ctx.wait_consumed(k, ch)

@@ -4,16 +4,16 @@ its own block from every member's slot in rank order; one round per chunk (a slo
 
 Cost per rank: writes (p-1)/p of the input, reads p pieces of its own block and reduces p - 1.
 
-When every block fits one piece (``piece_count``) it is one round (``one_round``), which the
-latency path runs too, reading the blocks from a list: separate input tensors need no staging
-buffer and are left as they were."""
+The blocks are read from a list (views of one input tensor, or separate tensors), in place: no
+staging buffer, and the inputs are left as they were. When every block fits one piece
+(``piece_count``) it is one round (``one_round``), which the latency path runs too."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from ...transport.base import Channel
-from .common import offsets, same_channel, view
+from .common import same_channel, view
 
 
 def piece_count(slot_bytes: int, p: int, item: int) -> int:
@@ -44,16 +44,18 @@ def one_round(ctx, seq: int, sig: int, channel, ins, out: np.ndarray, nbytes: in
     ctx.consume(k)
 
 
-def reduce_scatter_slots(ctx, ch: Channel, scratch: np.ndarray, out: np.ndarray, counts, red) -> None:
+def reduce_scatter_slots(ctx, ch: Channel, ins, out: np.ndarray, red) -> None:
+    """``ins[q]``: this rank's block for rank q (read in place, left as it was); ``out`` must not
+    overlap any of ``ins``."""
     p, r = ctx.size, ctx.rank
-    dt = scratch.dtype
+    dt = out.dtype
     item = dt.itemsize
     per = piece_count(ctx.slot_bytes, p, item)
-    offs = offsets(counts)
+    counts = [x.size for x in ins]
+    nbytes = sum(x.nbytes for x in ins)
     longest = max(counts) if counts else 0
     if longest <= per:
-        ins = [scratch[offs[q] : offs[q + 1]] for q in range(p)]
-        return one_round(ctx, ch.key.seq, ch.signature, same_channel(ch), ins, out, scratch.nbytes, red)
+        return one_round(ctx, ch.key.seq, ch.signature, same_channel(ch), ins, out, nbytes, red)
     lo = 0
     while True:
         k = ctx.next_round()
@@ -61,12 +63,12 @@ def reduce_scatter_slots(ctx, ch: Channel, scratch: np.ndarray, out: np.ndarray,
         for q in range(p):
             n = min(per, max(0, counts[q] - lo))
             if q != r and n:
-                view(slot, dt, n, q * per * item)[...] = scratch[offs[q] + lo : offs[q] + lo + n]
-        ctx.post(k, ch, scratch.nbytes)
-        ctx.wait_posted(k, ch, scratch.nbytes)
+                view(slot, dt, n, q * per * item)[...] = ins[q][lo : lo + n]
+        ctx.post(k, ch, nbytes)
+        ctx.wait_posted(k, ch, nbytes)
         n = min(per, max(0, counts[r] - lo))
         if n:
-            mine = scratch[offs[r] + lo : offs[r] + lo + n]
+            mine = ins[r][lo : lo + n]
             acc = out[lo : lo + n]
             acc[...] = mine if r == 0 else view(ctx.data(0, k), dt, n, r * per * item)
             for q in range(1, p):
