@@ -76,32 +76,28 @@ def allow_peers() -> None:
 
 def read(pid: int, address: int, out: np.ndarray) -> None:
     """Copy ``out.nbytes`` bytes at ``address`` in process ``pid`` into ``out`` (contiguous)."""
-    total = out.nbytes
-    base = out.ctypes.data
-    done = 0
-    while done < total:
-        n = min(total - done, 1 << 30)
-        local = _Iovec(base + done, n)
-        remote = _Iovec(address + done, n)
-        got = _readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
-        if got <= 0:
-            raise DirectReadError(pid, ctypes.get_errno())
-        done += got
+    _transfer(_readv, pid, address, out, False)
 
 
 def write(pid: int, address: int, src: np.ndarray) -> None:
     """Copy ``src`` (contiguous) to ``address`` in process ``pid`` (process_vm_writev: the same
     permission as reading, so whatever ``probe`` found readable is writable too)."""
-    total = src.nbytes
-    base = src.ctypes.data
+    _transfer(_writev, pid, address, src, True)
+
+
+def _transfer(call, pid: int, address: int, local: np.ndarray, writing: bool) -> None:
+    """process_vm_readv/writev of all of ``local`` against ``address`` in ``pid``, in pieces of at
+    most 1 GiB (the calls may move less than asked: continue where they stopped)."""
+    total = local.nbytes
+    base = local.ctypes.data
     done = 0
     while done < total:
         n = min(total - done, 1 << 30)
-        local = _Iovec(base + done, n)
-        remote = _Iovec(address + done, n)
-        got = _writev(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+        mine = _Iovec(base + done, n)
+        theirs = _Iovec(address + done, n)
+        got = call(pid, ctypes.byref(mine), 1, ctypes.byref(theirs), 1, 0)
         if got <= 0:
-            raise DirectReadError(pid, ctypes.get_errno(), writing=True)
+            raise DirectReadError(pid, ctypes.get_errno(), writing=writing)
         done += got
 
 
