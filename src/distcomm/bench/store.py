@@ -252,7 +252,8 @@ def format_table(results: dict, args) -> str:
     lines.append("  which for distcomm calls its server in-process. distcomm's same-host clients use the server's")
     lines.append("  Unix socket; 'TCP only' keeps them on loopback TCP, as torch's are. server/client CPU: CPU time")
     lines.append("  (user + system) per add() of the server process and of the client processes, during the add() run.")
-    lines.append("  'torch clients': distcomm's server behind torch's C++ clients (the other rows use each store's own).")
+    lines.append("  'torch clients': distcomm's server behind torch's C++ clients, through its torch-protocol translation")
+    lines.append("  (torch_wire.py); the other rows use each store's own clients.")
     return "\n".join(lines)
 
 
