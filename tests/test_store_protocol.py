@@ -483,3 +483,66 @@ def test_a_key_holding_server_parses_no_request_before_a_right_proof(chunks, cut
     except f.ProtocolError:
         pass
     assert not server.authenticated
+
+
+# -- the server's fast lane: frames cut without events, the hottest requests' fields from bytes -------
+
+
+def test_cut_frames_gives_the_frames_receive_events_parses_and_keeps_the_tail():
+    stream = b"".join(wire for _, wire in REQUESTS)
+    tail = REQUESTS[3][1]  # an Add, sent in two pieces
+    server = _server()
+    assert server.at_frame_boundary()
+    cut = server.cut_frames(stream + tail[:10])
+    assert [f.REQUEST_PARSERS[opcode](stream, start, end, rid) for opcode, rid, start, end in cut] == [
+        event for event, _ in REQUESTS
+    ]
+    assert [opcode for opcode, *_ in cut] == [event.OPCODE for event, _ in REQUESTS]
+    assert not server.at_frame_boundary() and server.buffered == 10  # the Add's first 10 bytes wait
+    assert server.receive_events(tail[10:]) == [REQUESTS[3][0]]
+    assert server.at_frame_boundary()
+
+
+def test_cut_frames_refuses_what_receive_events_refuses():
+    with pytest.raises(f.ProtocolError, match="unknown opcode 0x80"):
+        _server().cut_frames(frame(5, "80", "01000000"))
+    with pytest.raises(f.ProtocolError, match="exceeds"):
+        _server(max_frame_size=1 << 20).cut_frames(f.encode(f.NumKeys(1)) + struct.pack("<Q", 2**40) + b"\x01")
+    with pytest.raises(f.ProtocolError, match="shorter than a frame head"):
+        _server().cut_frames(frame(4, "07", "01000000")[:12] + b"\0")
+
+
+def test_a_connection_in_its_handshake_is_not_at_a_frame_boundary():
+    assert not c.ServerConnection().at_frame_boundary()
+
+
+@pytest.mark.parametrize(
+    "event, fields",
+    [
+        (f.Set(1, b"k", b"v"), lambda e: (e.key, e.value)),
+        (f.Set(1, b"", b""), lambda e: (e.key, e.value)),
+        (f.Get(2, b"key", 1500), lambda e: (e.key, e.timeout_ms)),
+        (f.Add(3, b"c", -(2**63)), lambda e: (e.key, e.amount)),
+        (f.Add(3, b"", 2**63 - 1), lambda e: (e.key, e.amount)),
+    ],
+)
+def test_field_decoders_match_the_events_parse(event, fields):
+    wire = f.encode(event)
+    decode = {f.Set: f.set_fields, f.Get: f.get_fields, f.Add: f.add_fields}[type(event)]
+    assert decode(wire, f.FRAME_HEAD_SIZE, len(wire)) == fields(event)
+
+
+@pytest.mark.parametrize(
+    "decode, wire, message",
+    [
+        (f.set_fields, frame(13, "01", U32_1, "ff000000", "6b6b6b6b"), "needs 255 bytes"),
+        (f.set_fields, frame(7, "01", U32_1, "0000"), "needs 4 bytes"),
+        (f.get_fields, frame(9, "02", U32_1, "00000000"), "Get frame: 4 bytes cannot hold timeout_ms"),
+        (f.add_fields, frame(12, "03", U32_1, "00000000000000"), "Add frame: 7 bytes cannot hold amount"),
+    ],
+)
+def test_field_decoders_refuse_short_fields_like_the_parse(decode, wire, message):
+    with pytest.raises(f.ProtocolError, match=message):
+        decode(wire, f.FRAME_HEAD_SIZE, len(wire))
+    with pytest.raises(f.ProtocolError, match=message):
+        _server().receive_events(wire)

@@ -707,3 +707,47 @@ def test_a_store_finalized_while_another_master_starts_does_not_deadlock(monkeyp
     monkeypatch.setattr(TCPStoreServer, "start", start)
     shared.release(made[0])
     assert shared._servers == {}
+
+
+def test_a_batch_mixing_fast_lane_and_other_requests_is_answered_in_order():
+    """One read holding set/get/add (handled from their bytes) among other requests, a parked get the
+    batch itself completes, an add() error and a trailing half frame: every answer, in order."""
+    server = TCPStoreServer("127.0.0.1", 0, local_socket=False)  # loop not started: handle() drives it
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    theirs.settimeout(10)
+    try:
+        peer = server.adopt(ours, "test")
+        server.handle(peer, c.ClientConnection.send(h.Hello(h.VERSION)))
+        assert _hello_reply(theirs).status == h.HELLO_STATUS_OK
+        batch = [
+            f.Get(1, b"later", 60_000),  # parks; the set below answers it within this batch
+            f.Set(2, b"k", b"v"),
+            f.Add(3, b"n", 5),
+            f.Get(4, b"k", 1000),
+            f.NumKeys(5),
+            f.Set(6, b"later", b"x"),
+            f.Add(7, b"k", 1),  # "v" is not an integer
+            f.Get(8, b"missing", 0),
+            f.Add(9, b"n", -2),
+        ]
+        wire = b"".join(f.encode(event) for event in batch)
+        tail = f.encode(f.Add(10, b"n", 10))
+        server.handle(peer, wire + tail[:9])
+        server.handle(peer, tail[9:])
+        client = c.ClientConnection()
+        client.phase = h.OPEN
+        answers = []
+        while len(answers) < 8:
+            answers += client.receive_events(theirs.recv(4096))
+        assert [(type(a).__name__, a.request_id) for a in answers] == [
+            ("Integer", 3), ("Value", 4), ("Integer", 5), ("Value", 1), ("Error", 7), ("TimedOut", 8),
+            ("Integer", 9), ("Integer", 10),
+        ]
+        assert answers[0].value == 5 and answers[1].value == b"v" and answers[2].value == 2
+        assert answers[3].value == b"x" and answers[4].code == f.ERROR_NOT_AN_INTEGER
+        assert answers[5].missing_keys == [b"missing"] and answers[6].value == 3 and answers[7].value == 13
+        assert server.table.values == {b"k": b"v", b"n": b"13", b"later": b"x"}
+    finally:
+        server.stop()
+        theirs.close()

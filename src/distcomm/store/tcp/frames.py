@@ -526,6 +526,34 @@ def encode_add(request_id: int, key: bytes, amount: int) -> bytes:
     return _ADD_HEAD.pack(13 + len(key), Add.OPCODE, request_id, amount) + key
 
 
+# ... the fields of the server's hottest requests, decoded without building an event (the server's
+# fast lane, handlers.FAST_HANDLERS; same checks as the events' parse, tested against it)
+
+
+def set_fields(data, start: int, end: int) -> tuple[bytes, bytes]:
+    """(key, value) of a Set frame's fields ``data[start:end]``."""
+    if end - start >= 4:
+        key_end = start + 4 + _U32.unpack_from(data, start)[0]
+        if key_end <= end:
+            return data[start + 4 : key_end], data[key_end:end]
+    Set.parse(data, start, end, 0)  # raises the precise ProtocolError
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def get_fields(data, start: int, end: int) -> tuple[bytes, int]:
+    """(key, timeout_ms) of a Get frame's fields."""
+    if end - start < 8:
+        raise ProtocolError(f"Get frame: {end - start} bytes cannot hold timeout_ms")
+    return data[start + 8 : end], _U64.unpack_from(data, start)[0]
+
+
+def add_fields(data, start: int, end: int) -> tuple[bytes, int]:
+    """(key, amount) of an Add frame's fields."""
+    if end - start < 8:
+        raise ProtocolError(f"Add frame: {end - start} bytes cannot hold amount")
+    return data[start + 8 : end], _I64.unpack_from(data, start)[0]
+
+
 # ... and for the server's hottest responses.
 
 _INTEGER_FRAME = struct.Struct("<QBIq")

@@ -57,11 +57,14 @@ from .frames import (
     TimedOut,
     Values,
     Wait,
+    add_fields,
     encode,
     encode_bool,
     encode_integer,
     encode_ok,
     encode_value,
+    get_fields,
+    set_fields,
 )
 from .handshake import (
     HELLO_STATUS_AUTH_FAILED,
@@ -266,6 +269,47 @@ HANDLERS = {
     QueuePop: on_queue_pop,
     QueueLen: on_queue_len,
     Barrier: on_barrier,
+}
+
+
+# -- the fast lane: the hottest requests straight from the frame's bytes -------------------------------
+#
+# The server's loop gives a frame whose opcode is here to its function with the frame's bytes:
+# ``FAST_HANDLERS[opcode](server, peer, data, start, end, request_id)`` (``data[start:end]`` are
+# its fields), without building an event first. Same answers as the handlers above, which these
+# fall back to for anything but the common case (a missing key to park on, an add() error).
+
+
+def set_from_bytes(server, peer, data, start, end, request_id):
+    key, value = set_fields(data, start, end)
+    server.table.values[key] = value
+    if server.parking.waiting:
+        _written(server, key)
+
+
+def get_from_bytes(server, peer, data, start, end, request_id):
+    key, timeout_ms = get_fields(data, start, end)
+    value = server.table.values.get(key)
+    if value is not None:
+        return encode_value(request_id, value)
+    return on_get(server, peer, Get(request_id, key, timeout_ms))
+
+
+def add_from_bytes(server, peer, data, start, end, request_id):
+    key, amount = add_fields(data, start, end)
+    try:
+        total = server.table.add(key, amount)
+    except ValueError as exc:
+        return encode(Error(request_id, ERROR_NOT_AN_INTEGER, str(exc).encode("utf-8")))
+    if server.parking.waiting:
+        _written(server, key)
+    return encode_integer(request_id, total)
+
+
+FAST_HANDLERS = {
+    Set.OPCODE: set_from_bytes,
+    Get.OPCODE: get_from_bytes,
+    Add.OPCODE: add_from_bytes,
 }
 
 
