@@ -171,9 +171,9 @@ def build(pg, collectives) -> FastPath:
             return False
         mtype, mop, dtype, dtype_name, sig = entry
         seq = next_seq()
-        # call site depth 3: this function's caller (the API function) and up
-        record = None if fr.recorder is None else fr.recorder.record(group, seq, "all_reduce", nbytes, dtype_name,
-                                                                     None, STARTED, None, 3)
+        # the user's frame is above started, this function and its caller (FastPath's: the API
+        # function, or torch's c10d adapter, whose caller is torch's and the walk goes on)
+        record = None if fr.recorder is None else fr.recorder.started(group, seq, "all_reduce", nbytes, dtype_name, None, 3)
         req = None
         try:
             req = comm.Iallreduce(IN_PLACE, [flat, mtype], mop)
@@ -193,8 +193,7 @@ def build(pg, collectives) -> FastPath:
         if not claim():
             return False
         seq = next_seq()
-        record = None if fr.recorder is None else fr.recorder.record(group, seq, "barrier", 0, None, None, STARTED,
-                                                                     None, 3)
+        record = None if fr.recorder is None else fr.recorder.started(group, seq, "barrier", 0, None, None, 3)
         req = None
         try:
             req = comm.Ibarrier()
@@ -225,9 +224,10 @@ def build(pg, collectives) -> FastPath:
         general path describes), for a rooted call the general path's root check, then
         ``start()`` (the MPI call) tested to the deadline."""
         seq = next_seq()
-        # call site depth 3: run's caller and up (the walk skips distcomm's own frames)
-        record = None if fr.recorder is None else fr.recorder.record(
-            group, seq, op, described.flat.nbytes, described.dtype.name, root, STARTED, None, 3)
+        # the user's frame is above started, run, the path and ProcessGroup._fast (then ProcessGroup's
+        # method, distcomm's own, and whoever called it: the walk goes on from there)
+        record = None if fr.recorder is None else fr.recorder.started(
+            group, seq, op, described.flat.nbytes, described.dtype.name, root, 4)
         req = None
         try:
             if root is not None:

@@ -239,9 +239,9 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
             return False
         sig, reduce_all, dtype = entry
         seq = next_seq()
-        # call site depth 3: this function's caller (the API function) and up
-        record = None if fr.recorder is None else fr.recorder.record(group, seq, "all_reduce", n, dtype.name, None,
-                                                                     STARTED, None, 3)
+        # the user's frame is above started, this function and its caller (FastPath's: the API
+        # function, or torch's c10d adapter, whose caller is torch's and the walk goes on)
+        record = None if fr.recorder is None else fr.recorder.started(group, seq, "all_reduce", n, dtype.name, None, 3)
         try:
             observe.current is None or observe.current("latency_all_reduce")  # one check when unobserved
             all_reduce_round(ctx, seq, sig, all_reduce_channel, flat, reduce_all)
@@ -259,8 +259,7 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
         if ctx.broken is not None or profiling() is not None or not enter():
             return False
         seq = next_seq()
-        record = None if fr.recorder is None else fr.recorder.record(group, seq, "barrier", 0, None, None, STARTED,
-                                                                     None, 3)
+        record = None if fr.recorder is None else fr.recorder.started(group, seq, "barrier", 0, None, None, 3)
         try:
             observe.current is None or observe.current("latency_barrier")
             # barrier_slots.one_round's three steps, without its frame: a barrier is nothing else
@@ -314,9 +313,10 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
         check (``root_check.exchange``, as on the general path)."""
         seq = next_seq()
         channel = channels[op]
-        # call site depth 3: run's caller and up (the walk skips distcomm's own frames)
-        record = None if fr.recorder is None else fr.recorder.record(group, seq, op, buf.flat.nbytes, buf.dtype.name,
-                                                                     root, STARTED, None, 3)
+        # the user's frame is above started, run, the path (or its helper) and the path or
+        # ProcessGroup._fast: the walk goes on from the frame after them
+        record = None if fr.recorder is None else fr.recorder.started(group, seq, op, buf.flat.nbytes,
+                                                                      buf.dtype.name, root, 4)
         try:
             observe.current is None or observe.current("latency_" + op)
             ran = one_round(ctx, seq, sig, channel, *args)
