@@ -121,7 +121,9 @@ class FlightRecorder:
             raise ValueError(f"flight recorder capacity must be positive, got {capacity}")
         self.capacity = capacity
         self._slots: list = [None] * capacity
-        self._ids = itertools.count()  # ids of records; a record's slot is id % capacity
+        # ids of records (a record's slot is id % capacity): itertools.count's own method, one C
+        # call, atomic under the GIL, unlike a += on an attribute
+        self._next_id = itertools.count().__next__
         self.rank: int | None = None  # the global rank, once a group says it
         self.world_size: int | None = None
         self.groups: dict[str, dict] = {}  # name -> {"id", "ranks", "timeout"}
@@ -142,7 +144,7 @@ class FlightRecorder:
             site = _outside(_getframe(depth - 1))
         except ValueError:
             site = None
-        i = next(self._ids)  # itertools.count: atomic under the GIL, unlike a += on an attribute
+        i = self._next_id()
         entry = [i, group, seq, op, nbytes, dtype, peer, site, _now(), None, state, None, tag]
         self._slots[i % self.capacity] = entry
         return entry
@@ -166,7 +168,7 @@ class FlightRecorder:
                 site = (code, frame.f_lasti)
             else:  # distcomm's, or a file not seen yet
                 site = _outside(frame)
-        i = next(self._ids)
+        i = self._next_id()
         entry = [i, group, seq, op, nbytes, dtype, peer, site, _now(), None, STARTED, None, None]
         self._slots[i % self.capacity] = entry
         return entry

@@ -8,7 +8,7 @@ through the general path meets it: MPI matches nonblocking collectives only with
 tested to the group's deadline. They are:
 
 * all_reduce (on the tensor, before any Buffer is made): ``Iallreduce`` in place; it takes only a
-  C-contiguous writeable numpy array or a contiguous CPU torch tensor (not bfloat16);
+  C-contiguous, aligned, writeable numpy array or a contiguous CPU torch tensor (not bfloat16);
 * barrier: ``Ibarrier``;
 * on the ProcessGroup method's Buffers: all_gather_into_tensor: ``Iallgather`` in place, this
   rank's block copied in first;
@@ -43,7 +43,7 @@ from ... import flight_recorder as fr
 from ...buffers import tensor_memory
 from ...dtypes import from_numpy
 from ...errors import DistBackendError
-from ...profiling import profiling
+from ...profiling import profiler_check
 from ...reduction import check_supported, finish
 from ...signatures import signature
 from ...transport.base import TransportError
@@ -83,6 +83,7 @@ def build(pg, collectives) -> FastPath:
     IN_PLACE, BYTE = MPI.IN_PLACE, MPI.BYTE
     AVG = RedOpType.AVG
     mpi_exception = MPI.Exception
+    profiler_on = profiler_check()
     # for the flight recorder: its fields and states, and the clock, bound once
     group, STARTED, COMPLETED, STATE, T_COMPLETED, now = (pg.group_name, fr.STARTED, fr.COMPLETED, fr.STATE,
                                                           fr.T_COMPLETED, time.time)
@@ -121,7 +122,7 @@ def build(pg, collectives) -> FastPath:
 
     def claim() -> bool:
         """The group is ours for this call (then ``leave()`` must follow), or the general path's."""
-        return collectives.broken is None and profiling() is None and enter()
+        return collectives.broken is None and not profiler_on() and enter()
 
     def wait(req) -> None:
         if not req.Test():  # the deadline is computed only for a call that has to wait
@@ -148,8 +149,7 @@ def build(pg, collectives) -> FastPath:
     # -- on the tensor, before any Buffer is made ------------------------------------------------
     def small_all_reduce(tensor, op) -> bool:
         if tensor.__class__ is _ndarray:
-            flags = tensor.flags
-            if not (flags.c_contiguous and flags.writeable):
+            if not tensor.flags.carray:  # C-contiguous, aligned and writeable: one attribute
                 return False
             flat = tensor if tensor.ndim == 1 else tensor.reshape(-1)
         elif "torch" in sys.modules and isinstance(tensor, sys.modules["torch"].Tensor):
@@ -167,7 +167,7 @@ def build(pg, collectives) -> FastPath:
         # claim(), inlined (this is the path whose every call is counted); no profiler can be on
         # while torch is not loaded
         if entry is None or collectives.broken is not None or (
-                "torch" in _modules and profiling() is not None) or not enter():
+                "torch" in _modules and profiler_on()) or not enter():
             return False
         mtype, mop, dtype, dtype_name, sig = entry
         seq = next_seq()
