@@ -42,7 +42,8 @@ def test_record_names_the_callers_line_outside_distcomm():
     rec = fr.FlightRecorder(4)
     entry = rec.record("g", 1, "barrier", 0, None, None)  # SITE-HERE
     assert fr.resolve_site(entry[fr.SITE]) == (__file__, _line_of("# SITE-HERE"))
-    assert fr.to_dict(entry)["site"] == {"file": __file__, "line": _line_of("# SITE-HERE")}
+    assert fr.to_dict(entry)["site"] == {"file": __file__, "line": _line_of("# SITE-HERE"),
+                                         "function": "test_record_names_the_callers_line_outside_distcomm"}
     assert fr.format_site(fr.resolve_site(entry[fr.SITE])) == f"test_flight_recorder.py:{_line_of('# SITE-HERE')}"
 
 
@@ -280,3 +281,59 @@ def _shapes_off(rank, world_size):
 @pytest.mark.slow
 def test_shapes_are_not_checked_without_detail():
     assert run_world(_shapes_off, 2, timeout=60, env={"TORCH_DISTRIBUTED_DEBUG": "OFF"}) == [40.0, 40.0]
+
+
+# -- the latency paths' records: the user's line, found without a walk ------------------------------
+def _latency_calls(rank, world_size):
+    import torch
+
+    import distcomm as dist
+    from distcomm.backends.shm import observe
+
+    dist.init_process_group("shm", timeout=timedelta(seconds=20))
+    dist.all_reduce(np.ones(1))  # the group's shared memory is set up on its first collective
+    taken: list[str] = []
+    observe.set_observer(lambda name: taken.append(name) if name.startswith("latency_") else None)
+    x, t = np.ones(2, dtype=np.float32), torch.ones(2)
+    outs = [np.zeros(2, dtype=np.float32) for _ in range(world_size)]
+    big = np.zeros(2 * world_size, dtype=np.float32)
+    before = fr.recorder.recorded()
+    dist.all_reduce(x)  # LAT-ALL_REDUCE
+    dist.all_reduce(t)  # LAT-ALL_REDUCE_TORCH
+    dist.barrier()  # LAT-BARRIER
+    dist.broadcast(x, src=0)  # LAT-BROADCAST
+    dist.reduce(x, dst=1)  # LAT-REDUCE
+    dist.all_gather(outs, x)  # LAT-ALL_GATHER
+    dist.all_gather_into_tensor(big, x)  # LAT-ALL_GATHER_INTO_TENSOR
+    dist.gather(x, outs if rank == 0 else None, dst=0)  # LAT-GATHER
+    dist.scatter(x, outs if rank == 0 else None, src=0)  # LAT-SCATTER
+    dist.reduce_scatter(x, outs)  # LAT-REDUCE_SCATTER
+    dist.reduce_scatter_tensor(x, big)  # LAT-REDUCE_SCATTER_TENSOR
+    dist.all_to_all(outs, [o.copy() for o in outs])  # LAT-ALL_TO_ALL
+    dist.all_to_all_single(big, big.copy())  # LAT-ALL_TO_ALL_SINGLE
+    dist.broadcast_object_list([1, 2], src=0)  # LAT-OBJECTS
+    observe.set_observer(None)
+    # read after every call returned: the records hold code objects and offsets, not frames
+    records = [fr.to_dict(e) for e in fr.recorder.entries()][before:]
+    dist.destroy_process_group()
+    return taken, [(r["op"], r["site"]) for r in records]
+
+
+@pytest.mark.slow
+def test_latency_paths_record_the_users_line_and_function():
+    ops = ("ALL_REDUCE", "ALL_REDUCE_TORCH", "BARRIER", "BROADCAST", "REDUCE", "ALL_GATHER",
+           "ALL_GATHER_INTO_TENSOR", "GATHER", "SCATTER", "REDUCE_SCATTER", "REDUCE_SCATTER_TENSOR", "ALL_TO_ALL",
+           "ALL_TO_ALL_SINGLE")
+    for taken, records in run_world(_latency_calls, 2, timeout=90):
+        # every call took its latency path (the observer counts them; the object collective's
+        # broadcasts too)
+        assert taken[:len(ops)] == ["latency_" + op.lower().replace("_torch", "") for op in ops]
+        assert taken[len(ops):] and set(taken[len(ops):]) == {"latency_broadcast"}
+        sites = [site for _, site in records]
+        want = {"file": __file__, "function": "_latency_calls"}
+        assert [op for op, _ in records[:len(ops)]] == [op.lower().replace("_torch", "") for op in ops]
+        assert sites[:len(ops)] == [dict(want, line=_line_of(f"# LAT-{op}")) for op in ops]
+        # broadcast_object_list calls ProcessGroup.broadcast from distcomm's own code: the walk goes
+        # up past it to the user's line
+        assert len(records) > len(ops)
+        assert all(site == dict(want, line=_line_of("# LAT-OBJECTS")) for site in sites[len(ops):])

@@ -149,6 +149,7 @@ def test_latency_paths(ws):
                     ("reduce_scatter_tensor", 7, "completed", 8 * n), ("barrier", 8, "completed", 0),
                     ("broadcast", 9, "completed", 24)]
         assert got("records") == str(expected)
+        assert got("public_sites") == "ok"
         # rank 0 on the latency path, the others on the general one: the same MPI calls
         assert got("mixed_all_reduce") == f"True {[float(n * (n - 1) // 2)] * 2}"
         assert got("mixed_all_gather") == f"True {[q + 5 for q in range(n)]}"

@@ -26,45 +26,49 @@ class _Task:
 
 
 class OrderedExecutor:
-    """Runs a group's operations one at a time in issue order; see the module docstring."""
+    """Runs a group's operations one at a time in issue order; see the module docstring.
+
+    Who runs the group's current operation holds ``_running``, a lock taken without waiting by an
+    inline call (``enter_inline``) and waited for by the worker thread before it takes a task: two
+    threads of one process never both run an operation of one group. The claim of an inline call is
+    then one non-blocking acquire and its release one release (both single C calls, atomic under
+    the GIL), where a condition-guarded flag costs a lock round trip on each side.
+    """
 
     def __init__(self, name: str):
         self.name = name
         self._queue: collections.deque[_Task] = collections.deque()
-        # A plain lock (not the default RLock): the inline path takes it twice per call. Only the
-        # worker thread ever waits on the condition, so it is notified only once it exists.
-        self._lock = threading.Lock()
-        self._cv = threading.Condition(self._lock)
-        self._busy = False  # a task (queued or inline) is running
+        self._running = threading.Lock()
+        # Guards the queue, the worker's start and ``_closed``; only the worker waits on it.
+        self._cv = threading.Condition(threading.Lock())
         self._thread: threading.Thread | None = None
         self._closed = False
+        # The release of an inline call's claim: the lock's own method, no Python frame. The worker
+        # needs no wake-up: it waits on the lock itself.
+        self.leave_inline = self._running.release
 
     def enter_inline(self) -> bool:
         """Claim the group for a synchronous call the caller runs itself: True when nothing is
         running or queued and the group is open (then ``leave_inline()`` must follow), else False."""
-        with self._lock:  # the lock itself, not the condition: a C-level context manager
-            if self._busy or self._queue or self._closed:
-                return False
-            self._busy = True
-            return True
+        queue = self._queue
+        if queue or self._closed or not self._running.acquire(False):
+            return False
+        if queue:  # queued between the test and the claim: the queued task was issued first
+            self._running.release()
+            return False
+        return True
 
     def idle(self) -> bool:
         """Nothing running or queued: a snapshot, for callers choosing between running a call
         inline and queueing it (torch's C++ callers issue every call async; see torch_backend)."""
-        return not (self._busy or self._queue)
-
-    def leave_inline(self) -> None:
-        with self._lock:
-            self._busy = False
-            if self._thread is not None:
-                self._cv.notify_all()
+        return not (self._queue or self._running.locked())
 
     def run(self, op: str, fn: Callable[[], Any], async_op: bool, result: Any = None) -> Work | None:
         if not async_op and self.enter_inline():
             try:
                 fn()
             finally:
-                self.leave_inline()
+                self._running.release()
             return None
         work = Work(op, result)
         with self._cv:
@@ -92,20 +96,22 @@ class OrderedExecutor:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._queue or (self._busy and not self._closed):
-                    if self._closed and not self._queue:
+                while not self._queue:
+                    if self._closed:
                         return
                     self._cv.wait()
+            # The claim first, then the task: a task stays queued (so inline calls decline) until
+            # its turn. Only this thread removes tasks, so the queue is still not empty here.
+            self._running.acquire()
+            with self._cv:
                 task = self._queue.popleft()
-                self._busy = True
             exc = None
             try:
                 task.run()
             except BaseException as e:  # noqa: BLE001 - delivered through the Work
                 exc = e
-            with self._cv:
-                self._busy = False
-                self._cv.notify_all()
+            finally:
+                self._running.release()
             task.work._finish(exc)
 
     def close(self) -> None:

@@ -5,14 +5,18 @@ One record per collective or point-to-point operation, made where its sequence n
 ``ProcessGroup.run`` (every collective of the general path), ``ProcessGroup.send``/``recv``, and
 the shared-memory engine's latency path (``backends/shm/latency.py``, which takes its own sequence
 numbers). A record holds the operation, its group, sequence number, byte count, dtype, peer or root
-(group rank), the call site (file and line of the first frame outside distcomm and torch.distributed)
+(group rank), the call site (file, line and function of the first frame outside distcomm and
+torch.distributed)
 and its times and state: "scheduled" when issued, "started" when its body runs, then "completed" or
 "failed".
 
 Cheap by construction: a record is one small list written into a preallocated ring (no lock: a
-slot is replaced whole; a dump copies the ring), the call site costs a walk of a few frames with one
-dict lookup each (which code objects are distcomm's is learnt once per code object), and nothing is
-formatted until a dump. Measurements are in docs/performance-notes.md.
+slot is replaced whole; a dump copies the ring), the call site is kept as the frame's code object and
+instruction offset (file, line and function are looked up from them only when read), found by a
+walk of a few frames with one dict lookup each (which files are distcomm's is learnt once per
+file), or by one lookup where the caller knows how many frames above it are distcomm's (``started``,
+the latency paths' record), and nothing is formatted until a dump. Measurements are in
+docs/performance-notes.md.
 
 Settings, read once when distcomm is imported:
 
@@ -57,13 +61,18 @@ _getframe = sys._getframe
 
 def call_site(depth: int = 2):
     """Where the first frame outside distcomm is, starting ``depth`` frames up: its code object and
-    instruction offset, turned into (file, line) only when read (``resolve_site``). A frame's line
-    number costs a scan of its code's line table, over a microsecond for a loop deep in a long
-    module; the offset costs nothing, and a code object holds no locals alive."""
+    instruction offset, turned into (file, line, function) only when read (``resolve_site``). A
+    frame's line number costs a scan of its code's line table, over a microsecond for a loop deep
+    in a long module; the offset costs nothing, and a code object holds no locals alive."""
     try:
         frame = _getframe(depth)
     except ValueError:
         return None
+    return _outside(frame)
+
+
+def _outside(frame):
+    """``call_site`` from ``frame`` up."""
     internal = _internal
     while frame is not None:
         code = frame.f_code
@@ -79,7 +88,7 @@ def call_site(depth: int = 2):
 
 
 def resolve_site(site) -> tuple[str, int] | None:
-    """(file, line) of a ``call_site`` result."""
+    """(file, line) of a ``call_site`` result (``site_function`` names its function)."""
     if site is None:
         return None
     code, offset = site
@@ -89,6 +98,11 @@ def resolve_site(site) -> tuple[str, int] | None:
             line = number if number is not None else line
             break
     return (code.co_filename, line)
+
+
+def site_function(site) -> str | None:
+    """The qualified name of the function of a ``call_site`` result ("<module>" at top level)."""
+    return None if site is None else site[0].co_qualname
 
 
 def format_site(site) -> str:
@@ -107,7 +121,9 @@ class FlightRecorder:
             raise ValueError(f"flight recorder capacity must be positive, got {capacity}")
         self.capacity = capacity
         self._slots: list = [None] * capacity
-        self._ids = itertools.count()  # ids of records; a record's slot is id % capacity
+        # ids of records (a record's slot is id % capacity): itertools.count's own method, one C
+        # call, atomic under the GIL, unlike a += on an attribute
+        self._next_id = itertools.count().__next__
         self.rank: int | None = None  # the global rank, once a group says it
         self.world_size: int | None = None
         self.groups: dict[str, dict] = {}  # name -> {"id", "ranks", "timeout"}
@@ -124,25 +140,36 @@ class FlightRecorder:
         the collective's sequence number in its group; a send or receive has none, but a ``tag``.
         ``depth``: the first frame that may be the user's, as ``call_site`` counts (1: this
         method, 2: its caller); a caller that knows its own callers are distcomm's skips them."""
-        # call_site, inlined: this is the hot path (a function call is a tenth of its cost)
-        site = None
         try:
-            frame = _getframe(depth - 1)
+            site = _outside(_getframe(depth - 1))
         except ValueError:
-            frame = None
-        internal = _internal
-        while frame is not None:
-            code = frame.f_code
-            name = code.co_filename
-            inside = internal.get(name)
-            if inside is None:
-                inside = internal[name] = name.startswith(_SKIPPED[0]) or _SKIPPED[1] in name
-            if not inside:
-                site = (code, frame.f_lasti)
-                break
-            frame = frame.f_back
-        i = next(self._ids)  # itertools.count: atomic under the GIL, unlike a += on an attribute
+            site = None
+        i = self._next_id()
         entry = [i, group, seq, op, nbytes, dtype, peer, site, _now(), None, state, None, tag]
+        self._slots[i % self.capacity] = entry
+        return entry
+
+    def started(self, group: str, seq: int, op: str, nbytes: int | None, dtype: str | None,
+                peer: int | None, skip: int) -> list:
+        """``record`` of a collective already running ("started"), for the latency paths, whose
+        every microsecond counts: the caller knows the ``skip`` frames from here up are distcomm's
+        (1: this method, 2: its caller, ...), so the search for the user's frame starts above them
+        with no frame between looked at. A latency path called by the API function
+        (``_api.all_reduce`` -> ``FastPath.all_reduce``) passes 3: the frame there is the user's,
+        and one dictionary lookup says so; a distcomm caller there (DDP, torch's c10d) costs the
+        walk up from it, as ``record`` does."""
+        try:
+            frame = _getframe(skip)
+        except ValueError:  # a thread whose first frame is distcomm's: no user frame
+            site = None
+        else:
+            code = frame.f_code
+            if _internal.get(code.co_filename) is False:
+                site = (code, frame.f_lasti)
+            else:  # distcomm's, or a file not seen yet
+                site = _outside(frame)
+        i = self._next_id()
+        entry = [i, group, seq, op, nbytes, dtype, peer, site, _now(), None, STARTED, None, None]
         self._slots[i % self.capacity] = entry
         return entry
 
@@ -221,8 +248,9 @@ def fail(entry: list, exc: BaseException) -> None:
 
 def to_dict(entry: list) -> dict:
     d = dict(zip(FIELDS, entry))
-    site = resolve_site(d["site"])
-    d["site"] = None if site is None else {"file": site[0], "line": site[1]}
+    code_site = d["site"]
+    site = resolve_site(code_site)
+    d["site"] = None if site is None else {"file": site[0], "line": site[1], "function": site_function(code_site)}
     return d
 
 

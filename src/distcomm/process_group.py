@@ -19,6 +19,7 @@ exchanging each other's bytes.
 
 from __future__ import annotations
 
+import itertools
 import time
 from datetime import timedelta
 from typing import Any, Callable, Sequence
@@ -90,7 +91,10 @@ class ProcessGroup:
         self._global_of = dict(zip(self.spec.ranks, self.ranks))  # engine rank -> global rank
         self.transport = engine.transport
         self.collectives = engine.collectives(self.spec)
-        self.seq = 0
+        # The group's sequence numbers: ``next_seq()`` takes the next one, a C call that two threads
+        # cannot interleave (a += on an attribute can hand them the same number).
+        self._seqs = itertools.count(1)
+        self.next_seq = self._seqs.__next__
         self.executor = OrderedExecutor(name)
         # The engine's fast path (FastPath): ``fast_all_reduce(tensor, op) -> bool`` and
         # ``fast_barrier() -> bool`` each do the whole call and return True, or return False having
@@ -132,10 +136,14 @@ class ProcessGroup:
         return f"<distcomm.ProcessGroup {self.group_name!r} ranks={self.ranks} backend={self.backend_name}>"
 
     # -- running operations -------------------------------------------------------------------
-    def next_seq(self) -> int:
-        """Take the group's next sequence number (in issue order: every member numbers alike)."""
-        self.seq += 1
-        return self.seq
+    # next_seq() -> int: take the group's next sequence number (in issue order: every member numbers
+    # alike); bound in __init__.
+
+    @property
+    def seq(self) -> int:
+        """The last sequence number taken (0 before the first call): the counter's next value, which
+        only its repr shows ("count(14)"), less one."""
+        return int(repr(self._seqs)[6:-1]) - 1
 
     def channel(self, op: str, seq: int, sig: int, timeout: timedelta | None = None) -> Channel:
         """The point-to-point view of collective number ``seq``, with its deadline starting now."""

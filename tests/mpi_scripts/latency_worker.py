@@ -12,7 +12,8 @@ the call computed. The calls are made:
 3. calls the path must decline (PREMUL_SUM, an output overlapping the input, too large);
 4. the flight recorder's records of the calls of 1: op, sequence number, completed;
 5. a path's call that times out (rank 1 joins 3 s late, past a 1.5 s timeout): the error names the
-   op, sequence number and rank, the record says failed, the group is broken.
+   op, sequence number and rank, the record says failed, the group is broken;
+6. (made before 5) the records of calls through the public API name the caller's line and function.
 """
 
 import os
@@ -115,6 +116,25 @@ dist.set_debug_level(dist.DebugLevel.DETAIL)
 declined.append(paths.broadcast(as_buffer(np.zeros(2)), 0))
 dist.set_debug_level(dist.DebugLevel.OFF)
 say(f"{rank} declined {declined}")
+
+# 6. calls through the public API: each record names the caller's line and function, found by the
+# latency path's one lookup (the groups are idle: every call takes its path; a barrier's record
+# says 0 bytes there, None on the general path)
+def public_calls():
+    with open(__file__) as f:
+        lines = f.read().splitlines()
+    line = {m: next(i for i, text in enumerate(lines, 1) if text.endswith(f"# SITE-{m}")) for m in ("AR", "BC", "BA")}
+    before = fr.recorder.recorded()
+    dist.all_reduce(np.ones(2, np.float32), group=g)  # SITE-AR
+    dist.broadcast(np.ones(2), src=0, group=g)  # SITE-BC
+    dist.barrier(group=g)  # SITE-BA
+    got = [(e["op"], e["nbytes"], e["site"]) for e in map(fr.to_dict, fr.recorder.entries()[before:])]
+    want = [(op, nbytes, {"file": __file__, "line": line[m], "function": "public_calls"})
+            for op, nbytes, m in (("all_reduce", 8, "AR"), ("broadcast", 16, "BC"), ("barrier", 0, "BA"))]
+    return "ok" if got == want else f"{got} != {want}"
+
+
+say(f"{rank} public_sites {public_calls()}")
 
 # 5. a latency-path call that times out inside MPI
 s = dist.new_group(list(range(size)), timeout=timedelta(seconds=1.5))

@@ -14,7 +14,7 @@ import warnings
 
 import numpy as np
 
-from .. import diagnostics, reduction
+from .. import diagnostics, reduction, world
 from ..buffers import SparseBuffer, is_buffer_like, is_sparse, is_tensor
 from ..types import RedOpType, normalize_op
 from . import args
@@ -49,9 +49,12 @@ def all_reduce(tensor, op=RedOpType.SUM, group=None, async_op: bool = False):
 
     ``op`` is a ReduceOp (SUM by default). Returns a Work when ``async_op``, else None.
     """
-    pg = args.resolve_group(group, "all_reduce")
+    # resolve_group's commonest case, folded in: the default group (this is the latency path's door)
+    pg = world.default_pg if group is None else None
     if pg is None:
-        return None
+        pg = args.resolve_group(group, "all_reduce")
+        if pg is None:
+            return None
     if not async_op and not diagnostics.check_shapes and pg.fast_all_reduce(tensor, op):
         return None  # the engine's fast path did the whole call (it declines sparse tensors)
     if is_sparse(tensor):
@@ -313,9 +316,11 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
 def barrier(group=None, async_op: bool = False, device_ids=None, timeout: timedelta | None = None):
     """Block until every rank of the group has entered the barrier (within ``timeout``, default
     the group's)."""
-    pg = args.resolve_group(group, "barrier")
+    pg = world.default_pg if group is None else None  # resolve_group's commonest case, folded in
     if pg is None:
-        return None
+        pg = args.resolve_group(group, "barrier")
+        if pg is None:
+            return None
     if timeout is not None and not isinstance(timeout, timedelta):
         raise TypeError(f"barrier: timeout must be a datetime.timedelta, got {type(timeout).__name__}")
     if not async_op and timeout is None and pg.fast_barrier():  # (a barrier has no shape to check)

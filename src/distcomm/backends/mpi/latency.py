@@ -8,7 +8,7 @@ through the general path meets it: MPI matches nonblocking collectives only with
 tested to the group's deadline. They are:
 
 * all_reduce (on the tensor, before any Buffer is made): ``Iallreduce`` in place; it takes only a
-  C-contiguous writeable numpy array or a contiguous CPU torch tensor (not bfloat16);
+  C-contiguous, aligned, writeable numpy array or a contiguous CPU torch tensor (not bfloat16);
 * barrier: ``Ibarrier``;
 * on the ProcessGroup method's Buffers: all_gather_into_tensor: ``Iallgather`` in place, this
   rank's block copied in first;
@@ -43,7 +43,7 @@ from ... import flight_recorder as fr
 from ...buffers import tensor_memory
 from ...dtypes import from_numpy
 from ...errors import DistBackendError
-from ...profiling import profiling
+from ...profiling import profiler_check
 from ...reduction import check_supported, finish
 from ...signatures import signature
 from ...transport.base import TransportError
@@ -83,6 +83,7 @@ def build(pg, collectives) -> FastPath:
     IN_PLACE, BYTE = MPI.IN_PLACE, MPI.BYTE
     AVG = RedOpType.AVG
     mpi_exception = MPI.Exception
+    profiler_on = profiler_check()
     # for the flight recorder: its fields and states, and the clock, bound once
     group, STARTED, COMPLETED, STATE, T_COMPLETED, now = (pg.group_name, fr.STARTED, fr.COMPLETED, fr.STATE,
                                                           fr.T_COMPLETED, time.time)
@@ -121,7 +122,7 @@ def build(pg, collectives) -> FastPath:
 
     def claim() -> bool:
         """The group is ours for this call (then ``leave()`` must follow), or the general path's."""
-        return collectives.broken is None and profiling() is None and enter()
+        return collectives.broken is None and not profiler_on() and enter()
 
     def wait(req) -> None:
         if not req.Test():  # the deadline is computed only for a call that has to wait
@@ -148,8 +149,7 @@ def build(pg, collectives) -> FastPath:
     # -- on the tensor, before any Buffer is made ------------------------------------------------
     def small_all_reduce(tensor, op) -> bool:
         if tensor.__class__ is _ndarray:
-            flags = tensor.flags
-            if not (flags.c_contiguous and flags.writeable):
+            if not tensor.flags.carray:  # C-contiguous, aligned and writeable: one attribute
                 return False
             flat = tensor if tensor.ndim == 1 else tensor.reshape(-1)
         elif "torch" in sys.modules and isinstance(tensor, sys.modules["torch"].Tensor):
@@ -167,13 +167,13 @@ def build(pg, collectives) -> FastPath:
         # claim(), inlined (this is the path whose every call is counted); no profiler can be on
         # while torch is not loaded
         if entry is None or collectives.broken is not None or (
-                "torch" in _modules and profiling() is not None) or not enter():
+                "torch" in _modules and profiler_on()) or not enter():
             return False
         mtype, mop, dtype, dtype_name, sig = entry
         seq = next_seq()
-        # call site depth 3: this function's caller (the API function) and up
-        record = None if fr.recorder is None else fr.recorder.record(group, seq, "all_reduce", nbytes, dtype_name,
-                                                                     None, STARTED, None, 3)
+        # the user's frame is above started, this function and its caller (FastPath's: the API
+        # function, or torch's c10d adapter, whose caller is torch's and the walk goes on)
+        record = None if fr.recorder is None else fr.recorder.started(group, seq, "all_reduce", nbytes, dtype_name, None, 3)
         req = None
         try:
             req = comm.Iallreduce(IN_PLACE, [flat, mtype], mop)
@@ -193,8 +193,7 @@ def build(pg, collectives) -> FastPath:
         if not claim():
             return False
         seq = next_seq()
-        record = None if fr.recorder is None else fr.recorder.record(group, seq, "barrier", 0, None, None, STARTED,
-                                                                     None, 3)
+        record = None if fr.recorder is None else fr.recorder.started(group, seq, "barrier", 0, None, None, 3)
         req = None
         try:
             req = comm.Ibarrier()
@@ -225,9 +224,10 @@ def build(pg, collectives) -> FastPath:
         general path describes), for a rooted call the general path's root check, then
         ``start()`` (the MPI call) tested to the deadline."""
         seq = next_seq()
-        # call site depth 3: run's caller and up (the walk skips distcomm's own frames)
-        record = None if fr.recorder is None else fr.recorder.record(
-            group, seq, op, described.flat.nbytes, described.dtype.name, root, STARTED, None, 3)
+        # the user's frame is above started, run, the path and ProcessGroup._fast (then ProcessGroup's
+        # method, distcomm's own, and whoever called it: the walk goes on from there)
+        record = None if fr.recorder is None else fr.recorder.started(
+            group, seq, op, described.flat.nbytes, described.dtype.name, root, 4)
         req = None
         try:
             if root is not None:

@@ -32,7 +32,7 @@ without having done anything), which then runs it or raises its error:
 * a busy group (async work queued or running), a destroyed one, broken shared memory;
 * torch's profiler recording (the general path records the call);
 * a message past its limit; for reductions, an op other than a plain ReduceOp the dtype supports;
-* all_reduce only: anything but a C-contiguous writeable numpy array or a contiguous CPU torch
+* all_reduce only: anything but a C-contiguous, aligned, writeable numpy array or a contiguous CPU torch
   tensor (not bfloat16), an empty message;
 * all_to_all only: a split this rank does not agree with itself on, an element too large for a
   slot's piece, pieces whose addresses no single base can describe (separate tensors).
@@ -58,7 +58,7 @@ from ... import flight_recorder as fr
 from ...buffers import tensor_memory
 from ...dtypes import from_numpy
 from ...errors import DistBackendError
-from ...profiling import profiling
+from ...profiling import profiler_check
 from ...reduction import check_supported, finish, reducer, sequence_reducer
 from ...signatures import signature
 from ...transport.base import TransportError
@@ -168,6 +168,7 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
     transport's answer: ``pg.transport`` may be another, the hybrid engine's)."""
     executor = pg.executor
     enter, leave = executor.enter_inline, executor.leave_inline
+    profiler_on = profiler_check()
     next_seq = pg.next_seq
     size = ctx.size
     all_reduce_round = allreduce_direct.one_round
@@ -223,8 +224,7 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
     # -- the calls ------------------------------------------------------------------------------
     def small_all_reduce(tensor, op) -> bool:
         if tensor.__class__ is _ndarray:
-            flags = tensor.flags
-            if not (flags.c_contiguous and flags.writeable):
+            if not tensor.flags.carray:  # C-contiguous, aligned and writeable: one attribute
                 return False
             flat = tensor.reshape(-1)
         elif "torch" in sys.modules and isinstance(tensor, sys.modules["torch"].Tensor):
@@ -238,13 +238,13 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
             return False
         np_dtype = flat.dtype
         entry = plans.get((op, np_dtype)) or plan(op, np_dtype)
-        if entry is None or profiling() is not None or not enter():
+        if entry is None or profiler_on() or not enter():
             return False
         sig, reduce_all, dtype, code = entry
         seq = next_seq()
-        # call site depth 3: this function's caller (the API function) and up
-        record = None if fr.recorder is None else fr.recorder.record(group, seq, "all_reduce", n, dtype.name, None,
-                                                                     STARTED, None, 3)
+        # the user's frame is above started, this function and its caller (FastPath's: the API
+        # function, or torch's c10d adapter, whose caller is torch's and the walk goes on)
+        record = None if fr.recorder is None else fr.recorder.started(group, seq, "all_reduce", n, dtype.name, None, 3)
         try:
             observe.current is None or observe.current("latency_all_reduce")  # one check when unobserved
             if code is None:
@@ -262,11 +262,10 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
         return True
 
     def small_barrier() -> bool:
-        if ctx.broken is not None or profiling() is not None or not enter():
+        if ctx.broken is not None or profiler_on() or not enter():
             return False
         seq = next_seq()
-        record = None if fr.recorder is None else fr.recorder.record(group, seq, "barrier", 0, None, None, STARTED,
-                                                                     None, 3)
+        record = None if fr.recorder is None else fr.recorder.started(group, seq, "barrier", 0, None, None, 3)
         try:
             observe.current is None or observe.current("latency_barrier")
             # barrier_slots.one_round's three steps, without its frame: a barrier is nothing else
@@ -312,7 +311,7 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
 
     def claim() -> bool:
         """The group is ours for this call (then run() must follow), or the general path's."""
-        return ctx.broken is None and profiling() is None and enter()
+        return ctx.broken is None and not profiler_on() and enter()
 
     def run(op: str, sig: int, buf, root: int | None, one_round, *args) -> bool:
         """One claimed call on ``buf`` (the Buffer the flight recorder describes): its sequence
@@ -320,9 +319,10 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
         check (``root_check.exchange``, as on the general path)."""
         seq = next_seq()
         channel = channels[op]
-        # call site depth 3: run's caller and up (the walk skips distcomm's own frames)
-        record = None if fr.recorder is None else fr.recorder.record(group, seq, op, buf.flat.nbytes, buf.dtype.name,
-                                                                     root, STARTED, None, 3)
+        # the user's frame is above started, run, the path (or its helper) and the path or
+        # ProcessGroup._fast: the walk goes on from the frame after them
+        record = None if fr.recorder is None else fr.recorder.started(group, seq, op, buf.flat.nbytes,
+                                                                      buf.dtype.name, root, 4)
         try:
             observe.current is None or observe.current("latency_" + op)
             ran = one_round(ctx, seq, sig, channel, *args)
