@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any, Callable, Sequence
 
@@ -25,8 +26,8 @@ def scratch(count: int, dtype) -> np.ndarray:
     """``count`` uninitialised elements of ``dtype`` for one algorithm call's temporary data.
 
     The memory is this thread's and is reused by its next call of ``scratch``: an algorithm takes
-    at most one scratch array per call and drops it before returning (one thread runs one
-    collective at a time, so nothing else holds it meanwhile).
+    at most one scratch array per call, drops it before returning, and is decorated with
+    ``uses_scratch`` (one thread runs one collective at a time, so nothing else holds it meanwhile).
     """
     dtype = np.dtype(dtype)
     nbytes = count * dtype.itemsize
@@ -36,6 +37,22 @@ def scratch(count: int, dtype) -> np.ndarray:
     if kept is None or kept.nbytes < nbytes:
         kept = _kept.buf = np.empty(max(nbytes, 64 << 10), np.uint8)
     return kept[:nbytes].view(dtype)
+
+
+def uses_scratch(algorithm: Callable) -> Callable:
+    """Decorate an algorithm that takes ``scratch``: if it raises, this thread's kept scratch is
+    given up, because receives the failed call left posted (a timed-out peer's, say) may still
+    write into it; a later call then gets fresh memory instead."""
+
+    @functools.wraps(algorithm)
+    def run(*args, **kwargs):
+        try:
+            return algorithm(*args, **kwargs)
+        except BaseException:
+            _kept.buf = None
+            raise
+
+    return run
 
 
 def post_ready_token(ch: Channel, peer: int) -> Any:

@@ -25,13 +25,14 @@ import numpy as np
 
 from ..transport.base import Channel
 from .thresholds import THRESHOLDS
-from ._blocks import Fold, Reducer, even_counts, offsets, post_ready_token, scratch, send_when_ready
+from ._blocks import Fold, Reducer, even_counts, offsets, post_ready_token, scratch, uses_scratch, send_when_ready
 
 
 # exchanges this large wait for the peer's "receive posted" token first (_blocks.send_when_ready)
 READY_BYTES = THRESHOLDS["ready_exchange_bytes"]
 
 
+@uses_scratch
 def allreduce_halving_doubling(ch: Channel, buf: np.ndarray, reduce: Reducer) -> None:
     """Reduce ``buf`` across the group in place; every rank ends with the same result."""
     p, r = ch.size, ch.rank

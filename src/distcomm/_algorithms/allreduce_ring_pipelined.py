@@ -38,10 +38,11 @@ import numpy as np
 
 from ..errors import CollectiveMismatchError, describe_op
 from ..transport.base import Channel, wait_all
-from ._blocks import Reducer, even_counts, offsets
+from ._blocks import Reducer, even_counts, offsets, scratch, uses_scratch
 from .thresholds import THRESHOLDS
 
 
+@uses_scratch
 def allreduce_ring_pipelined(
     ch: Channel, buf: np.ndarray, reduce: Reducer, segment_bytes: int | None = None, window: int | None = None
 ) -> None:
@@ -87,7 +88,7 @@ def allreduce_ring_pipelined(
 
     slot_elems = min(seg, max(hi - lo for lo, hi in incoming[:n_rs]))
     nslots = min(window, n_rs)
-    scratch = np.empty(nslots * slot_elems, dtype=buf.dtype)
+    slots = scratch(nslots * slot_elems, buf.dtype)
 
     # The count first: ranks that disagree about it fail here, whatever their segments look like.
     count_out = np.array([buf.size], dtype=np.int64)
@@ -107,7 +108,7 @@ def allreduce_ring_pipelined(
             lo, hi = incoming[posted]
             if posted < n_rs:
                 k = (posted % nslots) * slot_elems
-                target = scratch[k : k + hi - lo]
+                target = slots[k : k + hi - lo]
             else:
                 target = buf[lo:hi]
             recvs[posted] = ch.irecv(left, target)
@@ -136,7 +137,7 @@ def allreduce_ring_pipelined(
         recvs[i] = None
         if i < n_rs:
             k = (i % nslots) * slot_elems
-            reduce(buf[lo:hi], scratch[k : k + hi - lo])
+            reduce(buf[lo:hi], slots[k : k + hi - lo])
         done = i + 1
         pump()
     wait_all(sends)
