@@ -74,10 +74,16 @@ def send_when_ready(ch: Channel, peer: int, token_in: Any, data: np.ndarray) -> 
     started the call first). A zero-byte message each way costs one round trip, less than that
     copy from a few hundred KiB up.
     """
-    token_out = ch.isend(peer, _EMPTY)
+    say_ready(ch, peer, token_in)
+    return ch.isend(peer, data)
+
+
+def say_ready(ch: Channel, to: int, token_in: Any) -> None:
+    """Send our "receives posted" token to ``to`` and wait for the one ``token_in`` receives
+    (posted with ``post_ready_token``; in a ring it comes from the other neighbour)."""
+    token_out = ch.isend(to, _EMPTY)
     token_in.wait()
     token_out.wait()
-    return ch.isend(peer, data)
 
 
 _EMPTY = np.empty(0, np.uint8)
