@@ -58,6 +58,7 @@ def pipelined_small_segments(ch, buf, reduce):
     return allreduce_ring_pipelined(ch, buf, reduce, segment_bytes=256 << 10, window=4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm, nbytes", [
     (select.choose("allreduce", 0, 2, algo="halving_doubling"), 4 * MiB),
     (pipelined_small_segments, 3 * MiB),
@@ -84,6 +85,51 @@ def test_late_rank_gets_no_large_message_unexpected(algorithm, nbytes):
         expected = rank_input(0, count) + rank_input(1, count)
         assert mine.tobytes() == expected.tobytes()
         assert early_box[0][1].tobytes() == expected.tobytes()
+
+
+def _bcast(ch, rank, count):
+    buf = rank_input(0, count) if rank == 0 else np.zeros(count, np.float32)
+    select.choose("broadcast", 0, 2, algo="binomial")(ch, buf, 0)
+    return buf
+
+
+def _allgather(ch, rank, count):
+    out = np.zeros(2 * count, np.float32)
+    out[rank * count:(rank + 1) * count] = rank_input(rank, count)
+    select.choose("allgather", 0, 2, algo="ring")(ch, out, count)
+    return out
+
+
+def _reduce_scatter(ch, rank, count):
+    out = np.zeros(count, np.float32)
+    select.choose("reduce_scatter", 0, 2, algo="ring")(ch, rank_input(rank, 2 * count), out, [count, count], SUM)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("call, want", [
+    (_bcast, lambda rank, count: rank_input(0, count)),
+    (_allgather, lambda rank, count: np.concatenate([rank_input(0, count), rank_input(1, count)])),
+    (_reduce_scatter, lambda rank, count: (rank_input(0, 2 * count) + rank_input(1, 2 * count))[rank * count:(rank + 1) * count]),
+], ids=["broadcast_binomial", "allgather_ring", "reduce_scatter_ring"])
+@pytest.mark.parametrize("late", [0, 1])
+def test_late_rank_gets_no_large_message_unexpected_other_ops(call, want, late):
+    count = MiB // 4  # 1 MiB per rank's message: above ready_exchange_bytes
+    early_rank = 1 - late
+    with local_world(2) as transports:
+        early, box = run_in_thread(lambda: call(channel(transports[early_rank], early_rank), early_rank, count))
+        late_t = transports[late]
+        deadline = time.monotonic() + 5  # its token, at least, comes at once
+        while not late_t.matcher.has_unexpected() and early.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        time.sleep(0.3)  # a large message that would follow has time to arrive
+        sizes = sorted(m.nbytes for m in late_t.matcher.unexpected())
+        assert all(n <= 8 for n in sizes), f"rank {early_rank} sent data before rank {late} was ready: {sizes}"
+        mine = call(channel(late_t, late), late, count)
+        early.join(30)
+        assert box and box[0][0] == "ok", box
+        assert mine.tobytes() == want(late, count).tobytes()
+        assert box[0][1].tobytes() == want(early_rank, count).tobytes()
 
 
 def test_scratch_is_kept_per_thread_and_shared_between_dtypes():

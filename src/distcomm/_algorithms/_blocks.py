@@ -9,6 +9,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..transport.base import Channel, wait_all
+from .thresholds import THRESHOLDS
 
 Reducer = Callable[[np.ndarray, np.ndarray], None]
 
@@ -81,9 +82,20 @@ def send_when_ready(ch: Channel, peer: int, token_in: Any, data: np.ndarray) -> 
 def say_ready(ch: Channel, to: int, token_in: Any) -> None:
     """Send our "receives posted" token to ``to`` and wait for the one ``token_in`` receives
     (posted with ``post_ready_token``; in a ring it comes from the other neighbour)."""
-    token_out = ch.isend(to, _EMPTY)
+    token_out = send_ready_token(ch, to)
     token_in.wait()
     token_out.wait()
+
+
+def send_ready_token(ch: Channel, to: int) -> Any:
+    """Tell ``to`` that our receives from it are posted (a zero-byte message; the send request)."""
+    return ch.isend(to, _EMPTY)
+
+
+def wants_ready(nbytes: int) -> bool:
+    """Whether messages of ``nbytes`` (the largest of an exchange; every rank must pass the same
+    value) go out only after the receiver's token: thresholds.py's ``ready_exchange_bytes``."""
+    return nbytes >= THRESHOLDS["ready_exchange_bytes"]
 
 
 _EMPTY = np.empty(0, np.uint8)
@@ -141,7 +153,12 @@ def ring_reduce_scatter_pending(
         return ch.irecv(left, slots[step % 2][: bounds[block + 1] - bounds[block]])
 
     send = None
+    # large blocks: the first step's data goes out after the right neighbour's token (later steps'
+    # receives are posted a step ahead); its receive is posted first, see post_ready_token
+    token = post_ready_token(ch, right) if p > 1 and wants_ready(_largest(bounds, buf.itemsize)) else None
     recv = post(0) if p > 1 else None
+    if token is not None:
+        say_ready(ch, left, token)
     for s in range(p - 1):
         out_block = (start - s) % p
         send = ch.isend(right, buf[bounds[out_block] : bounds[out_block + 1]])
@@ -171,13 +188,21 @@ def ring_allgather(ch: Channel, buf: np.ndarray, bounds: Sequence[int], mine: in
         i %= p
         return buf[bounds[i] : bounds[i + 1]]
 
+    token = post_ready_token(ch, right) if p > 1 and wants_ready(_largest(bounds, buf.itemsize)) else None
     recvs = [ch.irecv(left, block(mine - s - 1)) for s in range(p - 1)]
+    if token is not None:  # every receive is posted: large blocks go out once the right one's are
+        say_ready(ch, left, token)
     sends = []
     for s in range(p - 1):
         if s:
             recvs[s - 1].wait()
         sends.append(ch.isend(right, block(mine - s)))
     wait_all(recvs[-1:] + sends)
+
+
+def _largest(bounds: Sequence[int], itemsize: int) -> int:
+    """The largest block's bytes."""
+    return max((bounds[i + 1] - bounds[i] for i in range(len(bounds) - 1)), default=0) * itemsize
 
 
 class Fold:

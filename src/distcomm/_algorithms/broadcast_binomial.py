@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..transport.base import Channel, wait_all
+from ._blocks import post_ready_token, send_ready_token, wants_ready
 
 
 def broadcast_binomial(ch: Channel, buf: np.ndarray, root: int) -> None:
@@ -22,16 +23,31 @@ def broadcast_binomial(ch: Channel, buf: np.ndarray, root: int) -> None:
     if p == 1:
         return
     v = (ch.rank - root) % p
+    parent = None
     mask = 1
     while mask < p:
         if v & mask:
-            ch.recv((v - mask + root) % p, buf)
+            parent = (v - mask + root) % p
             break
         mask <<= 1
-    sends = []
+    children = []
     mask >>= 1
     while mask > 0:
         if v + mask < p:
-            sends.append(ch.isend((v + mask + root) % p, buf))
+            children.append((v + mask + root) % p)
         mask >>= 1
+    # Large messages go to a child only once it says its receive is posted: a child that starts
+    # the call late would otherwise get the whole buffer unexpected and copy it twice.
+    ready = wants_ready(buf.nbytes)
+    tokens = [post_ready_token(ch, child) for child in children] if ready else []
+    if parent is not None:
+        recv = ch.irecv(parent, buf)
+        if ready:
+            send_ready_token(ch, parent).wait()
+        recv.wait()
+    sends = []
+    for i, child in enumerate(children):
+        if ready:
+            tokens[i].wait()
+        sends.append(ch.isend(child, buf))
     wait_all(sends)
