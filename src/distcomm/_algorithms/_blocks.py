@@ -1,4 +1,7 @@
-"""Helpers shared by the algorithms: block partitions and the ring steps used by several of them."""
+"""Helpers shared by the algorithms: block partitions, the ring steps used by several of them,
+per-thread scratch (``scratch``, ``uses_scratch``) and the "receives posted" tokens that keep
+large messages from arriving before their receive (``post_ready_token``, ``say_ready``,
+``send_when_ready``, ``wants_ready``)."""
 
 from __future__ import annotations
 

@@ -13,8 +13,10 @@ Cost: 2·log2(p2) rounds (+2 when p is not a power of two); 2(p2-1)/p2 · n byte
 latency: select.py uses it for large messages on power-of-two groups; on other sizes the fold's
 whole-buffer messages make the ring the better choice. Two ranks with large messages use
 ``allreduce_ring_pipelined`` (the same exchange cut into segments, reduction overlapping transfer).
-The all-gather's receives are posted as soon as each reduce-scatter exchange is done, so a peer
-that gets there first sends into place rather than into a transport buffer copied again.
+The all-gather's receives are posted with each reduce-scatter exchange's, so a peer that gets
+there first sends into place rather than into a transport buffer copied again; and exchanges of
+``ready_exchange_bytes`` or more send their data only after the peer's zero-byte "receives posted"
+token (``_blocks.send_when_ready``), so no large message of the call arrives unexpected.
 
 Every block is reduced on one rank only and then copied, so all ranks end bit-identical.
 """

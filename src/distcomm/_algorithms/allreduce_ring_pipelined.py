@@ -18,7 +18,9 @@ segment i is posted once segment i - window is reduced, all-gather receives as s
 earlier one is posted. The sender paces itself by the same rule seen from the receiver (it sends
 segment j once it has itself processed as far as its right neighbour must have, to have posted
 j; the ranks run the same schedule), so segments land in posted buffers instead of being buffered
-by the transport as unexpected messages and copied again. Nothing here depends on the pacing
+by the transport as unexpected messages and copied again; and no data goes out before the right
+neighbour's zero-byte "receives posted" token, so a neighbour that starts the call late does not
+get its first segments unexpected either. Nothing here depends on the pacing
 being exact: a segment that arrives early is only copied once more.
 
 Cost: the ring's (2(p-1)/p · n bytes sent per rank, (p-1)/p · n reduced), in about
