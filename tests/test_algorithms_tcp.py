@@ -133,17 +133,20 @@ def test_late_rank_gets_no_large_message_unexpected_other_ops(call, want, late):
 
 
 def test_scratch_is_kept_per_thread_and_shared_between_dtypes():
-    a = _blocks.scratch(1000, np.float32)
-    b = _blocks.scratch(300, np.float64)
-    assert a.dtype == np.float32 and a.size == 1000 and b.dtype == np.float64 and b.size == 300
+    n = _blocks.SCRATCH_FRESH_BELOW  # elements: 4-8x the smallest size that is kept
+    a = _blocks.scratch(n, np.float32)
+    b = _blocks.scratch(n // 2, np.float64)
+    assert a.dtype == np.float32 and a.size == n and b.dtype == np.float64 and b.size == n // 2
     assert np.shares_memory(a, b)  # the same kept memory, handed out again
-    bigger = _blocks.scratch(1 << 20, np.float32)  # outgrows it: new memory, kept from now on
+    bigger = _blocks.scratch(4 * n, np.float32)  # outgrows it: new memory, kept from now on
     assert not np.shares_memory(a, bigger)
-    assert np.shares_memory(bigger, _blocks.scratch(10, np.int8))
+    assert np.shares_memory(bigger, _blocks.scratch(n, np.int8))
+    small = _blocks.SCRATCH_FRESH_BELOW - 1  # bytes: fresh memory, the kept one left alone
+    assert not np.shares_memory(bigger, _blocks.scratch(small, np.int8))
     huge = _blocks.SCRATCH_KEEP_BYTES // 4 + 1
-    assert not np.shares_memory(_blocks.scratch(huge, np.float32), _blocks.scratch(10, np.int8))
+    assert not np.shares_memory(_blocks.scratch(huge, np.float32), _blocks.scratch(n, np.int8))
 
-    other, box = run_in_thread(lambda: _blocks.scratch(1000, np.float32))
+    other, box = run_in_thread(lambda: _blocks.scratch(n, np.float32))
     other.join(10)
     assert box[0][0] == "ok" and not np.shares_memory(box[0][1], bigger)  # another thread: its own
 

@@ -23,6 +23,9 @@ Reducer = Callable[[np.ndarray, np.ndarray], None]
 # 4 MiB all_reduce: ~340 faults per call, ~10% of the CPU profile). gloo keeps its algorithms'
 # buffers between calls the same way. Larger scratch is allocated per call, as before.
 SCRATCH_KEEP_BYTES = 64 << 20
+# Below this a fresh array is as cheap (malloc's pools, no page faults) and the small-message path
+# skips the thread-local lookup.
+SCRATCH_FRESH_BELOW = 64 << 10
 _kept = threading.local()
 
 
@@ -35,11 +38,11 @@ def scratch(count: int, dtype) -> np.ndarray:
     """
     dtype = np.dtype(dtype)
     nbytes = count * dtype.itemsize
-    if nbytes > SCRATCH_KEEP_BYTES:
+    if nbytes < SCRATCH_FRESH_BELOW or nbytes > SCRATCH_KEEP_BYTES:
         return np.empty(count, dtype)
     kept = getattr(_kept, "buf", None)
     if kept is None or kept.nbytes < nbytes:
-        kept = _kept.buf = np.empty(max(nbytes, 64 << 10), np.uint8)
+        kept = _kept.buf = np.empty(nbytes, np.uint8)
     return kept[:nbytes].view(dtype)
 
 
