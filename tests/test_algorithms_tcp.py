@@ -132,7 +132,7 @@ def test_late_rank_gets_no_large_message_unexpected_other_ops(call, want, late):
         assert box[0][1].tobytes() == want(early_rank, count).tobytes()
 
 
-def test_scratch_is_kept_per_thread_and_shared_between_dtypes():
+def _scratch_checks():
     n = _blocks.SCRATCH_FRESH_BELOW  # elements: 4-8x the smallest size that is kept
     a = _blocks.scratch(n, np.float32)
     b = _blocks.scratch(n // 2, np.float64)
@@ -145,10 +145,18 @@ def test_scratch_is_kept_per_thread_and_shared_between_dtypes():
     assert not np.shares_memory(bigger, _blocks.scratch(small, np.int8))
     huge = _blocks.SCRATCH_KEEP_BYTES // 4 + 1
     assert not np.shares_memory(_blocks.scratch(huge, np.float32), _blocks.scratch(n, np.int8))
+    return bigger
 
-    other, box = run_in_thread(lambda: _blocks.scratch(n, np.float32))
-    other.join(10)
-    assert box[0][0] == "ok" and not np.shares_memory(box[0][1], bigger)  # another thread: its own
+
+def test_scratch_is_kept_per_thread_and_shared_between_dtypes():
+    # each in a new thread: this one's kept scratch may be any size after other tests
+    first, box1 = run_in_thread(_scratch_checks)
+    first.join(10)
+    assert box1 and box1[0][0] == "ok", box1
+    second, box2 = run_in_thread(lambda: _blocks.scratch(4 * _blocks.SCRATCH_FRESH_BELOW, np.float32))
+    second.join(10)
+    assert box2[0][0] == "ok" and not np.shares_memory(box2[0][1], box1[0][1])  # another thread: its own
+    # (the first thread is gone but its array is alive here, so the memory cannot be reused)
 
 
 def test_consecutive_calls_reuse_scratch_and_stay_correct():
