@@ -19,7 +19,6 @@ from test_transport_tcp import local_world
 
 from distcomm import reduction as R
 from distcomm._algorithms import _blocks, select
-from distcomm._algorithms.allreduce_ring_pipelined import allreduce_ring_pipelined
 from distcomm.dtypes import from_name
 from distcomm.errors import DistTimeoutError
 from distcomm.transport.base import KIND_COLLECTIVE, Channel, MessageKey
@@ -54,16 +53,12 @@ def run_in_thread(fn) -> tuple[threading.Thread, list]:
     return t, box
 
 
-def pipelined_small_segments(ch, buf, reduce):
-    return allreduce_ring_pipelined(ch, buf, reduce, segment_bytes=256 << 10, window=4)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("algorithm, nbytes", [
     (select.choose("allreduce", 0, 2, algo="halving_doubling"), 4 * MiB),
-    (pipelined_small_segments, 3 * MiB),
-], ids=["halving_doubling", "ring_pipelined"])
+], ids=["halving_doubling"])
 def test_late_rank_gets_no_large_message_unexpected(algorithm, nbytes):
+    # (not the pipelined ring: its start token cost more CPU than the copies it saved)
     count = nbytes // 4
     with local_world(2) as (t0, t1):
         early, early_box = run_in_thread(lambda: algorithm(channel(t1, 1), b := rank_input(1, count), SUM) or b)

@@ -26,12 +26,9 @@ from __future__ import annotations
 import numpy as np
 
 from ..transport.base import Channel
-from .thresholds import THRESHOLDS
-from ._blocks import Fold, Reducer, even_counts, offsets, post_ready_token, scratch, uses_scratch, send_when_ready
-
-
-# exchanges this large wait for the peer's "receive posted" token first (_blocks.send_when_ready)
-READY_BYTES = THRESHOLDS["ready_exchange_bytes"]
+from ._blocks import (
+    Fold, Reducer, even_counts, offsets, post_ready_token, scratch, send_when_ready, uses_scratch, wants_ready,
+)
 
 
 @uses_scratch
@@ -68,7 +65,7 @@ def allreduce_halving_doubling(ch: Channel, buf: np.ndarray, reduce: Reducer) ->
         # bytes have left it by then; a peer that reaches the all-gather first then lands its bytes
         # in place instead of in a buffer the transport allocates and copies from (measured on the
         # tcp engine, 2 ranks, 64 MiB: 32 MiB arrived that way in most calls).
-        if incoming.nbytes >= READY_BYTES:  # and this exchange's data only once both are posted
+        if wants_ready(incoming.nbytes):  # and this exchange's data only once both are posted
             token = post_ready_token(ch, peer)
             recv = ch.irecv(peer, incoming)
             gather = ch.irecv(peer, outgoing)

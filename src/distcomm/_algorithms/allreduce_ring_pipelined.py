@@ -18,9 +18,10 @@ segment i is posted once segment i - window is reduced, all-gather receives as s
 earlier one is posted. The sender paces itself by the same rule seen from the receiver (it sends
 segment j once it has itself processed as far as its right neighbour must have, to have posted
 j; the ranks run the same schedule), so segments land in posted buffers instead of being buffered
-by the transport as unexpected messages and copied again; and no data goes out before the right
-neighbour's zero-byte "receives posted" token, so a neighbour that starts the call late does not
-get its first segments unexpected either. Nothing here depends on the pacing
+by the transport as unexpected messages and copied again. A neighbour that starts the call late
+can still get the first segments unexpected; a "receives posted" token at the start (as
+halving-doubling has) removed those but cost more CPU than it saved (docs/performance-notes.md,
+"TCP engine, 1-64 MiB"). Nothing here depends on the pacing
 being exact: a segment that arrives early is only copied once more.
 
 Cost: the ring's (2(p-1)/p · n bytes sent per rank, (p-1)/p · n reduced), in about
@@ -40,7 +41,7 @@ import numpy as np
 
 from ..errors import CollectiveMismatchError, describe_op
 from ..transport.base import Channel, wait_all
-from ._blocks import Reducer, even_counts, offsets, post_ready_token, say_ready, scratch, uses_scratch
+from ._blocks import Reducer, even_counts, offsets, scratch, uses_scratch
 from .thresholds import THRESHOLDS
 
 
@@ -96,18 +97,12 @@ def allreduce_ring_pipelined(
     count_out = np.array([buf.size], dtype=np.int64)
     count_in = np.empty(1, dtype=np.int64)
     count_recv = ch.irecv(left, count_in)
-    # The right neighbour's word that its first receives are posted: data goes out only after it,
-    # so a neighbour that starts the call late does not get its first segments unexpected (copied
-    # into fresh memory, then again; measured, tcp engine, 2 ranks, 16 MiB: ~1 segment in 4 calls).
-    # Posted after the count's receive: with two ranks both come from the same peer, in this order.
-    token_in = post_ready_token(ch, right)
     sends = [ch.isend(right, count_out)]
 
     recvs: list = [None] * len(incoming)
     posted = 0  # incoming segments with a posted receive
     sent = 0  # outgoing segments handed to the transport
     done = 0  # incoming segments processed (reduced, or arrived in place)
-    ready = False  # the right neighbour's token came
 
     def pump() -> None:
         nonlocal posted, sent
@@ -123,7 +118,7 @@ def allreduce_ring_pipelined(
             posted += 1
         # sends: segment j once its data is ready here and the right neighbour has (by the same
         # rule, run at about the same pace) posted its receive
-        while ready and sent < len(outgoing):
+        while sent < len(outgoing):
             j = sent
             if j >= n_prime and j - n_prime >= done:
                 break  # not processed yet
@@ -133,9 +128,6 @@ def allreduce_ring_pipelined(
             sends.append(ch.isend(right, buf[lo:hi]))
             sent += 1
 
-    pump()  # the receives only
-    say_ready(ch, left, token_in)
-    ready = True
     pump()
     count_recv.wait()
     if int(count_in[0]) != buf.size:

@@ -21,7 +21,8 @@ THRESHOLDS: dict[str, int] = {
     # An exchange (one message each way) of at least this many bytes first swaps zero-byte
     # "receive posted" tokens, so the data never arrives unexpected and is copied twice
     # (_blocks.send_when_ready; the token round trip is ~0.1 ms under load, a 256 KiB copy
-    # into fresh memory about as much)
+    # into fresh memory about as much). Read from here only (not DISTCOMM_THRESHOLD_*): the
+    # algorithms that use it are not given the Tuning.
     "ready_exchange_bytes": 256 * 1024,
     "broadcast_large_bytes": 512 * 1024,
     "allgather_small_bytes": 64 * 1024,
