@@ -82,12 +82,6 @@ def test_late_rank_gets_no_large_message_unexpected(algorithm, nbytes):
         assert early_box[0][1].tobytes() == expected.tobytes()
 
 
-def _bcast(ch, rank, count):
-    buf = rank_input(0, count) if rank == 0 else np.zeros(count, np.float32)
-    select.choose("broadcast", 0, 2, algo="binomial")(ch, buf, 0)
-    return buf
-
-
 def _allgather(ch, rank, count):
     out = np.zeros(2 * count, np.float32)
     out[rank * count:(rank + 1) * count] = rank_input(rank, count)
@@ -103,10 +97,9 @@ def _reduce_scatter(ch, rank, count):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("call, want", [
-    (_bcast, lambda rank, count: rank_input(0, count)),
     (_allgather, lambda rank, count: np.concatenate([rank_input(0, count), rank_input(1, count)])),
     (_reduce_scatter, lambda rank, count: (rank_input(0, 2 * count) + rank_input(1, 2 * count))[rank * count:(rank + 1) * count]),
-], ids=["broadcast_binomial", "allgather_ring", "reduce_scatter_ring"])
+], ids=["allgather_ring", "reduce_scatter_ring"])
 @pytest.mark.parametrize("late", [0, 1])
 def test_late_rank_gets_no_large_message_unexpected_other_ops(call, want, late):
     count = MiB // 4  # 1 MiB per rank's message: above ready_exchange_bytes
@@ -114,7 +107,7 @@ def test_late_rank_gets_no_large_message_unexpected_other_ops(call, want, late):
     with local_world(2) as transports:
         early, box = run_in_thread(lambda: call(channel(transports[early_rank], early_rank), early_rank, count))
         late_t = transports[late]
-        deadline = time.monotonic() + 1  # its token, if it sends one first, or nothing (a root)
+        deadline = time.monotonic() + 5  # its token comes first
         while not late_t.matcher.has_unexpected() and early.is_alive() and time.monotonic() < deadline:
             time.sleep(0.001)
         time.sleep(0.3)  # a large message that would follow has time to arrive
