@@ -201,7 +201,7 @@ def test_allreduce_every_op_and_dtype(algo, p, dtype_name):
         check_allreduce(algo, p, 13, dtype_name, op)
 
 
-@pytest.mark.parametrize("p", worlds(3, 4))
+@pytest.mark.parametrize("p", worlds(2, 3, 4))
 @pytest.mark.parametrize("algo", ALLREDUCE)
 def test_allreduce_large(algo, p):
     count = 1 << 20

@@ -13,8 +13,10 @@ Cost: 2·log2(p2) rounds (+2 when p is not a power of two); 2(p2-1)/p2 · n byte
 latency: select.py uses it for large messages on power-of-two groups; on other sizes the fold's
 whole-buffer messages make the ring the better choice. Two ranks with large messages use
 ``allreduce_ring_pipelined`` (the same exchange cut into segments, reduction overlapping transfer).
-The all-gather's receives are posted as soon as each reduce-scatter exchange is done, so a peer
-that gets there first sends into place rather than into a transport buffer copied again.
+The all-gather's receives are posted with each reduce-scatter exchange's, so a peer that gets
+there first sends into place rather than into a transport buffer copied again; and exchanges of
+``ready_exchange_bytes`` or more send their data only after the peer's zero-byte "receives posted"
+token (``_blocks.send_when_ready``), so no large message of the call arrives unexpected.
 
 Every block is reduced on one rank only and then copied, so all ranks end bit-identical.
 """
@@ -24,9 +26,12 @@ from __future__ import annotations
 import numpy as np
 
 from ..transport.base import Channel
-from ._blocks import Fold, Reducer, even_counts, offsets
+from ._blocks import (
+    Fold, Reducer, even_counts, offsets, post_ready_token, scratch, send_when_ready, uses_scratch, wants_ready,
+)
 
 
+@uses_scratch
 def allreduce_halving_doubling(ch: Channel, buf: np.ndarray, reduce: Reducer) -> None:
     """Reduce ``buf`` across the group in place; every rank ends with the same result."""
     p, r = ch.size, ch.rank
@@ -39,11 +44,11 @@ def allreduce_halving_doubling(ch: Channel, buf: np.ndarray, reduce: Reducer) ->
         return
     bounds = offsets(even_counts(buf.size, fold.p2))
     if fold.has_spectator(r):
-        tmp = np.empty_like(buf)
+        tmp = scratch(buf.size, buf.dtype)
         ch.recv(r - 1, tmp)
         reduce(buf, tmp)
     else:
-        tmp = np.empty(bounds[fold.p2 // 2], dtype=buf.dtype)  # the largest half (leading blocks are larger)
+        tmp = scratch(bounds[fold.p2 // 2], buf.dtype)  # the largest half (leading blocks are larger)
     v = fold.vrank
     lo, hi = 0, fold.p2  # the block range this rank is responsible for
     steps = []
@@ -54,12 +59,23 @@ def allreduce_halving_doubling(ch: Channel, buf: np.ndarray, reduce: Reducer) ->
         keep, give = ((lo, mid), (mid, hi)) if v & d == 0 else ((mid, hi), (lo, mid))
         k0, k1 = bounds[keep[0]], bounds[keep[1]]
         incoming = tmp[: k1 - k0]
-        ch.sendrecv(peer, buf[bounds[give[0]] : bounds[give[1]]], peer, incoming)
-        # The all-gather's receive from this peer, posted now (our send from that range is done, and
-        # nothing else comes from this peer before it): a peer that reaches the all-gather first
-        # then lands its bytes in place instead of in a buffer the transport allocates and copies
-        # from (measured on the tcp engine, 2 ranks, 64 MiB: 32 MiB arrived that way in most calls).
-        gather = ch.irecv(peer, buf[bounds[give[0]] : bounds[give[1]]])
+        outgoing = buf[bounds[give[0]] : bounds[give[1]]]
+        # The all-gather's receive from this peer is posted with this exchange's, into the range
+        # this rank sends now: the peer sends it only after receiving all of that range, so the
+        # bytes have left it by then; a peer that reaches the all-gather first then lands its bytes
+        # in place instead of in a buffer the transport allocates and copies from (measured on the
+        # tcp engine, 2 ranks, 64 MiB: 32 MiB arrived that way in most calls).
+        if wants_ready(incoming.nbytes):  # and this exchange's data only once both are posted
+            token = post_ready_token(ch, peer)
+            recv = ch.irecv(peer, incoming)
+            gather = ch.irecv(peer, outgoing)
+            send = send_when_ready(ch, peer, token, outgoing)
+        else:
+            recv = ch.irecv(peer, incoming)
+            gather = ch.irecv(peer, outgoing)
+            send = ch.isend(peer, outgoing)
+        recv.wait()
+        send.wait()
         reduce(buf[k0:k1], incoming)
         steps.append((peer, keep, gather))
         lo, hi = keep

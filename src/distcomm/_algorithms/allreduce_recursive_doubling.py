@@ -21,14 +21,15 @@ from __future__ import annotations
 import numpy as np
 
 from ..transport.base import Channel
-from ._blocks import Fold, Reducer
+from ._blocks import Fold, Reducer, scratch, uses_scratch
 
 
+@uses_scratch
 def allreduce_recursive_doubling(ch: Channel, buf: np.ndarray, reduce: Reducer) -> None:
     """Reduce ``buf`` across the group in place; every rank ends with the same result."""
     p, r = ch.size, ch.rank
     if p == 2:  # one exchange; the general code below does the same with more bookkeeping
-        other = np.empty_like(buf)
+        other = scratch(buf.size, buf.dtype)
         ch.sendrecv(1 - r, buf, 1 - r, other)
         if r == 0:
             reduce(buf, other)  # lower rank's value first
@@ -43,7 +44,7 @@ def allreduce_recursive_doubling(ch: Channel, buf: np.ndarray, reduce: Reducer) 
         ch.send(r + 1, buf)
         ch.recv(r + 1, buf)
         return
-    cur, other = buf, np.empty_like(buf)
+    cur, other = buf, scratch(buf.size, buf.dtype)
     if fold.has_spectator(r):
         ch.recv(r - 1, other)
         reduce(other, cur)  # lower rank's value first

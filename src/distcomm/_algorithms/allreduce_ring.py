@@ -21,9 +21,10 @@ from __future__ import annotations
 import numpy as np
 
 from ..transport.base import Channel
-from ._blocks import Reducer, even_counts, offsets, ring_allgather, ring_reduce_scatter
+from ._blocks import Reducer, even_counts, offsets, ring_allgather, ring_reduce_scatter, scratch, uses_scratch
 
 
+@uses_scratch
 def allreduce_ring(ch: Channel, buf: np.ndarray, reduce: Reducer) -> None:
     """Reduce ``buf`` across the group in place; every rank ends with the same result."""
     p = ch.size
@@ -31,6 +32,6 @@ def allreduce_ring(ch: Channel, buf: np.ndarray, reduce: Reducer) -> None:
         return
     counts = even_counts(buf.size, p)
     bounds = offsets(counts)
-    tmp = np.empty(2 * max(counts), dtype=buf.dtype)
+    tmp = scratch(2 * max(counts), buf.dtype)
     done = ring_reduce_scatter(ch, buf, bounds, ch.rank, reduce, tmp)
     ring_allgather(ch, buf, bounds, done)

@@ -18,7 +18,10 @@ segment i is posted once segment i - window is reduced, all-gather receives as s
 earlier one is posted. The sender paces itself by the same rule seen from the receiver (it sends
 segment j once it has itself processed as far as its right neighbour must have, to have posted
 j; the ranks run the same schedule), so segments land in posted buffers instead of being buffered
-by the transport as unexpected messages and copied again. Nothing here depends on the pacing
+by the transport as unexpected messages and copied again. A neighbour that starts the call late
+can still get the first segments unexpected; a "receives posted" token at the start (as
+halving-doubling has) removed those but cost more CPU than it saved (docs/performance-notes.md,
+"TCP engine, 1-64 MiB"). Nothing here depends on the pacing
 being exact: a segment that arrives early is only copied once more.
 
 Cost: the ring's (2(p-1)/p · n bytes sent per rank, (p-1)/p · n reduced), in about
@@ -38,10 +41,11 @@ import numpy as np
 
 from ..errors import CollectiveMismatchError, describe_op
 from ..transport.base import Channel, wait_all
-from ._blocks import Reducer, even_counts, offsets
+from ._blocks import Reducer, even_counts, offsets, scratch, uses_scratch
 from .thresholds import THRESHOLDS
 
 
+@uses_scratch
 def allreduce_ring_pipelined(
     ch: Channel, buf: np.ndarray, reduce: Reducer, segment_bytes: int | None = None, window: int | None = None
 ) -> None:
@@ -87,7 +91,7 @@ def allreduce_ring_pipelined(
 
     slot_elems = min(seg, max(hi - lo for lo, hi in incoming[:n_rs]))
     nslots = min(window, n_rs)
-    scratch = np.empty(nslots * slot_elems, dtype=buf.dtype)
+    slots = scratch(nslots * slot_elems, buf.dtype)
 
     # The count first: ranks that disagree about it fail here, whatever their segments look like.
     count_out = np.array([buf.size], dtype=np.int64)
@@ -107,7 +111,7 @@ def allreduce_ring_pipelined(
             lo, hi = incoming[posted]
             if posted < n_rs:
                 k = (posted % nslots) * slot_elems
-                target = scratch[k : k + hi - lo]
+                target = slots[k : k + hi - lo]
             else:
                 target = buf[lo:hi]
             recvs[posted] = ch.irecv(left, target)
@@ -136,7 +140,7 @@ def allreduce_ring_pipelined(
         recvs[i] = None
         if i < n_rs:
             k = (i % nslots) * slot_elems
-            reduce(buf[lo:hi], scratch[k : k + hi - lo])
+            reduce(buf[lo:hi], slots[k : k + hi - lo])
         done = i + 1
         pump()
     wait_all(sends)

@@ -17,9 +17,10 @@ from __future__ import annotations
 import numpy as np
 
 from ..transport.base import Channel
-from ._blocks import Reducer
+from ._blocks import Reducer, scratch, uses_scratch
 
 
+@uses_scratch
 def reduce_binomial(ch: Channel, buf: np.ndarray, root: int, reduce: Reducer) -> None:
     """Reduce every rank's ``buf`` into ``buf`` on ``root``; other ranks' ``buf`` is unchanged."""
     p = ch.size
@@ -36,7 +37,7 @@ def reduce_binomial(ch: Channel, buf: np.ndarray, root: int, reduce: Reducer) ->
     if children:
         if v != 0:
             acc = buf.copy()
-        tmp = np.empty_like(buf)
+        tmp = scratch(buf.size, buf.dtype)
         for child in children:
             ch.recv(child, tmp)
             reduce(acc, tmp)

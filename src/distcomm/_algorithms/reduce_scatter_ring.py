@@ -19,9 +19,10 @@ from typing import Sequence
 import numpy as np
 
 from ..transport.base import Channel
-from ._blocks import Reducer, offsets, ring_reduce_scatter
+from ._blocks import Reducer, offsets, ring_reduce_scatter, scratch, uses_scratch
 
 
+@uses_scratch
 def reduce_scatter_ring(
     ch: Channel, buf: np.ndarray, out: np.ndarray, counts: Sequence[int], reduce: Reducer
 ) -> None:
@@ -29,6 +30,6 @@ def reduce_scatter_ring(
     p, r = ch.size, ch.rank
     bounds = offsets(counts)
     if p > 1:
-        tmp = np.empty(2 * max(counts), dtype=buf.dtype)
+        tmp = scratch(2 * max(counts), buf.dtype)
         ring_reduce_scatter(ch, buf, bounds, (r - 1) % p, reduce, tmp)
     out[...] = buf[bounds[r] : bounds[r + 1]]

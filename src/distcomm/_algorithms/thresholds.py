@@ -18,6 +18,12 @@ THRESHOLDS: dict[str, int] = {
     "allreduce_pipelined_bytes_2ranks": 8 << 20,
     "allreduce_segment_bytes": 4 << 20,
     "allreduce_segment_window": 4,
+    # An exchange (one message each way) of at least this many bytes first swaps zero-byte
+    # "receive posted" tokens, so the data never arrives unexpected and is copied twice
+    # (_blocks.send_when_ready; the token round trip is ~0.1 ms under load, a 256 KiB copy
+    # into fresh memory about as much). Read from here only (not DISTCOMM_THRESHOLD_*): the
+    # algorithms that use it are not given the Tuning.
+    "ready_exchange_bytes": 256 * 1024,
     "broadcast_large_bytes": 512 * 1024,
     "allgather_small_bytes": 64 * 1024,
     # the default engine, a group spread evenly over hosts: hierarchical all_reduce from here up
