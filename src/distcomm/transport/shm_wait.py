@@ -4,7 +4,10 @@ Why three phases: on this kind of machine (2 vCPUs that behave like ~1.25 cores)
 steals the time of the rank it waits for. So a waiter spins only for a few microseconds (the answer
 is often already on its way: a flag round trip costs under a microsecond), then gives its CPU away
 with sched_yield for a little longer, then sleeps in the kernel on its *doorbell*. When more ranks
-share the host than there are CPUs, the spin phase is skipped and the yield phase shortened.
+share the host than there are CPUs, the spin phase is skipped and the yield phase shortened. When a
+yield cannot hand the CPU to the peers (they are in other scheduling groups: ``yield_reaches``,
+which is how torchrun and distcomm-run start ranks), there is no yield phase: the waiter sleeps
+after its spin, or at once when oversubscribed, and the poster that completes its wait rings it.
 
 Doorbells. Every rank has one 32-bit counter (and a count of its sleeping threads) in its world
 segment. Whoever changes something another rank may wait for (a flag, a ring's head or tail) bumps
