@@ -30,11 +30,8 @@ variable                               meaning (default)
 ``DISTCOMM_SHM_RING_BYTES``            point-to-point ring per pair of ranks
 ``DISTCOMM_SHM_SPIN_US``               spin before yielding while waiting (20 µs; 0 when there
                                        are more local ranks than CPUs)
-``DISTCOMM_SHM_YIELD_US``              yield before sleeping (100 µs; 50 when oversubscribed;
-                                       0 when a yield cannot reach the peers: another session
-                                       or cpu cgroup, see transport/shm_wait.yield_reaches)
-``DISTCOMM_SHM_SHARED_YIELD_US``       yield when the awaited peer shares our CPU (200 µs; 0
-                                       when a yield cannot reach the peers)
+``DISTCOMM_SHM_YIELD_US``              yield before sleeping (100 µs; 50 when oversubscribed)
+``DISTCOMM_SHM_SHARED_YIELD_US``       yield when the awaited peer shares our CPU (200 µs)
 ``DISTCOMM_SHM_DIRECT``                0: no single-copy reads (process_vm_readv) (1)
 =====================================  =======================================================
 

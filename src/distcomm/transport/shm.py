@@ -143,7 +143,7 @@ class ShmTransport(Transport):
         self._dir_at, _ = _world_layout(len(self.local), ring_bytes)
         self._dir_count = 0
         self.tuning = tuning
-        self.policy = WaitPolicy(len(self.local), tuning, [p for g, p in pids.items() if g != rank])
+        self.policy = WaitPolicy(len(self.local), tuning)
         self.health = PeerHealth({g: p for g, p in pids.items() if g != rank})
         self.bell = self._bells[rank]
         # point-to-point state, all under self._lock

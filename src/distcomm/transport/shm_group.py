@@ -305,14 +305,10 @@ class GroupShm:
 
     def _poll_posted(self, k: int, among=None) -> bool:
         """Spin or yield until every peer (or every member of ``among``) has posted round k
-        (True), at most the policy's budget. No budget (oversubscribed, and a yield cannot reach
-        the peers: see shm_wait.yield_reaches): False at once, the caller goes to sleep."""
+        (True), at most the policy's budget."""
         policy = self.transport.policy
         yields = policy.spin_s == 0  # more ranks than cores: give the CPU away while waiting
-        budget = policy.yield_s if yields else policy.spin_s
-        if not budget:
-            return False
-        end = _clock() + budget
+        end = _clock() + (policy.yield_s if yields else policy.spin_s)
         peer_ctl = self._peer_ctl if among is None else [self.ctl[q] for q in among]
         while True:
             if yields:

@@ -4,10 +4,7 @@ Why three phases: on this kind of machine (2 vCPUs that behave like ~1.25 cores)
 steals the time of the rank it waits for. So a waiter spins only for a few microseconds (the answer
 is often already on its way: a flag round trip costs under a microsecond), then gives its CPU away
 with sched_yield for a little longer, then sleeps in the kernel on its *doorbell*. When more ranks
-share the host than there are CPUs, the spin phase is skipped and the yield phase shortened. When a
-yield cannot hand the CPU to the peers (they are in other scheduling groups: ``yield_reaches``,
-which is how torchrun and distcomm-run start ranks), there is no yield phase: the waiter sleeps
-after its spin, or at once when oversubscribed, and the poster that completes its wait rings it.
+share the host than there are CPUs, the spin phase is skipped and the yield phase shortened.
 
 Doorbells. Every rank has one 32-bit counter (and a count of its sleeping threads) in its world
 segment. Whoever changes something another rank may wait for (a flag, a ring's head or tail) bumps
@@ -149,81 +146,23 @@ class Bell:
 
 
 class WaitPolicy:
-    """How long to spin and to yield before sleeping; see the module docstring.
+    """How long to spin and to yield before sleeping; see the module docstring."""
 
-    ``peer_pids``: the processes of the other local ranks. When a yield cannot reach them
-    (``yield_reaches``), the yield phases are off by default: the waiter goes from its spin (or,
-    oversubscribed, from its first look) straight to sleep, since a yield would keep the CPU the
-    peer needs. Values the user set (DISTCOMM_SHM_*_US, through ``tuning``) are kept.
-    """
-
-    def __init__(self, local_ranks: int, tuning: Tuning = DEFAULT, peer_pids=()):
+    def __init__(self, local_ranks: int, tuning: Tuning = DEFAULT):
         try:
             cpus = len(os.sched_getaffinity(0))
         except (AttributeError, OSError):  # pragma: no cover
             cpus = os.cpu_count() or 1
         self.oversubscribed = local_ranks > cpus
-        self.yields_reach_peers = yield_reaches(peer_pids)
-        yields = self.yields_reach_peers
         self.spin_s = _or(tuning.shm_spin_s, 0.0 if self.oversubscribed else 20e-6)
-        self.yield_s = _or(tuning.shm_yield_s, (50e-6 if self.oversubscribed else 100e-6) if yields else 0.0)
-        self.shared_yield_s = _or(tuning.shm_shared_yield_s, 200e-6 if yields else 0.0)  # when sharing a CPU
+        self.yield_s = _or(tuning.shm_yield_s, 50e-6 if self.oversubscribed else 100e-6)
+        self.shared_yield_s = _or(tuning.shm_shared_yield_s, 200e-6)  # when sharing a CPU
         self.slice_s = 0.05  # longest single sleep
         self.check_s = 0.1  # peer health check period while sleeping
 
 
 def _or(value: float | None, default: float) -> float:
     return default if value is None else value
-
-
-def yield_reaches(pids) -> bool:
-    """Whether ``sched_yield`` here can hand the CPU to the processes ``pids``: False when one of
-    them is in another scheduling group than this process (another session while the kernel's
-    autogroups are on, or another cpu cgroup).
-
-    Why it matters: the kernel's fair scheduler (EEVDF, Linux 6.6 on) schedules groups first and
-    tasks within a group second, and a yield only moves the yielding task behind the others *of its
-    own group*. Alone in its group, the yielder is picked again at once and keeps its CPU until the
-    group's slice runs out (milliseconds), while the peer it waits for waits for that CPU. torchrun,
-    distcomm-run and distcomm-bench all start each rank in a session of its own, so there this is
-    the common case: 4 ranks on 2 CPUs passing a flag round with yields took 0.6-2 ms a round
-    apart, 33-75 µs in one session; sleeping on a futex took 130-165 µs apart
-    (docs/performance-notes.md, "Yields between sessions")."""
-    pids = [p for p in pids if p != os.getpid()]
-    if not pids:
-        return True
-    try:
-        with open("/proc/sys/kernel/sched_autogroup_enabled", "rb") as f:
-            autogroups = f.read().strip() not in (b"", b"0")
-    except OSError:
-        autogroups = False
-    try:
-        if autogroups:
-            session = os.getsid(0)
-            if any(os.getsid(p) != session for p in pids):
-                return False
-        mine = _cpu_cgroup("self")
-        return all(_cpu_cgroup(str(p)) == mine for p in pids)
-    except OSError:  # a peer already gone (its wait will notice): assume the worst
-        return False
-
-
-def _cpu_cgroup(pid: str) -> str | None:
-    """The cgroup that schedules process ``pid``: its cgroup-v1 "cpu" hierarchy's path, else its
-    cgroup-v2 path (None if /proc cannot tell)."""
-    try:
-        with open(f"/proc/{pid}/cgroup") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    unified = ""
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if "cpu" in controllers.split(","):
-            return path
-        if controllers == "":
-            unified = path
-    return unified
 
 
 def wait_until(
