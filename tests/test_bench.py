@@ -167,6 +167,31 @@ def test_plan_rounds_sizes_to_the_world_and_bounds_iterations():
         assert collectives.MIN_ITERS <= iters <= collectives.MAX_ITERS and 0 <= warmup <= collectives.MAX_WARMUP
 
 
+def test_counts_come_from_the_quickest_probe_not_a_descheduled_first_call():
+    """Rank 0 picks a row's counts from the quickest of ``PROBES`` warmups: one call that happened
+    to be descheduled (here the first, 50 ms) must not turn a row of microsecond calls into a handful
+    of timed iterations. Every rank runs the same probes and then rank 0's counts."""
+    from distcomm.bench import measure
+
+    calls = []
+
+    def run():
+        calls.append(1)
+        if len(calls) == 1:
+            time.sleep(0.05)
+
+    shared = []
+
+    def share(counts):
+        shared.append(counts)
+        return counts
+
+    entry = {"warmup": None, "iters": None}
+    warmup, iters = measure.warm_up(run, entry, 0, share, 0.2)
+    assert iters == measure.MAX_ITERS  # 1000 calls of microseconds fit the budget; 4 would if 50 ms counted
+    assert warmup == len(calls) and warmup >= measure.PROBES
+    assert measure.warm_up(run, {"warmup": 2, "iters": 7}, 0, share, 0.2) == (2, 7)  # given counts: as given
+
 def test_busbw_uses_the_nccl_tests_factors():
     stats = [{"mean": 1e-3, "median": 1e-3, "min": 1e-3, "max": 1e-3, "wrong": 0, "warmup": 1, "iters": 1}] * 4
     entry = {"op": "all_reduce", "size": 10**6, "count": 250000, "dtype": "float32", "warmup": 1, "iters": 1}

@@ -16,6 +16,7 @@ import numpy as np
 # The automatic counts (see collectives.py's docstring): timed iterations clamped to [MIN_ITERS, MAX_ITERS],
 # warmups (after the one that measures) at most MAX_WARMUP.
 MIN_ITERS, MAX_ITERS, MAX_WARMUP = 5, 1000, 20
+PROBES = 3  # warmups rank 0 times to pick the counts (the quickest counts)
 
 _PERIOD = 5  # the check pattern repeats every _PERIOD elements: small integers, exact in every dtype
 
@@ -106,21 +107,26 @@ def warm_up(run: Callable[[], None], entry: dict, rank: int, share: Callable[[st
             budget: float) -> tuple[int, int]:
     """Run this row's warmups; return (warmups run, timed iterations to run).
 
-    Counts the user gave are used as given. For the others, every rank runs one warmup, rank 0
-    times it and picks the counts (``auto_counts``), and ``share`` hands rank 0's text to every
+    Counts the user gave are used as given. For the others, every rank runs ``PROBES`` warmups,
+    rank 0 times them and picks the counts from the quickest (``auto_counts``), and ``share`` hands rank 0's text to every
     rank (through the store, or MPI's bcast: outside the data path being measured), so every rank
     runs the same number of each.
     """
     warmup, iters = entry["warmup"], entry["iters"]
     done = 0
     if warmup is None or iters is None:
-        start = time.perf_counter()
-        run()
-        done = 1
+        # the quickest of a few calls: one call alone could be a descheduled one (milliseconds on a
+        # busy machine), and a row's counts would then be a few iterations instead of hundreds
+        took = []
+        for _ in range(PROBES):
+            start = time.perf_counter()
+            run()
+            took.append(time.perf_counter() - start)
+        done = PROBES
         counts = None
         if rank == 0:
-            more, auto = auto_counts(time.perf_counter() - start, budget)
-            counts = f"{1 + more if warmup is None else warmup} {auto if iters is None else iters}"
+            more, auto = auto_counts(min(took), budget)
+            counts = f"{PROBES + more if warmup is None else warmup} {auto if iters is None else iters}"
         warmup, iters = map(int, share(counts).split())
     for _ in range(warmup - done):
         run()

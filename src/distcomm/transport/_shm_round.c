@@ -78,6 +78,7 @@ static int all_posted(Rounds *r, uint64_t k) {
 /* Spin (or yield, with more ranks than CPUs) until every peer posted round k, at most the budget. */
 static int poll_posted(Rounds *r, uint64_t k) {
     if (all_posted(r, k)) return 1;
+    if (r->budget_ns <= 0) return 0; /* the policy goes straight to sleep: no yield that cannot help */
     int ready = 0;
     Py_BEGIN_ALLOW_THREADS
     int64_t end = now_ns() + r->budget_ns;
