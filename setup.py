@@ -1,7 +1,7 @@
 """The one compiled piece: the shared-memory round steps in C (src/distcomm/transport/_shm_round.c).
 
 Optional: where it does not build (no C compiler, no Python headers), the install goes on and
-distcomm runs the same rounds in Python (transport/shm_group.py says which is in use: ROUNDS_IN_C). Everything
+distcomm runs the same rounds in Python (transport/shm_group.py's C_UNAVAILABLE says why when it is not in use). Everything
 else about the package is in pyproject.toml.
 """
 
@@ -12,7 +12,7 @@ setup(
         Extension(
             "distcomm.transport._shm_round",
             ["src/distcomm/transport/_shm_round.c"],
-            extra_compile_args=["-O2", "-fno-fast-math"],
+            extra_compile_args=["-O2", "-fno-fast-math", "-ffp-contract=off"],  # numpy's bits: no reassociation, no fused multiply-add
             optional=True,
         )
     ]

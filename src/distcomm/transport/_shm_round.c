@@ -15,6 +15,10 @@
  * headers and slots) is handed in by Python at construction: shm_group.py stays its only
  * definition.
  *
+ * Ordering: stores here are release stores and loads acquire loads, with a full fence where the
+ * Python steps take theirs (fence() in shm_wait.py); the Python steps' plain stores rely on x86's
+ * store order (as they do between two Python ranks), so a mixed group is as portable as a Python one.
+ *
  * Reductions (all_reduce): acc = x0 op x1 op ... in rank order, elementwise, as the Python path's
  * numpy ufuncs compute them (the same IEEE operations; MIN/MAX return the second operand on ties
  * and propagate NaN as numpy.minimum/maximum do; integers wrap as numpy's do).
@@ -32,6 +36,11 @@
 #define MISMATCH 2      /* every peer posted, one header differs: nothing was read or consumed */
 #define RING_POSTED 4   /* a peer sleeps: ring_posted() is due, then the Python wait */
 #define RING_CONSUMED 8 /* after consuming, a peer waits to reuse a slot: ring_consumed() is due */
+
+/* the words Python may name: a member's counters (before its "opened" bytes at byte 192) and a
+ * slot header's (64 bytes) */
+#define CTL_WORDS 24
+#define HEADER_WORDS 8
 
 /* kinds: dtype * 8 + op */
 enum { T_F32, T_F64, T_I8, T_I16, T_I32, T_I64, T_U8, T_NTYPES };
@@ -104,11 +113,12 @@ static int poll_posted(Rounds *r, uint64_t k) {
         }                                                     \
     } while (0)
 
-/* integer add/multiply wrap: computed in the unsigned type of the same width */
+/* integer add/multiply wrap: computed in uint64_t (narrower unsigned types would promote to int,
+ * whose overflow is undefined) and cut to the width of T */
 #define INT_OPS(T, U)                                                             \
     switch (op) {                                                                 \
-    case O_SUM: REDUCE_LOOP(T, (T)((U)u + (U)v)); break;                          \
-    case O_PRODUCT: REDUCE_LOOP(T, (T)((U)u * (U)v)); break;                      \
+    case O_SUM: REDUCE_LOOP(T, (T)((U)((uint64_t)(U)u + (uint64_t)(U)v))); break; \
+    case O_PRODUCT: REDUCE_LOOP(T, (T)((U)((uint64_t)(U)u * (uint64_t)(U)v))); break; \
     case O_MIN: REDUCE_LOOP(T, u < v ? u : v); break;                             \
     case O_MAX: REDUCE_LOOP(T, u > v ? u : v); break;                             \
     case O_BAND: REDUCE_LOOP(T, u & v); break;                                    \
@@ -141,6 +151,13 @@ static int valid_kind(long kind) {
     if (kind < 0 || kind >= T_NTYPES * 8 || kind % 8 >= O_NOPS) return 0;
     if ((kind / 8 == T_F32 || kind / 8 == T_F64) && kind % 8 > O_MAX) return 0; /* no bits on floats */
     return 1;
+}
+
+/* A Rounds made without __init__ has no addresses: refuse it instead of reading through NULL. */
+static int ready(Rounds *r) {
+    if (r->ctl && r->hdr && r->slot) return 1;
+    PyErr_SetString(PyExc_ValueError, "Rounds is not initialised");
+    return 0;
 }
 
 /* GroupShm.publish and exchange's wait: post round k (header, then the counter), poll every
@@ -177,13 +194,24 @@ static int consume(Rounds *r, uint64_t k) {
     return DONE;
 }
 
+/* Any integer a Python step accepts (a numpy integer too: the Python steps store through a "Q"
+ * memoryview), so a rank with C and a rank without agree on what is an error. */
+static int as_u64(PyObject *o, uint64_t *out) {
+    PyObject *i = PyLong_CheckExact(o) ? (Py_INCREF(o), o) : PyNumber_Index(o);
+    if (!i) return -1;
+    *out = PyLong_AsUnsignedLongLong(i);
+    Py_DECREF(i);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
 static int u64_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, uint64_t *out, const char *usage) {
     if (nargs != want) {
         PyErr_SetString(PyExc_TypeError, usage);
         return -1;
     }
-    for (Py_ssize_t i = 0; i < want; i++) out[i] = PyLong_AsUnsignedLongLong(args[i]);
-    return PyErr_Occurred() ? -1 : 0;
+    for (Py_ssize_t i = 0; i < want; i++)
+        if (as_u64(args[i], &out[i]) < 0) return -1;
+    return 0;
 }
 
 /* exchange(k, seq, sig, nbytes, extra) -> status bits: GroupShm.exchange's post and poll (the slot
@@ -191,6 +219,7 @@ static int u64_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, ui
 static PyObject *Rounds_exchange(Rounds *r, PyObject *const *args, Py_ssize_t nargs) {
     uint64_t a[5];
     if (u64_args(args, nargs, 5, a, "exchange(k, seq, sig, nbytes, extra)") < 0) return NULL;
+    if (!ready(r)) return NULL;
     return PyLong_FromLong(post_and_poll(r, a[0], a[1], a[2], a[3], a[4]));
 }
 
@@ -198,6 +227,7 @@ static PyObject *Rounds_exchange(Rounds *r, PyObject *const *args, Py_ssize_t na
 static PyObject *Rounds_consume(Rounds *r, PyObject *const *args, Py_ssize_t nargs) {
     uint64_t k;
     if (u64_args(args, nargs, 1, &k, "consume(k)") < 0) return NULL;
+    if (!ready(r)) return NULL;
     return PyLong_FromLong(consume(r, k));
 }
 
@@ -209,11 +239,12 @@ static PyObject *Rounds_all_reduce(Rounds *r, PyObject *const *args, Py_ssize_t 
         PyErr_SetString(PyExc_TypeError, "all_reduce(k, seq, sig, buffer, kind)");
         return NULL;
     }
-    uint64_t k = PyLong_AsUnsignedLongLong(args[0]);
-    uint64_t seq = PyLong_AsUnsignedLongLong(args[1]);
-    uint64_t sig = PyLong_AsUnsignedLongLong(args[2]);
-    long kind = PyLong_AsLong(args[4]);
-    if (PyErr_Occurred()) return NULL;
+    uint64_t k, seq, sig;
+    long kind;
+    if (as_u64(args[0], &k) < 0 || as_u64(args[1], &seq) < 0 || as_u64(args[2], &sig) < 0) return NULL;
+    kind = PyLong_AsLong(args[4]);
+    if (kind == -1 && PyErr_Occurred()) return NULL;
+    if (!ready(r)) return NULL;
     Py_buffer view;
     if (PyObject_GetBuffer(args[3], &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
     if (view.len > r->slot_bytes || !valid_kind(kind)) {
@@ -280,10 +311,26 @@ static int Rounds_init(Rounds *r, PyObject *args, PyObject *kwds) {
                                      &r->awaiting, &r->s_round, &r->s_seq, &r->s_sig, &r->s_nbytes, &r->s_extra,
                                      &budget_ns, &r->yields, &keepalive))
         return -1;
-    if (r->size < 1 || r->rank < 0 || r->rank >= r->size || r->nslots < 1) {
-        PyErr_SetString(PyExc_ValueError, "need 0 <= rank < size and nslots >= 1");
+    if (r->size < 1 || r->rank < 0 || r->rank >= r->size || r->nslots < 1 || r->slot_bytes < 0) {
+        PyErr_SetString(PyExc_ValueError, "need 0 <= rank < size, nslots >= 1 and slot_bytes >= 0");
         return -1;
     }
+    int words[] = {r->posted, r->consumed, r->reusing, r->awaiting}, fields[] = {r->s_round, r->s_seq, r->s_sig,
+                                                                                 r->s_nbytes, r->s_extra};
+    for (int i = 0; i < 4; i++)
+        if (words[i] < 0 || words[i] >= CTL_WORDS) {
+            PyErr_SetString(PyExc_ValueError, "a counter index is outside the counters' words");
+            return -1;
+        }
+    for (int i = 0; i < 5; i++)
+        if (fields[i] < 0 || fields[i] >= HEADER_WORDS) {
+            PyErr_SetString(PyExc_ValueError, "a slot header index is outside the header's words");
+            return -1;
+        }
+    PyMem_Free(r->ctl);
+    PyMem_Free(r->hdr);
+    PyMem_Free(r->slot);
+    r->ctl = NULL, r->hdr = NULL, r->slot = NULL;
     r->budget_ns = budget_ns;
     Py_ssize_t slots = (Py_ssize_t)r->size * r->nslots;
     if (addresses(ctl, r->size, (void ***)&r->ctl) < 0 || addresses(hdr, slots, (void ***)&r->hdr) < 0 ||
@@ -326,8 +373,7 @@ PyMODINIT_FUNC PyInit__shm_round(void) {
     if (PyType_Ready(&RoundsType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
-    Py_INCREF(&RoundsType);
-    if (PyModule_AddObject(m, "Rounds", (PyObject *)&RoundsType) < 0 ||
+    if (PyModule_AddObjectRef(m, "Rounds", (PyObject *)&RoundsType) < 0 ||
         PyModule_AddIntConstant(m, "DONE", DONE) < 0 || PyModule_AddIntConstant(m, "PENDING", PENDING) < 0 ||
         PyModule_AddIntConstant(m, "MISMATCH", MISMATCH) < 0 ||
         PyModule_AddIntConstant(m, "RING_POSTED", RING_POSTED) < 0 ||
