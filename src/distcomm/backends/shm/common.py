@@ -1,5 +1,6 @@
-"""Small pieces the shared-memory algorithms share: typed views of slots, block offsets, the
-rank-order reduction read straight from peers' buffers, and all_to_all's split mismatch."""
+"""Small pieces the shared-memory algorithms share: typed views of slots, buffer addresses posted in a
+slot, block offsets, the rank-order reduction read straight from peers' buffers, and all_to_all's
+split mismatch."""
 
 from __future__ import annotations
 
@@ -13,6 +14,17 @@ def view(raw: np.ndarray, dtype, count: int, start: int = 0) -> np.ndarray:
     """``count`` elements of ``dtype`` at byte ``start`` of a uint8 slot."""
     item = np.dtype(dtype).itemsize
     return raw[start : start + count * item].view(dtype)
+
+
+def write_addresses(slot: np.ndarray, arrays) -> None:
+    """Each of ``arrays``' address, in member order, at the start of our slot (uint8): member q
+    finds the one for it with ``address_for``."""
+    slot[: 8 * len(arrays)].view(np.uint64)[...] = [x.ctypes.data for x in arrays]
+
+
+def address_for(ctx, q: int, k: int, r: int) -> int:
+    """The address member ``q`` wrote for member ``r`` in its slot of round k (``write_addresses``)."""
+    return int(ctx.data(q, k)[8 * r : 8 * r + 8].view(np.uint64)[0])
 
 
 def offsets(counts) -> list[int]:

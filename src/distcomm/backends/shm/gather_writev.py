@@ -15,17 +15,18 @@ import numpy as np
 
 from ...transport import shm_direct
 from ...transport.base import Channel
+from .common import address_for, write_addresses
 
 
 def gather_writev(ctx, ch: Channel, send: np.ndarray, outs: Sequence[np.ndarray] | None, root: int) -> None:
     """Rank q's ``send`` (contiguous) lands in ``outs[q]`` on the root (contiguous arrays of its
     size; None elsewhere)."""
     k = ctx.next_round()
-    p, r = ctx.size, ctx.rank
+    r = ctx.rank
     nbytes = send.nbytes
     if r == root:
         slot = ctx.acquire(k, ch)
-        slot[: 8 * p].view(np.uint64)[...] = [x.ctypes.data for x in outs]
+        write_addresses(slot, outs)
         ctx.post(k, ch, nbytes)
         if not np.may_share_memory(outs[r], send):
             outs[r][...] = send
@@ -33,7 +34,7 @@ def gather_writev(ctx, ch: Channel, send: np.ndarray, outs: Sequence[np.ndarray]
         ctx.wait_consumed(k, ch)  # every peer's write has landed
     else:
         ctx.wait_posted(k, ch, nbytes, [root])
-        address = int(ctx.data(root, k)[8 * r : 8 * r + 8].view(np.uint64)[0])
+        address = address_for(ctx, root, k, r)
         if nbytes:
             shm_direct.write(ctx.transport.pid_of(ctx.ranks[root]), address, send)
         ctx.consume(k)

@@ -178,8 +178,7 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
     all_reduce_in_c = native.all_reduce_in_c(ctx)  # None: the round in Python
     barrier_sig = signature("barrier")
     # for the flight recorder: its fields and states, and the clock, bound once
-    group, STARTED, COMPLETED, STATE, T_COMPLETED, now = (pg.group_name, fr.STARTED, fr.COMPLETED, fr.STATE,
-                                                          fr.T_COMPLETED, time.time)
+    group, COMPLETED, STATE, T_COMPLETED, now = pg.group_name, fr.COMPLETED, fr.STATE, fr.T_COMPLETED, time.time
     # The last torch tensor taken, its data pointer and its memory as numpy: a loop that reduces
     # the same tensor call after call skips the conversion (2.5 µs; the check costs 0.35). It keeps
     # that one small tensor alive until another takes its place. One tuple, read and replaced

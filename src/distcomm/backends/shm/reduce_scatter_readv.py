@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...transport.base import Channel
-from .common import reduce_from_peers
+from .common import address_for, reduce_from_peers, write_addresses
 
 
 def reduce_scatter_readv(ctx, ch: Channel, ins, out: np.ndarray, red) -> None:
@@ -26,10 +26,10 @@ def reduce_scatter_readv(ctx, ch: Channel, ins, out: np.ndarray, red) -> None:
     nbytes = sum(x.nbytes for x in ins)  # every rank's header carries it: a disagreement is a mismatch
     k = ctx.next_round()
     slot = ctx.acquire(k, ch)
-    slot[: 8 * p].view(np.uint64)[...] = [x.ctypes.data for x in ins]
+    write_addresses(slot, ins)
     ctx.post(k, ch, nbytes)
     ctx.wait_posted(k, ch, nbytes)
-    base = [int(ctx.data(q, k)[8 * r : 8 * r + 8].view(np.uint64)[0]) for q in range(p)]
+    base = [address_for(ctx, q, k, r) for q in range(p)]
     mine, count = ins[r], out.size
     per = max(1, ctx.slot_bytes // out.itemsize)
     tmp = np.empty(min(per, count), out.dtype)

@@ -15,23 +15,24 @@ import numpy as np
 
 from ...transport import shm_direct
 from ...transport.base import Channel
+from .common import address_for, write_addresses
 
 
 def scatter_readv(ctx, ch: Channel, ins: Sequence[np.ndarray] | None, out: np.ndarray, root: int) -> None:
     """``ins[q]`` on the root (contiguous, ``out``'s size; None elsewhere) lands in rank q's ``out``
     (contiguous)."""
     k = ctx.next_round()
-    p, r = ctx.size, ctx.rank
+    r = ctx.rank
     nbytes = out.nbytes
     if r == root:
         slot = ctx.acquire(k, ch)
-        slot[:8 * p].view(np.uint64)[...] = [x.ctypes.data for x in ins]
+        write_addresses(slot, ins)
         ctx.post(k, ch, nbytes)
         out[...] = ins[r]
         ctx.consume(k)
         ctx.wait_consumed(k, ch)
     else:
         ctx.wait_posted(k, ch, nbytes, [root])
-        address = int(ctx.data(root, k)[8 * r:8 * r + 8].view(np.uint64)[0])
+        address = address_for(ctx, root, k, r)
         shm_direct.read(ctx.transport.pid_of(ctx.ranks[root]), address, out)
         ctx.consume(k)
