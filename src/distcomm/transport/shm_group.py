@@ -300,10 +300,13 @@ class GroupShm:
                 if c_consume(k):
                     ring_consumed()
 
-            exchange, consume = exchange_in_c, consume_in_c
 
         self.open_round, self.publish, self.check_posts = open_round, publish, check_posts
-        self.exchange, self.await_posts, self.collect, self.consume = exchange, await_posts, collect, consume
+        if native is not None:
+            self.exchange, self.consume = exchange_in_c, consume_in_c
+        else:
+            self.exchange, self.consume = exchange, consume
+        self.await_posts, self.collect = await_posts, collect
         assert tuple(name for name in ROUND_STEPS if name in self.__dict__) == ROUND_STEPS
 
     # -- rounds -------------------------------------------------------------------------------

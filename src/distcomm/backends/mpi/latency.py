@@ -85,8 +85,7 @@ def build(pg, collectives) -> FastPath:
     mpi_exception = MPI.Exception
     profiler_on = profiler_check()
     # for the flight recorder: its fields and states, and the clock, bound once
-    group, STARTED, COMPLETED, STATE, T_COMPLETED, now = (pg.group_name, fr.STARTED, fr.COMPLETED, fr.STATE,
-                                                          fr.T_COMPLETED, time.time)
+    group, COMPLETED, STATE, T_COMPLETED, now = pg.group_name, fr.COMPLETED, fr.STATE, fr.T_COMPLETED, time.time
     # op -> {numpy dtype number: (MPI datatype, MPI op, DType, its name, signature) or None}: two cheap
     # lookups, where an (op, np.dtype) key would hash a dtype object on every call
     plans: dict = {op: {} for op in RedOpType}
