@@ -45,8 +45,8 @@ except ImportError as exc:  # not built here: every round step runs in Python
 else:
     C_UNAVAILABLE = None
 
-#: the C calls' result bits that Python acts on (_shm_round.c; never set where it is not built)
-RING_POSTED, RING_CONSUMED = (4, 8) if _shm_round is None else (_shm_round.RING_POSTED, _shm_round.RING_CONSUMED)
+#: the C calls' result bits that Python acts on (_shm_round.c); without it there is no C call, so no bits
+RING_POSTED, RING_CONSUMED = (0, 0) if _shm_round is None else (_shm_round.RING_POSTED, _shm_round.RING_CONSUMED)
 
 
 def rounds_consumed_in_c() -> int:
@@ -299,7 +299,6 @@ class GroupShm:
             def consume_in_c(k: int) -> None:
                 if c_consume(k):
                     ring_consumed()
-
 
         self.open_round, self.publish, self.check_posts = open_round, publish, check_posts
         if native is not None:
