@@ -539,6 +539,21 @@ class ProcessGroup:
         path = paths.get(method)
         return path is not None and path(*args)
 
+    def fast_tensors(self, op: str, *args) -> bool:
+        """The synchronous collective ``op`` on the user's own tensors (the API function's
+        arguments, with the group's root), through the engine's ``FastPath.tensor_<op>``, before
+        any Buffer is made: True when the call is done, False when nothing was done (the API
+        function then goes on: Buffers, checks, the method)."""
+        if diagnostics.check_shapes:
+            return False
+        paths = self._fast_paths
+        if paths is None:
+            if not self._install_fast_path():
+                return False
+            paths = self._fast_paths
+        path = paths.get("tensor_" + op)
+        return path is not None and path(*args)
+
     def _install_fast_path(self) -> bool:
         """Ask the engine for the group's fast path: none (False: never again), not yet (None: the
         engine sets the group up on its first collective), or one, which from then on takes the

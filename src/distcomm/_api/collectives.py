@@ -40,6 +40,8 @@ def broadcast(tensor, src: int | None = None, group=None, async_op: bool = False
     if pg is None:
         return None
     root = args.group_peer(pg, "broadcast", src, group_src, "src")
+    if not async_op and pg.fast_tensors("broadcast", tensor, root):
+        return None
     buf = args.tensor(tensor, "broadcast", writes=pg.rank() != root)
     return pg.broadcast(buf, root, async_op, [tensor])
 
@@ -155,6 +157,8 @@ def reduce(tensor, dst: int | None = None, op=RedOpType.SUM, group=None, async_o
     if pg is None:
         return None
     root = args.group_peer(pg, "reduce", dst, group_dst, "dst")
+    if not async_op and op.__class__ is RedOpType and pg.fast_tensors("reduce", tensor, op, root):
+        return None
     buf = args.tensor(tensor, "reduce", writes=pg.rank() == root)
     op = _check_op(op, buf.dtype, "reduce")
     return pg.reduce(buf, op, root, async_op, [tensor])
@@ -183,6 +187,8 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bo
     pg = args.resolve_group(group, "all_gather_into_tensor")
     if pg is None:
         return None
+    if not async_op and pg.fast_tensors("all_gather_into_tensor", output_tensor, input_tensor):
+        return None
     out = args.tensor(output_tensor, "all_gather_into_tensor", "output_tensor", writes=True)
     inp = args.tensor(input_tensor, "all_gather_into_tensor", "input_tensor")
     args.same_dtype([out, inp], "all_gather_into_tensor")
@@ -207,6 +213,8 @@ def gather(tensor, gather_list=None, dst: int | None = None, group=None, async_o
     if pg is None:
         return None
     root = args.group_peer(pg, "gather", dst, group_dst, "dst")
+    if not async_op and pg.fast_tensors("gather", tensor, gather_list, root):
+        return None
     inp = args.tensor(tensor, "gather")
     if pg.rank() == root:
         if not gather_list:
@@ -228,6 +236,8 @@ def scatter(tensor, scatter_list=None, src: int | None = None, group=None, async
     if pg is None:
         return None
     root = args.group_peer(pg, "scatter", src, group_src, "src")
+    if not async_op and pg.fast_tensors("scatter", tensor, scatter_list, root):
+        return None
     out = args.tensor(tensor, "scatter", writes=True)
     if pg.rank() == root:
         if not scatter_list:
@@ -261,6 +271,8 @@ def reduce_scatter_tensor(output, input, op=RedOpType.SUM, group=None, async_op:
     ``output`` receives the reduction of block i."""
     pg = args.resolve_group(group, "reduce_scatter_tensor")
     if pg is None:
+        return None
+    if not async_op and op.__class__ is RedOpType and pg.fast_tensors("reduce_scatter_tensor", output, input, op):
         return None
     out = args.tensor(output, "reduce_scatter_tensor", "output", writes=True)
     inp = args.tensor(input, "reduce_scatter_tensor", "input")

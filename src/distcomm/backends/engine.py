@@ -203,6 +203,14 @@ class FastPath(NamedTuple):
     ``outs``/``ins``) and write results back (``Buffer.commit``) themselves; ProcessGroup calls
     them only for ``async_op=False`` (``ProcessGroup._fast``).
 
+    The ``tensor_<op>`` ones take the user's own arguments, before any Buffer is made (the API
+    function calls ``ProcessGroup.fast_tensors(op, ...)`` once the group and its root are known):
+    ``tensor_broadcast`` (tensor, root), ``tensor_reduce`` (tensor, op, root),
+    ``tensor_all_gather_into_tensor`` (output, input), ``tensor_reduce_scatter_tensor`` (output,
+    input, op), ``tensor_gather`` (tensor, gather_list or None, root), ``tensor_scatter`` (tensor,
+    scatter_list or None, root). They take only what needs no conversion and decline everything
+    else, whose checks and errors are the general path's.
+
     A fast path takes its sequence number from ``ProcessGroup.next_seq`` and claims the group
     through ``ProcessGroup.executor.enter_inline`` like any synchronous call, so it interleaves
     correctly with the general path on the same group, and it must exchange exactly what the
@@ -221,6 +229,12 @@ class FastPath(NamedTuple):
     reduce_scatter_tensor: Optional[Callable[..., bool]] = None
     alltoall: Optional[Callable[..., bool]] = None
     alltoall_base: Optional[Callable[..., bool]] = None
+    tensor_broadcast: Optional[Callable[..., bool]] = None
+    tensor_reduce: Optional[Callable[..., bool]] = None
+    tensor_all_gather_into_tensor: Optional[Callable[..., bool]] = None
+    tensor_reduce_scatter_tensor: Optional[Callable[..., bool]] = None
+    tensor_gather: Optional[Callable[..., bool]] = None
+    tensor_scatter: Optional[Callable[..., bool]] = None
 
 
 class Engine(ABC):

@@ -1,5 +1,6 @@
-/* A group's shared-memory round steps in C: exchange and consume (GroupShm's), and the whole
- * round of the direct all_reduce (backends/shm/native.py).
+/* A group's shared-memory round steps in C: exchange and consume (GroupShm's), the whole round of
+ * the direct all_reduce (backends/shm/native.py), and the whole round of any one-round collective
+ * given as a plan of copies (move(): backends/shm/round_plan.py).
  *
  * The same steps as the Python ones of transport/shm_group.py over the same memory, so a rank
  * running these and a rank running the Python steps meet in the same rounds. Python keeps
@@ -36,6 +37,7 @@
 #define MISMATCH 2      /* every peer posted, one header differs: nothing was read or consumed */
 #define RING_POSTED 4   /* a peer sleeps: ring_posted() is due, then the Python wait */
 #define RING_CONSUMED 8 /* after consuming, a peer waits to reuse a slot: ring_consumed() is due */
+#define EXTRA_DIFFERS 16 /* move() with check: every post matched, a peer's extra word differs (root check) */
 
 /* the words Python may name: a member's counters (before its "opened" bytes at byte 192) and a
  * slot header's (64 bytes) */
@@ -267,6 +269,133 @@ static PyObject *Rounds_all_reduce(Rounds *r, PyObject *const *args, Py_ssize_t 
     return PyLong_FromLong(status);
 }
 
+/* One copy of a plan: n bytes from src to dst, both checked against their buffer's or slot's length. */
+typedef struct {
+    int peer;                      /* a member whose slot is the source (reads), or -1: src_view */
+    Py_ssize_t src_off, dst_off, n;
+    Py_buffer src_view, dst_view;  /* held while the copy is pending (obj NULL when not taken) */
+} Copy;
+
+#define PLAN_STACK 32
+
+static void release_copies(Copy *c, Py_ssize_t count) {
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (c[i].src_view.obj) PyBuffer_Release(&c[i].src_view);
+        if (c[i].dst_view.obj) PyBuffer_Release(&c[i].dst_view);
+    }
+}
+
+static int bad_copy(const char *what, Py_ssize_t i) {
+    PyErr_Format(PyExc_ValueError, "move(): %s %zd is out of bounds or malformed", what, i);
+    return -1;
+}
+
+/* writes: (src, src_off, slot_off, n) into this member's slot; reads: (src, src_off, dst, dst_off, n)
+ * where src is a member (its slot) or a buffer. Everything is checked before the round is posted,
+ * so a bad plan raises having changed nothing. */
+static int parse_copies(Rounds *r, PyObject *seq, int reads, Copy *c, Py_ssize_t count) {
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *t = PySequence_Fast_GET_ITEM(seq, i);
+        const char *what = reads ? "read" : "write";
+        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != (reads ? 5 : 4)) return bad_copy(what, i);
+        PyObject *src = PyTuple_GET_ITEM(t, 0);
+        c[i].peer = -1;
+        c[i].src_off = PyLong_AsSsize_t(PyTuple_GET_ITEM(t, 1));
+        c[i].dst_off = PyLong_AsSsize_t(PyTuple_GET_ITEM(t, reads ? 3 : 2));
+        c[i].n = PyLong_AsSsize_t(PyTuple_GET_ITEM(t, reads ? 4 : 3));
+        if (PyErr_Occurred()) return -1;
+        if (c[i].src_off < 0 || c[i].dst_off < 0 || c[i].n < 0) return bad_copy(what, i);
+        if (reads && PyLong_Check(src)) {
+            long q = PyLong_AsLong(src);
+            if (q < 0 || q >= r->size || c[i].src_off > r->slot_bytes - c[i].n) return bad_copy(what, i);
+            c[i].peer = (int)q;
+        } else {
+            if (PyObject_GetBuffer(src, &c[i].src_view, PyBUF_C_CONTIGUOUS) < 0) return -1;
+            if (c[i].src_off > c[i].src_view.len - c[i].n) return bad_copy(what, i);
+        }
+        if (reads) {
+            if (PyObject_GetBuffer(PyTuple_GET_ITEM(t, 2), &c[i].dst_view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+                return -1;
+            if (c[i].dst_off > c[i].dst_view.len - c[i].n) return bad_copy(what, i);
+        } else if (c[i].dst_off > r->slot_bytes - c[i].n) {
+            return bad_copy(what, i);
+        }
+    }
+    return 0;
+}
+
+/* move(k, seq, sig, nbytes, extra, check, writes, reads, kind) -> status bits: a one-round
+ * collective's whole round k. Copy the writes into this member's slot, post (nbytes, extra), poll,
+ * check the headers and, with check, every peer's extra word against ours (EXTRA_DIFFERS: a
+ * rooted collective's root check failed; nothing read or consumed); then the reads, in order:
+ * with kind -1 each a copy (memmove), else a fold into one destination (the first read copies,
+ * each later one reduces into it with kind's op, as reduce_into does); then consume. Anything but
+ * DONE or RING_CONSUMED leaves the reads and the consume to Python (round_plan.finish). */
+static PyObject *Rounds_move(Rounds *r, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "move(k, seq, sig, nbytes, extra, check, writes, reads, kind)");
+        return NULL;
+    }
+    uint64_t a[5];
+    for (int i = 0; i < 5; i++)
+        if (as_u64(args[i], &a[i]) < 0) return NULL;
+    int check = PyObject_IsTrue(args[5]);
+    long kind = PyLong_AsLong(args[8]);
+    if (check < 0 || (kind == -1 && PyErr_Occurred())) return NULL;
+    if (kind != -1 && !valid_kind(kind)) {
+        PyErr_Format(PyExc_ValueError, "move(): unknown reduction kind %ld", kind);
+        return NULL;
+    }
+    if (!ready(r)) return NULL;
+    PyObject *wseq = PySequence_Fast(args[6], "writes must be a sequence");
+    if (!wseq) return NULL;
+    PyObject *rseq = PySequence_Fast(args[7], "reads must be a sequence");
+    if (!rseq) {
+        Py_DECREF(wseq);
+        return NULL;
+    }
+    Py_ssize_t nw = PySequence_Fast_GET_SIZE(wseq), nr = PySequence_Fast_GET_SIZE(rseq), total = nw + nr;
+    Copy stack[PLAN_STACK], *c = total <= PLAN_STACK ? stack : PyMem_Calloc((size_t)total, sizeof(Copy));
+    PyObject *result = NULL;
+    if (!c) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    memset(c, 0, sizeof(Copy) * (size_t)total);
+    if (parse_copies(r, wseq, 0, c, nw) < 0 || parse_copies(r, rseq, 1, c + nw, nr) < 0) goto release;
+    int s = (int)(a[0] % (uint64_t)r->nslots), me = r->rank;
+    char *mine = r->slot[me * r->nslots + s];
+    for (Py_ssize_t i = 0; i < nw; i++)
+        if (c[i].n) memcpy(mine + c[i].dst_off, (char *)c[i].src_view.buf + c[i].src_off, (size_t)c[i].n);
+    int status = post_and_poll(r, a[0], a[1], a[2], a[3], a[4]);
+    if (status == DONE && check) {
+        for (int q = 0; q < r->size; q++)
+            if (q != me && r->hdr[q * r->nslots + s][r->s_extra] != a[4]) status = EXTRA_DIFFERS;
+    }
+    if (status == DONE) {
+        for (Py_ssize_t i = nw; i < total; i++) {
+            Copy *x = &c[i];
+            if (!x->n) continue;
+            const char *from = x->peer >= 0 ? r->slot[x->peer * r->nslots + s] + x->src_off
+                                            : (const char *)x->src_view.buf + x->src_off;
+            char *to = (char *)x->dst_view.buf + x->dst_off;
+            if (kind < 0 || i == nw)
+                memmove(to, from, (size_t)x->n);
+            else
+                reduce_into(to, from, x->n, (int)kind);
+        }
+        status = consume(r, a[0]);
+    }
+    result = PyLong_FromLong(status);
+release:
+    release_copies(c, total);
+    if (c != stack) PyMem_Free(c);
+out:
+    Py_DECREF(wseq);
+    Py_DECREF(rseq);
+    return result;
+}
+
 static int addresses(PyObject *seq, Py_ssize_t count, void ***out) {
     PyObject *fast = PySequence_Fast(seq, "addresses must be a sequence of ints");
     if (!fast) return -1;
@@ -348,6 +477,8 @@ static PyMethodDef Rounds_methods[] = {
      "consume(k) -> RING_CONSUMED or DONE: done reading round k"},
     {"all_reduce", (PyCFunction)(void (*)(void))Rounds_all_reduce, METH_FASTCALL,
      "all_reduce(k, seq, sig, buffer, kind) -> status bits: the direct all_reduce's whole round k"},
+    {"move", (PyCFunction)(void (*)(void))Rounds_move, METH_FASTCALL,
+     "move(k, seq, sig, nbytes, extra, check, writes, reads, kind) -> status bits: a one-round collective's round k"},
     {NULL}};
 
 static PyTypeObject RoundsType = {
@@ -377,7 +508,8 @@ PyMODINIT_FUNC PyInit__shm_round(void) {
         PyModule_AddIntConstant(m, "DONE", DONE) < 0 || PyModule_AddIntConstant(m, "PENDING", PENDING) < 0 ||
         PyModule_AddIntConstant(m, "MISMATCH", MISMATCH) < 0 ||
         PyModule_AddIntConstant(m, "RING_POSTED", RING_POSTED) < 0 ||
-        PyModule_AddIntConstant(m, "RING_CONSUMED", RING_CONSUMED) < 0)
+        PyModule_AddIntConstant(m, "RING_CONSUMED", RING_CONSUMED) < 0 ||
+        PyModule_AddIntConstant(m, "EXTRA_DIFFERS", EXTRA_DIFFERS) < 0)
         return NULL;
     return m;
 }

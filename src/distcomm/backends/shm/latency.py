@@ -60,12 +60,12 @@ from ...dtypes import from_numpy
 from ...errors import DistBackendError
 from ...profiling import profiler_check
 from ...reduction import check_supported, finish, reducer, sequence_reducer
-from ...signatures import signature
+from ...signatures import signature, without_root
 from ...transport.base import TransportError
 from ...types import RedOpType
 from ..engine import FastPath, root_mismatch
 from . import (allreduce_direct, alltoall_slots, broadcast_slots, gather_slots, native, observe, reduce_direct,
-               reduce_scatter_slots, scatter_slots)
+               reduce_scatter_slots, round_plan, scatter_slots)
 from .choose import Capabilities, choose
 
 _ndarray = np.ndarray
@@ -316,12 +316,19 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
         """One claimed call on ``buf`` (the Buffer the flight recorder describes): its sequence
         number, then the algorithm's round(s); a rooted collective's one round carries its root
         check (``root_check.exchange``, as on the general path)."""
+        # the user's frame is above started, run_round, run, the path (or its helper) and the path
+        # or ProcessGroup._fast: the walk goes on from the frame after them
+        return run_round(op, sig, buf.flat.nbytes, buf.dtype.name, 5, root, one_round, *args)
+
+    def run_round(op: str, sig: int, nbytes: int, dtype_name: str, frames: int, root: int | None, one_round,
+                  *args) -> bool:
+        """``run`` for a call of ``nbytes`` of ``dtype_name``: ``frames`` is ``FlightRecorder.started``'s
+        skip (the user's frame or a distcomm frame below it: fewer only costs a longer walk, more
+        would pass the user's frame)."""
         seq = next_seq()
         channel = channels[op]
-        # the user's frame is above started, run, the path (or its helper) and the path or
-        # ProcessGroup._fast: the walk goes on from the frame after them
-        record = None if fr.recorder is None else fr.recorder.started(group, seq, op, buf.flat.nbytes,
-                                                                      buf.dtype.name, root, 4)
+        record = None if fr.recorder is None else fr.recorder.started(group, seq, op, nbytes, dtype_name, root,
+                                                                      frames)
         try:
             observe.current is None or observe.current("latency_" + op)
             ran = one_round(ctx, seq, sig, channel, *args)
@@ -343,11 +350,75 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
             record[T_COMPLETED], record[STATE] = now(), COMPLETED
         return True
 
+    # -- each one_round as a plan of copies, run in one C call (round_plan.py), where it is built ---
+    move = round_plan.runner(ctx)
+    scatter_step = scatter_slots.piece_bytes(ctx.slot_bytes, size)
+    kinds: dict = {}  # (op, numpy dtype) -> the C fold's kind, or None
+
+    def kind_of(op, np_dtype) -> int | None:
+        key = (op, np_dtype)
+        if key not in kinds:
+            kinds[key] = native.kind(op, np_dtype)
+        return kinds[key]
+
+    def broadcast_round(_, seq, sig, channel, flat, root):
+        n = flat.nbytes
+        if rank == root:
+            return move(seq, sig, without_root(sig), channel, n, root, True, ((flat, 0, 0, n),), ())
+        return move(seq, sig, without_root(sig), channel, n, root, True, (), ((root, 0, flat, 0, n),))
+
+    def reduce_round(_, seq, sig, channel, flat, red, root, code):
+        n = flat.nbytes
+        reads = tuple((q, 0, flat, 0, n) for q in range(size)) if rank == root else ()
+        return move(seq, sig, without_root(sig), channel, n, root, True, ((flat, 0, 0, n),), reads, code, red,
+                    flat.dtype)
+
+    def gather_round(_, seq, sig, channel, send, outs, root):
+        """gather_slots.one_round's plan; ``outs``: a list of arrays, or (array, block bytes) for
+        blocks of one output (all_gather_into_tensor)."""
+        n = send.nbytes
+        if outs is None:
+            reads = ()
+        elif outs.__class__ is tuple:
+            out, step = outs
+            reads = tuple((send if q == rank else q, 0, out, q * step, n) for q in range(size))
+        else:
+            reads = tuple((send if q == rank else q, 0, outs[q], 0, n) for q in range(size))
+        writes = ((send, 0, 0, n),) if root != rank else ()
+        if root is None:
+            return move(seq, sig, sig, channel, n, 0, False, writes, reads)
+        return move(seq, sig, without_root(sig), channel, n, root, True, writes, reads)
+
+    def scatter_round(_, seq, sig, channel, ins, out, root):
+        n = out.nbytes
+        if rank == root:
+            writes = tuple((ins[q], 0, q * scatter_step, n) for q in range(size) if q != root)
+            reads = ((ins[root], 0, out, 0, n),)
+        else:
+            writes, reads = (), ((root, rank * scatter_step, out, 0, n),)
+        return move(seq, sig, without_root(sig), channel, n, root, True, writes, reads)
+
+    def reduce_scatter_round(_, seq, sig, channel, blocks, out, total, red, code):
+        """reduce_scatter_slots.one_round's plan; ``blocks``: a list of arrays, or (array, block
+        bytes) for blocks of one input (reduce_scatter_tensor)."""
+        n = out.nbytes
+        stride = reduce_scatter_slots.piece_count(ctx.slot_bytes, size, out.itemsize) * out.itemsize
+        if blocks.__class__ is tuple:
+            inp, step = blocks
+            writes = tuple((inp, q * step, q * stride, n) for q in range(size) if q != rank and n)
+            reads = tuple((inp, rank * step, out, 0, n) if q == rank else (q, rank * stride, out, 0, n)
+                          for q in range(size)) if n else ()
+        else:
+            writes = tuple((b, 0, q * stride, b.nbytes) for q, b in enumerate(blocks) if q != rank and b.nbytes)
+            reads = tuple((blocks[rank], 0, out, 0, n) if q == rank else (q, rank * stride, out, 0, n)
+                          for q in range(size)) if n else ()
+        move(seq, sig, sig, channel, total, 0, False, writes, reads, code, red, out.dtype)
+
     def broadcast(buf, root) -> bool:
         if buf.flat.nbytes > limits.broadcast or not claim():
             return False
-        run("broadcast", sig_of("broadcast", buf.dtype.code, root=root), buf, root, broadcast_slots.one_round,
-            buf.flat, root)
+        run("broadcast", sig_of("broadcast", buf.dtype.code, root=root), buf, root,
+            broadcast_slots.one_round if move is None else broadcast_round, buf.flat, root)
         buf.commit()
         return True
 
@@ -356,8 +427,12 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
         if red is None or buf.flat.nbytes > limits.reduce or not claim():
             return False
         flat = buf.flat
-        run("reduce", sig_of("reduce", buf.dtype.code, int(op), root), buf, root, reduce_direct.one_round, flat, red,
-            root)
+        sig = sig_of("reduce", buf.dtype.code, int(op), root)
+        code = None if move is None else kind_of(op, flat.dtype)
+        if code is None:
+            run("reduce", sig, buf, root, reduce_direct.one_round, flat, red, root)
+        else:
+            run("reduce", sig, buf, root, reduce_round, flat, red, root, code)
         if rank == root:
             finish(op, flat, size, buf.dtype)
             buf.commit()
@@ -366,8 +441,8 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
     def allgather(outs, inp) -> bool:
         if inp.flat.nbytes > limits.all_gather or not claim():
             return False
-        run("all_gather", sig_of("all_gather", inp.dtype.code), inp, None, gather_slots.one_round, inp.flat,
-            [b.flat for b in outs], None)
+        run("all_gather", sig_of("all_gather", inp.dtype.code), inp, None,
+            gather_slots.one_round if move is None else gather_round, inp.flat, [b.flat for b in outs], None)
         for b in outs:
             b.commit()
         return True
@@ -376,15 +451,20 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
         if inp.flat.nbytes > limits.all_gather or not claim():
             return False
         n, flat = inp.count, out.flat
-        run("all_gather_into_tensor", sig_of("all_gather_into_tensor", inp.dtype.code), inp, None,
-            gather_slots.one_round, inp.flat, [flat[q * n:(q + 1) * n] for q in range(size)], None)
+        sig = sig_of("all_gather_into_tensor", inp.dtype.code)
+        if move is None:
+            run("all_gather_into_tensor", sig, inp, None, gather_slots.one_round, inp.flat,
+                [flat[q * n:(q + 1) * n] for q in range(size)], None)
+        else:
+            run("all_gather_into_tensor", sig, inp, None, gather_round, inp.flat, (flat, inp.flat.nbytes), None)
         out.commit()
         return True
 
     def gather(outs, inp, root) -> bool:
         if inp.flat.nbytes > limits.gather or not claim():
             return False
-        run("gather", sig_of("gather", inp.dtype.code, root=root), inp, root, gather_slots.one_round, inp.flat,
+        run("gather", sig_of("gather", inp.dtype.code, root=root), inp, root,
+            gather_slots.one_round if move is None else gather_round, inp.flat,
             None if outs is None else [b.flat for b in outs], root)
         for b in outs or ():
             b.commit()
@@ -393,24 +473,35 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
     def scatter(out, ins, root) -> bool:
         if out.flat.nbytes > limits.scatter or not claim():
             return False
-        run("scatter", sig_of("scatter", out.dtype.code, root=root), out, root, scatter_slots.one_round,
+        run("scatter", sig_of("scatter", out.dtype.code, root=root), out, root,
+            scatter_slots.one_round if move is None else scatter_round,
             None if ins is None else [b.flat for b in ins], out.flat, root)
         out.commit()
         return True
 
     def reduce_scatter_blocks(op_name: str, out, blocks, op) -> bool:
+        """``blocks``: this rank's block for each rank, a list of arrays, or (array, block bytes) for
+        the blocks of one input (reduce_scatter_tensor)."""
         red = reducer_of(op, out.dtype)
         if red is None:
             return False
-        total = 0
-        for b in blocks:
-            if b.nbytes > limits.reduce_scatter_piece:
-                return False
-            total += b.nbytes
-        if total > limits.reduce_scatter or not claim():
+        if blocks.__class__ is tuple:
+            piece = blocks[1]
+            total = size * piece
+        else:
+            piece = max(b.nbytes for b in blocks)
+            total = sum(b.nbytes for b in blocks)
+        if piece > limits.reduce_scatter_piece or total > limits.reduce_scatter or not claim():
             return False
-        run(op_name, sig_of(op_name, out.dtype.code, int(op)), out, None, reduce_scatter_slots.one_round, blocks,
-            out.flat, total, red)
+        sig = sig_of(op_name, out.dtype.code, int(op))
+        code = None if move is None else kind_of(op, out.flat.dtype)
+        if code is None:
+            if blocks.__class__ is tuple:
+                flat, count = blocks[0], out.count
+                blocks = [flat[q * count:(q + 1) * count] for q in range(size)]
+            run(op_name, sig, out, None, reduce_scatter_slots.one_round, blocks, out.flat, total, red)
+        else:
+            run(op_name, sig, out, None, reduce_scatter_round, blocks, out.flat, total, red, code)
         finish(op, out.flat, size, out.dtype)
         out.commit()
         return True
@@ -419,8 +510,7 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
         return reduce_scatter_blocks("reduce_scatter", out, [b.flat for b in ins], op)
 
     def reduce_scatter_tensor(out, inp, op) -> bool:
-        n, flat = out.count, inp.flat
-        return reduce_scatter_blocks("reduce_scatter_tensor", out, [flat[q * n:(q + 1) * n] for q in range(size)], op)
+        return reduce_scatter_blocks("reduce_scatter_tensor", out, (inp.flat, out.flat.nbytes), op)
 
     def all_to_all(op_name: str, buf, sends, recvs, base: int, offsets) -> bool:
         """Claim and run one all_to_all of these pieces (checked by the caller); ``buf``: the
@@ -472,7 +562,160 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
         out.commit()
         return True
 
-    return FastPath(all_reduce=small_all_reduce, barrier=small_barrier, broadcast=broadcast, reduce=reduce,
-                    allgather=allgather, allgather_into_tensor=allgather_into_tensor, gather=gather, scatter=scatter,
-                    reduce_scatter=reduce_scatter, reduce_scatter_tensor=reduce_scatter_tensor, alltoall=alltoall,
-                    alltoall_base=alltoall_base)
+    paths = FastPath(all_reduce=small_all_reduce, barrier=small_barrier, broadcast=broadcast, reduce=reduce,
+                     allgather=allgather, allgather_into_tensor=allgather_into_tensor, gather=gather, scatter=scatter,
+                     reduce_scatter=reduce_scatter, reduce_scatter_tensor=reduce_scatter_tensor, alltoall=alltoall,
+                     alltoall_base=alltoall_base)
+    if move is None:
+        return paths
+
+    # -- on the user's tensors, before any Buffer is made (where the plans run in C) ---------------
+    # Torch tensors taken lately, each with its data pointer and its memory as numpy (the
+    # conversion costs 2.5 µs, the check 0.35); a handful, so a loop over an input and an output
+    # finds both. An entry is one tuple, read and replaced whole (threads sharing the group never
+    # pair one tensor with another's memory); it keeps its small tensor alive until the next clear.
+    known_tensors: dict = {}
+    known_dtypes: dict = {}  # numpy dtype -> DType, or None where the general path decides
+
+    def flat_of(t) -> np.ndarray | None:
+        """``t``'s memory as a flat numpy array when it is a C-contiguous, aligned, writeable numpy
+        array or a contiguous CPU torch tensor (not bfloat16); else None (the general path)."""
+        if t.__class__ is _ndarray:
+            return t.reshape(-1) if t.flags.carray else None
+        torch = sys.modules.get("torch")
+        if torch is None or not isinstance(t, torch.Tensor):
+            return None
+        entry = known_tensors.get(id(t))
+        if entry is not None:
+            known, address, flat = entry
+            if t is known and t.data_ptr() == address and t.numel() == flat.size and t.is_contiguous():
+                return flat
+        flat = _torch_flat(t)
+        if flat is not None and flat.nbytes <= ctx.slot_bytes:
+            if len(known_tensors) >= 8:
+                known_tensors.clear()
+            known_tensors[id(t)] = (t, t.data_ptr(), flat)
+        return flat
+
+    def dtype_of(flat):
+        np_dtype = flat.dtype
+        try:
+            return known_dtypes[np_dtype]
+        except KeyError:
+            try:
+                dtype = from_numpy(np_dtype)
+            except (TypeError, ValueError):
+                dtype = None
+            known_dtypes[np_dtype] = dtype
+            return dtype
+
+    def flats_like(tensors, like: np.ndarray) -> list | None:
+        """A gather's or scatter's list as flat arrays each like ``like`` (size and dtype), or None."""
+        if tensors.__class__ is not list or len(tensors) != size:
+            return None
+        flats = [flat_of(t) for t in tensors]
+        for f in flats:
+            if f is None or f.dtype != like.dtype or f.size != like.size:
+                return None
+        return flats
+
+    # each: the user's frame is above started, run_round, the path and ProcessGroup.fast_tensors
+    def tensor_broadcast(tensor, root) -> bool:
+        flat = flat_of(tensor)
+        if flat is None or not 0 < flat.nbytes <= limits.broadcast:
+            return False
+        dtype = dtype_of(flat)
+        if dtype is None or not claim():
+            return False
+        run_round("broadcast", sig_of("broadcast", dtype.code, root=root), flat.nbytes, dtype.name, 4, root,
+                  broadcast_round, flat, root)
+        return True
+
+    def tensor_reduce(tensor, op, root) -> bool:
+        flat = flat_of(tensor)
+        if flat is None or not 0 < flat.nbytes <= limits.reduce:
+            return False
+        dtype = dtype_of(flat)
+        if dtype is None:
+            return False
+        red = reducer_of(op, dtype)
+        code = None if red is None else kind_of(op, flat.dtype)
+        if code is None or not claim():
+            return False
+        run_round("reduce", sig_of("reduce", dtype.code, int(op), root), flat.nbytes, dtype.name, 4, root,
+                  reduce_round, flat, red, root, code)
+        if rank == root:
+            finish(op, flat, size, dtype)
+        return True
+
+    def tensor_all_gather_into_tensor(output, inp) -> bool:
+        out, send = flat_of(output), flat_of(inp)
+        if out is None or send is None or out.dtype != send.dtype or out.size != send.size * size:
+            return False
+        n = send.nbytes
+        dtype = dtype_of(send)
+        if not 0 < n <= limits.all_gather or dtype is None or not claim():
+            return False
+        run_round("all_gather_into_tensor", sig_of("all_gather_into_tensor", dtype.code), n, dtype.name, 4, None,
+                  gather_round, send, (out, n), None)
+        return True
+
+    def tensor_reduce_scatter_tensor(output, inp, op) -> bool:
+        out, flat = flat_of(output), flat_of(inp)
+        if out is None or flat is None or out.dtype != flat.dtype or flat.size != out.size * size:
+            return False
+        n = out.nbytes
+        dtype = dtype_of(out)
+        if not 0 < n <= limits.reduce_scatter_piece or n * size > limits.reduce_scatter or dtype is None:
+            return False
+        red = reducer_of(op, dtype)
+        code = None if red is None else kind_of(op, out.dtype)
+        if code is None or not claim():
+            return False
+        run_round("reduce_scatter_tensor", sig_of("reduce_scatter_tensor", dtype.code, int(op)), n, dtype.name, 4,
+                  None, reduce_scatter_round, (flat, n), out, n * size, red, code)
+        finish(op, out, size, dtype)
+        return True
+
+    def tensor_gather(tensor, gather_list, root) -> bool:
+        send = flat_of(tensor)
+        if send is None or not 0 < send.nbytes <= limits.gather:
+            return False
+        if rank == root:
+            outs = flats_like(gather_list, send) if gather_list else None
+            if outs is None:
+                return False
+        elif gather_list:
+            return False
+        else:
+            outs = None
+        dtype = dtype_of(send)
+        if dtype is None or not claim():
+            return False
+        run_round("gather", sig_of("gather", dtype.code, root=root), send.nbytes, dtype.name, 4, root,
+                  gather_round, send, outs, root)
+        return True
+
+    def tensor_scatter(tensor, scatter_list, root) -> bool:
+        out = flat_of(tensor)
+        if out is None or not 0 < out.nbytes <= limits.scatter:
+            return False
+        if rank == root:
+            ins = flats_like(scatter_list, out) if scatter_list else None
+            if ins is None:
+                return False
+        elif scatter_list:
+            return False
+        else:
+            ins = None
+        dtype = dtype_of(out)
+        if dtype is None or not claim():
+            return False
+        run_round("scatter", sig_of("scatter", dtype.code, root=root), out.nbytes, dtype.name, 4, root,
+                  scatter_round, ins, out, root)
+        return True
+
+    return paths._replace(tensor_broadcast=tensor_broadcast, tensor_reduce=tensor_reduce,
+                          tensor_all_gather_into_tensor=tensor_all_gather_into_tensor,
+                          tensor_reduce_scatter_tensor=tensor_reduce_scatter_tensor, tensor_gather=tensor_gather,
+                          tensor_scatter=tensor_scatter)

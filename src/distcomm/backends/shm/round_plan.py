@@ -1,0 +1,93 @@
+"""A one-round collective as a plan of copies, run in one C call where the round steps in C are built.
+
+Every small collective of the latency paths is one round of a slots algorithm (broadcast_slots,
+reduce_direct, gather_slots, scatter_slots, reduce_scatter_slots: their ``one_round``): copy some
+bytes into this member's slot, post the round (its byte count and extra word), wait for every
+peer's post and check the headers (a rooted collective also compares every peer's extra word, its
+root: root_check.py), copy bytes out of the peers' slots (or fold them, for a reduction), consume.
+A plan says which bytes:
+
+* ``writes``: ``(src, src_offset, slot_offset, n)``: n bytes of buffer ``src`` into this member's slot;
+* ``reads``: ``(src, src_offset, dst, dst_offset, n)``: n bytes into buffer ``dst``, from member
+  ``src``'s slot when ``src`` is an int, else from buffer ``src``; with a reduction ``kind``
+  (native.kind) they fold into one destination: the first read copies, each later one reduces
+  into it, in the order given (rank order, as the Python algorithms reduce).
+
+``GroupShm.native.move`` (transport/_shm_round.c) runs the whole round. When it hands the round back
+(a peer to ring, a wait past the poll, a mismatch, a root that differs), ``finish`` does the rest in
+Python, as the algorithm's ``one_round`` would, from the same plan. The bytes in the slots and the
+headers are exactly the ``one_round``'s, so a member running that (the general path, or a rank
+without C) meets a member running the plan in the same round: tests/test_round_plan.py runs them
+against each other.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...transport import shm_group
+
+
+def _bytes(buf) -> memoryview:
+    return memoryview(buf).cast("B")
+
+
+class PlanRunner:
+    """Runs plans on GroupShm ``ctx`` (whose ``native`` is built)."""
+
+    def __init__(self, ctx):
+        self._ctx = ctx
+        self._open_round = ctx.open_round
+        self._move = ctx.native.move
+
+    def __call__(self, seq: int, sig: int, header_sig: int, channel, nbytes: int, extra: int, check: bool,
+                 writes, reads, kind: int = -1, red=None, dtype: np.dtype | None = None) -> tuple[int, int] | None:
+        """Round ``seq`` of signature ``sig`` (its headers carry ``header_sig``: a rooted collective's
+        is ``sig`` without its root bits), run from the plan; ``red`` and ``dtype``: the Python
+        pairwise reducer and the element type, for a fold handed back. Returns, with ``check``, the
+        first (peer, its extra word) that differs from ``extra`` (nothing read then), else None."""
+        k = self._open_round(seq, sig, channel)
+        status = self._move(k, seq, header_sig, nbytes, extra, check, writes, reads, kind)
+        if not status:
+            return None
+        if status == shm_group.RING_CONSUMED:
+            self._ctx.ring_consumed()
+            return None
+        return finish(self._ctx, k, seq, header_sig, channel, status, nbytes, extra, check, reads, kind, red, dtype)
+
+
+def finish(ctx, k: int, seq: int, header_sig: int, channel, status: int, nbytes: int, extra: int, check: bool,
+           reads, kind: int, red, dtype) -> tuple[int, int] | None:
+    """The rest of round k after the C call handed it back with ``status``: wait for the posts
+    (ringing a sleeper first) unless they are all in, check the extra words, then the reads and the
+    consume, in Python."""
+    if status != shm_group.EXTRA_DIFFERS:
+        ctx.settle(status, k, seq, header_sig, nbytes, channel)
+    disagreeing = None
+    if check:
+        for q in range(ctx.size):
+            if q != ctx.rank and ctx.extra(q, k) != extra:
+                disagreeing = (q, ctx.extra(q, k))
+                break
+    if disagreeing is None:
+        _read(ctx, k, reads, kind, red, dtype)
+    ctx.consume(k)
+    return disagreeing
+
+
+def _read(ctx, k: int, reads, kind: int, red, dtype) -> None:
+    for i, (src, src_offset, dst, dst_offset, n) in enumerate(reads):
+        if not n:
+            continue
+        source = (ctx.raw(src, k) if isinstance(src, int) else _bytes(src))[src_offset:src_offset + n]
+        target = _bytes(dst)[dst_offset:dst_offset + n]
+        if kind < 0 or i == 0:
+            target[:] = source
+        else:
+            red(np.frombuffer(target, dtype), np.frombuffer(source, dtype))
+
+
+def runner(ctx) -> PlanRunner | None:
+    """The plan runner of GroupShm ``ctx``, or None where its round steps run in Python (the latency
+    paths then run the algorithms' own ``one_round``)."""
+    return None if ctx.native is None else PlanRunner(ctx)
