@@ -4,13 +4,15 @@
 * On bytes, with no process (members' memory laid out as GroupShm lays it out): a plan's writes land
   in this member's slot and its header carries the byte count and extra word; its reads copy from
   the peers' slots and from local buffers, or fold them in rank order as numpy does; a peer whose
-  extra word differs (a root check) hands the round back unread and unconsumed (EXTRA_DIFFERS), as
+  extra word differs (a root check) hands the round back unread and unconsumed (DIFFERS), as
   does a peer that has not posted (PENDING); a plan that reaches outside a slot or a buffer, or
   writes into a read-only one, is refused before anything is posted.
 * In real worlds: ranks running the plans in C and ranks running the algorithms' rounds in Python
   (DISTCOMM_SHM_NATIVE=0) meet in the same rounds for broadcast, reduce, gather, scatter,
-  all_gather_into_tensor and reduce_scatter_tensor at world sizes 2, 3 and 5, against numpy; a
-  late peer makes the C call hand its round back, and Python finishes it (reads and folds).
+  all_gather_into_tensor, reduce_scatter_tensor and all_to_all_single at world sizes 2, 3 and 5,
+  against numpy; a late peer makes the C call hand its round back, and Python finishes it (reads
+  and folds); an all_to_all_single whose peer sends another split hands its round back to the
+  algorithm, which names the peer.
 
 test_shm_latency_ops.py runs every latency path against the general path and the naive reference
 at world sizes 1-8, with numpy arrays and torch tensors; where C is built those are these plans.
@@ -44,7 +46,7 @@ def test_writes_land_in_the_slot_and_reads_copy_from_peers_and_buffers():
     out = np.zeros(9, np.float32)
     n = send.nbytes
     status = m.rounds[1].move(1, 5, 8, n, 2, True, ((send, 0, 64, n),),
-                              ((0, 0, out, 0, n), (send, 0, out, n, n), (2, 4, out, 2 * n + 4, n - 4)), -1)
+                              ((0, 0, out, 0, n), (send, 0, out, n, n), (2, 4, out, 2 * n + 4, n - 4)), -1, ())
     assert status == C.DONE
     h = m.headers[1][1]
     assert (h[g.S_ROUND], h[g.S_SEQ], h[g.S_SIG], h[g.S_NBYTES], h[g.S_EXTRA]) == (1, 5, 8, n, 2)
@@ -65,7 +67,7 @@ def test_a_fold_reduces_in_the_order_given_as_numpy_does(op_name, ufunc):
     out = np.full(5, 99, dtype)
     n = xs[0].nbytes
     reads = ((0, 0, out, 0, n), (xs[1], 0, out, 0, n), (2, 0, out, 0, n))
-    assert m.rounds[1].move(1, 1, 2, n, 0, False, (), reads, kind_of(op_name, dtype)) == C.DONE
+    assert m.rounds[1].move(1, 1, 2, n, 0, False, (), reads, kind_of(op_name, dtype), ()) == C.DONE
     expected = xs[0].copy()
     for x in xs[1:]:
         ufunc(expected, x, out=expected)
@@ -78,13 +80,13 @@ def test_a_peer_with_another_extra_word_hands_the_round_back_unread():
     post(m, 0, 1, seq=3, sig=4, data=np.ones(2, np.float32), extra=0)
     post(m, 2, 1, seq=3, sig=4, data=np.ones(2, np.float32), extra=2)  # member 2 believes it is the root
     out = np.zeros(2, np.float32)
-    status = m.rounds[1].move(1, 3, 4, 8, 0, True, (), ((0, 0, out, 0, 8),), -1)
-    assert status == C.EXTRA_DIFFERS
+    status = m.rounds[1].move(1, 3, 4, 8, 0, True, (), ((0, 0, out, 0, 8),), -1, ())
+    assert status == C.DIFFERS
     assert out.tolist() == [0.0, 0.0] and m.ctl[1][g.POSTED] == 1 and m.ctl[1][g.CONSUMED] == 0
     # without the check the extra word is not compared
     m2 = Members(2)
     post(m2, 0, 1, seq=3, sig=4, data=np.ones(2, np.float32), extra=7)
-    assert m2.rounds[1].move(1, 3, 4, 8, 0, False, (), ((0, 0, out, 0, 8),), -1) == C.DONE
+    assert m2.rounds[1].move(1, 3, 4, 8, 0, False, (), ((0, 0, out, 0, 8),), -1, ()) == C.DONE
     assert out.tolist() == [1.0, 1.0]
 
 
@@ -92,7 +94,7 @@ def test_a_peer_with_another_extra_word_hands_the_round_back_unread():
 def test_a_peer_that_has_not_posted_leaves_the_reads_and_the_consume_to_python():
     m = Members(2)
     out = np.zeros(2, np.float32)
-    assert m.rounds[0].move(1, 1, 1, 8, 0, False, (), ((1, 0, out, 0, 8),), -1) == C.PENDING
+    assert m.rounds[0].move(1, 1, 1, 8, 0, False, (), ((1, 0, out, 0, 8),), -1, ()) == C.PENDING
     assert m.ctl[0][g.POSTED] == 1 and m.ctl[0][g.CONSUMED] == 0 and out.tolist() == [0.0, 0.0]
 
 
@@ -109,7 +111,7 @@ def test_a_peer_that_has_not_posted_leaves_the_reads_and_the_consume_to_python()
 def test_a_plan_outside_its_memory_is_refused_before_posting(writes, reads):
     m = Members(2)
     with pytest.raises(ValueError, match="out of bounds or malformed"):
-        m.rounds[0].move(1, 1, 1, 8, 0, False, writes, reads, -1)
+        m.rounds[0].move(1, 1, 1, 8, 0, False, writes, reads, -1, ())
     assert m.ctl[0][g.POSTED] == 0
 
 
@@ -119,19 +121,20 @@ def test_a_read_only_destination_or_an_unknown_kind_is_refused_before_posting():
     frozen = np.zeros(8, np.uint8)
     frozen.flags.writeable = False
     with pytest.raises((BufferError, ValueError)):
-        m.rounds[0].move(1, 1, 1, 8, 0, False, (), ((1, 0, frozen, 0, 8),), -1)
+        m.rounds[0].move(1, 1, 1, 8, 0, False, (), ((1, 0, frozen, 0, 8),), -1, ())
     with pytest.raises(ValueError, match="kind"):
-        m.rounds[0].move(1, 1, 1, 8, 0, False, (), (), 4)  # BAND on float32
+        m.rounds[0].move(1, 1, 1, 8, 0, False, (), (), 4, ())  # BAND on float32
     assert m.ctl[0][g.POSTED] == 0
 
 
 # -- in real worlds ---------------------------------------------------------------------------
-OPS = ("broadcast", "reduce", "gather", "scatter", "all_gather_into_tensor", "reduce_scatter_tensor")
+OPS = ("broadcast", "reduce", "gather", "scatter", "all_gather_into_tensor", "reduce_scatter_tensor",
+       "all_to_all_single")
 
 
 def _inputs(op: str, rank: int, world: int, n: int, i: int, dtype: str):
     """The call's input for ``rank`` (each rank's differs; block q of a reduce_scatter for rank q)."""
-    count = n * world if op == "reduce_scatter_tensor" else n
+    count = n * world if op in ("reduce_scatter_tensor", "all_to_all_single") else n
     return ((np.arange(count) % 11) * (rank + 1) + 3 * i - rank).astype(dtype)
 
 
@@ -147,6 +150,8 @@ def _expected(op: str, rank: int, world: int, n: int, i: int, dtype: str, root: 
         return xs[root] + rank
     if op == "all_gather_into_tensor":
         return np.concatenate(xs)
+    if op == "all_to_all_single":  # block q of rank q's input, from every rank in rank order
+        return np.concatenate([x[rank * n:(rank + 1) * n] for x in xs])
     return np.sum([x[rank * n:(rank + 1) * n] for x in xs], axis=0, dtype=dtype)
 
 
@@ -166,6 +171,10 @@ def _call(dist, op: str, rank: int, world: int, n: int, i: int, dtype: str, root
     if op == "all_gather_into_tensor":
         out = np.zeros(n * world, dtype)
         dist.all_gather_into_tensor(out, x)
+        return out
+    if op == "all_to_all_single":
+        out = np.zeros(n * world, dtype)
+        dist.all_to_all_single(out, x)
         return out
     out = np.zeros(n, dtype)
     dist.reduce_scatter_tensor(out, x)
@@ -220,3 +229,27 @@ def test_plans_in_c_and_rounds_in_python_meet_in_the_same_rounds(world, native_r
 def test_a_late_peer_makes_c_hand_back_and_python_finishes_the_plans():
     for rank, (wrong, _) in enumerate(run_world(plans_body, 3, args=((0, 1, 2), 2), timeout=120)):
         assert wrong == [], (rank, wrong[:5])
+
+
+def split_body(rank, world):
+    import distcomm as dist
+
+    dist.init_process_group(None)
+    dist.barrier()
+    try:
+        if rank == 0:  # even splits: the plan, expecting two elements from rank 1
+            dist.all_to_all_single(np.zeros(4, np.float32), np.arange(4, dtype=np.float32))
+        else:  # the general path, sending rank 0 one element
+            dist.all_to_all_single(np.zeros(5, np.float32), np.arange(4, dtype=np.float32), [2, 3], [1, 3])
+        error = None
+    except RuntimeError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    dist.destroy_process_group()
+    return error
+
+
+@needs_c
+def test_an_all_to_all_whose_peer_sends_another_split_hands_back_and_names_the_peer():
+    errors = run_world(split_body, 2, timeout=60)
+    assert errors[0] is not None and "rank 1" in errors[0], errors
+    assert errors[1] is None, errors

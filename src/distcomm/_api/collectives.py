@@ -306,6 +306,9 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     pg = args.resolve_group(group, "all_to_all_single")
     if pg is None:
         return None
+    if (not async_op and output_split_sizes is None and input_split_sizes is None
+            and pg.fast_tensors("all_to_all_single", output, input)):
+        return None
     out = args.tensor(output, "all_to_all_single", "output", writes=True)
     inp = args.tensor(input, "all_to_all_single", "input")
     if is_tensor(input) and not input.is_contiguous():

@@ -37,7 +37,7 @@
 #define MISMATCH 2      /* every peer posted, one header differs: nothing was read or consumed */
 #define RING_POSTED 4   /* a peer sleeps: ring_posted() is due, then the Python wait */
 #define RING_CONSUMED 8 /* after consuming, a peer waits to reuse a slot: ring_consumed() is due */
-#define EXTRA_DIFFERS 16 /* move() with check: every post matched, a peer's extra word differs (root check) */
+#define DIFFERS 16 /* move(): every post matched; a peer's extra word (check) or an expected slot word differs */
 
 /* the words Python may name: a member's counters (before its "opened" bytes at byte 192) and a
  * slot header's (64 bytes) */
@@ -324,16 +324,31 @@ static int parse_copies(Rounds *r, PyObject *seq, int reads, Copy *c, Py_ssize_t
     return 0;
 }
 
-/* move(k, seq, sig, nbytes, extra, check, writes, reads, kind) -> status bits: a one-round
+/* expect: (member, word, value): member's slot holds value at 64-bit word index word */
+static int parse_expects(Rounds *r, PyObject *seq, Py_ssize_t count, Py_ssize_t *out) {
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *t = PySequence_Fast_GET_ITEM(seq, i);
+        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 3) return bad_copy("expect", i);
+        Py_ssize_t q = PyLong_AsSsize_t(PyTuple_GET_ITEM(t, 0)), w = PyLong_AsSsize_t(PyTuple_GET_ITEM(t, 1));
+        uint64_t v;
+        if (PyErr_Occurred() || as_u64(PyTuple_GET_ITEM(t, 2), &v) < 0) return -1;
+        if (q < 0 || q >= r->size || w < 0 || w >= r->slot_bytes / 8) return bad_copy("expect", i);
+        out[3 * i] = q, out[3 * i + 1] = w, out[3 * i + 2] = (Py_ssize_t)v;
+    }
+    return 0;
+}
+
+/* move(k, seq, sig, nbytes, extra, check, writes, reads, kind, expect) -> status bits: a one-round
  * collective's whole round k. Copy the writes into this member's slot, post (nbytes, extra), poll,
- * check the headers and, with check, every peer's extra word against ours (EXTRA_DIFFERS: a
- * rooted collective's root check failed; nothing read or consumed); then the reads, in order:
+ * check the headers and, with check, every peer's extra word against ours, and every expected
+ * slot word (DIFFERS: a rooted collective's root check failed, or a peer's slot says what the
+ * plan did not expect; nothing read or consumed); then the reads, in order:
  * with kind -1 each a copy (memmove), else a fold into one destination (the first read copies,
  * each later one reduces into it with kind's op, as reduce_into does); then consume. Anything but
  * DONE or RING_CONSUMED leaves the reads and the consume to Python (round_plan.finish). */
 static PyObject *Rounds_move(Rounds *r, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 9) {
-        PyErr_SetString(PyExc_TypeError, "move(k, seq, sig, nbytes, extra, check, writes, reads, kind)");
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "move(k, seq, sig, nbytes, extra, check, writes, reads, kind, expect)");
         return NULL;
     }
     uint64_t a[5];
@@ -354,15 +369,25 @@ static PyObject *Rounds_move(Rounds *r, PyObject *const *args, Py_ssize_t nargs)
         Py_DECREF(wseq);
         return NULL;
     }
+    PyObject *eseq = PySequence_Fast(args[9], "expect must be a sequence");
+    if (!eseq) {
+        Py_DECREF(wseq);
+        Py_DECREF(rseq);
+        return NULL;
+    }
     Py_ssize_t nw = PySequence_Fast_GET_SIZE(wseq), nr = PySequence_Fast_GET_SIZE(rseq), total = nw + nr;
+    Py_ssize_t ne = PySequence_Fast_GET_SIZE(eseq);
     Copy stack[PLAN_STACK], *c = total <= PLAN_STACK ? stack : PyMem_Calloc((size_t)total, sizeof(Copy));
+    Py_ssize_t estack[3 * PLAN_STACK], *e = ne <= PLAN_STACK ? estack : PyMem_Calloc((size_t)(3 * ne), sizeof(Py_ssize_t));
     PyObject *result = NULL;
-    if (!c) {
+    if (!c || !e) {
         PyErr_NoMemory();
         goto out;
     }
     memset(c, 0, sizeof(Copy) * (size_t)total);
-    if (parse_copies(r, wseq, 0, c, nw) < 0 || parse_copies(r, rseq, 1, c + nw, nr) < 0) goto release;
+    if (parse_copies(r, wseq, 0, c, nw) < 0 || parse_copies(r, rseq, 1, c + nw, nr) < 0 ||
+        parse_expects(r, eseq, ne, e) < 0)
+        goto release;
     int s = (int)(a[0] % (uint64_t)r->nslots), me = r->rank;
     char *mine = r->slot[me * r->nslots + s];
     for (Py_ssize_t i = 0; i < nw; i++)
@@ -370,7 +395,11 @@ static PyObject *Rounds_move(Rounds *r, PyObject *const *args, Py_ssize_t nargs)
     int status = post_and_poll(r, a[0], a[1], a[2], a[3], a[4]);
     if (status == DONE && check) {
         for (int q = 0; q < r->size; q++)
-            if (q != me && r->hdr[q * r->nslots + s][r->s_extra] != a[4]) status = EXTRA_DIFFERS;
+            if (q != me && r->hdr[q * r->nslots + s][r->s_extra] != a[4]) status = DIFFERS;
+    }
+    for (Py_ssize_t i = 0; i < ne && status == DONE; i++) {
+        const uint64_t *words = (const uint64_t *)r->slot[e[3 * i] * r->nslots + s];
+        if (__atomic_load_n(&words[e[3 * i + 1]], __ATOMIC_RELAXED) != (uint64_t)e[3 * i + 2]) status = DIFFERS;
     }
     if (status == DONE) {
         for (Py_ssize_t i = nw; i < total; i++) {
@@ -389,10 +418,12 @@ static PyObject *Rounds_move(Rounds *r, PyObject *const *args, Py_ssize_t nargs)
     result = PyLong_FromLong(status);
 release:
     release_copies(c, total);
-    if (c != stack) PyMem_Free(c);
 out:
+    if (c && c != stack) PyMem_Free(c);
+    if (e && e != estack) PyMem_Free(e);
     Py_DECREF(wseq);
     Py_DECREF(rseq);
+    Py_DECREF(eseq);
     return result;
 }
 
@@ -478,7 +509,7 @@ static PyMethodDef Rounds_methods[] = {
     {"all_reduce", (PyCFunction)(void (*)(void))Rounds_all_reduce, METH_FASTCALL,
      "all_reduce(k, seq, sig, buffer, kind) -> status bits: the direct all_reduce's whole round k"},
     {"move", (PyCFunction)(void (*)(void))Rounds_move, METH_FASTCALL,
-     "move(k, seq, sig, nbytes, extra, check, writes, reads, kind) -> status bits: a one-round collective's round k"},
+     "move(k, seq, sig, nbytes, extra, check, writes, reads, kind, expect) -> status bits: a one-round collective's round k"},
     {NULL}};
 
 static PyTypeObject RoundsType = {
@@ -509,7 +540,7 @@ PyMODINIT_FUNC PyInit__shm_round(void) {
         PyModule_AddIntConstant(m, "MISMATCH", MISMATCH) < 0 ||
         PyModule_AddIntConstant(m, "RING_POSTED", RING_POSTED) < 0 ||
         PyModule_AddIntConstant(m, "RING_CONSUMED", RING_CONSUMED) < 0 ||
-        PyModule_AddIntConstant(m, "EXTRA_DIFFERS", EXTRA_DIFFERS) < 0)
+        PyModule_AddIntConstant(m, "DIFFERS", DIFFERS) < 0)
         return NULL;
     return m;
 }

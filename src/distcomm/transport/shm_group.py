@@ -46,8 +46,8 @@ else:
     C_UNAVAILABLE = None
 
 #: the C calls' result bits that Python acts on (_shm_round.c); without it there is no C call, so no bits
-RING_POSTED, RING_CONSUMED, EXTRA_DIFFERS = (0, 0, 0) if _shm_round is None else (
-    _shm_round.RING_POSTED, _shm_round.RING_CONSUMED, _shm_round.EXTRA_DIFFERS)
+RING_POSTED, RING_CONSUMED, DIFFERS = (0, 0, 0) if _shm_round is None else (
+    _shm_round.RING_POSTED, _shm_round.RING_CONSUMED, _shm_round.DIFFERS)
 
 
 def rounds_consumed_in_c() -> int:

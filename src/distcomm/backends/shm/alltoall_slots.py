@@ -47,7 +47,7 @@ def alltoall_pieces(ctx, ch: Channel, sends, recvs, base: int, send_offsets, sin
 
 
 def alltoall_rounds(ctx, seq: int, sig: int, channel, sends, recvs, base: int, send_offsets,
-                    single_copy: bool = False) -> str:
+                    single_copy: bool = False, first_round: int | None = None) -> str:
     """Each round, one piece per destination (its length first, checked by the reader); or, when
     any rank asks for it (``single_copy``), every rank copies what each peer sends it straight from
     the peer's send buffer. Returns which of the two ran: "alltoall_slots" or "alltoall_readv".
@@ -65,6 +65,10 @@ def alltoall_rounds(ctx, seq: int, sig: int, channel, sends, recvs, base: int, s
 
     Slots are read and written through cached memoryviews (``ctx.raw``/``ctx.words``): a small
     all_to_all is p tiny copies each way, where numpy's per-call overhead would dominate.
+
+    ``first_round``: round 0 is already open, written and published as here (without a vote),
+    and every peer's post is in and checked: a plan run in C handed it back (latency.py); the
+    call goes on from reading the tables.
     """
     p, r = ctx.size, ctx.rank
     item = recvs[r].itemsize
@@ -80,26 +84,29 @@ def alltoall_rounds(ctx, seq: int, sig: int, channel, sends, recvs, base: int, s
     j = 0
     while True:
         lo = j * per
-        k = ctx.open_round(seq, sig, channel)
-        words, out = ctx.words(r, k), ctx.raw(r, k)
-        for q in range(p):
-            n = min(per, max(0, send_counts[q] - lo))
-            words[q] = n
-            if q != r and n and not single_copy:  # a single-copy voter knows the pieces go unread
-                at = head + q * per * item
-                out[at : at + n * item] = sb[q][lo * item : (lo + n) * item]
-        if j == 0:
+        if j == 0 and first_round is not None:
+            k, own_copied = first_round, False
+        else:
+            k = ctx.open_round(seq, sig, channel)
+            words, out = ctx.words(r, k), ctx.raw(r, k)
             for q in range(p):
-                words[p + q] = send_offsets[q]
-                words[2 * p + q] = send_counts[q]
-            words[3 * p] = need
-            words[3 * p + 1] = int(single_copy)
-            words[3 * p + 2] = base
-        ctx.publish(k, seq, sig, 0)
-        own_copied = j == 0 and single_copy and recvs[r].size == sends[r].size
-        if own_copied:  # our vote makes it single copy: our own piece moves while the peers publish
-            recvs[r][...] = sends[r]
-        ctx.collect(k, seq, sig, None, channel, [q for q in range(p) if q != r])
+                n = min(per, max(0, send_counts[q] - lo))
+                words[q] = n
+                if q != r and n and not single_copy:  # a single-copy voter knows the pieces go unread
+                    at = head + q * per * item
+                    out[at : at + n * item] = sb[q][lo * item : (lo + n) * item]
+            if j == 0:
+                for q in range(p):
+                    words[p + q] = send_offsets[q]
+                    words[2 * p + q] = send_counts[q]
+                words[3 * p] = need
+                words[3 * p + 1] = int(single_copy)
+                words[3 * p + 2] = base
+            ctx.publish(k, seq, sig, 0)
+            own_copied = j == 0 and single_copy and recvs[r].size == sends[r].size
+            if own_copied:  # our vote makes it single copy: our own piece moves while the peers publish
+                recvs[r][...] = sends[r]
+            ctx.collect(k, seq, sig, None, channel, [q for q in range(p) if q != r])
         if rounds is None:
             tables = [ctx.words(q, k) for q in range(p)]
             if any(t[3 * p + 1] for t in tables):

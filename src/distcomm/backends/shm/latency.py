@@ -715,7 +715,59 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
                   scatter_round, ins, out, root)
         return True
 
+    a2a_head = alltoall_slots.slot_head(size)
+    a2a_tables: dict = {}  # (elements per piece, send address) -> round 0's table of words (alltoall_slots)
+
+    def a2a_round(_, seq, sig, channel, inp, out, count):
+        """alltoall_slots.alltoall_rounds's one round as a plan, for ``count`` elements to and from
+        every rank: this rank's table of words and pieces into its slot; each peer's table must say
+        it sends ``count``, in one round, with no single-copy vote, else the algorithm resumes."""
+        item = inp.itemsize
+        per = (ctx.slot_bytes - a2a_head) // size // item
+        nb = count * item
+        base = inp.ctypes.data if direct_reads else 0
+        table = a2a_tables.get((count, base))
+        if table is None:
+            if len(a2a_tables) >= 8:
+                a2a_tables.clear()
+            table = a2a_tables[(count, base)] = np.array(
+                [count] * size + [q * count for q in range(size)] + [count] * size + [1, 0, base], np.int64)
+        writes = ((table, 0, 0, table.nbytes),) + tuple(
+            (inp, q * nb, a2a_head + q * per * item, nb) for q in range(size) if q != rank)
+        at = a2a_head + rank * per * item
+        reads = tuple((q, at, out, q * nb, nb) if q != rank else (inp, q * nb, out, q * nb, nb) for q in range(size))
+        expect = tuple(e for q in range(size) if q != rank
+                       for e in ((q, rank, count), (q, 3 * size, 1), (q, 3 * size + 1, 0)))
+
+        def resume(k):
+            sends = [inp[q * count:(q + 1) * count] for q in range(size)]
+            recvs = [out[q * count:(q + 1) * count] for q in range(size)]
+            alltoall_slots.alltoall_rounds(ctx, seq, sig, channel, sends, recvs, base,
+                                           [q * count for q in range(size)], False, k)
+
+        move(seq, sig, sig, channel, 0, 0, False, writes, reads, -1, None, None, expect, resume)
+
+    def tensor_all_to_all_single(output, inp) -> bool:
+        """Equal splits (the API passes no split sizes), each piece within one round."""
+        out, send = flat_of(output), flat_of(inp)
+        if out is None or send is None or out.dtype != send.dtype or out.size != send.size:
+            return False
+        shape_in, shape_out = inp.shape, output.shape
+        if not shape_in or not shape_out or shape_in[0] % size or shape_out[0] % size:
+            return False
+        count = send.size // size
+        item = send.itemsize
+        if not count or count > (ctx.slot_bytes - a2a_head) // size // item or send.nbytes > limits.all_to_all:
+            return False
+        dtype = dtype_of(send)
+        if dtype is None or not claim():
+            return False
+        run_round("all_to_all_single", sig_of("all_to_all_single", dtype.code), send.nbytes, dtype.name, 4, None,
+                  a2a_round, send, out, count)
+        return True
+
     return paths._replace(tensor_broadcast=tensor_broadcast, tensor_reduce=tensor_reduce,
+                          tensor_all_to_all_single=tensor_all_to_all_single,
                           tensor_all_gather_into_tensor=tensor_all_gather_into_tensor,
                           tensor_reduce_scatter_tensor=tensor_reduce_scatter_tensor, tensor_gather=tensor_gather,
                           tensor_scatter=tensor_scatter)

@@ -15,7 +15,8 @@ A plan says which bytes:
 
 ``GroupShm.native.move`` (transport/_shm_round.c) runs the whole round. When it hands the round back
 (a peer to ring, a wait past the poll, a mismatch, a root that differs), ``finish`` does the rest in
-Python, as the algorithm's ``one_round`` would, from the same plan. The bytes in the slots and the
+Python, as the algorithm's ``one_round`` would, from the same plan (all_to_all, whose first round
+may turn out to need more rounds or single copies, resumes its algorithm instead). The bytes in the slots and the
 headers are exactly the ``one_round``'s, so a member running that (the general path, or a rank
 without C) meets a member running the plan in the same round: tests/test_round_plan.py runs them
 against each other.
@@ -41,28 +42,34 @@ class PlanRunner:
         self._move = ctx.native.move
 
     def __call__(self, seq: int, sig: int, header_sig: int, channel, nbytes: int, extra: int, check: bool,
-                 writes, reads, kind: int = -1, red=None, dtype: np.dtype | None = None) -> tuple[int, int] | None:
+                 writes, reads, kind: int = -1, red=None, dtype: np.dtype | None = None, expect=(),
+                 resume=None):
         """Round ``seq`` of signature ``sig`` (its headers carry ``header_sig``: a rooted collective's
         is ``sig`` without its root bits), run from the plan; ``red`` and ``dtype``: the Python
         pairwise reducer and the element type, for a fold handed back. Returns, with ``check``, the
-        first (peer, its extra word) that differs from ``extra`` (nothing read then), else None."""
+        first (peer, its extra word) that differs from ``extra`` (nothing read then), else None.
+
+        ``expect``: (member, word, value) that member's slot must hold (64-bit words), else the
+        round is handed back; ``resume(k)``, when given, takes a handed-back round k once every post
+        is in and checked (it reads, consumes and returns the result), in place of ``finish``."""
         k = self._open_round(seq, sig, channel)
-        status = self._move(k, seq, header_sig, nbytes, extra, check, writes, reads, kind)
+        status = self._move(k, seq, header_sig, nbytes, extra, check, writes, reads, kind, expect)
         if not status:
             return None
         if status == shm_group.RING_CONSUMED:
             self._ctx.ring_consumed()
             return None
-        return finish(self._ctx, k, seq, header_sig, channel, status, nbytes, extra, check, reads, kind, red, dtype)
+        ctx = self._ctx
+        if status != shm_group.DIFFERS:
+            ctx.settle(status, k, seq, header_sig, nbytes, channel)
+        if resume is not None:
+            return resume(k)
+        return finish(ctx, k, extra, check, reads, kind, red, dtype)
 
 
-def finish(ctx, k: int, seq: int, header_sig: int, channel, status: int, nbytes: int, extra: int, check: bool,
-           reads, kind: int, red, dtype) -> tuple[int, int] | None:
-    """The rest of round k after the C call handed it back with ``status``: wait for the posts
-    (ringing a sleeper first) unless they are all in, check the extra words, then the reads and the
-    consume, in Python."""
-    if status != shm_group.EXTRA_DIFFERS:
-        ctx.settle(status, k, seq, header_sig, nbytes, channel)
+def finish(ctx, k: int, extra: int, check: bool, reads, kind: int, red, dtype) -> tuple[int, int] | None:
+    """The rest of round k after the C call handed it back and every post is in and checked: the
+    extra words, then the reads and the consume, in Python."""
     disagreeing = None
     if check:
         for q in range(ctx.size):
