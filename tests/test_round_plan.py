@@ -9,7 +9,7 @@
   writes into a read-only one, is refused before anything is posted.
 * In real worlds: ranks running the plans in C and ranks running the algorithms' rounds in Python
   (DISTCOMM_SHM_NATIVE=0) meet in the same rounds for broadcast, reduce, gather, scatter,
-  all_gather_into_tensor, reduce_scatter_tensor and all_to_all_single at world sizes 2, 3 and 5,
+  all_gather (list), all_gather_into_tensor, reduce_scatter_tensor and all_to_all_single at world sizes 2, 3 and 5,
   against numpy; a late peer makes the C call hand its round back, and Python finishes it (reads
   and folds); an all_to_all_single whose peer sends another split hands its round back to the
   algorithm, which names the peer.
@@ -128,7 +128,7 @@ def test_a_read_only_destination_or_an_unknown_kind_is_refused_before_posting():
 
 
 # -- in real worlds ---------------------------------------------------------------------------
-OPS = ("broadcast", "reduce", "gather", "scatter", "all_gather_into_tensor", "reduce_scatter_tensor",
+OPS = ("broadcast", "reduce", "gather", "scatter", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
        "all_to_all_single")
 
 
@@ -148,7 +148,7 @@ def _expected(op: str, rank: int, world: int, n: int, i: int, dtype: str, root: 
         return np.concatenate(xs) if rank == root else None
     if op == "scatter":
         return xs[root] + rank
-    if op == "all_gather_into_tensor":
+    if op in ("all_gather", "all_gather_into_tensor"):
         return np.concatenate(xs)
     if op == "all_to_all_single":  # block q of rank q's input, from every rank in rank order
         return np.concatenate([x[rank * n:(rank + 1) * n] for x in xs])
@@ -168,6 +168,10 @@ def _call(dist, op: str, rank: int, world: int, n: int, i: int, dtype: str, root
         out = np.zeros(n, dtype)
         dist.scatter(out, [x + q for q in range(world)] if rank == root else None, src=root)
         return out
+    if op == "all_gather":
+        outs = [np.zeros(n, dtype) for _ in range(world)]
+        dist.all_gather(outs, x)
+        return np.concatenate(outs)
     if op == "all_gather_into_tensor":
         out = np.zeros(n * world, dtype)
         dist.all_gather_into_tensor(out, x)

@@ -176,6 +176,8 @@ def all_gather(tensor_list, tensor, group=None, async_op: bool = False):
     pg = args.resolve_group(group, "all_gather")
     if pg is None:
         return None
+    if not async_op and pg.fast_tensors("all_gather", tensor_list, tensor):
+        return None
     inp = args.tensor(tensor, "all_gather")
     outs = args.tensor_list(tensor_list, "all_gather", "tensor_list", pg.size(), like=inp, writes=True)
     return pg.allgather(outs, inp, async_op, list(tensor_list))  # torch's future: the outputs, flat

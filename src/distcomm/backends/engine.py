@@ -209,8 +209,8 @@ class FastPath(NamedTuple):
     ``tensor_all_gather_into_tensor`` (output, input), ``tensor_reduce_scatter_tensor`` (output,
     input, op), ``tensor_gather`` (tensor, gather_list or None, root), ``tensor_scatter`` (tensor,
     scatter_list or None, root), ``tensor_all_to_all_single`` (output, input: even splits, the API
-    passes it no split sizes). They take only what needs no conversion and decline everything
-    else, whose checks and errors are the general path's.
+    passes it no split sizes), ``tensor_all_gather`` (tensor_list, tensor). They take only what
+    needs no conversion and decline everything else, whose checks and errors are the general path's.
 
     A fast path takes its sequence number from ``ProcessGroup.next_seq`` and claims the group
     through ``ProcessGroup.executor.enter_inline`` like any synchronous call, so it interleaves
@@ -237,6 +237,7 @@ class FastPath(NamedTuple):
     tensor_gather: Optional[Callable[..., bool]] = None
     tensor_scatter: Optional[Callable[..., bool]] = None
     tensor_all_to_all_single: Optional[Callable[..., bool]] = None
+    tensor_all_gather: Optional[Callable[..., bool]] = None
 
 
 class Engine(ABC):

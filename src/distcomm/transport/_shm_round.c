@@ -525,8 +525,20 @@ static PyTypeObject RoundsType = {
 
 static PyObject *completed_rounds(PyObject *self, PyObject *unused) { return PyLong_FromUnsignedLongLong(completed); }
 
+/* address(buffer) -> the address of a C-contiguous buffer's first byte (numpy's ctypes.data costs
+ * a ctypes object per call) */
+static PyObject *buffer_address(PyObject *self, PyObject *obj) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    PyObject *address = PyLong_FromVoidPtr(view.buf);
+    PyBuffer_Release(&view);
+    return address;
+}
+
 static PyMethodDef module_methods[] = {
-    {"completed", completed_rounds, METH_NOARGS, "completed() -> rounds this process completed in C"}, {NULL}};
+    {"completed", completed_rounds, METH_NOARGS, "completed() -> rounds this process completed in C"},
+    {"address", buffer_address, METH_O, "address(buffer) -> the address of a C-contiguous buffer's first byte"},
+    {NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, .m_name = "distcomm.transport._shm_round", .m_size = -1,
                                     .m_methods = module_methods};

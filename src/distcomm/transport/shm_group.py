@@ -48,6 +48,8 @@ else:
 #: the C calls' result bits that Python acts on (_shm_round.c); without it there is no C call, so no bits
 RING_POSTED, RING_CONSUMED, DIFFERS = (0, 0, 0) if _shm_round is None else (
     _shm_round.RING_POSTED, _shm_round.RING_CONSUMED, _shm_round.DIFFERS)
+#: buffer_address(buffer) -> where a C-contiguous buffer's bytes start (None without the C module)
+buffer_address = None if _shm_round is None else _shm_round.address
 
 
 def rounds_consumed_in_c() -> int:

@@ -660,6 +660,18 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
                   gather_round, send, (out, n), None)
         return True
 
+    def tensor_all_gather(tensor_list, inp) -> bool:
+        send = flat_of(inp)
+        if send is None or not 0 < send.nbytes <= limits.all_gather:
+            return False
+        outs = flats_like(tensor_list, send)
+        dtype = dtype_of(send)
+        if outs is None or dtype is None or not claim():
+            return False
+        run_round("all_gather", sig_of("all_gather", dtype.code), send.nbytes, dtype.name, 4, None, gather_round,
+                  send, outs, None)
+        return True
+
     def tensor_reduce_scatter_tensor(output, inp, op) -> bool:
         out, flat = flat_of(output), flat_of(inp)
         if out is None or flat is None or out.dtype != flat.dtype or flat.size != out.size * size:
@@ -717,6 +729,8 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
 
     a2a_head = alltoall_slots.slot_head(size)
     a2a_tables: dict = {}  # (elements per piece, send address) -> round 0's table of words (alltoall_slots)
+    a2a_expects: dict = {}  # elements per piece -> what every peer's table must say
+    address = round_plan.address
 
     def a2a_round(_, seq, sig, channel, inp, out, count):
         """alltoall_slots.alltoall_rounds's one round as a plan, for ``count`` elements to and from
@@ -725,7 +739,7 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
         item = inp.itemsize
         per = (ctx.slot_bytes - a2a_head) // size // item
         nb = count * item
-        base = inp.ctypes.data if direct_reads else 0
+        base = address(inp) if direct_reads else 0
         table = a2a_tables.get((count, base))
         if table is None:
             if len(a2a_tables) >= 8:
@@ -736,8 +750,12 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
             (inp, q * nb, a2a_head + q * per * item, nb) for q in range(size) if q != rank)
         at = a2a_head + rank * per * item
         reads = tuple((q, at, out, q * nb, nb) if q != rank else (inp, q * nb, out, q * nb, nb) for q in range(size))
-        expect = tuple(e for q in range(size) if q != rank
-                       for e in ((q, rank, count), (q, 3 * size, 1), (q, 3 * size + 1, 0)))
+        expect = a2a_expects.get(count)
+        if expect is None:
+            if len(a2a_expects) >= 8:
+                a2a_expects.clear()
+            expect = a2a_expects[count] = tuple(e for q in range(size) if q != rank for e in (
+                (q, rank, count), (q, 3 * size, 1), (q, 3 * size + 1, 0)))
 
         def resume(k):
             sends = [inp[q * count:(q + 1) * count] for q in range(size)]
@@ -767,7 +785,7 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
         return True
 
     return paths._replace(tensor_broadcast=tensor_broadcast, tensor_reduce=tensor_reduce,
-                          tensor_all_to_all_single=tensor_all_to_all_single,
+                          tensor_all_to_all_single=tensor_all_to_all_single, tensor_all_gather=tensor_all_gather,
                           tensor_all_gather_into_tensor=tensor_all_gather_into_tensor,
                           tensor_reduce_scatter_tensor=tensor_reduce_scatter_tensor, tensor_gather=tensor_gather,
                           tensor_scatter=tensor_scatter)

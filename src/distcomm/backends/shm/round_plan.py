@@ -29,6 +29,10 @@ import numpy as np
 from ...transport import shm_group
 
 
+#: address(buffer): where a C-contiguous buffer's bytes start (for a table a peer may read from)
+address = shm_group.buffer_address
+
+
 def _bytes(buf) -> memoryview:
     return memoryview(buf).cast("B")
 
