@@ -525,18 +525,8 @@ class ProcessGroup:
     def _fast(self, method: str, *args) -> bool:
         """Run this synchronous call of ``method`` (a collective method's name, with its arguments)
         through the engine's fast path for it, if there is one and it takes the call: True when
-        the call is done, False when nothing was done (the general path then runs it).
-
-        Under DETAIL every call takes the general path: it compares shapes across ranks first, and
-        a rank on a fast path would not meet that exchange."""
-        if diagnostics.check_shapes:
-            return False
-        paths = self._fast_paths
-        if paths is None:
-            if not self._install_fast_path():
-                return False
-            paths = self._fast_paths
-        path = paths.get(method)
+        the call is done, False when nothing was done (the general path then runs it)."""
+        path = self._fast_path_for(method)
         return path is not None and path(*args)
 
     def fast_tensors(self, op: str, *args) -> bool:
@@ -544,15 +534,22 @@ class ProcessGroup:
         arguments, with the group's root), through the engine's ``FastPath.tensor_<op>``, before
         any Buffer is made: True when the call is done, False when nothing was done (the API
         function then goes on: Buffers, checks, the method)."""
+        path = self._fast_path_for("tensor_" + op)
+        return path is not None and path(*args)
+
+    def _fast_path_for(self, name: str):
+        """The engine's fast path called ``name`` (a FastPath field), or None.
+
+        Under DETAIL every call takes the general path: it compares shapes across ranks first, and
+        a rank on a fast path would not meet that exchange."""
         if diagnostics.check_shapes:
-            return False
+            return None
         paths = self._fast_paths
         if paths is None:
             if not self._install_fast_path():
-                return False
+                return None
             paths = self._fast_paths
-        path = paths.get("tensor_" + op)
-        return path is not None and path(*args)
+        return paths.get(name)
 
     def _install_fast_path(self) -> bool:
         """Ask the engine for the group's fast path: none (False: never again), not yet (None: the

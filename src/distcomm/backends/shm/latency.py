@@ -689,20 +689,20 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
         finish(op, out, size, dtype)
         return True
 
+    def root_list(tensors, like: np.ndarray, root: int):
+        """A gather's or scatter's list: on the root, its tensors as flat arrays each like ``like``;
+        elsewhere None (the list must be empty there); False where the general path must decide."""
+        if rank == root:
+            flats = flats_like(tensors, like) if tensors else None
+            return False if flats is None else flats
+        return False if tensors else None
+
     def tensor_gather(tensor, gather_list, root) -> bool:
         send = flat_of(tensor)
         if send is None or not 0 < send.nbytes <= limits.gather:
             return False
-        if rank == root:
-            outs = flats_like(gather_list, send) if gather_list else None
-            if outs is None:
-                return False
-        elif gather_list:
-            return False
-        else:
-            outs = None
-        dtype = dtype_of(send)
-        if dtype is None or not claim():
+        outs, dtype = root_list(gather_list, send, root), dtype_of(send)
+        if outs is False or dtype is None or not claim():
             return False
         run_round("gather", sig_of("gather", dtype.code, root=root), send.nbytes, dtype.name, 4, root,
                   gather_round, send, outs, root)
@@ -712,16 +712,8 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
         out = flat_of(tensor)
         if out is None or not 0 < out.nbytes <= limits.scatter:
             return False
-        if rank == root:
-            ins = flats_like(scatter_list, out) if scatter_list else None
-            if ins is None:
-                return False
-        elif scatter_list:
-            return False
-        else:
-            ins = None
-        dtype = dtype_of(out)
-        if dtype is None or not claim():
+        ins, dtype = root_list(scatter_list, out, root), dtype_of(out)
+        if ins is False or dtype is None or not claim():
             return False
         run_round("scatter", sig_of("scatter", dtype.code, root=root), out.nbytes, dtype.name, 4, root,
                   scatter_round, ins, out, root)
