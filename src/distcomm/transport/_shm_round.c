@@ -378,7 +378,8 @@ static PyObject *Rounds_move(Rounds *r, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t nw = PySequence_Fast_GET_SIZE(wseq), nr = PySequence_Fast_GET_SIZE(rseq), total = nw + nr;
     Py_ssize_t ne = PySequence_Fast_GET_SIZE(eseq);
     Copy stack[PLAN_STACK], *c = total <= PLAN_STACK ? stack : PyMem_Calloc((size_t)total, sizeof(Copy));
-    Py_ssize_t estack[3 * PLAN_STACK], *e = ne <= PLAN_STACK ? estack : PyMem_Calloc((size_t)(3 * ne), sizeof(Py_ssize_t));
+    Py_ssize_t estack[3 * PLAN_STACK];
+    Py_ssize_t *e = ne <= PLAN_STACK ? estack : PyMem_Calloc((size_t)(3 * ne), sizeof(Py_ssize_t));
     PyObject *result = NULL;
     if (!c || !e) {
         PyErr_NoMemory();
@@ -509,7 +510,8 @@ static PyMethodDef Rounds_methods[] = {
     {"all_reduce", (PyCFunction)(void (*)(void))Rounds_all_reduce, METH_FASTCALL,
      "all_reduce(k, seq, sig, buffer, kind) -> status bits: the direct all_reduce's whole round k"},
     {"move", (PyCFunction)(void (*)(void))Rounds_move, METH_FASTCALL,
-     "move(k, seq, sig, nbytes, extra, check, writes, reads, kind, expect) -> status bits: a one-round collective's round k"},
+     "move(k, seq, sig, nbytes, extra, check, writes, reads, kind, expect) -> status bits: "
+     "a one-round collective's round k"},
     {NULL}};
 
 static PyTypeObject RoundsType = {

@@ -20,7 +20,13 @@ same rounds: ``ROUNDS`` maps each path's observer name to that algorithm. They a
   reduce_scatter of a list or a tensor (``reduce_scatter_slots.one_round``, reading the blocks in
   place), all_to_all of lists or one tensor (``alltoall_slots.alltoall_rounds``, pieces in place).
 
-Each over GroupShm's round API (whose exchange and consume run in C where built); the Channel they would need to sleep is made only then
+Each over GroupShm's round API (whose exchange and consume run in C where built). Where the round
+steps in C are built, broadcast, reduce, gather, all_gather, scatter and reduce_scatter run their
+round as a plan of copies in one C call (``round_plan.py``: the same bytes as the algorithm's
+``one_round``), and broadcast, reduce, gather, scatter, all_gather (list and tensor),
+reduce_scatter_tensor and all_to_all_single (even splits, its first round a plan too) take the call
+on the user's own arrays and tensors, before any Buffer is made (``FastPath.tensor_<op>``, through
+``ProcessGroup.fast_tensors``). The Channel a wait would need to sleep is made only then
 (``ProcessGroup.channel``). What does not change from call to call is looked up once, when the
 group's shared memory exists: the executor, the reducers, the signatures, and ``Limits``: the
 sizes for which ``choose`` picks the algorithm above and it takes one round (all_to_all: any
@@ -619,7 +625,10 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
                 return None
         return flats
 
-    # each: the user's frame is above started, run_round, the path and ProcessGroup.fast_tensors
+    # the recorder's skip: started, run_round, the path, ProcessGroup.fast_tensors and the API
+    # function are distcomm's; the user's frame is next (a distcomm caller there costs a walk)
+    frames = 5
+
     def tensor_broadcast(tensor, root) -> bool:
         flat = flat_of(tensor)
         if flat is None or not 0 < flat.nbytes <= limits.broadcast:
@@ -627,7 +636,7 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
         dtype = dtype_of(flat)
         if dtype is None or not claim():
             return False
-        run_round("broadcast", sig_of("broadcast", dtype.code, root=root), flat.nbytes, dtype.name, 4, root,
+        run_round("broadcast", sig_of("broadcast", dtype.code, root=root), flat.nbytes, dtype.name, frames, root,
                   broadcast_round, flat, root)
         return True
 
@@ -642,7 +651,7 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
         code = None if red is None else kind_of(op, flat.dtype)
         if code is None or not claim():
             return False
-        run_round("reduce", sig_of("reduce", dtype.code, int(op), root), flat.nbytes, dtype.name, 4, root,
+        run_round("reduce", sig_of("reduce", dtype.code, int(op), root), flat.nbytes, dtype.name, frames, root,
                   reduce_round, flat, red, root, code)
         if rank == root:
             finish(op, flat, size, dtype)
@@ -656,7 +665,7 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
         dtype = dtype_of(send)
         if not 0 < n <= limits.all_gather or dtype is None or not claim():
             return False
-        run_round("all_gather_into_tensor", sig_of("all_gather_into_tensor", dtype.code), n, dtype.name, 4, None,
+        run_round("all_gather_into_tensor", sig_of("all_gather_into_tensor", dtype.code), n, dtype.name, frames, None,
                   gather_round, send, (out, n), None)
         return True
 
@@ -668,7 +677,7 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
         dtype = dtype_of(send)
         if outs is None or dtype is None or not claim():
             return False
-        run_round("all_gather", sig_of("all_gather", dtype.code), send.nbytes, dtype.name, 4, None, gather_round,
+        run_round("all_gather", sig_of("all_gather", dtype.code), send.nbytes, dtype.name, frames, None, gather_round,
                   send, outs, None)
         return True
 
@@ -684,7 +693,7 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
         code = None if red is None else kind_of(op, out.dtype)
         if code is None or not claim():
             return False
-        run_round("reduce_scatter_tensor", sig_of("reduce_scatter_tensor", dtype.code, int(op)), n, dtype.name, 4,
+        run_round("reduce_scatter_tensor", sig_of("reduce_scatter_tensor", dtype.code, int(op)), n, dtype.name, frames,
                   None, reduce_scatter_round, (flat, n), out, n * size, red, code)
         finish(op, out, size, dtype)
         return True
@@ -704,7 +713,7 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
         outs, dtype = root_list(gather_list, send, root), dtype_of(send)
         if outs is False or dtype is None or not claim():
             return False
-        run_round("gather", sig_of("gather", dtype.code, root=root), send.nbytes, dtype.name, 4, root,
+        run_round("gather", sig_of("gather", dtype.code, root=root), send.nbytes, dtype.name, frames, root,
                   gather_round, send, outs, root)
         return True
 
@@ -715,7 +724,7 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
         ins, dtype = root_list(scatter_list, out, root), dtype_of(out)
         if ins is False or dtype is None or not claim():
             return False
-        run_round("scatter", sig_of("scatter", dtype.code, root=root), out.nbytes, dtype.name, 4, root,
+        run_round("scatter", sig_of("scatter", dtype.code, root=root), out.nbytes, dtype.name, frames, root,
                   scatter_round, ins, out, root)
         return True
 
@@ -772,7 +781,7 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
         dtype = dtype_of(send)
         if dtype is None or not claim():
             return False
-        run_round("all_to_all_single", sig_of("all_to_all_single", dtype.code), send.nbytes, dtype.name, 4, None,
+        run_round("all_to_all_single", sig_of("all_to_all_single", dtype.code), send.nbytes, dtype.name, frames, None,
                   a2a_round, send, out, count)
         return True
 
