@@ -587,7 +587,9 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
         """``t``'s memory as a flat numpy array when it is a C-contiguous, aligned, writeable numpy
         array or a contiguous CPU torch tensor (not bfloat16); else None (the general path)."""
         if t.__class__ is _ndarray:
-            return t.reshape(-1) if t.flags.carray else None
+            if not t.flags.carray:
+                return None
+            return t if t.ndim == 1 else t.reshape(-1)
         torch = sys.modules.get("torch")
         if torch is None or not isinstance(t, torch.Tensor):
             return None
@@ -604,7 +606,9 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
         return flat
 
     def dtype_of(flat):
-        np_dtype = flat.dtype
+        return dtype_of_numpy(flat.dtype)
+
+    def dtype_of_numpy(np_dtype):
         try:
             return known_dtypes[np_dtype]
         except KeyError:
@@ -614,6 +618,19 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
                 dtype = None
             known_dtypes[np_dtype] = dtype
             return dtype
+
+    folds: dict = {}  # (op, numpy dtype) -> (DType, pairwise reducer, the C fold's kind), or None
+
+    def fold_of(op, np_dtype):
+        """What a reduction of ``np_dtype`` with ``op`` needs on a plan (None: the general path's)."""
+        try:
+            return folds[(op, np_dtype)]
+        except KeyError:
+            dtype = dtype_of_numpy(np_dtype)
+            red = None if dtype is None else reducer_of(op, dtype)
+            code = None if red is None else kind_of(op, np_dtype)
+            entry = folds[(op, np_dtype)] = None if code is None else (dtype, red, code)
+            return entry
 
     def flats_like(tensors, like: np.ndarray) -> list | None:
         """A gather's or scatter's list as flat arrays each like ``like`` (size and dtype), or None."""
@@ -644,13 +661,10 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
         flat = flat_of(tensor)
         if flat is None or not 0 < flat.nbytes <= limits.reduce:
             return False
-        dtype = dtype_of(flat)
-        if dtype is None:
+        fold = fold_of(op, flat.dtype)
+        if fold is None or not claim():
             return False
-        red = reducer_of(op, dtype)
-        code = None if red is None else kind_of(op, flat.dtype)
-        if code is None or not claim():
-            return False
+        dtype, red, code = fold
         run_round("reduce", sig_of("reduce", dtype.code, int(op), root), flat.nbytes, dtype.name, frames, root,
                   reduce_round, flat, red, root, code)
         if rank == root:
@@ -686,13 +700,12 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
         if out is None or flat is None or out.dtype != flat.dtype or flat.size != out.size * size:
             return False
         n = out.nbytes
-        dtype = dtype_of(out)
-        if not 0 < n <= limits.reduce_scatter_piece or n * size > limits.reduce_scatter or dtype is None:
+        if not 0 < n <= limits.reduce_scatter_piece or n * size > limits.reduce_scatter:
             return False
-        red = reducer_of(op, dtype)
-        code = None if red is None else kind_of(op, out.dtype)
-        if code is None or not claim():
+        fold = fold_of(op, out.dtype)
+        if fold is None or not claim():
             return False
+        dtype, red, code = fold
         run_round("reduce_scatter_tensor", sig_of("reduce_scatter_tensor", dtype.code, int(op)), n, dtype.name, frames,
                   None, reduce_scatter_round, (flat, n), out, n * size, red, code)
         finish(op, out, size, dtype)
