@@ -75,6 +75,7 @@ from . import (allreduce_direct, alltoall_slots, broadcast_slots, gather_slots, 
 from .choose import Capabilities, choose
 
 _ndarray = np.ndarray
+_may_share = np.may_share_memory
 
 #: each latency path's observer name -> the algorithm (choose's name) whose rounds it runs
 ROUNDS = {
@@ -358,6 +359,7 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
 
     # -- each one_round as a plan of copies, run in one C call (round_plan.py), where it is built ---
     move = round_plan.runner(ctx)
+    address = round_plan.address
     scatter_step = scatter_slots.piece_bytes(ctx.slot_bytes, size)
     kinds: dict = {}  # (op, numpy dtype) -> the C fold's kind, or None
 
@@ -491,13 +493,18 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
         red = reducer_of(op, out.dtype)
         if red is None:
             return False
+        flat = out.flat
         if blocks.__class__ is tuple:
             piece = blocks[1]
             total = size * piece
+            overlapping = _may_share(flat, blocks[0])
         else:
             piece = max(b.nbytes for b in blocks)
             total = sum(b.nbytes for b in blocks)
-        if piece > limits.reduce_scatter_piece or total > limits.reduce_scatter or not claim():
+            overlapping = any(_may_share(flat, b) for b in blocks)
+        # an output in its own input (in place, as FSDP reduces) would be overwritten by the fold
+        # before its own block is read: the general path reduces a copy
+        if overlapping or piece > limits.reduce_scatter_piece or total > limits.reduce_scatter or not claim():
             return False
         sig = sig_of(op_name, out.dtype.code, int(op))
         code = None if move is None else kind_of(op, out.flat.dtype)
@@ -702,6 +709,9 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
         n = out.nbytes
         if not 0 < n <= limits.reduce_scatter_piece or n * size > limits.reduce_scatter:
             return False
+        at, start = address(out), address(flat)
+        if at < start + flat.nbytes and start < at + n:  # in place: the general path reduces a copy
+            return False
         fold = fold_of(op, out.dtype)
         if fold is None or not claim():
             return False
@@ -744,7 +754,6 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
     a2a_head = alltoall_slots.slot_head(size)
     a2a_tables: dict = {}  # (elements per piece, send address) -> round 0's table of words (alltoall_slots)
     a2a_expects: dict = {}  # elements per piece -> what every peer's table must say
-    address = round_plan.address
 
     def a2a_round(_, seq, sig, channel, inp, out, count):
         """alltoall_slots.alltoall_rounds's one round as a plan, for ``count`` elements to and from
