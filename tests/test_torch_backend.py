@@ -194,6 +194,62 @@ def test_collectives_match_gloo(world):
     assert run_world(_vs_gloo, world, timeout=120) == [True] * world
 
 
+# -- small collectives through torch's API take distcomm's tensor-level latency paths -------------
+def _small_ops_on_latency_paths(rank, world):
+    dist = _init(rank, world)
+    from distcomm.backends.shm import observe
+
+    dist.barrier()  # the engine sets a group's shared memory up on its first collective
+    taken: list[str] = []
+    observe.set_observer(lambda name: taken.append(name) if name.startswith("latency_") else None)
+    base = torch.arange(3, dtype=torch.float32) + 10 * rank
+    everyone = torch.stack([torch.arange(3, dtype=torch.float32) + 10 * r for r in range(world)])
+    root = world - 1
+
+    x = base.clone()
+    dist.broadcast(x, src=root)
+    assert torch.equal(x, everyone[root])
+    x = base.clone()
+    dist.reduce(x, dst=root, op=dist.ReduceOp.MAX)
+    if rank == root:
+        assert torch.equal(x, everyone.max(0).values)
+    outs = [torch.empty(3) for _ in range(world)]
+    dist.all_gather(outs, base)
+    assert torch.equal(torch.stack(outs), everyone)
+    flat = torch.empty(3 * world)
+    dist.all_gather_into_tensor(flat, base)
+    assert torch.equal(flat, everyone.reshape(-1))
+    got = [torch.empty(3) for _ in range(world)] if rank == root else None
+    dist.gather(base, got, dst=root)
+    if rank == root:
+        assert torch.equal(torch.stack(got), everyone)
+    x = torch.empty(3)
+    dist.scatter(x, list(everyone * 2) if rank == root else None, src=root)
+    assert torch.equal(x, everyone[rank] * 2)
+    x = torch.empty(3)
+    dist.reduce_scatter_tensor(x, everyone.reshape(-1) * (rank + 1))
+    assert torch.equal(x, everyone[rank] * sum(range(1, world + 1)))
+    out = torch.empty(world, 2)
+    dist.all_to_all_single(out, torch.arange(2.0 * world).reshape(world, 2) + 100 * rank)
+    assert torch.equal(out, torch.stack([torch.arange(2.0) + 2 * rank + 100 * r for r in range(world)]))
+    # an asynchronous call on the latency path: its own Work, complete, the result in place
+    x = base.clone()
+    work = dist.broadcast(x, src=0, async_op=True)
+    assert work.wait() and torch.equal(x, everyone[0])
+    observe.set_observer(None)
+    want = ["latency_broadcast", "latency_reduce", "latency_all_gather", "latency_all_gather_into_tensor",
+            "latency_gather", "latency_scatter", "latency_reduce_scatter_tensor", "latency_all_to_all_single",
+            "latency_broadcast"]
+    assert taken == want, taken
+    _close(dist)
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_small_collectives_through_torchs_api_take_the_latency_paths(world):
+    assert run_world(_small_ops_on_latency_paths, world, timeout=90) == [True] * world
+
+
 # -- torch's DDP and ZeRO on init_process_group("distcomm") ---------------------------------------
 def _model(seed, unused=False):
     torch.manual_seed(seed)
