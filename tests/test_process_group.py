@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import distcomm as dist
-from distcomm.backends.engine import Engine, GroupCollectives, GroupSpec
+from distcomm.backends.engine import Engine, FastPath, GroupCollectives, GroupSpec
 from distcomm.backends.generic import GenericCollectives, GenericEngine
 from distcomm.buffers import as_buffer
 from distcomm.process_group import ProcessGroup
@@ -202,6 +202,42 @@ def test_register_backend_returning_an_engine():
         dist.all_reduce(t)
         np.testing.assert_array_equal(t, np.arange(4.0))
         assert _Reversed.calls == 1
+    finally:
+        dist.destroy_process_group()
+
+
+class _LateFastPathEngine(_CountingEngine):
+    """An engine whose fast path exists from the group's second call on, counting the askings."""
+
+    def __init__(self):
+        super().__init__()
+        self.asked = 0
+        self.fast_calls = 0
+
+    def fast_path(self, pg):
+        self.asked += 1
+        if self.asked == 1:
+            return None  # not yet: as the shared-memory engine before the group's first collective
+
+        def all_reduce(tensor, op):
+            self.fast_calls += 1
+            return True
+        return FastPath(all_reduce, None)
+
+
+def test_fast_path_is_asked_for_until_given_then_never_again():
+    engine = _LateFastPathEngine()
+    dist.Backend.register_backend("late_fast_path", lambda store, rank, size, timeout: engine)
+    dist.init_process_group("late_fast_path", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        pg = dist.group.WORLD
+        kept = pg.fast_all_reduce  # bound before the engine had a fast path
+        t = np.arange(4.0)
+        assert not kept(t, dist.ReduceOp.SUM)  # not yet: the caller's general path runs
+        for _ in range(5):
+            assert kept(t, dist.ReduceOp.SUM) and pg.fast_all_reduce(t, dist.ReduceOp.SUM)
+        assert not pg.fast_barrier()  # the engine's FastPath has no barrier
+        assert engine.asked == 2 and engine.fast_calls == 10
     finally:
         dist.destroy_process_group()
 

@@ -105,6 +105,7 @@ class ProcessGroup:
             fr.recorder.register_group(name, group_id, self.ranks, global_rank, self._timeout_s)
         # The rest of it: method name -> that method's latency path (see _fast); None until asked.
         self._fast_paths: dict | None = None
+        self._has_fast_path = False  # once _fast_paths is set: whether the engine gave one
 
     @property
     def timeout(self) -> timedelta:
@@ -555,9 +556,12 @@ class ProcessGroup:
         """Ask the engine for the group's fast path: none (False: never again), not yet (None: the
         engine sets the group up on its first collective), or one, which from then on takes the
         calls (True)."""
+        if self._fast_paths is not None:  # settled: a caller kept a _first_fast_* method from before
+            return self._has_fast_path
         paths: FastPath | bool | None = self.engine.fast_path(self)
         if paths is None:
             return False
+        self._has_fast_path = paths is not False
         if paths is False:
             self.fast_all_reduce = self.fast_barrier = _no_fast_path
             self._fast_paths = {}

@@ -251,9 +251,10 @@ class Engine(ABC):
         """The collectives of a new process group (called once per group, on its members)."""
 
     def fast_path(self, pg: Any) -> FastPath | bool | None:
-        """The FastPath of ``pg`` (a ProcessGroup: the engine is below it and does not import it); None when it may exist later (the engine sets the group up on its
-        first collective; ProcessGroup asks again then); False when it never will. The default:
-        no fast path."""
+        """The FastPath of ``pg`` (a ProcessGroup: the engine is below it and does not import it);
+        None when it may exist later (the engine sets the group up on its first collective;
+        ProcessGroup asks again then, and never again once it has an answer); False when it never
+        will. The default: no fast path."""
         return False
 
     def release_group(self, group_id: int) -> None:
