@@ -157,6 +157,7 @@ def test_latency_paths(ws):
         assert got("mixed_barrier") == "True"
         assert got("mixed_broadcast") == "True [1.0, 1.0]"
         assert got("declined") == str([False] * 6)
+        assert got("persistent_sizes") == "True"
         assert got("finished") == ""
         if r == 1:  # the late rank completes the call the others gave up on
             assert got("timeout") == "ok True"

@@ -89,3 +89,76 @@ def test_native_reductions(op, dtype, expected):
 
 def test_equal_counts():
     assert equal([3, 3, 3]) and equal([]) and not equal([3, 4])
+
+
+# -- persistent all_reduce requests (backends/mpi/persistent.py), on a recording stand-in for MPI ----
+class _Request:
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def Free(self):  # noqa: N802 - mpi4py's name
+        self.log.append(("free", self.name))
+
+
+class _Comm:
+    """Records each Allreduce_init (what it was given) and each Free of its requests."""
+
+    def __init__(self, refuse=False):
+        self.log: list = []
+        self.refuse = refuse
+
+    def Allreduce_init(self, sendbuf, recvbuf, op):  # noqa: N802
+        if self.refuse:
+            raise NotImplementedError("MPI 3")
+        staging, mtype = recvbuf
+        name = (staging.size, staging.dtype.name, mtype, op)
+        self.log.append(("init", name, sendbuf))
+        return _Request(self.log, name)
+
+
+class _MPI:
+    IN_PLACE = "IN_PLACE"
+
+    @staticmethod
+    def Is_finalized():  # noqa: N802
+        return False
+
+
+def test_persistent_requests_per_count_datatype_and_op_oldest_freed_first():
+    import numpy as np
+
+    from distcomm.backends.mpi import persistent
+
+    comm = _Comm()
+    cache = persistent.PersistentAllreduce(comm, _MPI)
+    FLOAT, DOUBLE, SUM, MAX = object(), object(), object(), object()
+    staging, request = cache.request(np.ones(3, np.float32), FLOAT, SUM)
+    assert staging.shape == (3,) and staging.dtype == np.float32
+    assert comm.log == [("init", (3, "float32", FLOAT, SUM), "IN_PLACE")]
+    # the same count, datatype and op: the same request, whatever the array
+    assert cache.request(np.zeros(3, np.float32), FLOAT, SUM)[1] is request
+    assert cache.request(np.zeros(3, np.float32), FLOAT, MAX)[1] is not request
+    assert cache.request(np.zeros(3, np.float64), DOUBLE, SUM)[1] is not request
+    assert len(comm.log) == 3
+    # past CAPACITY the oldest is freed, before nothing else
+    for count in range(4, 4 + persistent.CAPACITY - 3):
+        cache.request(np.zeros(count, np.float32), FLOAT, SUM)
+    assert [e for e in comm.log if e[0] == "free"] == []
+    cache.request(np.zeros(100, np.float32), FLOAT, SUM)
+    assert comm.log[-2:] == [("init", (100, "float32", FLOAT, SUM), "IN_PLACE"),
+                             ("free", (3, "float32", FLOAT, SUM))]
+    # past LIMIT bytes: none (the caller runs Iallreduce)
+    assert cache.request(np.zeros(persistent.LIMIT // 4 + 1, np.float32), FLOAT, SUM) is None
+    # free() frees every request left
+    cache.free()
+    assert len([e for e in comm.log if e[0] == "free"]) == persistent.CAPACITY + 1
+
+
+def test_persistent_requests_refused_by_an_mpi_3_library_fall_back_for_good():
+    import numpy as np
+
+    from distcomm.backends.mpi import persistent
+
+    cache = persistent.PersistentAllreduce(_Comm(refuse=True), _MPI)
+    assert cache.request(np.ones(2, np.float32), object(), object()) is None
+    assert not cache.available

@@ -13,7 +13,9 @@ the call computed. The calls are made:
 4. the flight recorder's records of the calls of 1: op, sequence number, completed;
 5. a path's call that times out (rank 1 joins 3 s late, past a 1.5 s timeout): the error names the
    op, sequence number and rank, the record says failed, the group is broken;
-6. (made before 5) the records of calls through the public API name the caller's line and function.
+6. (made before 5) the records of calls through the public API name the caller's line and function;
+7. (made before 6) all_reduces of more sizes than the group keeps persistent requests for, mixing
+   the latency and general paths.
 """
 
 import os
@@ -116,6 +118,22 @@ dist.set_debug_level(dist.DebugLevel.DETAIL)
 declined.append(paths.broadcast(as_buffer(np.zeros(2)), 0))
 dist.set_debug_level(dist.DebugLevel.OFF)
 say(f"{rank} declined {declined}")
+
+# 7. more all_reduce sizes than a group keeps persistent requests for (backends/mpi/persistent.py),
+# each taken by the latency path on some ranks and the general path on the others, alternating:
+# every rank must make and free its requests at the same calls, or this hangs or sums wrongly
+from distcomm.backends.mpi import persistent  # noqa: E402
+
+sizes_ok = True
+for rep in range(2):
+    for count in range(1, persistent.CAPACITY + 5):
+        v = np.full(count, float(rank + 1), np.float32)
+        if (rank + count + rep) % 2 == 0:
+            took = paths.all_reduce(v, SUM)
+        else:
+            took = dist.all_reduce(v, group=g, async_op=True).wait()
+        sizes_ok = sizes_ok and took and v.tolist() == [float(size * (size + 1) // 2)] * count
+say(f"{rank} persistent_sizes {sizes_ok}")
 
 # 6. calls through the public API: each record names the caller's line and function, found by the
 # latency path's one lookup (the groups are idle: every call takes its path; a barrier's record

@@ -1,8 +1,9 @@
 """One process group's collectives on the MPI engine.
 
-Each collective MPI has is one nonblocking MPI call on the group's communicator (``Iallreduce``,
-``Ireduce``, ``Ibcast``, ``Iallgather``, ``Igather``, ``Iscatter``, ``Ireduce_scatter_block``,
-``Ialltoallv``, ``Ibarrier``), tested against the call's deadline: nonblocking so that a timeout is
+Each collective MPI has is one nonblocking MPI call on the group's communicator (``Iallreduce``, or
+for a small message the ``Start`` of a persistent all_reduce (persistent.py), ``Ireduce``, ``Ibcast``,
+``Iallgather``, ``Igather``, ``Iscatter``, ``Ireduce_scatter_block``, ``Ialltoallv``, ``Ibarrier``),
+tested against the call's deadline: nonblocking so that a timeout is
 honoured (MPI's blocking calls cannot be interrupted). What MPI lacks (``native``) runs
 ``GenericCollectives``, distcomm's algorithms, over ``MpiTransport`` on the same communicator.
 
@@ -35,6 +36,7 @@ from ...types import RedOpType
 from ..engine import GroupCollectives, GroupSpec
 from ..generic import GenericCollectives
 from .native import equal, native_reduction
+from .persistent import PersistentAllreduce
 
 
 def _bytes(a: np.ndarray) -> np.ndarray:
@@ -61,6 +63,14 @@ class MpiCollectives(GroupCollectives):
         self.broken: str | None = None  # why the group can no longer be used
         self.abandoned: list = []  # (request, buffers) of timed-out native calls: MPI may still use them
         self._reductions: dict = {}  # (op, dtype name) -> (MPI datatype, MPI op) or None
+        # every native all_reduce of at most persistent.LIMIT bytes, on either path (see persistent.py)
+        self.persistent = PersistentAllreduce(self.comm, self.MPI)
+
+    def release(self) -> None:
+        """Free what the group holds in MPI, before its communicator is freed. A broken group's
+        requests may still be active (MPI cannot cancel a collective): they are left to MPI."""
+        if self.broken is None:
+            self.persistent.free()
 
     # -- the plumbing ----------------------------------------------------------------------------
     def reduction(self, op, dtype: DType):
@@ -107,8 +117,21 @@ class MpiCollectives(GroupCollectives):
         MPI = self.MPI
 
         def run(buf: np.ndarray) -> None:
-            if buf.size:
+            if not buf.size:
+                return
+            staged = self.persistent.request(buf, mtype, mop)
+            if staged is None:
                 self.native(ch, lambda: self.comm.Iallreduce(MPI.IN_PLACE, [buf, mtype], mop), buf)
+                return
+            staging, request = staged
+
+            def start():
+                staging[...] = buf
+                request.Start()
+                return request
+
+            self.native(ch, start, buf, staging)
+            buf[...] = staging
 
         reduction.with_op_arithmetic(op, dtype, ch.size, flat, run)
 

@@ -45,11 +45,15 @@ class MpiEngine(Engine):
         return latency.build(pg, coll)
 
     def release_group(self, group_id: int) -> None:
-        self._groups.pop(group_id, None)
+        coll = self._groups.pop(group_id, None)
+        if coll is not None:
+            coll.release()
         self.transport.release_group(group_id)
 
     def close(self) -> None:
-        self._groups.clear()
+        groups, self._groups = list(self._groups.values()), {}
+        for coll in groups:
+            coll.release()
         self.transport.close()
 
     def __repr__(self) -> str:

@@ -7,8 +7,10 @@ run the very nonblocking MPI call the general path would make (a member running 
 through the general path meets it: MPI matches nonblocking collectives only with nonblocking ones),
 tested to the group's deadline. They are:
 
-* all_reduce (on the tensor, before any Buffer is made): ``Iallreduce`` in place; it takes only a
-  C-contiguous, aligned, writeable numpy array or a contiguous CPU torch tensor (not bfloat16);
+* all_reduce (on the tensor, before any Buffer is made): the ``Start`` of the group's persistent
+  request for its count, datatype and op, on that request's staging array (persistent.py), or where
+  MPI has none ``Iallreduce`` in place; it takes only a C-contiguous, aligned, writeable numpy array
+  or a contiguous CPU torch tensor (not bfloat16);
 * barrier: ``Ibarrier``;
 * on the ProcessGroup method's Buffers: all_gather_into_tensor: ``Iallgather`` in place, this
   rank's block copied in first;
@@ -74,6 +76,7 @@ def build(pg, collectives) -> FastPath:
     """The latency paths of process group ``pg`` over its MpiCollectives ``collectives``."""
     MPI = collectives.MPI
     comm = collectives.comm
+    persistent = collectives.persistent.request
     closed = collectives.transport.is_closed
     executor = pg.executor
     enter, leave = executor.enter_inline, executor.leave_inline
@@ -173,13 +176,23 @@ def build(pg, collectives) -> FastPath:
         # the user's frame is above started, this function and its caller (FastPath's: the API
         # function, or torch's c10d adapter, whose caller is torch's and the walk goes on)
         record = None if fr.recorder is None else fr.recorder.started(group, seq, "all_reduce", nbytes, dtype_name, None, 3)
-        req = None
+        req = staged = None
         try:
-            req = comm.Iallreduce(IN_PLACE, [flat, mtype], mop)
+            # the general path's very call (MpiCollectives.all_reduce): a persistent request's Start
+            # on its staging array, or an Iallreduce where there is none
+            staged = persistent(flat, mtype, mop)
+            if staged is None:
+                req = comm.Iallreduce(IN_PLACE, [flat, mtype], mop)
+            else:
+                staging, req = staged
+                staging[...] = flat
+                req.Start()
             if not req.Test():  # wait(), inlined
                 wait_request(MPI, req, _monotonic() + pg.timeout.total_seconds(), None, closed)
+            if staged is not None:
+                flat[...] = staging
         except BaseException as exc:
-            fail(exc, "all_reduce", seq, sig, req, (flat,), record)
+            fail(exc, "all_reduce", seq, sig, req, (flat,) if staged is None else (flat, staged[0]), record)
         finally:
             leave()
         if record is not None:

@@ -1,0 +1,70 @@
+"""Small native all_reduces as persistent MPI requests (MPI 4's ``Allreduce_init``).
+
+Why: MPICH builds a persistent collective's schedule once, at its initialisation, where a
+nonblocking ``Iallreduce`` builds one on every call; an 8-byte all_reduce as ``Start`` and ``Test``
+of a persistent request costs less than even a blocking ``Allreduce``, and being nonblocking it is
+still tested against the call's deadline (docs/performance-notes.md, "The MPI engine's small
+all_reduce as a persistent request").
+
+Matching. MPI matches a persistent collective only with persistent ones, and every member must
+initialise the group's persistent collectives in the same order. So a request is keyed only by
+what every rank's call has in common (the element count, the MPI datatype and the MPI op, which MPI
+requires to agree anyway), and it runs on a staging array of its own, never on the caller's memory
+(whose address differs between ranks and calls): every member makes a request, or frees the oldest
+past ``CAPACITY``, at the same call of the group's sequence. Every native all_reduce of at most
+``LIMIT`` bytes goes through here, from the latency path and from the general path alike, so a rank
+on either meets the others. An MPI library without persistent collectives (MPI 3) refuses the
+first initialisation on every rank alike; from then on every such call is an ``Iallreduce``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+#: bytes: the largest all_reduce run as a persistent request (its staging copies are the price)
+LIMIT = 64 * 1024
+#: persistent requests kept per group (the oldest is freed first: the same one on every rank)
+CAPACITY = 16
+
+
+class PersistentAllreduce:
+    """A group's persistent all_reduce requests, each with its staging array (see the module docstring)."""
+
+    def __init__(self, comm, MPI):
+        self._comm = comm
+        self._MPI = MPI
+        self._requests: dict = {}  # (count, id of the MPI datatype, of the MPI op) -> (staging, request)
+        self.available = True  # False once MPI refused: every member then runs Iallreduce
+
+    def request(self, flat: np.ndarray, mtype, mop):
+        """(staging array, persistent request) for an in-place all_reduce of ``flat`` (a flat
+        C-contiguous array of at most LIMIT bytes, not empty), made on first use; None for a larger
+        message or where MPI has no persistent collectives (the caller then runs ``Iallreduce``).
+        The caller copies ``flat`` into the staging array, starts the request and, once it
+        completes, copies the staging array back."""
+        # predefined MPI datatypes and ops are mpi4py singletons: their ids stand for them
+        key = (flat.size, id(mtype), id(mop))
+        made = self._requests.get(key)
+        if made is not None or flat.nbytes > LIMIT or not self.available:
+            return made
+        staging = np.empty(flat.size, flat.dtype)
+        try:
+            request = self._comm.Allreduce_init(self._MPI.IN_PLACE, [staging, mtype], mop)
+        except NotImplementedError:
+            self.available = False
+            return None
+        if len(self._requests) >= CAPACITY:  # the oldest (insertion order): the same on every rank
+            _, oldest = self._requests.pop(next(iter(self._requests)))
+            oldest.Free()
+        made = self._requests[key] = (staging, request)
+        return made
+
+    def free(self) -> None:
+        """Free every request (each inactive: the group's calls have all completed). Called when
+        the group is released, before its communicator is."""
+        requests, self._requests = self._requests, {}
+        if self._MPI.Is_finalized():
+            return
+        for _, request in requests.values():
+            request.Free()
+
