@@ -115,6 +115,12 @@ class _Comm:
         self.log.append(("init", name, sendbuf))
         return _Request(self.log, name)
 
+    def Barrier_init(self):  # noqa: N802
+        if self.refuse:
+            raise NotImplementedError("MPI 3")
+        self.log.append(("init", "barrier", None))
+        return _Request(self.log, "barrier")
+
 
 class _MPI:
     IN_PLACE = "IN_PLACE"
@@ -124,34 +130,38 @@ class _MPI:
         return False
 
 
-def test_persistent_requests_per_count_datatype_and_op_oldest_freed_first():
+def test_persistent_requests_per_count_datatype_and_op_oldest_freed_first_one_barrier():
     import numpy as np
 
     from distcomm.backends.mpi import persistent
 
     comm = _Comm()
-    cache = persistent.PersistentAllreduce(comm, _MPI)
+    cache = persistent.PersistentRequests(comm, _MPI)
     FLOAT, DOUBLE, SUM, MAX = object(), object(), object(), object()
-    staging, request = cache.request(np.ones(3, np.float32), FLOAT, SUM)
+    staging, request = cache.all_reduce(np.ones(3, np.float32), FLOAT, SUM)
     assert staging.shape == (3,) and staging.dtype == np.float32
     assert comm.log == [("init", (3, "float32", FLOAT, SUM), "IN_PLACE")]
     # the same count, datatype and op: the same request, whatever the array
-    assert cache.request(np.zeros(3, np.float32), FLOAT, SUM)[1] is request
-    assert cache.request(np.zeros(3, np.float32), FLOAT, MAX)[1] is not request
-    assert cache.request(np.zeros(3, np.float64), DOUBLE, SUM)[1] is not request
+    assert cache.all_reduce(np.zeros(3, np.float32), FLOAT, SUM)[1] is request
+    assert cache.all_reduce(np.zeros(3, np.float32), FLOAT, MAX)[1] is not request
+    assert cache.all_reduce(np.zeros(3, np.float64), DOUBLE, SUM)[1] is not request
     assert len(comm.log) == 3
     # past CAPACITY the oldest is freed, before nothing else
     for count in range(4, 4 + persistent.CAPACITY - 3):
-        cache.request(np.zeros(count, np.float32), FLOAT, SUM)
+        cache.all_reduce(np.zeros(count, np.float32), FLOAT, SUM)
     assert [e for e in comm.log if e[0] == "free"] == []
-    cache.request(np.zeros(100, np.float32), FLOAT, SUM)
+    cache.all_reduce(np.zeros(100, np.float32), FLOAT, SUM)
     assert comm.log[-2:] == [("init", (100, "float32", FLOAT, SUM), "IN_PLACE"),
                              ("free", (3, "float32", FLOAT, SUM))]
     # past LIMIT bytes: none (the caller runs Iallreduce)
-    assert cache.request(np.zeros(persistent.LIMIT // 4 + 1, np.float32), FLOAT, SUM) is None
+    assert cache.all_reduce(np.zeros(persistent.LIMIT // 4 + 1, np.float32), FLOAT, SUM) is None
+    # one barrier request, made on first use
+    barrier = cache.barrier()
+    assert cache.barrier() is barrier and comm.log[-1] == ("init", "barrier", None)
     # free() frees every request left
     cache.free()
-    assert len([e for e in comm.log if e[0] == "free"]) == persistent.CAPACITY + 1
+    freed = [e[1] for e in comm.log if e[0] == "free"]
+    assert len(freed) == persistent.CAPACITY + 2 and freed[-1] == "barrier"
 
 
 def test_persistent_requests_refused_by_an_mpi_3_library_fall_back_for_good():
@@ -159,6 +169,7 @@ def test_persistent_requests_refused_by_an_mpi_3_library_fall_back_for_good():
 
     from distcomm.backends.mpi import persistent
 
-    cache = persistent.PersistentAllreduce(_Comm(refuse=True), _MPI)
-    assert cache.request(np.ones(2, np.float32), object(), object()) is None
+    cache = persistent.PersistentRequests(_Comm(refuse=True), _MPI)
+    assert cache.all_reduce(np.ones(2, np.float32), object(), object()) is None
     assert not cache.available
+    assert cache.barrier() is None

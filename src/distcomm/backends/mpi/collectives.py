@@ -2,7 +2,8 @@
 
 Each collective MPI has is one nonblocking MPI call on the group's communicator (``Iallreduce``, or
 for a small message the ``Start`` of a persistent all_reduce (persistent.py), ``Ireduce``, ``Ibcast``,
-``Iallgather``, ``Igather``, ``Iscatter``, ``Ireduce_scatter_block``, ``Ialltoallv``, ``Ibarrier``),
+``Iallgather``, ``Igather``, ``Iscatter``, ``Ireduce_scatter_block``, ``Ialltoallv``, ``Ibarrier`` or
+the Start of a persistent barrier),
 tested against the call's deadline: nonblocking so that a timeout is
 honoured (MPI's blocking calls cannot be interrupted). What MPI lacks (``native``) runs
 ``GenericCollectives``, distcomm's algorithms, over ``MpiTransport`` on the same communicator.
@@ -36,7 +37,7 @@ from ...types import RedOpType
 from ..engine import GroupCollectives, GroupSpec
 from ..generic import GenericCollectives
 from .native import equal, native_reduction
-from .persistent import PersistentAllreduce
+from .persistent import PersistentRequests
 
 
 def _bytes(a: np.ndarray) -> np.ndarray:
@@ -63,8 +64,8 @@ class MpiCollectives(GroupCollectives):
         self.broken: str | None = None  # why the group can no longer be used
         self.abandoned: list = []  # (request, buffers) of timed-out native calls: MPI may still use them
         self._reductions: dict = {}  # (op, dtype name) -> (MPI datatype, MPI op) or None
-        # every native all_reduce of at most persistent.LIMIT bytes, on either path (see persistent.py)
-        self.persistent = PersistentAllreduce(self.comm, self.MPI)
+        # every barrier and native all_reduce of at most persistent.LIMIT bytes, on either path
+        self.persistent = PersistentRequests(self.comm, self.MPI)
 
     def release(self) -> None:
         """Free what the group holds in MPI, before its communicator is freed. A broken group's
@@ -119,7 +120,7 @@ class MpiCollectives(GroupCollectives):
         def run(buf: np.ndarray) -> None:
             if not buf.size:
                 return
-            staged = self.persistent.request(buf, mtype, mop)
+            staged = self.persistent.all_reduce(buf, mtype, mop)
             if staged is None:
                 self.native(ch, lambda: self.comm.Iallreduce(MPI.IN_PLACE, [buf, mtype], mop), buf)
                 return
@@ -211,4 +212,12 @@ class MpiCollectives(GroupCollectives):
 
     def barrier(self, ch: Channel) -> None:
         if ch.size > 1:
-            self.native(ch, self.comm.Ibarrier)
+            self.native(ch, self.start_barrier)
+
+    def start_barrier(self):
+        """Start the group's barrier: its persistent request (persistent.py), else an Ibarrier."""
+        request = self.persistent.barrier()
+        if request is None:
+            return self.comm.Ibarrier()
+        request.Start()
+        return request

@@ -11,7 +11,7 @@ tested to the group's deadline. They are:
   request for its count, datatype and op, on that request's staging array (persistent.py), or where
   MPI has none ``Iallreduce`` in place; it takes only a C-contiguous, aligned, writeable numpy array
   or a contiguous CPU torch tensor (not bfloat16);
-* barrier: ``Ibarrier``;
+* barrier: the Start of the group's persistent barrier (persistent.py), or ``Ibarrier``;
 * on the ProcessGroup method's Buffers: all_gather_into_tensor: ``Iallgather`` in place, this
   rank's block copied in first;
 * reduce_scatter_tensor: ``Ireduce_scatter_block`` from the input (declined when the output
@@ -76,7 +76,8 @@ def build(pg, collectives) -> FastPath:
     """The latency paths of process group ``pg`` over its MpiCollectives ``collectives``."""
     MPI = collectives.MPI
     comm = collectives.comm
-    persistent = collectives.persistent.request
+    persistent = collectives.persistent.all_reduce
+    start_barrier = collectives.start_barrier
     closed = collectives.transport.is_closed
     executor = pg.executor
     enter, leave = executor.enter_inline, executor.leave_inline
@@ -208,7 +209,7 @@ def build(pg, collectives) -> FastPath:
         record = None if fr.recorder is None else fr.recorder.started(group, seq, "barrier", 0, None, None, 3)
         req = None
         try:
-            req = comm.Ibarrier()
+            req = start_barrier()  # the general path's very call (MpiCollectives.barrier)
             wait(req)
         except BaseException as exc:
             fail(exc, "barrier", seq, barrier_sig, req, (), record)

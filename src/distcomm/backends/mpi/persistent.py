@@ -1,10 +1,11 @@
-"""Small native all_reduces as persistent MPI requests (MPI 4's ``Allreduce_init``).
+"""Small native all_reduces, and barriers, as persistent MPI requests (MPI 4's ``Allreduce_init``,
+``Barrier_init``).
 
 Why: MPICH builds a persistent collective's schedule once, at its initialisation, where a
-nonblocking ``Iallreduce`` builds one on every call; an 8-byte all_reduce as ``Start`` and ``Test``
-of a persistent request costs less than even a blocking ``Allreduce``, and being nonblocking it is
-still tested against the call's deadline (docs/performance-notes.md, "The MPI engine's small
-all_reduce as a persistent request").
+nonblocking ``Iallreduce`` or ``Ibarrier`` builds one on every call; an 8-byte all_reduce as
+``Start`` and ``Test`` of a persistent request costs less than even a blocking ``Allreduce``, and
+being nonblocking it is still tested against the call's deadline (docs/performance-notes.md, "The
+MPI engine's small all_reduce as a persistent request").
 
 Matching. MPI matches a persistent collective only with persistent ones, and every member must
 initialise the group's persistent collectives in the same order. So a request is keyed only by
@@ -14,7 +15,9 @@ requires to agree anyway), and it runs on a staging array of its own, never on t
 past ``CAPACITY``, at the same call of the group's sequence. Every native all_reduce of at most
 ``LIMIT`` bytes goes through here, from the latency path and from the general path alike, so a rank
 on either meets the others. An MPI library without persistent collectives (MPI 3) refuses the
-first initialisation on every rank alike; from then on every such call is an ``Iallreduce``.
+first initialisation on every rank alike; from then on every such call is an ``Iallreduce``. A
+barrier has one request per group, made by the group's first barrier (on every rank: every barrier
+goes through here too).
 """
 
 from __future__ import annotations
@@ -27,16 +30,28 @@ LIMIT = 64 * 1024
 CAPACITY = 16
 
 
-class PersistentAllreduce:
-    """A group's persistent all_reduce requests, each with its staging array (see the module docstring)."""
+class PersistentRequests:
+    """A group's persistent all_reduce requests, each with its staging array, and its persistent
+    barrier (see the module docstring)."""
 
     def __init__(self, comm, MPI):
         self._comm = comm
         self._MPI = MPI
         self._requests: dict = {}  # (count, id of the MPI datatype, of the MPI op) -> (staging, request)
-        self.available = True  # False once MPI refused: every member then runs Iallreduce
+        self._barrier = None
+        self.available = True  # False once MPI refused: every member then runs Iallreduce and Ibarrier
 
-    def request(self, flat: np.ndarray, mtype, mop):
+    def barrier(self):
+        """The group's persistent barrier request (made on first use), or None where MPI has no
+        persistent collectives (the caller then runs ``Ibarrier``)."""
+        if self._barrier is None and self.available:
+            try:
+                self._barrier = self._comm.Barrier_init()
+            except NotImplementedError:
+                self.available = False
+        return self._barrier
+
+    def all_reduce(self, flat: np.ndarray, mtype, mop):
         """(staging array, persistent request) for an in-place all_reduce of ``flat`` (a flat
         C-contiguous array of at most LIMIT bytes, not empty), made on first use; None for a larger
         message or where MPI has no persistent collectives (the caller then runs ``Iallreduce``).
@@ -62,9 +77,12 @@ class PersistentAllreduce:
     def free(self) -> None:
         """Free every request (each inactive: the group's calls have all completed). Called when
         the group is released, before its communicator is."""
-        requests, self._requests = self._requests, {}
+        requests = [request for _, request in self._requests.values()]
+        if self._barrier is not None:
+            requests.append(self._barrier)
+        self._requests, self._barrier = {}, None
         if self._MPI.Is_finalized():
             return
-        for _, request in requests.values():
+        for request in requests:
             request.Free()
 
