@@ -221,6 +221,62 @@ def test_latency_paths_with_torch_tensors(world):
     run_world(results_body, world, args=(True,), timeout=300)
 
 
+def kept_plans_body(rank, world):
+    """The same arrays call after call (the latency paths keep their rounds' plans for them), with
+    new contents each time, two inputs and two outputs in every pairing, fresh arrays every few calls
+    (more than the paths keep), and torch tensors whose storage is resized between calls (new
+    memory, same object)."""
+    import numpy as np
+    import torch
+
+    import distcomm as dist
+
+    dist.init_process_group(None)
+    dist.all_reduce(np.ones(1))
+    taken = _observe()
+    count = 3
+    bigs = [np.zeros(count * world, np.float32) for _ in range(2)]
+    smalls = [np.zeros(count, np.float32) for _ in range(2)]
+    tensors = (torch.zeros(count * world), torch.zeros(count))
+    calls = 0
+    for step in range(40):
+        if step % 5 == 4:
+            bigs[step % 2] = np.zeros(count * world, np.float32)
+            smalls[step % 2] = np.zeros(count, np.float32)
+        # every pairing of the two inputs with the two outputs comes back
+        big, small = bigs[step % 2], smalls[(step // 2) % 2]
+        if step % 7 == 6:  # the same tensors, their memory reallocated
+            for t in tensors:
+                nbytes = t.untyped_storage().nbytes()
+                t.untyped_storage().resize_(0)
+                t.untyped_storage().resize_(nbytes)
+        tbig, tsmall = tensors
+        every = [np.arange(count * world, dtype=np.float32) + 100 * q + step for q in range(world)]
+
+        big[...] = every[rank]
+        dist.reduce_scatter_tensor(small, big)
+        assert small.tolist() == sum(every)[rank * count:(rank + 1) * count].tolist(), (step, small)
+        small[...] = every[rank][:count]
+        dist.all_gather_into_tensor(big, small)
+        assert big.tolist() == np.concatenate([e[:count] for e in every]).tolist(), (step, big)
+        big[...] = every[rank]
+        out = np.zeros_like(big) if step % 3 == 0 else small.repeat(world)
+        dist.all_to_all_single(out, big)
+        assert out.tolist() == np.concatenate([e[rank * count:(rank + 1) * count] for e in every]).tolist(), step
+        tbig.copy_(torch.from_numpy(every[rank]))
+        dist.reduce_scatter_tensor(tsmall, tbig)
+        assert tsmall.tolist() == sum(every)[rank * count:(rank + 1) * count].tolist(), (step, tsmall)
+        calls += 4
+    assert len(taken) == calls and all(name.startswith("latency_") for name in taken), taken[:8]
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_latency_paths_keep_plans_only_for_the_same_arrays(world):
+    run_world(kept_plans_body, world, timeout=120)
+
+
 def mixed_body(rank, world):
     """In each call some ranks take the latency path (synchronous) and the others the general
     path (async_op=True): both sides of every round speak the same protocol."""

@@ -369,6 +369,19 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
             kinds[key] = native.kind(op, np_dtype)
         return kinds[key]
 
+    # Plans of rounds whose writes and reads take a loop over the ranks to build (gather, scatter,
+    # reduce_scatter_tensor, all_to_all_single), kept while the same arrays come back (a loop's
+    # tensors; torch tensors' views are kept by flat_of). A key holds the ids of its arrays and the
+    # entry holds the arrays, so no other object can take those ids while the entry lives; sizes,
+    # offsets and addresses the plan depends on are in the key too. A handful, cleared when full.
+    kept_plans: dict = {}
+
+    def keep_plan(key, plan, arrays):
+        if len(kept_plans) >= 16:
+            kept_plans.clear()
+        kept_plans[key] = (plan, arrays)
+        return plan
+
     def broadcast_round(_, seq, sig, channel, flat, root):
         n = flat.nbytes
         if rank == root:
@@ -389,7 +402,10 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
             reads = ()
         elif outs.__class__ is tuple:
             out, step = outs
-            reads = tuple((send if q == rank else q, 0, out, q * step, n) for q in range(size))
+            key = ("gather", id(send), n, id(out), out.nbytes, step)
+            kept = kept_plans.get(key)
+            reads = kept[0] if kept is not None else keep_plan(
+                key, tuple((send if q == rank else q, 0, out, q * step, n) for q in range(size)), (send, out))
         else:
             reads = tuple((send if q == rank else q, 0, outs[q], 0, n) for q in range(size))
         writes = ((send, 0, 0, n),) if root != rank else ()
@@ -410,17 +426,26 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
         """reduce_scatter_slots.one_round's plan; ``blocks``: a list of arrays, or (array, block
         bytes) for blocks of one input (reduce_scatter_tensor)."""
         n = out.nbytes
-        stride = reduce_scatter_slots.piece_count(ctx.slot_bytes, size, out.itemsize) * out.itemsize
         if blocks.__class__ is tuple:
             inp, step = blocks
-            writes = tuple((inp, q * step, q * stride, n) for q in range(size) if q != rank and n)
-            reads = tuple((inp, rank * step, out, 0, n) if q == rank else (q, rank * stride, out, 0, n)
-                          for q in range(size)) if n else ()
+            key = ("reduce_scatter", id(inp), inp.nbytes, step, id(out), n, out.itemsize)
+            kept = kept_plans.get(key)
+            writes, reads = kept[0] if kept is not None else keep_plan(
+                key, reduce_scatter_plan(inp, step, out, n), (inp, out))
         else:
+            stride = reduce_scatter_slots.piece_count(ctx.slot_bytes, size, out.itemsize) * out.itemsize
             writes = tuple((b, 0, q * stride, b.nbytes) for q, b in enumerate(blocks) if q != rank and b.nbytes)
             reads = tuple((blocks[rank], 0, out, 0, n) if q == rank else (q, rank * stride, out, 0, n)
                           for q in range(size)) if n else ()
         move(seq, sig, sig, channel, total, 0, False, writes, reads, code, red, out.dtype)
+
+    def reduce_scatter_plan(inp, step, out, n):
+        """reduce_scatter_round's (writes, reads) for blocks of ``step`` bytes of one input."""
+        stride = reduce_scatter_slots.piece_count(ctx.slot_bytes, size, out.itemsize) * out.itemsize
+        writes = tuple((inp, q * step, q * stride, n) for q in range(size) if q != rank and n)
+        reads = tuple((inp, rank * step, out, 0, n) if q == rank else (q, rank * stride, out, 0, n)
+                      for q in range(size)) if n else ()
+        return writes, reads
 
     def broadcast(buf, root) -> bool:
         if buf.flat.nbytes > limits.broadcast or not claim():
@@ -763,16 +788,23 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
         per = (ctx.slot_bytes - a2a_head) // size // item
         nb = count * item
         base = address(inp) if direct_reads else 0
-        table = a2a_tables.get((count, base))
-        if table is None:
-            if len(a2a_tables) >= 8:
-                a2a_tables.clear()
-            table = a2a_tables[(count, base)] = np.array(
-                [count] * size + [q * count for q in range(size)] + [count] * size + [1, 0, base], np.int64)
-        writes = ((table, 0, 0, table.nbytes),) + tuple(
-            (inp, q * nb, a2a_head + q * per * item, nb) for q in range(size) if q != rank)
-        at = a2a_head + rank * per * item
-        reads = tuple((q, at, out, q * nb, nb) if q != rank else (inp, q * nb, out, q * nb, nb) for q in range(size))
+        key = ("all_to_all", id(inp), base, count, nb, id(out), out.nbytes)
+        kept = kept_plans.get(key)
+        if kept is not None:
+            writes, reads = kept[0]
+        else:
+            table = a2a_tables.get((count, base))
+            if table is None:
+                if len(a2a_tables) >= 8:
+                    a2a_tables.clear()
+                table = a2a_tables[(count, base)] = np.array(
+                    [count] * size + [q * count for q in range(size)] + [count] * size + [1, 0, base], np.int64)
+            writes = ((table, 0, 0, table.nbytes),) + tuple(
+                (inp, q * nb, a2a_head + q * per * item, nb) for q in range(size) if q != rank)
+            at = a2a_head + rank * per * item
+            reads = tuple((q, at, out, q * nb, nb) if q != rank else (inp, q * nb, out, q * nb, nb)
+                          for q in range(size))
+            keep_plan(key, (writes, reads), (inp, out))
         expect = a2a_expects.get(count)
         if expect is None:
             if len(a2a_expects) >= 8:
