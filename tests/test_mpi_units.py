@@ -158,8 +158,12 @@ def test_persistent_requests_per_count_datatype_and_op_oldest_freed_first_one_ba
     # one barrier request, made on first use
     barrier = cache.barrier()
     assert cache.barrier() is barrier and comm.log[-1] == ("init", "barrier", None)
+    # the dict of what is kept for a datatype and op, which the latency path keeps and looks up
+    made = cache.made(FLOAT, SUM)
+    assert sorted(made) == list(range(4, 4 + persistent.CAPACITY - 3)) + [100]
     # free() frees every request left
     cache.free()
+    assert made == {}
     freed = [e[1] for e in comm.log if e[0] == "free"]
     assert len(freed) == persistent.CAPACITY + 2 and freed[-1] == "barrier"
 

@@ -119,7 +119,8 @@ def build(pg, collectives) -> FastPath:
         else:
             native = collectives.reduction(op, dtype)
             entry = None if native is None else (native[0], native[1], dtype, dtype.name,
-                                                 signature("all_reduce", dtype.code, int(op)))
+                                                 signature("all_reduce", dtype.code, int(op)),
+                                                 collectives.persistent.made(native[0], native[1]))
         plans[op][np_dtype.num] = entry
         return entry
 
@@ -172,7 +173,7 @@ def build(pg, collectives) -> FastPath:
         if entry is None or collectives.broken is not None or (
                 "torch" in _modules and profiler_on()) or not enter():
             return False
-        mtype, mop, dtype, dtype_name, sig = entry
+        mtype, mop, dtype, dtype_name, sig, made = entry
         seq = next_seq()
         # the user's frame is above started, this function and its caller (FastPath's: the API
         # function, or torch's c10d adapter, whose caller is torch's and the walk goes on)
@@ -181,7 +182,7 @@ def build(pg, collectives) -> FastPath:
         try:
             # the general path's very call (MpiCollectives.all_reduce): a persistent request's Start
             # on its staging array, or an Iallreduce where there is none
-            staged = persistent(flat, mtype, mop)
+            staged = made.get(flat.size) or persistent(flat, mtype, mop)
             if staged is None:
                 req = comm.Iallreduce(IN_PLACE, [flat, mtype], mop)
             else:

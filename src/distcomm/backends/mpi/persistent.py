@@ -37,7 +37,8 @@ class PersistentRequests:
     def __init__(self, comm, MPI):
         self._comm = comm
         self._MPI = MPI
-        self._requests: dict = {}  # (count, id of the MPI datatype, of the MPI op) -> (staging, request)
+        self._made: dict = {}  # (id of the MPI datatype, of the MPI op) -> {count: (staging, request)}
+        self._order: list = []  # (that key, count) of every request kept, oldest first
         self._barrier = None
         self.available = True  # False once MPI refused: every member then runs Iallreduce and Ibarrier
 
@@ -51,36 +52,51 @@ class PersistentRequests:
                 self.available = False
         return self._barrier
 
+    def made(self, mtype, mop) -> dict:
+        """{count: (staging array, request)} of the requests kept for this MPI datatype and op: the
+        group's own dict, which a caller may keep and look a count up in (``all_reduce`` adds to
+        it, the eviction of the oldest removes from it)."""
+        # predefined MPI datatypes and ops are mpi4py singletons: their ids stand for them
+        key = (id(mtype), id(mop))
+        made = self._made.get(key)
+        if made is None:
+            made = self._made[key] = {}
+        return made
+
     def all_reduce(self, flat: np.ndarray, mtype, mop):
         """(staging array, persistent request) for an in-place all_reduce of ``flat`` (a flat
         C-contiguous array of at most LIMIT bytes, not empty), made on first use; None for a larger
         message or where MPI has no persistent collectives (the caller then runs ``Iallreduce``).
         The caller copies ``flat`` into the staging array, starts the request and, once it
         completes, copies the staging array back."""
-        # predefined MPI datatypes and ops are mpi4py singletons: their ids stand for them
-        key = (flat.size, id(mtype), id(mop))
-        made = self._requests.get(key)
-        if made is not None or flat.nbytes > LIMIT or not self.available:
-            return made
-        staging = np.empty(flat.size, flat.dtype)
+        made = self.made(mtype, mop)
+        count = flat.size
+        staged = made.get(count)
+        if staged is not None or flat.nbytes > LIMIT or not self.available:
+            return staged
+        staging = np.empty(count, flat.dtype)
         try:
             request = self._comm.Allreduce_init(self._MPI.IN_PLACE, [staging, mtype], mop)
         except NotImplementedError:
             self.available = False
             return None
-        if len(self._requests) >= CAPACITY:  # the oldest (insertion order): the same on every rank
-            _, oldest = self._requests.pop(next(iter(self._requests)))
+        if len(self._order) >= CAPACITY:  # the oldest: the same on every rank
+            key, old_count = self._order.pop(0)
+            _, oldest = self._made[key].pop(old_count)
             oldest.Free()
-        made = self._requests[key] = (staging, request)
-        return made
+        staged = made[count] = (staging, request)
+        self._order.append(((id(mtype), id(mop)), count))
+        return staged
 
     def free(self) -> None:
         """Free every request (each inactive: the group's calls have all completed). Called when
         the group is released, before its communicator is."""
-        requests = [request for _, request in self._requests.values()]
+        requests = [request for made in self._made.values() for _, request in made.values()]
         if self._barrier is not None:
             requests.append(self._barrier)
-        self._requests, self._barrier = {}, None
+        for made in self._made.values():  # a caller keeping one finds nothing there from now on
+            made.clear()
+        self._order, self._barrier = [], None
         if self._MPI.Is_finalized():
             return
         for request in requests:
