@@ -1,11 +1,10 @@
 """One process group's collectives on the MPI engine.
 
-Each collective MPI has is one nonblocking MPI call on the group's communicator (``Iallreduce``, or
-for a small message the ``Start`` of a persistent all_reduce (persistent.py), ``Ireduce``, ``Ibcast``,
-``Iallgather``, ``Igather``, ``Iscatter``, ``Ireduce_scatter_block``, ``Ialltoallv``, ``Ibarrier`` or
-the Start of a persistent barrier),
-tested against the call's deadline: nonblocking so that a timeout is
-honoured (MPI's blocking calls cannot be interrupted). What MPI lacks (``native``) runs
+Each collective MPI has is one nonblocking MPI call on the group's communicator (``Iallreduce``,
+``Ireduce``, ``Ibcast``, ``Iallgather``, ``Igather``, ``Iscatter``, ``Ireduce_scatter_block``,
+``Ialltoallv``, ``Ibarrier``; a barrier, and an all_reduce of a small message, start a persistent
+request instead: persistent.py), tested against the call's deadline: nonblocking so that a timeout
+is honoured (MPI's blocking calls cannot be interrupted). What MPI lacks (``native``) runs
 ``GenericCollectives``, distcomm's algorithms, over ``MpiTransport`` on the same communicator.
 
 MPI matches native collectives by their order on the communicator and checks no signature: ranks
