@@ -181,7 +181,9 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
     all_reduce_round = allreduce_direct.one_round
     open_round, exchange, consume = ctx.open_round, ctx.exchange, ctx.consume
     all_reduce_channel, barrier_channel = partial(pg.channel, "all_reduce"), partial(pg.channel, "barrier")
-    plans: dict = {}  # (op, numpy dtype) -> (signature, reduce_all, DType, the C round's kind), once checked
+    # op -> {numpy dtype number: (signature, reduce_all, DType, the C round's kind)}, once checked: two
+    # cheap lookups, where an (op, numpy dtype) key hashes a dtype object on every call
+    plans: dict = {op: {} for op in RedOpType}
     all_reduce_in_c = native.all_reduce_in_c(ctx)  # None: the round in Python
     barrier_sig = signature("barrier")
     # for the flight recorder: its fields and states, and the clock, bound once
@@ -209,7 +211,7 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
             return None  # the general path raises the error
         entry = (signature("all_reduce", dtype.code, int(op)), sequence_reducer(op, dtype), dtype,
                  None if all_reduce_in_c is None else native.kind(op, np_dtype))
-        plans[(op, np_dtype)] = entry
+        plans[op][np_dtype.num] = entry
         return entry
 
     def fail(exc: BaseException, op: str, seq: int, sig: int, entry: list | None) -> NoReturn:
@@ -232,7 +234,7 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
         if tensor.__class__ is _ndarray:
             if not tensor.flags.carray:  # C-contiguous, aligned and writeable: one attribute
                 return False
-            flat = tensor.reshape(-1)
+            flat = tensor if tensor.ndim == 1 else tensor.reshape(-1)  # no new view when none is needed
         elif "torch" in sys.modules and isinstance(tensor, sys.modules["torch"].Tensor):
             flat = tensor_flat(tensor)
             if flat is None:
@@ -243,7 +245,7 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
         if op.__class__ is not RedOpType or not 0 < n <= limit or ctx.broken is not None:
             return False
         np_dtype = flat.dtype
-        entry = plans.get((op, np_dtype)) or plan(op, np_dtype)
+        entry = plans[op].get(np_dtype.num) or plan(op, np_dtype)
         if entry is None or profiler_on() or not enter():
             return False
         sig, reduce_all, dtype, code = entry
