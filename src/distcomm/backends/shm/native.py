@@ -34,27 +34,24 @@ def kind(op, np_dtype: np.dtype) -> int | None:
     return t * 8 + o
 
 
-class AllReduceInC:
-    """The direct all_reduce's round on GroupShm ``ctx``, in one C call where it can be."""
+def all_reduce_in_c(ctx):
+    """The direct all_reduce's round on GroupShm ``ctx`` in one C call where it can be, as a function
+    ``(seq, sig, channel, flat, reduce_all, code)``: ``flat`` (C-contiguous, writable, at most a slot)
+    reduced across the group with the op and dtype of ``code`` (``kind``); ``reduce_all`` is the
+    Python reducer for a round handed back. None where the round steps run in Python. A closure, as
+    GroupShm's own steps are: the latency path calls it on every small all_reduce."""
+    if ctx.native is None:
+        return None
+    open_round, all_reduce = ctx.open_round, ctx.native.all_reduce
+    RING_CONSUMED = shm_group.RING_CONSUMED
 
-    def __init__(self, ctx):
-        self._ctx = ctx
-        self._open_round = ctx.open_round
-        self._all_reduce = ctx.native.all_reduce
-
-    def __call__(self, seq: int, sig: int, channel, flat: np.ndarray, reduce_all, code: int) -> None:
-        """``flat`` (C-contiguous, writable, at most a slot) reduced across the group with the op and
-        dtype of ``code`` (``kind``); ``reduce_all`` is the Python reducer for a round handed back."""
-        ctx = self._ctx
-        k = self._open_round(seq, sig, channel)
-        status = self._all_reduce(k, seq, sig, flat, code)
-        if status & shm_group.RING_CONSUMED:
+    def run(seq: int, sig: int, channel, flat: np.ndarray, reduce_all, code: int) -> None:
+        k = open_round(seq, sig, channel)
+        status = all_reduce(k, seq, sig, flat, code)
+        if status & RING_CONSUMED:
             ctx.ring_consumed()
         elif status:  # posted, and the rest is Python's: a ring, the wait or the mismatch, then the reduction
             ctx.settle(status, k, seq, sig, flat.nbytes, channel)
             allreduce_direct.finish(ctx, k, flat, reduce_all)
 
-
-def all_reduce_in_c(ctx) -> AllReduceInC | None:
-    """The C all_reduce round of GroupShm ``ctx`` (None where its round steps run in Python)."""
-    return None if ctx.native is None else AllReduceInC(ctx)
+    return run

@@ -37,40 +37,6 @@ def _bytes(buf) -> memoryview:
     return memoryview(buf).cast("B")
 
 
-class PlanRunner:
-    """Runs plans on GroupShm ``ctx`` (whose ``native`` is built)."""
-
-    def __init__(self, ctx):
-        self._ctx = ctx
-        self._open_round = ctx.open_round
-        self._move = ctx.native.move
-
-    def __call__(self, seq: int, sig: int, header_sig: int, channel, nbytes: int, extra: int, check: bool,
-                 writes, reads, kind: int = -1, red=None, dtype: np.dtype | None = None, expect=(),
-                 resume=None):
-        """Round ``seq`` of signature ``sig`` (its headers carry ``header_sig``: a rooted collective's
-        is ``sig`` without its root bits), run from the plan; ``red`` and ``dtype``: the Python
-        pairwise reducer and the element type, for a fold handed back. Returns, with ``check``, the
-        first (peer, its extra word) that differs from ``extra`` (nothing read then), else None.
-
-        ``expect``: (member, word, value) that member's slot must hold (64-bit words), else the
-        round is handed back; ``resume(k)``, when given, takes a handed-back round k once every post
-        is in and checked (it reads, consumes and returns the result), in place of ``finish``."""
-        k = self._open_round(seq, sig, channel)
-        status = self._move(k, seq, header_sig, nbytes, extra, check, writes, reads, kind, expect)
-        if not status:
-            return None
-        if status == shm_group.RING_CONSUMED:
-            self._ctx.ring_consumed()
-            return None
-        ctx = self._ctx
-        if status != shm_group.DIFFERS:
-            ctx.settle(status, k, seq, header_sig, nbytes, channel)
-        if resume is not None:
-            return resume(k)
-        return finish(ctx, k, extra, check, reads, kind, red, dtype)
-
-
 def finish(ctx, k: int, extra: int, check: bool, reads, kind: int, red, dtype) -> tuple[int, int] | None:
     """The rest of round k after the C call handed it back and every post is in and checked: the
     extra words, then the reads and the consume, in Python."""
@@ -98,7 +64,38 @@ def _read(ctx, k: int, reads, kind: int, red, dtype) -> None:
             red(np.frombuffer(target, dtype), np.frombuffer(source, dtype))
 
 
-def runner(ctx) -> PlanRunner | None:
+def runner(ctx):
     """The plan runner of GroupShm ``ctx``, or None where its round steps run in Python (the latency
-    paths then run the algorithms' own ``one_round``)."""
-    return None if ctx.native is None else PlanRunner(ctx)
+    paths then run the algorithms' own ``one_round``). A closure, as GroupShm's own steps are: every
+    small collective but all_reduce and barrier calls it.
+
+    ``run(seq, sig, header_sig, channel, nbytes, extra, check, writes, reads, kind=-1, red=None,
+    dtype=None, expect=(), resume=None)`` runs round ``seq`` of signature ``sig`` (its headers carry
+    ``header_sig``: a rooted collective's is ``sig`` without its root bits) from the plan; ``red``
+    and ``dtype``: the Python pairwise reducer and the element type, for a fold handed back. It
+    returns, with ``check``, the first (peer, its extra word) that differs from ``extra`` (nothing
+    read then), else None. ``expect``: (member, word, value) that member's slot must hold (64-bit
+    words), else the round is handed back; ``resume(k)``, when given, takes a handed-back round k
+    once every post is in and checked (it reads, consumes and returns the result), in place of
+    ``finish``."""
+    if ctx.native is None:
+        return None
+    open_round, move = ctx.open_round, ctx.native.move
+    RING_CONSUMED, DIFFERS = shm_group.RING_CONSUMED, shm_group.DIFFERS
+
+    def run(seq: int, sig: int, header_sig: int, channel, nbytes: int, extra: int, check: bool, writes, reads,
+            kind: int = -1, red=None, dtype: np.dtype | None = None, expect=(), resume=None):
+        k = open_round(seq, sig, channel)
+        status = move(k, seq, header_sig, nbytes, extra, check, writes, reads, kind, expect)
+        if not status:
+            return None
+        if status == RING_CONSUMED:
+            ctx.ring_consumed()
+            return None
+        if status != DIFFERS:
+            ctx.settle(status, k, seq, header_sig, nbytes, channel)
+        if resume is not None:
+            return resume(k)
+        return finish(ctx, k, extra, check, reads, kind, red, dtype)
+
+    return run
