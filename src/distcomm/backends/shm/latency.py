@@ -640,7 +640,10 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
         return flat
 
     def dtype_of(flat):
-        return dtype_of_numpy(flat.dtype)
+        try:
+            return known_dtypes[flat.dtype]
+        except KeyError:
+            return dtype_of_numpy(flat.dtype)
 
     def dtype_of_numpy(np_dtype):
         try:
