@@ -87,6 +87,12 @@ def _reductions(dist, rank, world, group, members, salt):
     x = parts[grank].copy()
     dist.all_reduce(x, op=ReduceOp.AVG, group=group)
     _check("all_reduce AVG", x, (_fold(parts, np.add) / np.float32(len(members))).astype(np.float32))
+    # AVG on integers truncates toward zero; the bandwidth algorithms divide each part as they publish it
+    ints = [_data(g, n, np.int64, salt + 10) for g in members]
+    x = ints[grank].copy()
+    dist.all_reduce(x, op=ReduceOp.AVG, group=group)
+    total = _fold(ints, np.add)
+    _check("all_reduce AVG int64", x, np.sign(total) * (np.abs(total) // len(members)))
     x = parts[grank].copy()
     dist.all_reduce(x, op=ReduceOp.PREMUL_SUM(2.0), group=group)
     _check("all_reduce PREMUL_SUM", x, _fold([p * np.float32(2.0) for p in parts], np.add))

@@ -10,6 +10,9 @@ buffer's address) a rank reduces its whole slice without waiting for anyone, pic
 peers' finished chunks as they come (the ``posted`` counter of round k0 + 1 + j says "chunk j of
 my slice is final"; by then its owner has read all it needed from the others' buffers). A last
 wait keeps every buffer unchanged until the peers have read it. Only round k0 uses a slot.
+
+``finish_part`` (AVG's division, or None) is applied to each reduced chunk of the slice before it
+is published, while the chunk is still in cache: no pass over the whole result afterwards.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from ...transport import shm_direct
 from ...transport.base import Channel
 
 
-def allreduce_readv(ctx, ch: Channel, flat: np.ndarray, red) -> None:
+def allreduce_readv(ctx, ch: Channel, flat: np.ndarray, red, finish_part=None) -> None:
     p, r = ctx.size, ctx.rank
     dt = flat.dtype
     item = dt.itemsize
@@ -65,6 +68,8 @@ def allreduce_readv(ctx, ch: Channel, flat: np.ndarray, red) -> None:
                 else:
                     read(pids[q], base[q] + lo * item, t)
                     red(a, t)
+            if finish_part is not None:
+                finish_part(a)
             if a is not mine:
                 mine[...] = a
         ctx.advance(k0 + 1 + j, wake=j == chunks - 1)

@@ -7,6 +7,9 @@ synchronization with the reduce-scatter of the next: chunks + 1 rounds in all.
 
 Cost per rank: each rank reduces only n/p (the bandwidth path between the direct algorithm's
 limit and single-copy reads), at about 4.5 n bytes through memory (staging copies in and out).
+
+``finish_part`` (AVG's division, or None) is applied to each reduced part in its slot, before the
+others copy it out: no pass over the whole result afterwards.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import numpy as np
 from ...transport.base import Channel
 
 
-def allreduce_slices(ctx, ch: Channel, flat: np.ndarray, red) -> None:
+def allreduce_slices(ctx, ch: Channel, flat: np.ndarray, red, finish_part=None) -> None:
     p, r = ctx.size, ctx.rank
     dt = flat.dtype
     item = dt.itemsize
@@ -61,6 +64,8 @@ def allreduce_slices(ctx, ch: Channel, flat: np.ndarray, red) -> None:
         res[...] = mine if r == 0 else ctx.data(0, k)[a0 * item : a1 * item].view(dt)
         for q in range(1, p):
             red(res, mine if q == r else ctx.data(q, k)[a0 * item : a1 * item].view(dt))
+        if finish_part is not None:
+            finish_part(res)
         ctx.consume(k)
         if j + 1 < chunks:
             publish(slot, j + 1)

@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 from ...errors import DistBackendError
-from ...reduction import reducer, sequence_reducer, with_op_arithmetic
+from ...reduction import finish, op_type, reducer, sequence_reducer, with_op_arithmetic
 from ...transport import shm_direct
 from ...transport.base import Channel, TransportError
 from ...tuning import DEFAULT, Tuning
@@ -238,6 +238,13 @@ class ShmCollectives(GroupCollectives):
         elif name == "reduce_direct":  # direct past one slot: every rank is a root
             red = self._reducer(op, dtype)
             run = lambda buf: self._run(ctx, ch, name, buf, red, None)  # noqa: E731
+        elif (op if op.__class__ is RedOpType else op_type(op)) is RedOpType.AVG:
+            # readv and slices divide each reduced part before publishing it, while it is in cache
+            red = self._reducer(op, dtype)
+            size = ch.size
+            divide = lambda part: finish(op, part, size, dtype)  # noqa: E731
+            run = lambda buf: self._run(ctx, ch, name, buf, red, divide)  # noqa: E731
+            return with_op_arithmetic(op, dtype, size, flat, run, finishes=False)
         else:
             red = self._reducer(op, dtype)
             run = lambda buf: self._run(ctx, ch, name, buf, red)  # noqa: E731
