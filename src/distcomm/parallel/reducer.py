@@ -6,7 +6,10 @@ How one backward pass is reduced
   order, because backward produces the last layer's gradients first.
 - Each parameter has a post-accumulate-grad hook. When it fires, the parameter's gradient is
   copied into its slot of the bucket (multiplied by 1/world_size, as torch does) and the parameter
-  is *ready*. When every parameter of a bucket is ready the bucket is launched: an async all_reduce
+  is *ready*. Where dividing the sum gives the same bits as summing the divided gradients (a
+  floating-point bucket, a world size that is a power of two, the usual divisor and no comm hook
+  or Join), the gradient is copied as it is and the bucket's all_reduce is an AVG: the engine
+  divides each reduced part while it is still in cache, instead of a multiply per gradient. When every parameter of a bucket is ready the bucket is launched: an async all_reduce
   (or the registered comm hook), which the group's worker thread runs while backward goes on.
 - Buckets are launched strictly in index order, on every rank, whatever order their gradients
   arrive in: collectives on a group are matched by order, so a rank must never launch bucket 3
@@ -45,6 +48,7 @@ import numpy as np
 import torch
 
 from .._api.collectives import all_reduce
+from ..types import ReduceOp
 
 DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024  # torch's dist._DEFAULT_FIRST_BUCKET_BYTES
 MB = 1024 * 1024
@@ -123,7 +127,7 @@ class GradBucket:
 
 class _Bucket:
     __slots__ = ("index", "members", "offsets", "numels", "shapes", "dtype", "buffer", "array", "views",
-                 "pending", "handle", "is_last", "handed_out", "refs", "spare")
+                 "pending", "handle", "is_last", "handed_out", "refs", "spare", "floating")
 
     def __init__(self, index: int, members: list[int], params: Sequence[torch.Tensor], is_last: bool):
         self.index = index
@@ -132,6 +136,7 @@ class _Bucket:
         self.numels = [params[i].numel() for i in members]
         self.shapes = [params[i].shape for i in members]
         self.dtype = params[members[0]].dtype
+        self.floating = self.dtype.is_floating_point  # real floats: scaling by 1/2^k is exact
         total = 0
         for n in self.numels:
             self.offsets.append(total)
@@ -277,6 +282,12 @@ class Reducer:
         self._next_bucket = 0
         self._had_grad: list[bool] = []
         self._div_factor: float | None = None
+        # this step's buckets of floats are averaged by the all_reduce (see _divide_factor)
+        self._avg_in_reduce = False
+        # Multiplying by 1/2^k is exact, so for such world sizes (a0/p + a1/p) + ... equals
+        # (a0 + a1 + ...)/p bit for bit (barring overflow and subnormals): torch's premultiplied
+        # sum and the engine's AVG agree.
+        self._pow2_world = self.world_size & (self.world_size - 1) == 0
         self._unfinished: list[int] | None = None  # params without a gradient in the last backward
         self._warned_all_used = False
         self._handles = []
@@ -305,6 +316,7 @@ class Reducer:
         self._used_work = None
         self._next_bucket = 0
         self._div_factor = None
+        self._avg_in_reduce = False
         # A gradient that exists before backward is the user's tensor, updated in place as torch
         # does; only gradients backward creates are replaced by tensors on the bucket.
         self._had_grad = [p.grad is not None for p in self.params]
@@ -386,10 +398,14 @@ class Reducer:
         return self.names[i] if debug_level() in ("INFO", "DETAIL") else f"index {i}"
 
     def _divide_factor(self) -> float:
+        """This step's divisor; also decides whether the all_reduce averages the float buckets
+        (an AVG): only with no comm hook (it gets the bucket premultiplied, as torch's do) and no
+        Join (a joined rank answers with a SUM of zeros, and the divisor may not be the world size)."""
         if self._div_factor is None:
             self._div_factor = float(self.world_size)
             if self._join_work is not None and not self.divide_by_initial_world_size:
                 self._div_factor = float(self._join_work.result()[0][0])
+            self._avg_in_reduce = self._pow2_world and self.comm_hook is None and self._join_work is None
             self._join_work = None
         return self._div_factor
 
@@ -409,13 +425,19 @@ class Reducer:
                 view.copy_(grad)
                 if self.grad_as_view:
                     param.grad = view
-        elif self.grad_as_view:
-            if grad.data_ptr() != view.data_ptr():
-                view.copy_(grad)
-                param.grad = view
-            view.div_(self._div_factor or self._divide_factor())
         else:
-            torch.mul(grad, 1.0 / (self._div_factor or self._divide_factor()), out=view)
+            factor = self._div_factor or self._divide_factor()
+            averaged_later = self._avg_in_reduce and bucket.floating
+            if self.grad_as_view:
+                if grad.data_ptr() != view.data_ptr():
+                    view.copy_(grad)
+                    param.grad = view
+                if not averaged_later:
+                    view.div_(factor)
+            elif averaged_later:
+                view.copy_(grad)
+            else:
+                torch.mul(grad, 1.0 / factor, out=view)
         bucket.pending -= 1
         if bucket.pending == 0:
             self._launch_ready_buckets()
@@ -436,13 +458,17 @@ class Reducer:
             if self._used_work is None:
                 self._used_work = all_reduce(self._used, group=self.group, async_op=True)
 
-    def _reduce(self, index: int, buffer, inline: bool = False):
-        """Start reducing bucket ``index`` (``buffer``: its tensor, or its numpy view on the default path)."""
+    def _reduce(self, index: int, buffer, inline: bool = False, op=None):
+        """Start reducing bucket ``index`` (``buffer``: its tensor, or its numpy view on the default
+        path); ``op``: this step's (SUM or AVG, see ``_divide_factor``) unless given."""
         if self.comm_hook is None:
+            if op is None:
+                self._divide_factor()  # decides the op, also for a bucket of unused parameters alone
+                op = ReduceOp.AVG if self._avg_in_reduce and self.buckets[index].floating else ReduceOp.SUM
             if inline:
-                all_reduce(buffer, group=self.group)
+                all_reduce(buffer, op=op, group=self.group)
                 return _DONE
-            return all_reduce(buffer, group=self.group, async_op=True)
+            return all_reduce(buffer, op=op, group=self.group, async_op=True)
         bucket = self.buckets[index]
         grad_bucket = GradBucket(index, buffer, [self.params[i] for i in bucket.members], bucket.offsets, bucket.is_last)
         return self.comm_hook(self.comm_state, grad_bucket)
@@ -518,7 +544,8 @@ class Reducer:
         handles = []
         for bucket in self.buckets:
             zeros = torch.zeros_like(bucket.buffer)
-            handles.append(self._reduce(bucket.index, zeros))
+            # the training ranks are under Join: their buckets are premultiplied and summed
+            handles.append(self._reduce(bucket.index, zeros, op=ReduceOp.SUM))
         for handle in handles:
             handle.wait()
         if self.find_unused and not self.static_graph:
