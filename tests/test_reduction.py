@@ -255,7 +255,7 @@ def test_premultiply_factor_forms():
 
 
 @pytest.mark.parametrize("dtype_name", [d for d in ALL_DTYPES if d != "bool"])
-@pytest.mark.parametrize("world_size", [1, 2, 3, 7])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7, 8])
 def test_finish_avg_matches_torch_division(dtype_name, world_size):
     buf = sample(dtype_name, 2 * R.CHUNK + 5, 9)
     got = buf.copy()
