@@ -96,9 +96,35 @@ def _reductions(dist, rank, world, group, members, salt):
     x = parts[grank].copy()
     dist.all_reduce(x, op=ReduceOp.PREMUL_SUM(2.0), group=group)
     _check("all_reduce PREMUL_SUM", x, _fold([p * np.float32(2.0) for p in parts], np.add))
+    _coalesced(dist, rank, group, members, salt)
     y = parts[grank].copy()
     dist.reduce(y, dst=members[0], op=ReduceOp.PREMUL_SUM(2.0), group=group)
     _check("reduce PREMUL_SUM", y, _fold([p * np.float32(2.0) for p in parts], np.add) if rank == members[0] else parts[grank])
+
+
+def _coalesced(dist, rank, group, members, salt):
+    """all_reduce_coalesced in place over pieces of uneven sizes (an empty one, chunks spanning
+    pieces): the result is the all_reduce of the concatenation. Returns the ops that ran."""
+    import warnings
+
+    grank = members.index(rank)
+    ReduceOp = dist.ReduceOp
+    sizes = [300, 0, 1, 1500, 37, 2999, 5]
+    for dtype, op, want_of in ((np.float32, ReduceOp.SUM, lambda t: t), (np.int64, ReduceOp.MAX, None),
+                               (np.float32, ReduceOp.AVG, lambda t: (t / np.float32(len(members))).astype(np.float32)),
+                               (np.float64, ReduceOp.PREMUL_SUM(0.5), None)):
+        parts = [_data(g, sum(sizes), dtype, salt + 20) for g in members]
+        if want_of is None:
+            fn = np.maximum if op == ReduceOp.MAX else None
+            want = _fold(parts, fn) if fn else _fold([x * 0.5 for x in parts], np.add)
+        else:
+            want = want_of(_fold(parts, np.add))
+        mine = parts[grank]
+        pieces = np.split(mine.copy(), np.cumsum(sizes)[:-1])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            dist.all_reduce_coalesced(pieces, op=op, group=group)
+        _check(f"all_reduce_coalesced {np.dtype(dtype)} {op}", np.concatenate(pieces), want)
 
 
 def _data_movement(dist, rank, world, group, members, salt):
@@ -265,6 +291,26 @@ def large_body(rank, world):
 @pytest.mark.slow
 def test_large_messages_default_slots():
     assert run_world(large_body, 2, timeout=120) == ["ok"] * 2
+
+
+def coalesced_body(rank, world):
+    """all_reduce_coalesced takes the in-place single-copy algorithm where reads are allowed."""
+    import distcomm as dist
+    from distcomm.backends.shm import observe
+
+    ran: list[str] = []
+    dist.init_process_group("shm")
+    observe.set_observer(ran.append)
+    _coalesced(dist, rank, None, list(range(world)), 5)
+    direct = dist.group.WORLD.engine.transport.direct_reads_ok(range(world))
+    dist.destroy_process_group()
+    return ran.count("allreduce_pieces_readv"), direct
+
+
+def test_all_reduce_coalesced_in_place():
+    results = run_world(coalesced_body, 2, env=READV, timeout=60)
+    for ran, direct in results:
+        assert ran == (3 if direct else 0), results  # not PREMUL_SUM: it premultiplies a copy
 
 
 def torch_body(rank, world):

@@ -273,12 +273,8 @@ class ProcessGroup:
         dtype = bufs[0].dtype
 
         def body(ch: Channel) -> None:
-            flat = np.concatenate([b.flat for b in bufs])
-            coll.all_reduce(ch, flat, dtype, op)
-            offset = 0
+            coll.all_reduce_coalesced(ch, [b.flat for b in bufs], dtype, op)
             for b in bufs:
-                b.flat[...] = flat[offset:offset + b.count]
-                offset += b.count
                 b.commit()
 
         sig = signature("all_reduce_coalesced", dtype.code, _op_code(op))

@@ -65,6 +65,19 @@ class GroupCollectives(ABC):
     def all_reduce(self, ch: Channel, flat: np.ndarray, dtype: DType, op: Any) -> None:
         """Every rank's ``flat`` ends as the reduction of all ranks' ``flat``."""
 
+    def all_reduce_coalesced(self, ch: Channel, flats: Sequence[np.ndarray], dtype: DType, op: Any) -> None:
+        """Every rank's ``flats`` (the same sizes on every rank) end as the reduction of all ranks'
+        ``flats``, in place, as one collective over their concatenation. This one all_reduces a
+        concatenated copy and copies the result back; an engine may reduce the arrays where they are."""
+        if len(flats) == 1:
+            return self.all_reduce(ch, flats[0], dtype, op)
+        flat = np.concatenate(flats)
+        self.all_reduce(ch, flat, dtype, op)
+        offset = 0
+        for f in flats:
+            f[...] = flat[offset:offset + f.size]
+            offset += f.size
+
     @abstractmethod
     def reduce(self, ch: Channel, flat: np.ndarray, dtype: DType, op: Any, root: int) -> None:
         """The reduction lands in ``root``'s ``flat``; the other ranks' ``flat`` is left as it was."""

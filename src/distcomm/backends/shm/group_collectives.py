@@ -35,6 +35,7 @@ from ..generic import GenericCollectives
 from . import alltoall_slots as alltoall, latency, observe, root_check
 from .allgather_readv import allgather_readv
 from .allreduce_direct import allreduce_direct
+from .allreduce_pieces_readv import allreduce_pieces_readv, table_fits
 from .allreduce_readv import allreduce_readv
 from .allreduce_slices import allreduce_slices
 from .barrier_slots import barrier_slots
@@ -100,6 +101,7 @@ ALGORITHMS = {
     "allreduce_direct": allreduce_direct,
     "allreduce_slices": allreduce_slices,
     "allreduce_readv": allreduce_readv,
+    "allreduce_pieces_readv": allreduce_pieces_readv,
     "reduce_direct": reduce_direct,
     "reduce_readv": reduce_readv,
     "broadcast_slots": broadcast_slots,
@@ -249,6 +251,20 @@ class ShmCollectives(GroupCollectives):
             red = self._reducer(op, dtype)
             run = lambda buf: self._run(ctx, ch, name, buf, red)  # noqa: E731
         with_op_arithmetic(op, dtype, ch.size, flat, run)
+
+    def all_reduce_coalesced(self, ch: Channel, flats, dtype, op) -> None:
+        """Where ``choose`` picks single-copy reads for the total size (and the op needs no
+        premultiplication): reduced in place, reading the peers' arrays where they are
+        ("allreduce_pieces_readv"); else one all_reduce of their concatenation."""
+        ctx = self._context(ch)
+        nbytes = sum(f.nbytes for f in flats)
+        if (ctx is None or op.__class__ is not RedOpType or len(flats) < 2 or not table_fits(len(flats), ctx.slot_bytes)
+                or self._choose("allreduce", nbytes, ctx, ch) != "allreduce_readv"):
+            return super().all_reduce_coalesced(ch, flats, dtype, op)
+        red = self._reducer(op, dtype)
+        size = ch.size
+        divide = (lambda part: finish(op, part, size, dtype)) if op is RedOpType.AVG else None  # noqa: E731
+        self._run(ctx, ch, "allreduce_pieces_readv", list(flats), red, divide)
 
     # -- rooted collectives: the root check runs inside a collective of one round (the latency
     # paths' rounds, so both paths meet in the same rounds), in a round of its own before a longer one
