@@ -3,7 +3,8 @@
 nothing holds it. These tests check what a user can see of that: the values, that a gradient kept
 from an earlier step is never overwritten, that accumulation without zero_grad and
 ``zero_grad(set_to_none=False)`` still work (the ``.grad`` tensors then stay the same objects, as
-in torch), and that the memory is reused when it is free."""
+in torch), and that the memory is reused when it is free. Buckets of 4 MiB and more are not handed
+out: their gradients are reduced where they are (all_reduce_coalesced); the same checks hold."""
 
 from __future__ import annotations
 
@@ -16,45 +17,53 @@ pytest.importorskip("torch")
 WORLD = 2
 
 
-def _model():
+# width 6: small buckets, handed out; width 1024: two buckets of 4 and 8 MiB, reduced in place
+def _model(width: int = 6):
     import torch
 
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    if width == 6:
+        return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    return torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh(), torch.nn.Linear(width, width),
+                               torch.nn.Tanh(), torch.nn.Linear(width, width), torch.nn.Tanh(), torch.nn.Linear(width, 3))
 
 
-def _batch(rank: int, step: int):
+def _batch(rank: int, step: int, width: int = 6):
     import torch
 
     g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(4, 6, generator=g)
+    return torch.randn(4, width, generator=g)
 
 
-def _expected(steps: list[int]):
+def _expected(steps: list[int], width: int = 6):
     """The average over the ranks of the gradients summed over ``steps`` (one process, no DDP)."""
     import torch
 
-    model = _model()
+    model = _model(width)
     for step in steps:
         for rank in range(WORLD):
-            (model(_batch(rank, step)).pow(2).sum() / WORLD).backward()
+            (model(_batch(rank, step, width)).pow(2).sum() / WORLD).backward()
     return [p.grad.clone() for p in model.parameters()]
 
 
-def _rank(rank: int, world_size: int):
+def _rank(rank: int, world_size: int, width: int = 6):
     import torch
 
     import distcomm
+    from distcomm.backends.shm import observe
     from distcomm.parallel import DistributedDataParallel
 
     distcomm.init_process_group("gloo")
+    ran: list[str] = []
+    observe.set_observer(ran.append)
     try:
-        ddp = DistributedDataParallel(_model(), bucket_cap_mb=0.0001)  # several buckets
+        # width 6: several buckets by a tiny cap; width 1024: DDP's default caps
+        ddp = DistributedDataParallel(_model(width), **({"bucket_cap_mb": 0.0001} if width == 6 else {}))
         params = list(ddp.parameters())
         out = {}
 
         def backward(step):
-            ddp(_batch(rank, step)).pow(2).sum().backward()
+            ddp(_batch(rank, step, width)).pow(2).sum().backward()
 
         # zero_grad(set_to_none=True), gradients of step 0 kept by the user across step 1
         backward(0)
@@ -88,6 +97,8 @@ def _rank(rank: int, world_size: int):
         out["same_objects"] = all(p.grad is g for p, g in zip(params, before))  # updated in place, as torch
         out["step7"] = [g.clone() for g in before]
         out["buckets"] = len(ddp.reducer.buckets)
+        out["in_place"] = ran.count("allreduce_pieces_readv")
+        out["direct_reads"] = distcomm.group.WORLD.engine.transport.direct_reads_ok(range(world_size))
         return out
     finally:
         distcomm.destroy_process_group()
@@ -100,9 +111,26 @@ def test_handed_out_gradients_are_right_and_never_overwritten():
     results = run_world(_rank, WORLD, timeout=120)
     for out in results:
         assert out["buckets"] > 1
+        assert out["in_place"] == 0
         assert out["kept_untouched"], "a gradient kept from step 0 was overwritten by step 1"
         for key, steps in (("step0", [0]), ("step1", [1]), ("step4", [4]), ("step4+5", [4, 5]), ("step7", [7])):
             for got, want in zip(out[key], _expected(steps)):
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=key)
         assert out["reused"] == 4, "the memory of dropped gradients was not reused"
+        assert out["same_objects"], "zero_grad(set_to_none=False): .grad must stay the same tensors"
+
+
+@pytest.mark.slow
+def test_large_buckets_reduced_in_place_are_right():
+    import torch
+
+    results = run_world(_rank, WORLD, args=(1024,), timeout=180)
+    for out in results:
+        assert out["buckets"] == 2
+        # both buckets of the 8 backwards, where the engine may read the peer's memory
+        assert out["in_place"] == (16 if out["direct_reads"] else 0)
+        assert out["kept_untouched"], "a gradient kept from step 0 was overwritten by step 1"
+        for key, steps in (("step0", [0]), ("step1", [1]), ("step4", [4]), ("step4+5", [4, 5]), ("step7", [7])):
+            for got, want in zip(out[key], _expected(steps, 1024)):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=key)
         assert out["same_objects"], "zero_grad(set_to_none=False): .grad must stay the same tensors"

@@ -101,6 +101,13 @@ def all_reduce_coalesced(tensors, op=RedOpType.SUM, group=None, async_op: bool =
     _deprecated("all_reduce_coalesced")
     if is_buffer_like(tensors):
         tensors = [tensors]
+    return _future_of(all_reduce_list(tensors, op, group, async_op))
+
+
+def all_reduce_list(tensors, op=RedOpType.SUM, group=None, async_op: bool = False):
+    """all_reduce_coalesced without torch's deprecation warning, returning the Work (when
+    ``async_op``) as all_reduce does: what distcomm's own callers use (DistributedDataParallel
+    reduces a bucket's gradients where they are with it)."""
     bufs = args.tensor_list(tensors, "all_reduce_coalesced", "tensor", writes=True)
     pg = args.resolve_group(group, "all_reduce_coalesced")
     if pg is None:
@@ -108,7 +115,7 @@ def all_reduce_coalesced(tensors, op=RedOpType.SUM, group=None, async_op: bool =
     if not bufs:
         raise args.ArgumentError("all_reduce_coalesced: tensors must not be empty")
     op = _check_op(op, bufs[0].dtype, "all_reduce")
-    return _future_of(pg.allreduce_coalesced(bufs, op, async_op, list(tensors)))
+    return pg.allreduce_coalesced(bufs, op, async_op, list(tensors))
 
 
 def all_gather_coalesced(output_tensor_lists, input_tensor_list, group=None, async_op: bool = False):

@@ -18,7 +18,12 @@ How one backward pass is reduced
   ends: it reduces the last bucket inline (its gradients are the last to be ready, so nothing is
   left to overlap with, and this saves two thread hand-offs), waits for the other buckets and
   makes the averaged values the parameters' ``.grad``.
-- Without a comm hook or ``gradient_as_bucket_view``, the bucket's memory itself is handed out:
+- Without a comm hook, ``gradient_as_bucket_view``, ``find_unused_parameters`` or ``static_graph``,
+  a bucket of at least ``IN_PLACE_BUCKET_BYTES`` is not used at all: its gradients are reduced
+  where backward left them, one ``all_reduce_coalesced`` of the list (the engine reads the peers'
+  gradients directly), so nothing is copied in or handed out. A gradient that existed before
+  backward is the user's tensor and so updated in place, as torch does.
+- Otherwise, without a comm hook or ``gradient_as_bucket_view``, the bucket's memory itself is handed out:
   each ``param.grad`` becomes a tensor on this step's bucket instead of receiving a copy of it
   (one pass over every gradient less than torch's copy back). The next forward gives the bucket
   memory nothing else holds: the last buffer or the one before if ``zero_grad`` dropped the
@@ -47,11 +52,16 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from .._api.collectives import all_reduce
+from .._api.collectives import all_reduce, all_reduce_list
 from ..types import ReduceOp
 
 DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024  # torch's dist._DEFAULT_FIRST_BUCKET_BYTES
 MB = 1024 * 1024
+# From this size a bucket's gradients are reduced where they are (all_reduce_coalesced), with no
+# copy into the bucket: the size from which the shared-memory engine reads the peers' tensors
+# directly (its single-copy all_reduce). Below it the engine would concatenate them, and copying
+# into the bucket and handing the bucket out is one pass less.
+IN_PLACE_BUCKET_BYTES = 4 * MB
 
 
 def debug_level() -> str:
@@ -127,7 +137,7 @@ class GradBucket:
 
 class _Bucket:
     __slots__ = ("index", "members", "offsets", "numels", "shapes", "dtype", "buffer", "array", "views",
-                 "pending", "handle", "is_last", "handed_out", "refs", "spare", "floating")
+                 "pending", "handle", "is_last", "handed_out", "refs", "spare", "floating", "large", "in_place")
 
     def __init__(self, index: int, members: list[int], params: Sequence[torch.Tensor], is_last: bool):
         self.index = index
@@ -141,6 +151,8 @@ class _Bucket:
         for n in self.numels:
             self.offsets.append(total)
             total += n
+        self.large = total * params[members[0]].element_size() >= IN_PLACE_BUCKET_BYTES
+        self.in_place = False  # this step: reduced on the gradients themselves (Reducer.prepare_for_backward)
         self.pending = len(members)
         self.handle = None  # Work (all_reduce) or Future (comm hook) once launched
         self.is_last = is_last
@@ -320,9 +332,12 @@ class Reducer:
         # A gradient that exists before backward is the user's tensor, updated in place as torch
         # does; only gradients backward creates are replaced by tensors on the bucket.
         self._had_grad = [p.grad is not None for p in self.params]
+        in_place = (self.comm_hook is None and not self.grad_as_view and not self.find_unused
+                    and not self.static_graph)
         for b in self.buckets:
             b.pending = len(b.members)
             b.handle = None
+            b.in_place = in_place and b.large
             if b.handed_out:
                 b.renew()
         if outputs is not None:
@@ -418,7 +433,13 @@ class Reducer:
         bucket, place = self.slot[i]
         view = bucket.views[place]
         grad = None if param is None else param.grad
-        if grad is None:
+        if bucket.in_place:
+            if grad is None:  # no gradient reached it: it contributes zeros, and gets the average
+                grad = param.grad = torch.zeros_like(param)
+            factor = self._div_factor or self._divide_factor()
+            if not (self._avg_in_reduce and bucket.floating):
+                grad.mul_(1.0 / factor)
+        elif grad is None:
             view.zero_()
         elif self.comm_hook is not None:
             if not self.grad_as_view or grad.data_ptr() != view.data_ptr():
@@ -451,7 +472,10 @@ class Reducer:
             if self._next_bucket == last and not final:
                 return
             bucket = self.buckets[self._next_bucket]
-            data = bucket.array if bucket.array is not None and self.comm_hook is None else bucket.buffer
+            if bucket.in_place:
+                data = [self.params[i].grad for i in bucket.members]
+            else:
+                data = bucket.array if bucket.array is not None and self.comm_hook is None else bucket.buffer
             bucket.handle = self._reduce(bucket.index, data, inline=self._next_bucket == last)
             self._next_bucket += 1
         if self._next_bucket == len(self.buckets) and self.find_unused and not self.static_graph:
@@ -460,15 +484,17 @@ class Reducer:
 
     def _reduce(self, index: int, buffer, inline: bool = False, op=None):
         """Start reducing bucket ``index`` (``buffer``: its tensor, or its numpy view on the default
-        path); ``op``: this step's (SUM or AVG, see ``_divide_factor``) unless given."""
+        path, or the list of its gradients when it is reduced in place); ``op``: this step's (SUM
+        or AVG, see ``_divide_factor``) unless given."""
         if self.comm_hook is None:
             if op is None:
                 self._divide_factor()  # decides the op, also for a bucket of unused parameters alone
                 op = ReduceOp.AVG if self._avg_in_reduce and self.buckets[index].floating else ReduceOp.SUM
+            reduce = all_reduce_list if isinstance(buffer, list) else all_reduce
             if inline:
-                all_reduce(buffer, op=op, group=self.group)
+                reduce(buffer, op=op, group=self.group)
                 return _DONE
-            return all_reduce(buffer, op=op, group=self.group, async_op=True)
+            return reduce(buffer, op=op, group=self.group, async_op=True)
         bucket = self.buckets[index]
         grad_bucket = GradBucket(index, buffer, [self.params[i] for i in bucket.members], bucket.offsets, bucket.is_last)
         return self.comm_hook(self.comm_state, grad_bucket)
@@ -500,6 +526,8 @@ class Reducer:
         hand_out = not self.grad_as_view and self.comm_hook is None
         with torch.no_grad():
             for bucket in self.buckets:
+                if bucket.in_place:
+                    continue  # the gradients themselves were reduced
                 if hand_out:
                     # The averaged values are already in the bucket: they become the gradients
                     # (views of this step's bucket, which the next step does not reuse) instead
