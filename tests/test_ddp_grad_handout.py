@@ -46,6 +46,13 @@ def _expected(steps: list[int], width: int = 6):
     return [p.grad.clone() for p in model.parameters()]
 
 
+def _expected_alone(rank: int, step: int, width: int):
+    """Rank ``rank``'s gradient divided by the world size: what it averages to while the others have joined."""
+    model = _model(width)
+    (model(_batch(rank, step, width)).pow(2).sum() / WORLD).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
 def _rank(rank: int, world_size: int, width: int = 6):
     import torch
 
@@ -98,6 +105,12 @@ def _rank(rank: int, world_size: int, width: int = 6):
         out["step7"] = [g.clone() for g in before]
         out["buckets"] = len(ddp.reducer.buckets)
         out["in_place"] = ran.count("allreduce_pieces_readv")
+        # Join: rank 1 runs out of inputs after step 8; its answers to step 9 must match rank 0's buckets
+        with ddp.join():
+            for step in range(8, 10 - rank):
+                ddp.zero_grad(set_to_none=True)
+                backward(step)
+        out["joined_step9"] = [p.grad.clone() for p in params] if rank == 0 else None
         out["direct_reads"] = distcomm.group.WORLD.engine.transport.direct_reads_ok(range(world_size))
         return out
     finally:
@@ -118,6 +131,8 @@ def test_handed_out_gradients_are_right_and_never_overwritten():
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=key)
         assert out["reused"] == 4, "the memory of dropped gradients was not reused"
         assert out["same_objects"], "zero_grad(set_to_none=False): .grad must stay the same tensors"
+    for got, want in zip(results[0]["joined_step9"], _expected_alone(0, 9, 6)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg="joined")
 
 
 @pytest.mark.slow
@@ -125,6 +140,8 @@ def test_large_buckets_reduced_in_place_are_right():
     import torch
 
     results = run_world(_rank, WORLD, args=(1024,), timeout=180)
+    for got, want in zip(results[0]["joined_step9"], _expected_alone(0, 9, 1024)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg="joined")
     for out in results:
         assert out["buckets"] == 2
         # both buckets of the 8 backwards, where the engine may read the peer's memory

@@ -18,8 +18,8 @@ How one backward pass is reduced
   ends: it reduces the last bucket inline (its gradients are the last to be ready, so nothing is
   left to overlap with, and this saves two thread hand-offs), waits for the other buckets and
   makes the averaged values the parameters' ``.grad``.
-- Without a comm hook, ``gradient_as_bucket_view``, ``find_unused_parameters`` or ``static_graph``,
-  a bucket of at least ``IN_PLACE_BUCKET_BYTES`` is not used at all: its gradients are reduced
+- Without a comm hook, ``gradient_as_bucket_view``, ``find_unused_parameters``, ``static_graph``
+  or Join, a bucket of at least ``IN_PLACE_BUCKET_BYTES`` is not used at all: its gradients are reduced
   where backward left them, one ``all_reduce_coalesced`` of the list (the engine reads the peers'
   gradients directly), so nothing is copied in or handed out. A gradient that existed before
   backward is the user's tensor and so updated in place, as torch does.
@@ -332,8 +332,10 @@ class Reducer:
         # A gradient that exists before backward is the user's tensor, updated in place as torch
         # does; only gradients backward creates are replaced by tensors on the bucket.
         self._had_grad = [p.grad is not None for p in self.params]
+        # Under Join a joined rank answers each bucket with an all_reduce of a zero-filled bucket:
+        # the training ranks must then issue the same collective, on their buckets.
         in_place = (self.comm_hook is None and not self.grad_as_view and not self.find_unused
-                    and not self.static_graph)
+                    and not self.static_graph and self._join_work is None)
         for b in self.buckets:
             b.pending = len(b.members)
             b.handle = None
