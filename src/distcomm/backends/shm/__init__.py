@@ -5,6 +5,7 @@ shared memory (``transport/shm_group.GroupShm``, in rounds of slots).
 * ``group_collectives``: ``ShmCollectives``, which runs each call's algorithm;
 * ``choose``: which algorithm, a pure function of the call, the group and the Tuning;
 * one module per algorithm: ``allreduce_direct``, ``allreduce_slices``, ``allreduce_readv``,
+  ``allreduce_pieces_readv`` (all_reduce_coalesced in place),
   ``reduce_direct``, ``reduce_readv``, ``broadcast_slots``, ``broadcast_readv``,
   ``broadcast_split`` (reader reads, root writes: two ranks), ``allgather_readv``,
   ``gather_slots`` (all_gather through slots too), ``gather_writev`` (peers write into the root),
