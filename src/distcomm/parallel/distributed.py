@@ -111,7 +111,8 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         find_unused_parameters: tolerate parameters that get no gradient in some iterations.
         gradient_as_bucket_view: make ``param.grad`` views into the buckets (saves memory). Without
             it a ``.grad`` that backward creates is also a tensor on a bucket's memory, but on
-            memory no later step writes while the gradient is still held.
+            memory no later step writes while the gradient is still held; in a bucket of 4 MiB or
+            more (reducer.IN_PLACE_BUCKET_BYTES) it stays the tensor backward made, reduced in place.
         static_graph: the set of used parameters never changes; unused ones are then tolerated
             without the per-iteration search.
 
