@@ -136,10 +136,11 @@ def test_handed_out_gradients_are_right_and_never_overwritten():
 
 
 @pytest.mark.slow
-def test_large_buckets_reduced_in_place_are_right():
+@pytest.mark.parametrize("overlap", ["1", "0"], ids=["during-backward", "in-finalize"])
+def test_large_buckets_reduced_in_place_are_right(overlap):
     import torch
 
-    results = run_world(_rank, WORLD, args=(1024,), timeout=180)
+    results = run_world(_rank, WORLD, args=(1024,), env={"DISTCOMM_DDP_OVERLAP": overlap}, timeout=180)
     for got, want in zip(results[0]["joined_step9"], _expected_alone(0, 9, 1024)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg="joined")
     for out in results:
@@ -151,3 +152,23 @@ def test_large_buckets_reduced_in_place_are_right():
             for got, want in zip(out[key], _expected(steps, 1024)):
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=key)
         assert out["same_objects"], "zero_grad(set_to_none=False): .grad must stay the same tensors"
+
+
+def test_overlap_setting(monkeypatch):
+    import os
+
+    from distcomm.parallel.reducer import overlap_setting
+
+    for value, want in (("1", True), ("0", False)):
+        monkeypatch.setenv("DISTCOMM_DDP_OVERLAP", value)
+        assert overlap_setting(1000) is want
+    monkeypatch.setenv("DISTCOMM_DDP_OVERLAP", "auto")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "100000")  # more ranks on this host than it has cores
+    assert overlap_setting(2) is False
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert overlap_setting(2) is (len(os.sched_getaffinity(0)) >= 2)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert overlap_setting(2) is (len(os.sched_getaffinity(0)) >= 4)
+    monkeypatch.setenv("DISTCOMM_DDP_OVERLAP", "yes")
+    with pytest.raises(ValueError, match="DISTCOMM_DDP_OVERLAP"):
+        overlap_setting(2)

@@ -22,7 +22,10 @@ How one backward pass is reduced
   or Join, a bucket of at least ``IN_PLACE_BUCKET_BYTES`` is not used at all: its gradients are reduced
   where backward left them, one ``all_reduce_coalesced`` of the list (the engine reads the peers'
   gradients directly), so nothing is copied in or handed out. A gradient that existed before
-  backward is the user's tensor and so updated in place, as torch does.
+  backward is the user's tensor and so updated in place, as torch does. Where the host has no
+  spare core per rank, such buckets are not launched during backward but in finalize, one after
+  the other (``overlap_setting``): the same collectives, without a reduction taking turns with
+  backward on the same core.
 - Otherwise, without a comm hook or ``gradient_as_bucket_view``, the bucket's memory itself is handed out:
   each ``param.grad`` becomes a tensor on this step's bucket instead of receiving a copy of it
   (one pass over every gradient less than torch's copy back). The next forward gives the bucket
@@ -68,6 +71,26 @@ def debug_level() -> str:
     """OFF, INFO or DETAIL, from DISTCOMM_DEBUG or TORCH_DISTRIBUTED_DEBUG."""
     level = os.environ.get("DISTCOMM_DEBUG") or os.environ.get("TORCH_DISTRIBUTED_DEBUG") or "OFF"
     return level.upper()
+
+
+def overlap_setting(group_size: int) -> bool:
+    """Whether buckets reduced in place overlap backward (launched as they fill) or wait for its
+    end: ``DISTCOMM_DDP_OVERLAP`` 1 or 0, or "auto" (the default): overlap when this process may
+    use two cores per rank of the host (``LOCAL_WORLD_SIZE``, else the group's size), one for
+    backward and one for the reduction. Without a spare core the reduction only takes turns with
+    backward on the same core, and the turns (thread hand-offs, the interpreter lock) cost more than
+    the overlap gains. Ranks may decide differently: the buckets' collectives are the same either way."""
+    setting = os.environ.get("DISTCOMM_DDP_OVERLAP", "auto").strip().lower()
+    if setting in ("1", "0"):
+        return setting == "1"
+    if setting != "auto":
+        raise ValueError(f"DISTCOMM_DDP_OVERLAP={setting!r}: use 1, 0 or auto")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or group_size)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    return cores >= 2 * local
 
 
 def assign_buckets(params: Sequence[torch.Tensor], limits: Sequence[int]) -> list[list[int]]:
@@ -137,7 +160,8 @@ class GradBucket:
 
 class _Bucket:
     __slots__ = ("index", "members", "offsets", "numels", "shapes", "dtype", "buffer", "array", "views",
-                 "pending", "handle", "is_last", "handed_out", "refs", "spare", "floating", "large", "in_place")
+                 "pending", "handle", "is_last", "handed_out", "refs", "spare", "floating", "large", "in_place",
+                 "deferred")
 
     def __init__(self, index: int, members: list[int], params: Sequence[torch.Tensor], is_last: bool):
         self.index = index
@@ -153,6 +177,7 @@ class _Bucket:
             total += n
         self.large = total * params[members[0]].element_size() >= IN_PLACE_BUCKET_BYTES
         self.in_place = False  # this step: reduced on the gradients themselves (Reducer.prepare_for_backward)
+        self.deferred = False  # this step: reduced in finalize, not during backward
         self.pending = len(members)
         self.handle = None  # Work (all_reduce) or Future (comm hook) once launched
         self.is_last = is_last
@@ -302,6 +327,7 @@ class Reducer:
         self._pow2_world = self.world_size & (self.world_size - 1) == 0
         self._unfinished: list[int] | None = None  # params without a gradient in the last backward
         self._warned_all_used = False
+        self.overlap_in_place = overlap_setting(self.world_size)
         self._handles = []
         ref = weakref.ref(self)
         for i, p in enumerate(params):
@@ -340,6 +366,7 @@ class Reducer:
             b.pending = len(b.members)
             b.handle = None
             b.in_place = in_place and b.large
+            b.deferred = b.in_place and not self.overlap_in_place
             if b.handed_out:
                 b.renew()
         if outputs is not None:
@@ -468,17 +495,19 @@ class Reducer:
     def _launch_ready_buckets(self, final: bool = False) -> None:
         """Launch the ready buckets, in index order. The last bucket waits for ``final`` (finalize):
         once its gradients are ready backward has ended, and reducing it inline in finalize saves
-        two thread hand-offs, which is most of a small model's communication time."""
+        two thread hand-offs, which is most of a small model's communication time. So does a
+        deferred bucket (and every bucket after it): see ``overlap_in_place``. What finalize
+        launches runs inline."""
         last = len(self.buckets) - 1
         while self._next_bucket <= last and self.buckets[self._next_bucket].pending == 0:
-            if self._next_bucket == last and not final:
-                return
             bucket = self.buckets[self._next_bucket]
+            if not final and (self._next_bucket == last or bucket.deferred):
+                return
             if bucket.in_place:
                 data = [self.params[i].grad for i in bucket.members]
             else:
                 data = bucket.array if bucket.array is not None and self.comm_hook is None else bucket.buffer
-            bucket.handle = self._reduce(bucket.index, data, inline=self._next_bucket == last)
+            bucket.handle = self._reduce(bucket.index, data, inline=final)
             self._next_bucket += 1
         if self._next_bucket == len(self.buckets) and self.find_unused and not self.static_graph:
             if self._used_work is None:
