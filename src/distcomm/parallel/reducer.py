@@ -9,8 +9,9 @@ How one backward pass is reduced
   is *ready*. Where dividing the sum gives the same bits as summing the divided gradients (a
   floating-point bucket, a world size that is a power of two, the usual divisor and no comm hook
   or Join), the gradient is copied as it is and the bucket's all_reduce is an AVG: the engine
-  divides each reduced part while it is still in cache, instead of a multiply per gradient. When every parameter of a bucket is ready the bucket is launched: an async all_reduce
-  (or the registered comm hook), which the group's worker thread runs while backward goes on.
+  divides each reduced part while it is still in cache, instead of a multiply per gradient.
+  When every parameter of a bucket is ready the bucket is launched: an async all_reduce (or the
+  registered comm hook), which the group's worker thread runs while backward goes on.
 - Buckets are launched strictly in index order, on every rank, whatever order their gradients
   arrive in: collectives on a group are matched by order, so a rank must never launch bucket 3
   before bucket 2 while another rank does the opposite.
@@ -19,15 +20,15 @@ How one backward pass is reduced
   left to overlap with, and this saves two thread hand-offs), waits for the other buckets and
   makes the averaged values the parameters' ``.grad``.
 - Without a comm hook, ``gradient_as_bucket_view``, ``find_unused_parameters``, ``static_graph``
-  or Join, a bucket of at least ``IN_PLACE_BUCKET_BYTES`` is not used at all: its gradients are reduced
-  where backward left them, one ``all_reduce_coalesced`` of the list (the engine reads the peers'
+  or Join, a bucket of at least ``IN_PLACE_BUCKET_BYTES`` is not used at all: its gradients are
+  reduced where backward left them, one ``all_reduce_coalesced`` of the list (the engine reads the peers'
   gradients directly), so nothing is copied in or handed out. A gradient that existed before
   backward is the user's tensor and so updated in place, as torch does. Where the host has no
   spare core per rank, such buckets are not launched during backward but in finalize, one after
   the other (``overlap_setting``): the same collectives, without a reduction taking turns with
   backward on the same core.
-- Otherwise, without a comm hook or ``gradient_as_bucket_view``, the bucket's memory itself is handed out:
-  each ``param.grad`` becomes a tensor on this step's bucket instead of receiving a copy of it
+- Otherwise, without a comm hook or ``gradient_as_bucket_view``, the bucket's memory itself is
+  handed out: each ``param.grad`` becomes a tensor on this step's bucket instead of receiving a copy of it
   (one pass over every gradient less than torch's copy back). The next forward gives the bucket
   memory nothing else holds: the last buffer or the one before if ``zero_grad`` dropped the
   gradients on it (checked by the storage's use count), else a new one, so a gradient a user
