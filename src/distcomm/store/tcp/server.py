@@ -272,6 +272,7 @@ class TCPStoreServer:
         listeners = {listener.fileno(): listener for listener in self.listeners.sockets}
         wake_fd = self._wake_r.fileno()
         lock = self._lock
+        process = self._process
         try:
             while not self._stopping:
                 events = poll(self._poll_timeout())
@@ -280,8 +281,17 @@ class TCPStoreServer:
                     for fd, mask in events:
                         peer = peers.get(fd)
                         if peer is not None:
-                            if mask & readable:
-                                self._read(peer)
+                            if mask & readable:  # _read(), inline: once per ready connection
+                                try:
+                                    data = peer.sock.recv(peer.recv_size)
+                                except (BlockingIOError, InterruptedError):
+                                    data = None
+                                except OSError:
+                                    data = b""
+                                if data:
+                                    process(peer, data)
+                                elif data is not None:
+                                    self._close(peer)
                             if mask & writable and peer.fd in peers:
                                 self._flush(peer)
                         elif fd in listeners:
@@ -293,7 +303,19 @@ class TCPStoreServer:
                     self._deferred = None
                     for peer, data in deferred:  # the batch's replies, now that every request in it is handled
                         if peers.get(peer.fd) is peer:
-                            self._send(peer, data)
+                            if peer.out or peer.closing:
+                                self._send(peer, data)
+                                continue
+                            try:  # _send()'s common case, inline: the socket takes the whole reply
+                                sent = peer.sock.send(data)
+                            except (BlockingIOError, InterruptedError):
+                                sent = 0
+                            except OSError:
+                                self._close(peer)
+                                continue
+                            if sent < len(data):
+                                peer.out += data[sent:]
+                                self._poller.modify(peer.fd, writable=True)
         except Exception:  # pragma: no cover - a bug; make it loud rather than a silent dead server
             log.exception("TCPStoreServer on port %d crashed", self.port)
             raise
@@ -348,19 +370,6 @@ class TCPStoreServer:
         self._paused_listeners.append(listener)
         self._accept_paused_until = time.monotonic() + _ACCEPT_PAUSE_ON_EMFILE
 
-    def _read(self, peer: Peer) -> None:
-        try:
-            data = peer.sock.recv(peer.recv_size)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            self._close(peer)
-            return
-        if not data:
-            self._close(peer)
-            return
-        self._process(peer, data)
-
     def _process(self, peer: Peer, data: bytes) -> None:
         """Handle every complete request in ``data`` and send the replies, in order, with one send."""
         if peer.wire is not DISTCOMM:
@@ -374,22 +383,33 @@ class TCPStoreServer:
         handlers = HANDLERS
         # a request in this batch may complete one this connection parked earlier: answer() puts
         # that reply in line here too, so the hello reply always goes first
-        self._replying_to, self._replies = peer, []
-        replies = self._replies
+        self._replying_to = peer
+        replies = self._replies = []
         try:
             if data and connection.at_frame_boundary():
                 # the common case, cut without building events; the hottest requests go to their
                 # handler with the frame's bytes (handlers.FAST_HANDLERS), the others are parsed
-                fast, parsers = FAST_HANDLERS, REQUEST_PARSERS
+                fast = FAST_HANDLERS
                 for opcode, request_id, start, end in connection.cut_frames(data):
                     handle = fast.get(opcode)
                     if handle is not None:
                         answer = handle(self, peer, data, start, end, request_id)
                     else:
-                        event = parsers[opcode](data, start, end, request_id)
+                        event = REQUEST_PARSERS[opcode](data, start, end, request_id)
                         answer = handlers[event.__class__](self, peer, event)
                     if answer is not None:
                         replies.append(answer)
+                if peer.partial_deadline is None and connection.at_frame_boundary():
+                    # _finish()'s common case, inline: no idle timer to touch, the replies queued
+                    # for the batch's end (see _send)
+                    if replies:
+                        reply = replies[0] if len(replies) == 1 else b"".join(replies)
+                        deferred = self._deferred
+                        if deferred is not None and peer.fd >= 0:
+                            deferred.append((peer, reply))
+                        else:
+                            self._send(peer, reply)
+                    return
             else:
                 for event in connection.receive_events(data):
                     answer = handlers[event.__class__](self, peer, event)
