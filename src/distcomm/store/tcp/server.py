@@ -3,10 +3,10 @@
 Why one loop and no thread per client: a job of N ranks opens N connections (more with process
 groups and clones), most of them idle and many parked in a blocking get()/wait(). One event loop
 (epoll; see poller.py) serves them all with one thread: every request is handled to completion in
-arrival order, which is also what makes add() and compare_set() atomic. Responses are sent as soon
-as a batch of requests from one connection is handled, with one send. One lock guards the table; the
-loop takes it once per batch of ready connections, and only the master's own in-process client
-(``connect_local``, local.py) ever competes for it.
+arrival order, which is also what makes add() and compare_set() atomic. The replies to one read go
+out with one send, once the loop has handled every ready connection of its batch (see ``_send``).
+One lock guards the table; the loop takes it once per batch of ready connections, and only the
+master's own in-process client (``connect_local``, local.py) ever competes for it.
 
 What the loop does, and what it leaves to others: it accepts connections on its listeners
 (listeners.py), reads each one, lets the connection's ServerConnection (connection.py) cut the
