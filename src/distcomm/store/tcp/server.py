@@ -273,6 +273,7 @@ class TCPStoreServer:
         wake_fd = self._wake_r.fileno()
         lock = self._lock
         process = self._process
+        parking, monotonic = self.parking, time.monotonic
         try:
             while not self._stopping:
                 events = poll(self._poll_timeout())
@@ -298,8 +299,13 @@ class TCPStoreServer:
                             self._accept(listeners[fd])
                         elif fd == wake_fd:
                             self._drain_wake()
-                    if self.parking.next_deadline is not None or self._partial or self._accept_paused_until:
-                        self._expire(time.monotonic())
+                    # a parked request answered early leaves its deadline behind (Parking.next_deadline):
+                    # only one that is due, an idle timer or paused accepting sends the batch to _expire
+                    next_deadline = parking.next_deadline
+                    if self._partial or self._accept_paused_until or (
+                        next_deadline is not None and next_deadline <= monotonic()
+                    ):
+                        self._expire(monotonic())
                     self._deferred = None
                     for peer, data in deferred:  # the batch's replies, now that every request in it is handled
                         if peers.get(peer.fd) is peer:
