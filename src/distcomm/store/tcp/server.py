@@ -299,8 +299,8 @@ class TCPStoreServer:
                             self._accept(listeners[fd])
                         elif fd == wake_fd:
                             self._drain_wake()
-                    # a parked request answered early leaves its deadline behind (Parking.next_deadline):
-                    # only one that is due, an idle timer or paused accepting sends the batch to _expire
+                    # only a parked request's deadline that is due, an idle timer or paused accepting
+                    # sends the batch to _expire: a job keeps requests parked for minutes
                     next_deadline = parking.next_deadline
                     if self._partial or self._accept_paused_until or (
                         next_deadline is not None and next_deadline <= monotonic()
