@@ -75,6 +75,16 @@ def test_add_counts_and_returns_int(store):
     assert store.add("decimal", 1) == 13
 
 
+def test_add_on_a_set_decimal_with_leading_zeros_a_sign_or_a_negative_value(store):
+    store.set("padded", "007")
+    assert store.add("padded", 1) == 8
+    store.set("signed", "+5")
+    assert store.add("signed", 1) == 6
+    store.set("negative", "-5")
+    assert store.add("negative", 2) == -3
+    assert store.add("negative", 10) == 7  # the stored "-3" is a counter too
+
+
 def test_add_wraps_at_int64_like_torch(store):
     assert store.add("big", 2**62) == 2**62
     assert store.add("big", 2**62) == -(2**63)

@@ -134,10 +134,27 @@ def test_an_answered_request_never_expires():
     answered = parking.park("alice", Get("answered"), 10.0, missing=[b"k"])
     parking.park("bob", Get("waits"), 20.0, missing=[b"k"])
     parking.release(answered)
-    assert parking.next_deadline == 10.0  # kept in the heap until its time: the loop wakes once for nothing
+    assert parking.next_deadline == 20.0  # the loop has no deadline to wake up for before the live one's
     assert parking.expired(15.0) == []
     assert parking.next_deadline == 20.0
     assert _names(parking.expired(20.0)) == ["waits"]
+    assert parking.next_deadline is None
+
+
+def test_the_next_deadline_is_always_a_parked_requests():
+    parking = Parking()
+    first = parking.park("alice", Get("first"), 10.0, missing=[b"k"])
+    middle = parking.park("bob", Get("middle"), 20.0, missing=[b"k"])
+    parking.park("carol", Get("last"), 30.0, missing=[b"k"])
+    parking.release(middle)  # not the earliest: the next deadline stays the first's
+    assert parking.next_deadline == 10.0
+    parking.release(first)  # the earliest: the released middle behind it goes too
+    assert parking.next_deadline == 30.0 and parking.heap_size == 1
+    assert _names(parking.expired(30.0)) == ["last"]
+    early = parking.park("dave", Get("early"), 40.0, missing=[b"k"])
+    parking.park("erin", Get("later"), 60.0, missing=[b"k"])
+    parking.release(parking.park("frank", Get("between"), 50.0, missing=[b"k"]))
+    assert parking.expired(45.0) == [early] and parking.next_deadline == 60.0
 
 
 def test_a_second_release_changes_nothing():

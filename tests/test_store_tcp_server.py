@@ -274,6 +274,17 @@ def test_lost_server_raises_network_error(server):
         store.set("k", "v")
 
 
+def test_lost_server_raises_network_error_from_add(server):
+    store = TCPStore("127.0.0.1", server.port)
+    assert store.add("n", 1) == 1
+    server.stop()
+    with pytest.raises(DistNetworkError, match="add: lost the connection to the TCPStore server"):
+        for _ in range(3):
+            store.add("n", 1)
+    with pytest.raises(DistNetworkError, match="is closed"):
+        store.add("n", 1)
+
+
 @pytest.mark.slow
 def test_client_retries_until_the_server_comes_up():
     port = free_port()

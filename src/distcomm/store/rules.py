@@ -121,10 +121,13 @@ def counter_value(key: str | bytes, current: bytes | None) -> int:
 
 def added(key: str | bytes, current: bytes | None, amount: int) -> tuple[bytes, int]:
     """The new stored bytes and the returned int of ``add(key, amount)`` on ``current``."""
-    try:  # fast path: a counter written by add() is a plain decimal that int() takes as it is
-        total = int(current) + amount if current and b"_" not in current else counter_value(key, current) + amount
-    except ValueError:
-        total = counter_value(key, current) + amount  # raises the store's ValueError
+    if current is not None and current.isdigit():  # the hot case: a non-negative counter add() wrote
+        total = int(current) + amount
+    else:
+        try:  # a plain decimal that int() takes as it is
+            total = int(current) + amount if current and b"_" not in current else counter_value(key, current) + amount
+        except ValueError:
+            total = counter_value(key, current) + amount  # raises the store's ValueError
     if not INT64_MIN <= total <= INT64_MAX:
         total = wrap_int64(total)
     return b"%d" % total, total

@@ -394,14 +394,22 @@ class TCPStoreClient:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(wait))
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(wait))
             self._rcvtimeo = wait
-        proto = self._proto
         try:
             sock.sendall(frame)
+        except OSError as exc:
+            self._broken(operation, str(exc) or type(exc).__name__)
+        return self._receive(operation, sock, request_id, integer)
+
+    def _receive(self, operation: str, sock, request_id: int, integer: bool, data: bytes | None = None):
+        """The rest of ``_exchange`` once the frame is sent; ``data``: what was already received for it."""
+        proto = self._proto
+        try:
             while True:
-                try:
-                    data = sock.recv(_RECV_SIZE)
-                except BlockingIOError:  # SO_RCVTIMEO: ``wait`` seconds without a byte
-                    return None
+                if data is None:
+                    try:
+                        data = sock.recv(_RECV_SIZE)
+                    except BlockingIOError:  # SO_RCVTIMEO: ``wait`` seconds without a byte
+                        return None
                 if not data:
                     raise ConnectionResetError(errno.ECONNRESET, "the server closed the connection")
                 if integer:
@@ -411,6 +419,7 @@ class TCPStoreClient:
                 event = proto.receive_reply(data, request_id)
                 if event is not None:
                     return event
+                data = None
         except frames.ProtocolError as exc:
             self._broken(operation, f"the server sent bytes that are not this protocol ({exc})")
         except OSError as exc:
@@ -492,9 +501,26 @@ class TCPStoreClient:
     def add(self, key: bytes, amount: int) -> int:
         with self._lock:
             self._next_id = request_id = (self._next_id + 1) & 0xFFFFFFFF
-            response = self._exchange(
-                "add", frames.encode_add(request_id, key, amount), request_id, self.reply_timeout, True
-            )
+            frame = frames.encode_add(request_id, key, amount)
+            sock = self._sock
+            if sock is None or self._rcvtimeo != self.reply_timeout:
+                response = self._exchange("add", frame, request_id, self.reply_timeout, True)
+            else:  # _exchange()'s common case, inline: one send, one recv holding exactly the reply
+                try:
+                    sock.sendall(frame)
+                except OSError as exc:
+                    self._broken("add", str(exc) or type(exc).__name__)
+                try:
+                    data = sock.recv(_RECV_SIZE)
+                except BlockingIOError:  # SO_RCVTIMEO: no byte within the reply timeout
+                    response = None
+                except OSError as exc:
+                    self._broken("add", str(exc) or type(exc).__name__)
+                else:
+                    value = self._proto.receive_integer(data, request_id)
+                    if value is not None:
+                        return value
+                    response = self._receive("add", sock, request_id, True, data)  # b"", an Error, a late answer
         if response.__class__ is int:
             return response
         if response.__class__ is frames.Integer:

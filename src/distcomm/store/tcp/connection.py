@@ -182,9 +182,14 @@ class _Connection:
         The server's hot path: it hands the hottest requests' fields straight to their handlers
         (handlers.FAST_HANDLERS) instead of building an event for each.
         """
-        cut = []
         parsers, max_frame_size = self._parsers, self.max_frame_size
-        pos, size = 0, len(data)
+        size = len(data)
+        if size >= FRAME_HEAD_SIZE:  # the usual read: exactly one whole frame
+            length, opcode, request_id = unpack_head(data, 0)
+            if size == 8 + length and HEAD_AFTER_LENGTH <= length <= max_frame_size and opcode in parsers:
+                return [(opcode, request_id, FRAME_HEAD_SIZE, size)]
+        cut = []
+        pos = 0
         while size - pos >= FRAME_HEAD_SIZE:
             length, opcode, request_id = unpack_head(data, pos)
             if length > max_frame_size or length < HEAD_AFTER_LENGTH:

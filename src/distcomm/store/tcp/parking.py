@@ -58,8 +58,8 @@ class Parking:
         # key -> the requests waiting for it, oldest first. Public so a write can test "does anyone
         # wait?" with one lookup on the hot path, and call ``written`` only when someone does.
         self.waiting: dict = {}
-        # The earliest deadline in the heap (perhaps of a request released since: the loop then
-        # wakes once for nothing), or None; the event loop's poll timeout.
+        # The earliest deadline of a request still parked, or None; the event loop's poll timeout.
+        # Released requests' entries stay in the heap behind it (see _drop_released_top).
         self.next_deadline: float | None = None
         self._lines: dict = {}
         self._deadlines: list = []
@@ -90,6 +90,8 @@ class Parking:
         self._release(parked)
         self._stale += 1
         deadlines = self._deadlines
+        if deadlines[0][1] is parked:
+            self._drop_released_top()
         if self._stale > self.COMPACT_AFTER and 2 * self._stale > len(deadlines):
             deadlines[:] = [entry for entry in deadlines if not entry[1].done]
             heapq.heapify(deadlines)
@@ -171,8 +173,18 @@ class Parking:
             else:
                 self._release(parked)
                 due.append(parked)
-        self.next_deadline = deadlines[0][0] if deadlines else None
+        self._drop_released_top()
         return due
+
+    def _drop_released_top(self) -> None:
+        """Pop released requests off the top of the deadline heap, so that ``next_deadline`` is a
+        parked request's: a get/wait answered early (every rendezvous parks some) must not leave the
+        loop a deadline to wake up and check for nothing."""
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][1].done:
+            heapq.heappop(deadlines)
+            self._stale -= 1
+        self.next_deadline = deadlines[0][0] if deadlines else None
 
     def cancel(self, owner) -> None:
         """Release every request ``owner`` parked, unanswered (its connection is gone)."""

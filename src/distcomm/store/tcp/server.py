@@ -3,10 +3,10 @@
 Why one loop and no thread per client: a job of N ranks opens N connections (more with process
 groups and clones), most of them idle and many parked in a blocking get()/wait(). One event loop
 (epoll; see poller.py) serves them all with one thread: every request is handled to completion in
-arrival order, which is also what makes add() and compare_set() atomic. Responses are sent as soon
-as a batch of requests from one connection is handled, with one send. One lock guards the table; the
-loop takes it once per batch of ready connections, and only the master's own in-process client
-(``connect_local``, local.py) ever competes for it.
+arrival order, which is also what makes add() and compare_set() atomic. The replies to one read go
+out with one send, once the loop has handled every ready connection of its batch (see ``_send``).
+One lock guards the table; the loop takes it once per batch of ready connections, and only the
+master's own in-process client (``connect_local``, local.py) ever competes for it.
 
 What the loop does, and what it leaves to others: it accepts connections on its listeners
 (listeners.py), reads each one, lets the connection's ServerConnection (connection.py) cut the
@@ -272,6 +272,8 @@ class TCPStoreServer:
         listeners = {listener.fileno(): listener for listener in self.listeners.sockets}
         wake_fd = self._wake_r.fileno()
         lock = self._lock
+        process = self._process
+        parking, monotonic = self.parking, time.monotonic
         try:
             while not self._stopping:
                 events = poll(self._poll_timeout())
@@ -280,20 +282,46 @@ class TCPStoreServer:
                     for fd, mask in events:
                         peer = peers.get(fd)
                         if peer is not None:
-                            if mask & readable:
-                                self._read(peer)
+                            if mask & readable:  # _read(), inline: once per ready connection
+                                try:
+                                    data = peer.sock.recv(peer.recv_size)
+                                except (BlockingIOError, InterruptedError):
+                                    data = None
+                                except OSError:
+                                    data = b""
+                                if data:
+                                    process(peer, data)
+                                elif data is not None:
+                                    self._close(peer)
                             if mask & writable and peer.fd in peers:
                                 self._flush(peer)
                         elif fd in listeners:
                             self._accept(listeners[fd])
                         elif fd == wake_fd:
                             self._drain_wake()
-                    if self.parking.next_deadline is not None or self._partial or self._accept_paused_until:
-                        self._expire(time.monotonic())
+                    # only a parked request's deadline that is due, an idle timer or paused accepting
+                    # sends the batch to _expire: a job keeps requests parked for minutes
+                    next_deadline = parking.next_deadline
+                    if self._partial or self._accept_paused_until or (
+                        next_deadline is not None and next_deadline <= monotonic()
+                    ):
+                        self._expire(monotonic())
                     self._deferred = None
                     for peer, data in deferred:  # the batch's replies, now that every request in it is handled
                         if peers.get(peer.fd) is peer:
-                            self._send(peer, data)
+                            if peer.out or peer.closing:
+                                self._send(peer, data)
+                                continue
+                            try:  # _send()'s common case, inline: the socket takes the whole reply
+                                sent = peer.sock.send(data)
+                            except (BlockingIOError, InterruptedError):
+                                sent = 0
+                            except OSError:
+                                self._close(peer)
+                                continue
+                            if sent < len(data):
+                                peer.out += data[sent:]
+                                self._poller.modify(peer.fd, writable=True)
         except Exception:  # pragma: no cover - a bug; make it loud rather than a silent dead server
             log.exception("TCPStoreServer on port %d crashed", self.port)
             raise
@@ -348,19 +376,6 @@ class TCPStoreServer:
         self._paused_listeners.append(listener)
         self._accept_paused_until = time.monotonic() + _ACCEPT_PAUSE_ON_EMFILE
 
-    def _read(self, peer: Peer) -> None:
-        try:
-            data = peer.sock.recv(peer.recv_size)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            self._close(peer)
-            return
-        if not data:
-            self._close(peer)
-            return
-        self._process(peer, data)
-
     def _process(self, peer: Peer, data: bytes) -> None:
         """Handle every complete request in ``data`` and send the replies, in order, with one send."""
         if peer.wire is not DISTCOMM:
@@ -374,22 +389,33 @@ class TCPStoreServer:
         handlers = HANDLERS
         # a request in this batch may complete one this connection parked earlier: answer() puts
         # that reply in line here too, so the hello reply always goes first
-        self._replying_to, self._replies = peer, []
-        replies = self._replies
+        self._replying_to = peer
+        replies = self._replies = []
         try:
             if data and connection.at_frame_boundary():
                 # the common case, cut without building events; the hottest requests go to their
                 # handler with the frame's bytes (handlers.FAST_HANDLERS), the others are parsed
-                fast, parsers = FAST_HANDLERS, REQUEST_PARSERS
+                fast = FAST_HANDLERS
                 for opcode, request_id, start, end in connection.cut_frames(data):
                     handle = fast.get(opcode)
                     if handle is not None:
                         answer = handle(self, peer, data, start, end, request_id)
                     else:
-                        event = parsers[opcode](data, start, end, request_id)
+                        event = REQUEST_PARSERS[opcode](data, start, end, request_id)
                         answer = handlers[event.__class__](self, peer, event)
                     if answer is not None:
                         replies.append(answer)
+                if peer.partial_deadline is None and connection.at_frame_boundary():
+                    # _finish()'s common case, inline: no idle timer to touch, the replies queued
+                    # for the batch's end (see _send)
+                    if replies:
+                        reply = replies[0] if len(replies) == 1 else b"".join(replies)
+                        deferred = self._deferred
+                        if deferred is not None and peer.fd >= 0:
+                            deferred.append((peer, reply))
+                        else:
+                            self._send(peer, reply)
+                    return
             else:
                 for event in connection.receive_events(data):
                     answer = handlers[event.__class__](self, peer, event)
