@@ -84,6 +84,7 @@ def alltoall_rounds(ctx, seq: int, sig: int, channel, sends, recvs, base: int, s
     j = 0
     while True:
         lo = j * per
+        own_round = False  # this round's share of our own piece already copied
         if j == 0 and first_round is not None:
             k, own_copied = first_round, False
         else:
@@ -106,6 +107,11 @@ def alltoall_rounds(ctx, seq: int, sig: int, channel, sends, recvs, base: int, s
             own_copied = j == 0 and single_copy and recvs[r].size == sends[r].size
             if own_copied:  # our vote makes it single copy: our own piece moves while the peers publish
                 recvs[r][...] = sends[r]
+            elif not single_copy:  # this round's share of our own piece moves while the peers publish
+                n = min(per, max(0, recv_counts[r] - lo))
+                if n:
+                    rb[r][lo * item : (lo + n) * item] = sb[r][lo * item : (lo + n) * item]
+                own_round = True
             ctx.collect(k, seq, sig, None, channel, [q for q in range(p) if q != r])
         if rounds is None:
             tables = [ctx.words(q, k) for q in range(p)]
@@ -118,7 +124,7 @@ def alltoall_rounds(ctx, seq: int, sig: int, channel, sends, recvs, base: int, s
         for q in range(p):
             n = min(per, max(0, recv_counts[q] - lo))
             if q == r:
-                if n:
+                if n and not own_round:
                     rb[r][lo * item : (lo + n) * item] = sb[r][lo * item : (lo + n) * item]
                 continue
             sent = ctx.words(q, k)[r]
