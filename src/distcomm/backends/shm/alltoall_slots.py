@@ -3,7 +3,8 @@ their first round.
 
 Through slots: each round carries one piece per destination, its length first (checked by the
 reader against what it expects); cost per rank: (p-1)/p of its input written and of its output
-read through slots, one round per 1/p slot of the longest piece. Single copy: every rank copies
+read through slots, one round per 1/p slot of the longest piece; each round's share of this
+rank's own piece is copied between publishing the round and waiting for the peers'. Single copy: every rank copies
 what each peer sends it straight from the peer's send buffer (one system call per piece), after
 the first round and before one last wait.
 """
