@@ -3,7 +3,7 @@ their first round.
 
 Through slots: each round carries one piece per destination, its length first (checked by the
 reader against what it expects); cost per rank: (p-1)/p of its input written and of its output
-read through slots, one round per 1/p slot of the longest piece; each round's share of this
+read through slots, one round per 1/(p-1) slot of the longest piece; each round's share of this
 rank's own piece is copied between publishing the round and waiting for the peers'. Single copy: every rank copies
 what each peer sends it straight from the peer's send buffer (one system call per piece), after
 the first round and before one last wait.
@@ -22,6 +22,18 @@ def slot_head(p: int) -> int:
     """Bytes before the data in an all_to_all slot: p lengths, then (round 0 only) p offsets, p
     counts, and the sender's rounds needed, single-copy vote and buffer address."""
     return (8 * (3 * p + 3) + 63) // 64 * 64
+
+
+def piece_capacity(slot_bytes: int, p: int, item: int) -> int:
+    """Elements of one piece a round carries: a slot holds one region per peer (p - 1; a rank's
+    piece to itself never goes through its slot), so at p = 2 a round carries half the slot's
+    data area more than p regions would, and a 1 MiB all_to_all fits one 1 MiB slot."""
+    return max(1, (slot_bytes - slot_head(p)) // max(1, p - 1) // item)
+
+
+def piece_at(writer: int, reader: int, per: int, item: int, p: int) -> int:
+    """Byte offset, in ``writer``'s slot, of its piece for ``reader`` (``per`` elements a region)."""
+    return slot_head(p) + (reader - (reader > writer)) * per * item
 
 
 def fits(slot_bytes: int, p: int, item: int) -> bool:
@@ -73,8 +85,7 @@ def alltoall_rounds(ctx, seq: int, sig: int, channel, sends, recvs, base: int, s
     """
     p, r = ctx.size, ctx.rank
     item = recvs[r].itemsize
-    head = slot_head(p)
-    per = max(1, (ctx.slot_bytes - head) // p // item)
+    per = piece_capacity(ctx.slot_bytes, p, item)
     send_counts = [s.size for s in sends]
     recv_counts = [x.size for x in recvs]
     need = max(1, -(-max(send_counts + recv_counts + [0]) // per))
@@ -95,7 +106,7 @@ def alltoall_rounds(ctx, seq: int, sig: int, channel, sends, recvs, base: int, s
                 n = min(per, max(0, send_counts[q] - lo))
                 words[q] = n
                 if q != r and n and not single_copy:  # a single-copy voter knows the pieces go unread
-                    at = head + q * per * item
+                    at = piece_at(r, q, per, item, p)
                     out[at : at + n * item] = sb[q][lo * item : (lo + n) * item]
             if j == 0:
                 for q in range(p):
@@ -132,7 +143,7 @@ def alltoall_rounds(ctx, seq: int, sig: int, channel, sends, recvs, base: int, s
             if sent != n:
                 raise split_mismatch(channel(seq, sig), q, j * per + sent, j * per + n)
             if n:
-                at = head + r * per * item
+                at = piece_at(q, r, per, item, p)
                 rb[q][lo * item : (lo + n) * item] = ctx.raw(q, k)[at : at + n * item]
         ctx.consume(k)
         j += 1
