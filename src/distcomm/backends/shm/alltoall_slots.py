@@ -86,6 +86,7 @@ def alltoall_rounds(ctx, seq: int, sig: int, channel, sends, recvs, base: int, s
     p, r = ctx.size, ctx.rank
     item = recvs[r].itemsize
     per = piece_capacity(ctx.slot_bytes, p, item)
+    head = slot_head(p)
     send_counts = [s.size for s in sends]
     recv_counts = [x.size for x in recvs]
     need = max(1, -(-max(send_counts + recv_counts + [0]) // per))
@@ -106,7 +107,7 @@ def alltoall_rounds(ctx, seq: int, sig: int, channel, sends, recvs, base: int, s
                 n = min(per, max(0, send_counts[q] - lo))
                 words[q] = n
                 if q != r and n and not single_copy:  # a single-copy voter knows the pieces go unread
-                    at = piece_at(r, q, per, item, p)
+                    at = head + (q - (q > r)) * per * item  # piece_at(r, q, ...), inline: p per round
                     out[at : at + n * item] = sb[q][lo * item : (lo + n) * item]
             if j == 0:
                 for q in range(p):
@@ -143,7 +144,7 @@ def alltoall_rounds(ctx, seq: int, sig: int, channel, sends, recvs, base: int, s
             if sent != n:
                 raise split_mismatch(channel(seq, sig), q, j * per + sent, j * per + n)
             if n:
-                at = piece_at(q, r, per, item, p)
+                at = head + (r - (r > q)) * per * item  # piece_at(q, r, ...)
                 rb[q][lo * item : (lo + n) * item] = ctx.raw(q, k)[at : at + n * item]
         ctx.consume(k)
         j += 1

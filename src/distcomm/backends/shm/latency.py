@@ -751,6 +751,7 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
                   scatter_round, ins, out, root)
         return True
 
+    a2a_layouts: dict = {}  # item size -> (elements a region, offset of our piece in each peer's slot, ours for each)
     a2a_tables: dict = {}  # (elements per piece, send address) -> round 0's table of words (alltoall_slots)
     a2a_expects: dict = {}  # elements per piece -> what every peer's table must say
 
@@ -759,7 +760,12 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
         every rank: this rank's table of words and pieces into its slot; each peer's table must say
         it sends ``count``, in one round, with no single-copy vote, else the algorithm resumes."""
         item = inp.itemsize
-        per = alltoall_slots.piece_capacity(ctx.slot_bytes, size, item)
+        layout = a2a_layouts.get(item)
+        if layout is None:
+            per = alltoall_slots.piece_capacity(ctx.slot_bytes, size, item)
+            layout = a2a_layouts[item] = (per, [alltoall_slots.piece_at(q, rank, per, item, size) for q in range(size)],
+                                          [alltoall_slots.piece_at(rank, q, per, item, size) for q in range(size)])
+        _, ours_in, ours_out = layout
         nb = count * item
         base = address(inp) if direct_reads else 0
         table = a2a_tables.get((count, base))
@@ -769,8 +775,8 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
             table = a2a_tables[(count, base)] = np.array(
                 [count] * size + [q * count for q in range(size)] + [count] * size + [1, 0, base], np.int64)
         writes = ((table, 0, 0, table.nbytes),) + tuple(
-            (inp, q * nb, alltoall_slots.piece_at(rank, q, per, item, size), nb) for q in range(size) if q != rank)
-        reads = tuple((q, alltoall_slots.piece_at(q, rank, per, item, size), out, q * nb, nb) if q != rank else (inp, q * nb, out, q * nb, nb) for q in range(size))
+            (inp, q * nb, ours_out[q], nb) for q in range(size) if q != rank)
+        reads = tuple((q, ours_in[q], out, q * nb, nb) if q != rank else (inp, q * nb, out, q * nb, nb) for q in range(size))
         expect = a2a_expects.get(count)
         if expect is None:
             if len(a2a_expects) >= 8:
