@@ -776,7 +776,8 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
                 [count] * size + [q * count for q in range(size)] + [count] * size + [1, 0, base], np.int64)
         writes = ((table, 0, 0, table.nbytes),) + tuple(
             (inp, q * nb, ours_out[q], nb) for q in range(size) if q != rank)
-        reads = tuple((q, ours_in[q], out, q * nb, nb) if q != rank else (inp, q * nb, out, q * nb, nb) for q in range(size))
+        reads = tuple((q, ours_in[q], out, q * nb, nb) if q != rank else (inp, q * nb, out, q * nb, nb)
+                      for q in range(size))
         expect = a2a_expects.get(count)
         if expect is None:
             if len(a2a_expects) >= 8:
@@ -802,7 +803,8 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
             return False
         count = send.size // size
         item = send.itemsize
-        if not count or count > alltoall_slots.piece_capacity(ctx.slot_bytes, size, item) or send.nbytes > limits.all_to_all:
+        if (not count or count > alltoall_slots.piece_capacity(ctx.slot_bytes, size, item)
+                or send.nbytes > limits.all_to_all):
             return False
         dtype = dtype_of(send)
         if dtype is None or not claim():
