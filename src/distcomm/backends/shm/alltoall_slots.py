@@ -3,7 +3,8 @@ their first round.
 
 Through slots: each round carries one piece per destination, its length first (checked by the
 reader against what it expects); cost per rank: (p-1)/p of its input written and of its output
-read through slots, one round per 1/p slot of the longest piece. Single copy: every rank copies
+read through slots, one round per 1/(p-1) slot of the longest piece; each round's share of this
+rank's own piece is copied between publishing the round and waiting for the peers'. Single copy: every rank copies
 what each peer sends it straight from the peer's send buffer (one system call per piece), after
 the first round and before one last wait.
 """
@@ -21,6 +22,18 @@ def slot_head(p: int) -> int:
     """Bytes before the data in an all_to_all slot: p lengths, then (round 0 only) p offsets, p
     counts, and the sender's rounds needed, single-copy vote and buffer address."""
     return (8 * (3 * p + 3) + 63) // 64 * 64
+
+
+def piece_capacity(slot_bytes: int, p: int, item: int) -> int:
+    """Elements of one piece a round carries: a slot holds one region per peer (p - 1; a rank's
+    piece to itself never goes through its slot), so at p = 2 a round carries half the slot's
+    data area more than p regions would, and a 1 MiB all_to_all fits one 1 MiB slot."""
+    return max(1, (slot_bytes - slot_head(p)) // max(1, p - 1) // item)
+
+
+def piece_at(writer: int, reader: int, per: int, item: int, p: int) -> int:
+    """Byte offset, in ``writer``'s slot, of its piece for ``reader`` (``per`` elements a region)."""
+    return slot_head(p) + (reader - (reader > writer)) * per * item
 
 
 def fits(slot_bytes: int, p: int, item: int) -> bool:
@@ -72,8 +85,8 @@ def alltoall_rounds(ctx, seq: int, sig: int, channel, sends, recvs, base: int, s
     """
     p, r = ctx.size, ctx.rank
     item = recvs[r].itemsize
+    per = piece_capacity(ctx.slot_bytes, p, item)
     head = slot_head(p)
-    per = max(1, (ctx.slot_bytes - head) // p // item)
     send_counts = [s.size for s in sends]
     recv_counts = [x.size for x in recvs]
     need = max(1, -(-max(send_counts + recv_counts + [0]) // per))
@@ -84,6 +97,7 @@ def alltoall_rounds(ctx, seq: int, sig: int, channel, sends, recvs, base: int, s
     j = 0
     while True:
         lo = j * per
+        own_round = False  # this round's share of our own piece already copied
         if j == 0 and first_round is not None:
             k, own_copied = first_round, False
         else:
@@ -93,7 +107,7 @@ def alltoall_rounds(ctx, seq: int, sig: int, channel, sends, recvs, base: int, s
                 n = min(per, max(0, send_counts[q] - lo))
                 words[q] = n
                 if q != r and n and not single_copy:  # a single-copy voter knows the pieces go unread
-                    at = head + q * per * item
+                    at = head + (q - (q > r)) * per * item  # piece_at(r, q, ...), inline: p per round
                     out[at : at + n * item] = sb[q][lo * item : (lo + n) * item]
             if j == 0:
                 for q in range(p):
@@ -106,6 +120,11 @@ def alltoall_rounds(ctx, seq: int, sig: int, channel, sends, recvs, base: int, s
             own_copied = j == 0 and single_copy and recvs[r].size == sends[r].size
             if own_copied:  # our vote makes it single copy: our own piece moves while the peers publish
                 recvs[r][...] = sends[r]
+            elif not single_copy:  # this round's share of our own piece moves while the peers publish
+                n = min(per, max(0, recv_counts[r] - lo))
+                if n:
+                    rb[r][lo * item : (lo + n) * item] = sb[r][lo * item : (lo + n) * item]
+                own_round = True
             ctx.collect(k, seq, sig, None, channel, [q for q in range(p) if q != r])
         if rounds is None:
             tables = [ctx.words(q, k) for q in range(p)]
@@ -118,14 +137,14 @@ def alltoall_rounds(ctx, seq: int, sig: int, channel, sends, recvs, base: int, s
         for q in range(p):
             n = min(per, max(0, recv_counts[q] - lo))
             if q == r:
-                if n:
+                if n and not own_round:
                     rb[r][lo * item : (lo + n) * item] = sb[r][lo * item : (lo + n) * item]
                 continue
             sent = ctx.words(q, k)[r]
             if sent != n:
                 raise split_mismatch(channel(seq, sig), q, j * per + sent, j * per + n)
             if n:
-                at = head + r * per * item
+                at = head + (r - (r > q)) * per * item  # piece_at(q, r, ...)
                 rb[q][lo * item : (lo + n) * item] = ctx.raw(q, k)[at : at + n * item]
         ctx.consume(k)
         j += 1

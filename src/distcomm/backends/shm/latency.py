@@ -781,7 +781,7 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
                   scatter_round, ins, out, root)
         return True
 
-    a2a_head = alltoall_slots.slot_head(size)
+    a2a_layouts: dict = {}  # item size -> (elements a region, offset of our piece in each peer's slot, ours for each)
     a2a_tables: dict = {}  # (elements per piece, send address) -> round 0's table of words (alltoall_slots)
     a2a_expects: dict = {}  # elements per piece -> what every peer's table must say
 
@@ -790,7 +790,12 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
         every rank: this rank's table of words and pieces into its slot; each peer's table must say
         it sends ``count``, in one round, with no single-copy vote, else the algorithm resumes."""
         item = inp.itemsize
-        per = (ctx.slot_bytes - a2a_head) // size // item
+        layout = a2a_layouts.get(item)
+        if layout is None:
+            per = alltoall_slots.piece_capacity(ctx.slot_bytes, size, item)
+            layout = a2a_layouts[item] = (per, [alltoall_slots.piece_at(q, rank, per, item, size) for q in range(size)],
+                                          [alltoall_slots.piece_at(rank, q, per, item, size) for q in range(size)])
+        _, ours_in, ours_out = layout
         nb = count * item
         base = address(inp) if direct_reads else 0
         key = ("all_to_all", id(inp), base, count, nb, id(out), out.nbytes)
@@ -805,9 +810,8 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
                 table = a2a_tables[(count, base)] = np.array(
                     [count] * size + [q * count for q in range(size)] + [count] * size + [1, 0, base], np.int64)
             writes = ((table, 0, 0, table.nbytes),) + tuple(
-                (inp, q * nb, a2a_head + q * per * item, nb) for q in range(size) if q != rank)
-            at = a2a_head + rank * per * item
-            reads = tuple((q, at, out, q * nb, nb) if q != rank else (inp, q * nb, out, q * nb, nb)
+                (inp, q * nb, ours_out[q], nb) for q in range(size) if q != rank)
+            reads = tuple((q, ours_in[q], out, q * nb, nb) if q != rank else (inp, q * nb, out, q * nb, nb)
                           for q in range(size))
             keep_plan(key, (writes, reads), (inp, out))
         expect = a2a_expects.get(count)
@@ -835,7 +839,8 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
             return False
         count = send.size // size
         item = send.itemsize
-        if not count or count > (ctx.slot_bytes - a2a_head) // size // item or send.nbytes > limits.all_to_all:
+        if (not count or count > alltoall_slots.piece_capacity(ctx.slot_bytes, size, item)
+                or send.nbytes > limits.all_to_all):
             return False
         dtype = dtype_of(send)
         if dtype is None or not claim():
