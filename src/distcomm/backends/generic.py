@@ -18,7 +18,8 @@ from .._algorithms import select
 from ..dtypes import DType
 from ..transport.base import Channel, Transport, unwatch_group, watch_group
 from ..tuning import DEFAULT, Tuning
-from .engine import Engine, GroupCollectives, GroupSpec
+from . import generic_latency
+from .engine import Engine, FastPath, GroupCollectives, GroupSpec
 
 
 class GenericCollectives(GroupCollectives):
@@ -99,6 +100,12 @@ class GenericEngine(Engine):
     def collectives(self, group: GroupSpec) -> GroupCollectives:
         watch_group(self.transport, group.group_id, group.ranks)
         return self._collectives
+
+    def fast_path(self, pg) -> FastPath | bool:
+        """A small synchronous all_reduce straight to its algorithm (generic_latency.py)."""
+        if len(pg.spec.ranks) == 1:
+            return False
+        return generic_latency.build(pg, self._collectives)
 
     def release_group(self, group_id: int) -> None:
         unwatch_group(self.transport, group_id)
