@@ -86,6 +86,23 @@ def tensor_memory(t, storage: np.dtype, count: int | None = None) -> np.ndarray:
     return np.asarray(holder)
 
 
+
+_ELEMENTS: dict = {}  # torch dtype -> numpy dtype of its elements, learnt once per dtype
+
+
+def plain_tensor_memory(t) -> np.ndarray | None:
+    """A plain dense CPU torch tensor's memory as a flat numpy array (shared, not copied), or None
+    for anything else (sparse, another device, bfloat16, conjugated, not contiguous): what the
+    engines' latency paths take as it is, leaving the rest to the general path's Buffers."""
+    torch = _torch()
+    if t.layout is not torch.strided or not t.is_cpu or t.dtype is torch.bfloat16 or t.is_conj() \
+            or not t.is_contiguous():
+        return None
+    storage = _ELEMENTS.get(t.dtype)
+    if storage is None:  # an empty scratch tensor says it
+        storage = _ELEMENTS[t.dtype] = torch.empty(0, dtype=t.dtype).numpy().dtype
+    return tensor_memory(t, storage)
+
 # The Buffers of small contiguous tensors passed call after call (a loop's buffers, a benchmark's)
 # are kept: making one costs about 4 µs of CPU (detach, the dtype's name, the numpy view), checking
 # that the same tensor still has the same memory and shape about 0.5 µs, and a small collective

@@ -29,7 +29,7 @@ import numpy as np
 from .. import diagnostics, reduction
 from .. import flight_recorder as fr
 from .._algorithms import select
-from ..buffers import tensor_memory
+from ..buffers import plain_tensor_memory
 from ..dtypes import from_numpy
 from ..errors import DistBackendError
 from ..profiling import profiler_check
@@ -56,7 +56,6 @@ def build(pg, collectives) -> FastPath:
     # op -> {numpy dtype number: (DType, reducer, signature) or None}, once checked
     plans: dict = {op: {} for op in RedOpType}
     algorithms: dict = {}  # message bytes -> select.choose's all_reduce for them
-    storage: dict = {}  # torch dtype -> numpy dtype of its elements
 
     def plan(op, np_dtype):
         try:
@@ -68,23 +67,13 @@ def build(pg, collectives) -> FastPath:
         plans[op][np_dtype.num] = entry
         return entry
 
-    def torch_flat(t):
-        torch = sys.modules["torch"]
-        if t.layout is not torch.strided or not t.is_cpu or t.dtype is torch.bfloat16 or t.is_conj() \
-                or not t.is_contiguous():
-            return None
-        kind = storage.get(t.dtype)
-        if kind is None:
-            kind = storage[t.dtype] = torch.empty(0, dtype=t.dtype).numpy().dtype
-        return tensor_memory(t, kind)  # not Tensor.numpy(): see tensor_memory
-
     def small_all_reduce(tensor, op) -> bool:
         if tensor.__class__ is _ndarray:
             if not tensor.flags.carray:
                 return False
             flat = tensor if tensor.ndim == 1 else tensor.reshape(-1)
         elif "torch" in sys.modules and isinstance(tensor, sys.modules["torch"].Tensor):
-            flat = torch_flat(tensor)
+            flat = plain_tensor_memory(tensor)
             if flat is None:
                 return False
         else:

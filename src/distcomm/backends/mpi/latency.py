@@ -42,7 +42,7 @@ import numpy as np
 
 from ... import diagnostics
 from ... import flight_recorder as fr
-from ...buffers import tensor_memory
+from ...buffers import plain_tensor_memory
 from ...dtypes import from_numpy
 from ...errors import DistBackendError
 from ...profiling import profiler_check
@@ -57,19 +57,6 @@ LIMIT = 64 * 1024  # bytes: past this the call's own cost is MPI's, and the gene
 
 _ndarray = np.ndarray
 _modules = sys.modules
-_storage: dict = {}  # torch dtype -> numpy dtype of its elements
-
-
-def _torch_flat(t):
-    torch = sys.modules["torch"]
-    if t.layout is not torch.strided or not t.is_cpu or t.dtype is torch.bfloat16 or t.is_conj() \
-            or not t.is_contiguous():
-        return None
-    storage = _storage.get(t.dtype)
-    if storage is None:
-        storage = _storage[t.dtype] = torch.empty(0, dtype=t.dtype).numpy().dtype
-    # not Tensor.numpy(), which would make the tensor's storage non-resizable (see tensor_memory)
-    return tensor_memory(t, storage)
 
 
 def build(pg, collectives) -> FastPath:
@@ -105,7 +92,7 @@ def build(pg, collectives) -> FastPath:
         if t is known and t.data_ptr() == address and t.dtype is dtype and t.numel() == flat.size \
                 and t.is_contiguous():
             return flat
-        flat = _torch_flat(t)
+        flat = plain_tensor_memory(t)
         if flat is not None and flat.nbytes <= LIMIT:
             last_tensor[0] = (t, t.data_ptr(), t.dtype, flat)
         return flat

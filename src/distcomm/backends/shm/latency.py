@@ -61,7 +61,7 @@ import numpy as np
 
 from ... import diagnostics
 from ... import flight_recorder as fr
-from ...buffers import tensor_memory
+from ...buffers import plain_tensor_memory
 from ...dtypes import from_numpy
 from ...errors import DistBackendError
 from ...profiling import profiler_check
@@ -92,31 +92,6 @@ ROUNDS = {
     "latency_all_to_all": "alltoall_slots",
     "latency_all_to_all_single": "alltoall_slots",
 }
-
-
-def _torch_flat(t) -> np.ndarray | None:
-    """A plain CPU torch tensor's memory as a flat numpy array (shared, not copied), else None."""
-    torch = sys.modules["torch"]
-    if (
-        t.layout is not torch.strided
-        or not t.is_cpu
-        or t.dtype is torch.bfloat16
-        or t.is_conj()
-        or not t.is_contiguous()
-    ):
-        return None
-    # not Tensor.numpy(), which would make the tensor's storage non-resizable (see tensor_memory)
-    storage = _STORAGE.get(t.dtype)
-    return tensor_memory(t, storage if storage is not None else _storage_of(t.dtype))
-
-
-_STORAGE: dict = {}  # torch dtype -> numpy dtype of its elements, learnt once per dtype
-
-
-def _storage_of(dtype) -> np.dtype:
-    torch = sys.modules["torch"]
-    _STORAGE[dtype] = storage = torch.empty(0, dtype=dtype).numpy().dtype  # an empty scratch tensor
-    return storage
 
 
 def _largest(fits, cap: int) -> int:
@@ -198,7 +173,7 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
         known, address, flat = last_tensor[0]
         if t is known and t.data_ptr() == address and t.numel() == flat.size and t.is_contiguous():
             return flat
-        flat = _torch_flat(t)
+        flat = plain_tensor_memory(t)
         if flat is not None and flat.nbytes <= limit:
             last_tensor[0] = (t, t.data_ptr(), flat)
         return flat
@@ -632,7 +607,7 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
             known, address, flat = entry
             if t is known and t.data_ptr() == address and t.numel() == flat.size and t.is_contiguous():
                 return flat
-        flat = _torch_flat(t)
+        flat = plain_tensor_memory(t)
         if flat is not None and flat.nbytes <= ctx.slot_bytes:
             if len(known_tensors) >= 8:
                 known_tensors.clear()
