@@ -570,6 +570,10 @@ class ProcessGroup:
 
     def close(self) -> None:
         self.executor.close()
+        # The engine's fast paths hold this group (its channel, its faults): dropping them breaks
+        # that cycle, so the group and what it holds (its store) go when its last user lets go.
+        self.fast_all_reduce = self.fast_barrier = _no_fast_path
+        self._fast_paths, self._has_fast_path = {}, False
 
 
 def _no_fast_path(*args) -> bool:
