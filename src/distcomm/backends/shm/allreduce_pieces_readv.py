@@ -27,6 +27,7 @@ import numpy as np
 from ...errors import DistBackendError
 from ...transport import shm_direct
 from ...transport.base import Channel
+from .common import fetch_finished, fetch_rest
 
 
 def table_fits(pieces: int, slot_bytes: int) -> bool:
@@ -142,12 +143,5 @@ def allreduce_pieces_readv(ctx, ch: Channel, pieces: list, red, finish_part=None
                 else:
                     scatter(a, segs)
         ctx.advance(k0 + 1 + j, wake=j == chunks - 1)
-        for q in range(p):  # whatever the peers have finished meanwhile
-            while copied[q] < chunks and ctx.posted(q) > k0 + copied[q]:
-                fetch(q)
-    ctx.wait_posted_counter(k0 + chunks, ch)
-    for q in range(p):
-        while copied[q] < chunks:
-            fetch(q)
-    ctx.consume(k0 + chunks)
-    ctx.wait_consumed(k0 + chunks, ch)
+        fetch_finished(ctx, k0, copied, chunks, fetch)  # whatever the peers have finished meanwhile
+    fetch_rest(ctx, ch, k0, copied, chunks, fetch)

@@ -21,6 +21,7 @@ import numpy as np
 
 from ...transport import shm_direct
 from ...transport.base import Channel
+from .common import fetch_finished, fetch_rest
 
 
 def allreduce_readv(ctx, ch: Channel, flat: np.ndarray, red, finish_part=None) -> None:
@@ -73,14 +74,5 @@ def allreduce_readv(ctx, ch: Channel, flat: np.ndarray, red, finish_part=None) -
             if a is not mine:
                 mine[...] = a
         ctx.advance(k0 + 1 + j, wake=j == chunks - 1)
-        for q in range(p):  # whatever the peers have finished meanwhile
-            while copied[q] < chunks and ctx.posted(q) > k0 + copied[q]:
-                fetch(q)
-    # One wait for everything still missing: under contention every sleep costs a trip through the
-    # scheduler's queue, so peers only wake us for their last chunk.
-    ctx.wait_posted_counter(k0 + chunks, ch)
-    for q in range(p):
-        while copied[q] < chunks:
-            fetch(q)
-    ctx.consume(k0 + chunks)
-    ctx.wait_consumed(k0 + chunks, ch)
+        fetch_finished(ctx, k0, copied, chunks, fetch)  # whatever the peers have finished meanwhile
+    fetch_rest(ctx, ch, k0, copied, chunks, fetch)

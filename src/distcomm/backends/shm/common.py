@@ -53,6 +53,26 @@ def reduce_from_peers(ctx, out: np.ndarray, lo: int, own: np.ndarray | None, bas
             red(out, x)
 
 
+
+def fetch_finished(ctx, k0: int, copied: list[int], chunks: int, fetch) -> None:
+    """The single-copy all_reduces' catch-up: ``fetch(q)`` every chunk peer q has already
+    published (round ``k0 + 1 + j`` posted for chunk j), without waiting."""
+    for q in range(ctx.size):
+        while copied[q] < chunks and ctx.posted(q) > k0 + copied[q]:
+            fetch(q)
+
+
+def fetch_rest(ctx, ch: Channel, k0: int, copied: list[int], chunks: int, fetch) -> None:
+    """The single-copy all_reduces' end: one wait for every chunk still missing (under contention
+    every sleep costs a trip through the scheduler's queue, so peers only wake us for their last
+    chunk), the remaining fetches, then the consume and the wait that no peer still reads us."""
+    ctx.wait_posted_counter(k0 + chunks, ch)
+    for q in range(ctx.size):
+        while copied[q] < chunks:
+            fetch(q)
+    ctx.consume(k0 + chunks)
+    ctx.wait_consumed(k0 + chunks, ch)
+
 def split_mismatch(ch: Channel, q: int, sent: int, expected: int) -> TransportError:
     """Group rank q sends this rank ``sent`` elements of an all_to_all where it expects ``expected``."""
     who = "this rank sends itself" if q == ch.rank else f"rank {ch.ranks[q]} sends this rank"
