@@ -330,3 +330,32 @@ def test_semantics_match_torch_gloo_all_reduce():
         R.reducer(op, dtype)(got, x1)
         R.finish(op, got, 2, dtype=dtype)
         assert_bits_equal(got, gloo0, dtype_name)
+
+
+# -- which reductions may run in either order ------------------------------------------------------
+@pytest.mark.parametrize("dtype_name", ALL_DTYPES)
+@pytest.mark.parametrize("kind", OPS, ids=lambda k: k.name)
+def test_commutes_only_where_either_order_gives_the_same_bits(kind, dtype_name):
+    """``commutes`` lets the two-rank single-copy all_reduce fold each rank's peer into its own
+    copy: where it says so, x ⊕ y and y ⊕ x must agree bit for bit on the awkward values (NaN
+    payloads aside, as everywhere); float MIN/MAX, which it excludes, really differ (on -0.0 vs 0.0)."""
+    if expected_error(kind, dtype_name) is not None:
+        return
+    dtype = from_name(dtype_name)
+    red = R.reducer(as_op(kind), dtype)
+    x, y = sample(dtype_name, 257, 1), sample(dtype_name, 257, 2)
+    head = x[:10]  # the special values (edges, for integers), then every pair of them
+    x, y = np.concatenate([x, np.repeat(head, head.size)]), np.concatenate([y, np.tile(head, head.size)])
+    xy, yx = x.copy(), y.copy()
+    red(xy, y)
+    red(yx, x)
+    if R.commutes(as_op(kind), dtype):
+        assert_bits_equal(xy, yx, dtype_name)
+    else:
+        assert dtype.kind == "float" and kind in (RedOpType.MIN, RedOpType.MAX)
+        neg, pos = np.zeros(1, dtype.storage), np.zeros(1, dtype.storage)
+        neg[...] = R.to_bfloat16_bits([-0.0]) if dtype_name == "bfloat16" else -0.0
+        a, b = neg.copy(), pos.copy()
+        red(a, pos)
+        red(b, neg)
+        assert a.view(np.uint8).tobytes() != b.view(np.uint8).tobytes()

@@ -313,6 +313,53 @@ def test_all_reduce_coalesced_in_place():
         assert ran == (3 if direct else 0), results  # not PREMUL_SUM: it premultiplies a copy
 
 
+def two_rank_readv_body(rank, world):
+    """At two ranks the single-copy all_reduce lets rank 1 fold rank 0's copy into its own where
+    the op commutes (reduction.commutes): the result must still be rank order's, bit for bit, for
+    every op, with -0.0 against 0.0 in the same places (where float MIN/MAX do not commute)."""
+    import distcomm as dist
+    from distcomm.backends.shm import observe
+    from distcomm.types import ReduceOp, RedOpType
+
+    ran: list[str] = []
+    dist.init_process_group("shm")
+    observe.set_observer(ran.append)
+    n = 3001  # many chunks of a 4 KiB slot, uneven slices
+    cases = [(np.float32, op) for op in ("SUM", "PRODUCT", "MIN", "MAX", "AVG", "PREMUL_SUM")] + [
+        (np.float64, "SUM"), (np.complex64, "SUM"), (np.int32, "SUM"), (np.int8, "MAX"), (np.uint8, "BXOR"),
+        (np.bool_, "SUM"), (np.bool_, "MIN")]
+    fold = {"SUM": np.add, "AVG": np.add, "PREMUL_SUM": np.add, "PRODUCT": np.multiply, "MIN": np.minimum,
+            "MAX": np.maximum, "BXOR": np.bitwise_xor}
+    for dtype, name in cases:
+        inputs = [_data(q, n, dtype, 31) for q in range(world)]
+        if np.dtype(dtype).kind == "f":  # at both ends: in each rank's slice
+            for ends in (slice(0, 4), slice(-4, None)):
+                inputs[0][ends], inputs[1][ends] = [-0.0, 0.0, np.inf, -1.5], [0.0, -0.0, 2.0, -np.inf]
+        if np.dtype(dtype).kind == "i":
+            inputs[0][:2] = inputs[1][:2] = np.iinfo(dtype).max  # a SUM that wraps
+        op = ReduceOp.PREMUL_SUM(0.5) if name == "PREMUL_SUM" else getattr(RedOpType, name)
+        # the reference folds what the collective folds: PREMUL_SUM's inputs premultiplied
+        parts = [x * np.float32(0.5) for x in inputs] if name == "PREMUL_SUM" else inputs
+        want = _fold(parts, {"SUM": np.logical_or, "MIN": np.logical_and}[name] if dtype is np.bool_ else fold[name])
+        if name == "AVG":
+            want = want / np.float32(world)
+        x = inputs[rank].copy()
+        del ran[:]
+        with np.errstate(all="ignore"):
+            dist.all_reduce(x, op=op)
+        _check(f"all_reduce {name} {np.dtype(dtype).name}", x, want)
+        if np.dtype(dtype).kind == "f":
+            assert (np.signbit(x) == np.signbit(want)).all(), (name, "the signs of zeros")
+        direct = dist.group.WORLD.engine.transport.direct_reads_ok(range(world))
+        assert ran == (["allreduce_readv"] if direct else ["allreduce_slices"]), (name, ran)
+    dist.destroy_process_group()
+    return "ok"
+
+
+def test_two_rank_single_copy_all_reduce_is_rank_order_bit_for_bit():
+    assert run_world(two_rank_readv_body, 2, env=READV, timeout=60) == ["ok"] * 2
+
+
 def torch_body(rank, world):
     import torch
 

@@ -283,6 +283,23 @@ def _make_reducer(kind: RedOpType, dtype: DType) -> Reducer:
     return reduce
 
 
+# The ops whose pairwise step gives the same bits whichever operand comes first, per dtype family:
+# every integer and bool op (wrapping arithmetic, bitwise logic, exact MIN/MAX); for floats the
+# additions and products (IEEE 754 rounds the exact result, whatever the order: only which of two
+# NaNs' payloads comes out may differ), not MIN/MAX (-0.0 against 0.0 gives one operand or the
+# other); complex numbers have only the additions.
+_ADDITIONS = frozenset({RedOpType.SUM, RedOpType.AVG, RedOpType.PREMUL_SUM})
+_COMMUTING = {"float": _ADDITIONS | {RedOpType.PRODUCT}, "complex": _ADDITIONS}
+
+
+def commutes(op, dtype: DType) -> bool:
+    """Whether ``reducer(op, dtype)`` folds x into y to the very bits it folds y into x: then an
+    algorithm may reduce two copies in either order (at two ranks, each into its own copy) and stay
+    bit for bit the rank-order result."""
+    family = _COMMUTING.get(dtype.kind)
+    return family is None or op_type(op) in family
+
+
 def sequence_reducer(op, dtype: DType) -> Callable[[np.ndarray, Sequence[np.ndarray]], None]:
     """``fn(acc, xs)``: ``acc ⊕= x`` for each x of ``xs`` in order, as ``reducer(op, dtype)`` called
     once per x (the naive form beside it), with numpy's error state switched once per call instead

@@ -11,7 +11,7 @@ caught, different sizes of the same total are not.
 Cost per rank: allreduce_readv's, about 2.5 n bytes through memory, without the copy of the pieces
 into one buffer before and out of it after (2 n bytes each: what the default
 ``all_reduce_coalesced`` does). A chunk of the slice that spans pieces is gathered into a
-slot-sized scratch buffer, reduced there and scattered back: copies in cache. As in
+chunk-sized scratch buffer, reduced there and scattered back: copies in cache. As in
 allreduce_readv, a peer's finished chunk is fetched as soon as it is posted (``posted`` of round
 k0 + 1 + j says "chunk j of my slice is final"), and a last wait keeps every rank's pieces
 unchanged until the peers have read them. ``finish_part`` (AVG's division, or None) is applied to
@@ -27,7 +27,7 @@ import numpy as np
 from ...errors import DistBackendError
 from ...transport import shm_direct
 from ...transport.base import Channel
-from .common import fetch_finished, fetch_rest
+from .common import chunk_bytes, fetch_finished, fetch_rest
 
 
 def table_fits(pieces: int, slot_bytes: int) -> bool:
@@ -45,7 +45,7 @@ def allreduce_pieces_readv(ctx, ch: Channel, pieces: list, red, finish_part=None
     count = starts[-1]
     nbytes = count * item
     edges = [count * q // p for q in range(p + 1)]
-    per = max(1, ctx.slot_bytes // item)
+    per = max(1, chunk_bytes(ctx) // item)
     chunks = max(1, max(-(-(edges[q + 1] - edges[q]) // per) for q in range(p)))
     pids = [ctx.transport.pid_of(g) for g in ctx.ranks]
     read = shm_direct.read

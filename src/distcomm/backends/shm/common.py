@@ -54,6 +54,17 @@ def reduce_from_peers(ctx, out: np.ndarray, lo: int, own: np.ndarray | None, bas
 
 
 
+#: slots' worth of data in one chunk of the single-copy all_reduces' slices: the unit a rank reduces,
+#: then publishes (a chunk never passes through a slot, but scaling it with the slot lets a small
+#: slot make many chunks, as the tests' do); docs/performance-notes.md has the measurements
+CHUNK_SLOTS = 2
+
+
+def chunk_bytes(ctx) -> int:
+    """The bytes of one chunk of a single-copy all_reduce's slice in group memory ``ctx``."""
+    return CHUNK_SLOTS * ctx.slot_bytes
+
+
 def fetch_finished(ctx, k0: int, copied: list[int], chunks: int, fetch) -> None:
     """The single-copy all_reduces' catch-up: ``fetch(q)`` every chunk peer q has already
     published (round ``k0 + 1 + j`` posted for chunk j), without waiting."""

@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 from ...errors import DistBackendError
-from ...reduction import finish, op_type, reducer, sequence_reducer, with_op_arithmetic
+from ...reduction import commutes, finish, op_type, reducer, sequence_reducer, with_op_arithmetic
 from ...transport import shm_direct
 from ...transport.base import Channel, TransportError
 from ...tuning import DEFAULT, Tuning
@@ -240,16 +240,15 @@ class ShmCollectives(GroupCollectives):
         elif name == "reduce_direct":  # direct past one slot: every rank is a root
             red = self._reducer(op, dtype)
             run = lambda buf: self._run(ctx, ch, name, buf, red, None)  # noqa: E731
-        elif (op if op.__class__ is RedOpType else op_type(op)) is RedOpType.AVG:
-            # readv and slices divide each reduced part before publishing it, while it is in cache
+        else:  # readv or slices
             red = self._reducer(op, dtype)
             size = ch.size
-            divide = lambda part: finish(op, part, size, dtype)  # noqa: E731
-            run = lambda buf: self._run(ctx, ch, name, buf, red, divide)  # noqa: E731
-            return with_op_arithmetic(op, dtype, size, flat, run, finishes=False)
-        else:
-            red = self._reducer(op, dtype)
-            run = lambda buf: self._run(ctx, ch, name, buf, red)  # noqa: E731
+            # AVG: readv and slices divide each reduced part before publishing it, while it is in cache
+            avg = (op if op.__class__ is RedOpType else op_type(op)) is RedOpType.AVG
+            divide = (lambda part: finish(op, part, size, dtype)) if avg else None
+            swap = (commutes(op, dtype),) if name == "allreduce_readv" else ()
+            run = lambda buf: self._run(ctx, ch, name, buf, red, divide, *swap)  # noqa: E731
+            return with_op_arithmetic(op, dtype, size, flat, run, finishes=not avg)
         with_op_arithmetic(op, dtype, ch.size, flat, run)
 
     def all_reduce_coalesced(self, ch: Channel, flats, dtype, op) -> None:
