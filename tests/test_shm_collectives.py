@@ -314,9 +314,10 @@ def test_all_reduce_coalesced_in_place():
 
 
 def two_rank_readv_body(rank, world):
-    """At two ranks the single-copy all_reduce lets rank 1 fold rank 0's copy into its own where
-    the op commutes (reduction.commutes): the result must still be rank order's, bit for bit, for
-    every op, with -0.0 against 0.0 in the same places (where float MIN/MAX do not commute)."""
+    """At two ranks the single-copy all_reduce lets rank 1 fold rank 0's copy into its own, and
+    reduce_scatter rank 0, where the op commutes (reduction.commutes): the results must still be
+    rank order's, bit for bit, for every op, with -0.0 against 0.0 in the same places (where float
+    MIN/MAX do not commute)."""
     import distcomm as dist
     from distcomm.backends.shm import observe
     from distcomm.types import ReduceOp, RedOpType
@@ -324,7 +325,7 @@ def two_rank_readv_body(rank, world):
     ran: list[str] = []
     dist.init_process_group("shm")
     observe.set_observer(ran.append)
-    n = 3001  # many chunks of a 4 KiB slot, uneven slices
+    n = 3002  # many chunks of a 4 KiB slot
     cases = [(np.float32, op) for op in ("SUM", "PRODUCT", "MIN", "MAX", "AVG", "PREMUL_SUM")] + [
         (np.float64, "SUM"), (np.complex64, "SUM"), (np.int32, "SUM"), (np.int8, "MAX"), (np.uint8, "BXOR"),
         (np.bool_, "SUM"), (np.bool_, "MIN")]
@@ -346,17 +347,29 @@ def two_rank_readv_body(rank, world):
         x = inputs[rank].copy()
         del ran[:]
         with np.errstate(all="ignore"):
-            dist.all_reduce(x, op=op)
+            dist.all_reduce(x, op=op, async_op=True).wait()  # async: no latency path
         _check(f"all_reduce {name} {np.dtype(dtype).name}", x, want)
         if np.dtype(dtype).kind == "f":
             assert (np.signbit(x) == np.signbit(want)).all(), (name, "the signs of zeros")
         direct = dist.group.WORLD.engine.transport.direct_reads_ok(range(world))
         assert ran == (["allreduce_readv"] if direct else ["allreduce_slices"]), (name, ran)
+        # reduce_scatter_tensor: rank 0 folds its own block into the peer's; block r of the
+        # all_reduce's result is what rank r gets
+        out = np.empty(n // world, dtype)
+        del ran[:]
+        with np.errstate(all="ignore"):
+            dist.reduce_scatter_tensor(out, inputs[rank].copy(), op=op, async_op=True).wait()
+        mine = want[rank * out.size : (rank + 1) * out.size]
+        _check(f"reduce_scatter_tensor {name} {np.dtype(dtype).name}", out, mine)
+        if np.dtype(dtype).kind == "f":
+            assert (np.signbit(out) == np.signbit(mine)).all(), (name, "the signs of zeros")
+        # (PREMUL_SUM stages a premultiplied copy first, then reduces it)
+        assert ran[-1:] == (["reduce_scatter_readv"] if direct else ["reduce_scatter_slots"]), (name, ran)
     dist.destroy_process_group()
     return "ok"
 
 
-def test_two_rank_single_copy_all_reduce_is_rank_order_bit_for_bit():
+def test_two_rank_single_copy_reductions_are_rank_order_bit_for_bit():
     assert run_world(two_rank_readv_body, 2, env=READV, timeout=60) == ["ok"] * 2
 
 

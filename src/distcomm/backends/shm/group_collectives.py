@@ -373,8 +373,9 @@ class ShmCollectives(GroupCollectives):
         the caller staged them (PREMUL_SUM scales it in place first), else None (a plain op)."""
         name = self._choose("reducescatter", sum(x.nbytes for x in ins), ctx, ch)
         red = self._reducer(op, dtype)
+        swap = (commutes(op, dtype),) if name == "reduce_scatter_readv" else ()
         with_op_arithmetic(op, dtype, ch.size, out if scratch is None else scratch,
-                           lambda buf: self._run(ctx, ch, name, ins, out, red), result=out)
+                           lambda buf: self._run(ctx, ch, name, ins, out, red, *swap), result=out)
 
     def all_to_all(self, ch: Channel, send: np.ndarray, send_counts, recv: np.ndarray, recv_counts) -> None:
         ctx = self._context(ch)
