@@ -314,8 +314,8 @@ def test_all_reduce_coalesced_in_place():
 
 
 def two_rank_readv_body(rank, world):
-    """At two ranks the single-copy all_reduce lets rank 1 fold rank 0's copy into its own, and
-    reduce_scatter rank 0, where the op commutes (reduction.commutes): the results must still be
+    """At two ranks the single-copy all_reduce (and all_reduce_coalesced) lets rank 1 fold rank
+    0's copy into its own, and reduce_scatter rank 0, where the op commutes (reduction.commutes): the results must still be
     rank order's, bit for bit, for every op, with -0.0 against 0.0 in the same places (where float
     MIN/MAX do not commute)."""
     import distcomm as dist
@@ -353,6 +353,18 @@ def two_rank_readv_body(rank, world):
             assert (np.signbit(x) == np.signbit(want)).all(), (name, "the signs of zeros")
         direct = dist.group.WORLD.engine.transport.direct_reads_ok(range(world))
         assert ran == (["allreduce_readv"] if direct else ["allreduce_slices"]), (name, ran)
+        # all_reduce_coalesced on two pieces: chunks within one piece (folded in place) and one
+        # across both (gathered); not PREMUL_SUM, which premultiplies a copy
+        if name != "PREMUL_SUM":
+            pieces = [inputs[rank][:1201].copy(), inputs[rank][1201:].copy()]
+            del ran[:]
+            with np.errstate(all="ignore"):
+                dist.all_reduce_coalesced(pieces, op=op, async_op=True).wait()
+            got = np.concatenate(pieces)
+            _check(f"all_reduce_coalesced {name} {np.dtype(dtype).name}", got, want)
+            if np.dtype(dtype).kind == "f":
+                assert (np.signbit(got) == np.signbit(want)).all(), (name, "the signs of zeros")
+            assert ran == (["allreduce_pieces_readv"] if direct else ["allreduce_slices"]), (name, ran)
         # reduce_scatter_tensor: rank 0 folds its own block into the peer's; block r of the
         # all_reduce's result is what rank r gets
         out = np.empty(n // world, dtype)

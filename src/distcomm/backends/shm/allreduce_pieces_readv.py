@@ -15,7 +15,9 @@ chunk-sized scratch buffer, reduced there and scattered back: copies in cache. A
 allreduce_readv, a peer's finished chunk is fetched as soon as it is posted (``posted`` of round
 k0 + 1 + j says "chunk j of my slice is final"), and a last wait keeps every rank's pieces
 unchanged until the peers have read them. ``finish_part`` (AVG's division, or None) is applied to
-each reduced chunk before it is published.
+each reduced chunk before it is published. At two ranks, with an op that ``commutes``, rank 1
+folds rank 0's copy into its own piece in place (allreduce_readv's swap) where a chunk lies within
+one piece.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def table_fits(pieces: int, slot_bytes: int) -> bool:
     return 8 * (pieces + 1) <= slot_bytes
 
 
-def allreduce_pieces_readv(ctx, ch: Channel, pieces: list, red, finish_part=None) -> None:
+def allreduce_pieces_readv(ctx, ch: Channel, pieces: list, red, finish_part=None, commutes: bool = False) -> None:
     p, r = ctx.size, ctx.rank
     dt = pieces[0].dtype
     item = dt.itemsize
@@ -67,6 +69,7 @@ def allreduce_pieces_readv(ctx, ch: Channel, pieces: list, red, finish_part=None
                 f"{int(theirs[0])} tensors and this rank {len(pieces)} of the same total size; every rank must "
                 "pass tensors of the same sizes in the same order")
         addrs.append([int(a) for a in theirs[1:]])
+    swap = commutes and p == 2  # rank 1 folds rank 0's copy into its own piece, as rank 0 does
     acc = np.empty(min(per, max(edges[q + 1] - edges[q] for q in range(p))), dt)
     tmp = np.empty_like(acc)
 
@@ -121,20 +124,25 @@ def allreduce_pieces_readv(ctx, ch: Channel, pieces: list, red, finish_part=None
             # within one piece, the piece itself is "mine" (rank 0 reduces into it in place);
             # across pieces, a gathered copy
             mine = pieces[segs[0][0]][segs[0][1] : segs[0][2]] if len(segs) == 1 else None
-            a = mine if r == 0 and mine is not None else acc[:m]
-            for q in range(p):
-                if q == 0:
-                    if r != 0:
-                        read_into(0, segs, a)
-                    elif a is not mine:
-                        gather(segs, a)
-                elif q == r:
-                    if mine is None:
-                        gather(segs, t)
-                    red(a, t if mine is None else mine)
-                else:
-                    read_into(q, segs, t)
-                    red(a, t)
+            if swap and r == 1 and mine is not None:  # mine ⊕= the peer's: the bits of the peer's ⊕ mine
+                read_into(0, segs, t)
+                red(mine, t)
+                a = mine
+            else:
+                a = mine if r == 0 and mine is not None else acc[:m]
+                for q in range(p):
+                    if q == 0:
+                        if r != 0:
+                            read_into(0, segs, a)
+                        elif a is not mine:
+                            gather(segs, a)
+                    elif q == r:
+                        if mine is None:
+                            gather(segs, t)
+                        red(a, t if mine is None else mine)
+                    else:
+                        read_into(q, segs, t)
+                        red(a, t)
             if finish_part is not None:
                 finish_part(a)
             if a is not mine:

@@ -263,7 +263,7 @@ class ShmCollectives(GroupCollectives):
         red = self._reducer(op, dtype)
         size = ch.size
         divide = (lambda part: finish(op, part, size, dtype)) if op is RedOpType.AVG else None  # noqa: E731
-        self._run(ctx, ch, "allreduce_pieces_readv", list(flats), red, divide)
+        self._run(ctx, ch, "allreduce_pieces_readv", list(flats), red, divide, commutes(op, dtype))
 
     # -- rooted collectives: the root check runs inside a collective of one round (the latency
     # paths' rounds, so both paths meet in the same rounds), in a round of its own before a longer one
