@@ -235,8 +235,9 @@ SHM_VARIANT_ALGOS: dict[str, tuple[set, set]] = {
     "shm/direct": ({"allreduce_direct", "reduce_direct"},  # all_reduce cases only (diff_cases.VARIANT_CASES)
                    {"latency_all_reduce", "allreduce_slices", "allreduce_readv", "broadcast_readv", "allgather_readv",
                     "reduce_readv", "reduce_scatter_readv", "alltoall_readv", "scatter_readv", "gather_readv"}),
-    # by size: direct and slices for all_reduce; from world size 4 on the 300k all_gather and
-    # reduce_scatter_tensor cases pass 4 MiB and take single-copy reads (added below)
+    # by size: direct and slices for all_reduce (at world size 2 direct and single copy); from world
+    # size 4 on the 300k all_gather and reduce_scatter_tensor cases pass 4 MiB and take single-copy
+    # reads (both added below)
     # the latency path (latency_all_reduce) takes the synchronous small all_reduces, allreduce_direct
     # the others (async ones, bfloat16, ...)
     "shm": ({"latency_all_reduce", "allreduce_direct", "allreduce_slices", "broadcast_slots", "reduce_direct",
@@ -269,6 +270,8 @@ def test_shm_variants_ran(results_by_world, ws, engine):
         must, must_not = SHM_VARIANT_ALGOS[engine]
         if engine in ("shm", "gloo") and ws >= 4:
             must = must | {"allgather_readv", "reduce_scatter_readv"}
+        if engine in ("shm", "gloo") and ws == 2:  # two ranks: single copy for every all_reduce past direct's
+            must, must_not = (must - {"allreduce_slices"}) | {"allreduce_readv"}, must_not - {"allreduce_readv"}
         assert must <= ran and not (must_not & ran), (
             f"rank {rank}, {engine}: missing {sorted(must - ran)}, unexpected {sorted(must_not & ran)} "
             f"(ran: {side['__algos__']}); if single-copy reads are missing, is process_vm_readv allowed here?")

@@ -30,8 +30,10 @@ def tuned(**env) -> Tuning:
         (256 * KiB + 1, 4, "allreduce_slices"),
         (256 * KiB + 1, 3, "allreduce_slices"),
         (256 * KiB + 1, 8, "allreduce_slices"),
-        (1 * MiB, 2, "allreduce_direct"),  # two ranks: direct up to its one slot
-        (1 * MiB + 1, 2, "allreduce_slices"),
+        (1 * MiB, 2, "allreduce_direct"),  # two ranks: direct up to its one slot,
+        (1 * MiB + 1, 2, "allreduce_readv"),  # single copy past it (each rank folds into its own copy)
+        (2 * MiB, 2, "allreduce_readv"),
+        (2 * MiB, 3, "allreduce_slices"),
         (4 * MiB - 1, 4, "allreduce_slices"),
         (4 * MiB, 4, "allreduce_readv"),  # single copy from 4 MiB
         (4 * MiB, 2, "allreduce_readv"),
@@ -43,6 +45,7 @@ def test_all_reduce_by_size(nbytes, size, expected):
 
 def test_all_reduce_without_direct_reads_falls_back_to_slices():
     assert choose("allreduce", 4 * MiB, 4, CANNOT, DEFAULT) == "allreduce_slices"
+    assert choose("allreduce", 1 * MiB + 1, 2, CANNOT, DEFAULT) == "allreduce_slices"
     assert choose("allreduce", 8, 4, CANNOT, tuned(DISTCOMM_SHM_ALGO_ALLREDUCE="readv")) == "allreduce_slices"
 
 

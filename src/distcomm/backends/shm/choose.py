@@ -8,7 +8,8 @@ measurements behind each threshold):
   ``allreduce_direct_bytes`` (256 KiB; ``allreduce_direct_bytes_2ranks``, 1 MiB, at p = 2): the
   rounds and copies of slices cost more than the extra reductions up to there. Past one slot the
   direct algorithm runs as "reduce_direct" with every rank reading, a round per slot. From
-  ``allreduce_readv_bytes`` (4 MiB) "allreduce_readv", else "allreduce_slices".
+  ``allreduce_readv_bytes`` (4 MiB; ``allreduce_readv_bytes_2ranks``, past 1 MiB, at p = 2, where
+  each rank folds into its own copy) "allreduce_readv", else "allreduce_slices".
 * the copy-only collectives (scatter by its whole input), and reduce: single copy ("<op>_readv")
   from ``readv_bytes`` (4 MiB),
   where a system call and page pinning per chunk are paid back by copying once and not running in
@@ -26,7 +27,7 @@ measurements behind each threshold):
 ``DISTCOMM_SHM_ALGO_BROADCAST=split`` and ``DISTCOMM_SHM_ALGO_GATHER=writev`` force a
 choice (``check_forced`` refuses other values when the engine is set up);
 ``DISTCOMM_SHM_THRESHOLD_<NAME>`` replaces a threshold (``allreduce_direct_bytes`` replaces
-both direct limits).
+both direct limits, ``allreduce_readv_bytes`` both all_reduce single-copy thresholds).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ THRESHOLDS = {
     "allreduce_direct_bytes_2ranks": 1 << 20,
     "readv_bytes": 4 << 20,
     "allreduce_readv_bytes": 4 << 20,
+    "allreduce_readv_bytes_2ranks": (1 << 20) + 1,
 }
 
 #: op -> the values DISTCOMM_SHM_ALGO_<OP> may take
@@ -83,6 +85,14 @@ def direct_limit(size: int, tuning: Tuning) -> int:
     return THRESHOLDS["allreduce_direct_bytes_2ranks" if size == 2 else "allreduce_direct_bytes"]
 
 
+def readv_threshold(size: int, tuning: Tuning) -> int:
+    """The smallest all_reduce (bytes) the single-copy algorithm takes by size in a group of ``size``."""
+    forced = tuning.shm_thresholds.get("allreduce_readv_bytes")
+    if forced is not None:
+        return forced
+    return THRESHOLDS["allreduce_readv_bytes_2ranks" if size == 2 else "allreduce_readv_bytes"]
+
+
 def latency_limit(size: int, slot_bytes: int, tuning: Tuning) -> int:
     """The largest all_reduce (bytes) the latency path may take: what ``choose`` sends to
     "allreduce_direct" by size; 0 (no latency path) when an all_reduce algorithm is forced."""
@@ -101,7 +111,7 @@ def choose(op: str, nbytes: int, size: int, caps: Capabilities, tuning: Tuning) 
             if nbytes <= direct_limit(size, tuning):
                 forced = "direct"
             else:
-                forced = "readv" if nbytes >= _threshold(tuning, "allreduce_readv_bytes") else "slices"
+                forced = "readv" if nbytes >= readv_threshold(size, tuning) else "slices"
         if forced == "readv" and not caps.direct_reads:
             forced = "slices"
         if forced == "direct":
