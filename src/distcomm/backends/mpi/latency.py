@@ -162,10 +162,7 @@ def build(pg, collectives) -> FastPath:
             return False
         mtype, mop, dtype, dtype_name, sig, made = entry
         seq = next_seq()
-        # the user's frame is above started, this function and its caller (FastPath's: the API
-        # function, or torch's c10d adapter, whose caller is torch's and the walk goes on)
-        record = None if fr.recorder is None else fr.recorder.started(group, seq, "all_reduce", nbytes, dtype_name, None, 3)
-        req = staged = None
+        req = staged = record = None
         try:
             # the general path's very call (MpiCollectives.all_reduce): a persistent request's Start
             # on its staging array, or an Iallreduce where there is none
@@ -176,11 +173,19 @@ def build(pg, collectives) -> FastPath:
                 staging, req = staged
                 staging[...] = flat
                 req.Start()
+            # recorded once MPI has the call: the record is made while the peers' calls meet this
+            # one, not before every rank can start. The user's frame is above started, this
+            # function and its caller (FastPath's: the API function, or torch's c10d adapter, whose
+            # caller is torch's and the walk goes on).
+            if fr.recorder is not None:
+                record = fr.recorder.started(group, seq, "all_reduce", nbytes, dtype_name, None, 3)
             if not req.Test():  # wait(), inlined
                 wait_request(MPI, req, _monotonic() + pg.timeout.total_seconds(), None, closed)
             if staged is not None:
                 flat[...] = staging
         except BaseException as exc:
+            if record is None and fr.recorder is not None:  # failed before MPI had the call
+                record = fr.recorder.started(group, seq, "all_reduce", nbytes, dtype_name, None, 3)
             fail(exc, "all_reduce", seq, sig, req, (flat,) if staged is None else (flat, staged[0]), record)
         finally:
             leave()
