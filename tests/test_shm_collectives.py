@@ -315,9 +315,9 @@ def test_all_reduce_coalesced_in_place():
 
 def two_rank_readv_body(rank, world):
     """At two ranks the single-copy all_reduce (and all_reduce_coalesced) lets rank 1 fold rank
-    0's copy into its own, and reduce_scatter rank 0, where the op commutes (reduction.commutes): the results must still be
-    rank order's, bit for bit, for every op, with -0.0 against 0.0 in the same places (where float
-    MIN/MAX do not commute)."""
+    0's copy into its own, and reduce_scatter rank 0, where the op commutes (reduction.commutes):
+    the results must still be rank order's, bit for bit, for every op, with -0.0 against 0.0 in the
+    same places (where float MIN/MAX do not commute)."""
     import distcomm as dist
     from distcomm.backends.shm import observe
     from distcomm.types import ReduceOp, RedOpType

@@ -8,9 +8,9 @@ the others into an accumulator that starts as rank 0's chunk, read straight into
 the result back) against ~4.5 n through slots, plus a system call and page pinning per chunk
 (``common.chunk_bytes``). At two ranks, with an op that ``commutes`` (reduction.commutes: the
 caller says), rank 1 too folds the peer's copy into its own slice in place: no accumulator and no
-copy back, so neither rank is the other's straggler. And no lockstep: after the first round (which publishes each
-buffer's address) a rank reduces its whole slice without waiting for anyone, picking up the
-peers' finished chunks as they come (the ``posted`` counter of round k0 + 1 + j says "chunk j of
+copy back, so neither rank is the other's straggler. And no lockstep: after the first round (which
+publishes each buffer's address) a rank reduces its whole slice without waiting for anyone, picking
+up the peers' finished chunks as they come (the ``posted`` counter of round k0 + 1 + j says "chunk j of
 my slice is final"; by then its owner has read all it needed from the others' buffers). A last
 wait keeps every buffer unchanged until the peers have read it. Only round k0 uses a slot.
 
