@@ -29,7 +29,7 @@ import numpy as np
 from ...errors import DistBackendError
 from ...transport import shm_direct
 from ...transport.base import Channel
-from .common import chunk_bytes, fetch_finished, fetch_rest
+from .common import chunked_slices, fetch_finished, fetch_rest
 
 
 def table_fits(pieces: int, slot_bytes: int) -> bool:
@@ -46,13 +46,9 @@ def allreduce_pieces_readv(ctx, ch: Channel, pieces: list, red, finish_part=None
         starts.append(starts[-1] + x.size)
     count = starts[-1]
     nbytes = count * item
-    edges = [count * q // p for q in range(p + 1)]
-    per = max(1, chunk_bytes(ctx) // item)
-    chunks = max(1, max(-(-(edges[q + 1] - edges[q]) // per) for q in range(p)))
+    k0, edges, per, chunks = chunked_slices(ctx, count, item)
     pids = [ctx.transport.pid_of(g) for g in ctx.ranks]
     read = shm_direct.read
-    k0 = ctx.next_round()
-    ctx.round += chunks
     slot = ctx.acquire(k0, ch)
     words = len(pieces) + 1
     table = slot[: 8 * words].view(np.uint64)

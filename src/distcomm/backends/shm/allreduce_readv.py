@@ -6,7 +6,7 @@ Cost per rank: about 2.5 n bytes through memory (its slice and the peers' copies
 slice written, the other results read and written; rank 0 reduces into its own slice in place,
 the others into an accumulator that starts as rank 0's chunk, read straight into it, and copy
 the result back) against ~4.5 n through slots, plus a system call and page pinning per chunk
-(``common.chunk_bytes``). At two ranks, with an op that ``commutes`` (reduction.commutes: the
+(``common.chunked_slices``). At two ranks, with an op that ``commutes`` (reduction.commutes: the
 caller says), rank 1 too folds the peer's copy into its own slice in place: no accumulator and no
 copy back, so neither rank is the other's straggler. And no lockstep: after the first round (which
 publishes each buffer's address) a rank reduces its whole slice without waiting for anyone, picking
@@ -24,7 +24,7 @@ import numpy as np
 
 from ...transport import shm_direct
 from ...transport.base import Channel
-from .common import chunk_bytes, fetch_finished, fetch_rest
+from .common import chunked_slices, fetch_finished, fetch_rest
 
 
 def allreduce_readv(ctx, ch: Channel, flat: np.ndarray, red, finish_part=None, commutes: bool = False) -> None:
@@ -32,13 +32,9 @@ def allreduce_readv(ctx, ch: Channel, flat: np.ndarray, red, finish_part=None, c
     dt = flat.dtype
     item = dt.itemsize
     count, nbytes = flat.size, flat.nbytes
-    edges = [count * q // p for q in range(p + 1)]
-    per = max(1, chunk_bytes(ctx) // item)
-    chunks = max(1, max(-(-(edges[q + 1] - edges[q]) // per) for q in range(p)))
+    k0, edges, per, chunks = chunked_slices(ctx, count, item)
     pids = [ctx.transport.pid_of(g) for g in ctx.ranks]
     read = shm_direct.read
-    k0 = ctx.next_round()
-    ctx.round += chunks
     ctx.acquire(k0, ch)
     ctx.post(k0, ch, nbytes, extra=flat.ctypes.data)
     ctx.wait_posted(k0, ch, nbytes)

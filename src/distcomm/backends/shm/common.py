@@ -60,9 +60,19 @@ def reduce_from_peers(ctx, out: np.ndarray, lo: int, own: np.ndarray | None, bas
 CHUNK_SLOTS = 2
 
 
-def chunk_bytes(ctx) -> int:
-    """The bytes of one chunk of a single-copy all_reduce's slice in group memory ``ctx``."""
-    return CHUNK_SLOTS * ctx.slot_bytes
+def chunked_slices(ctx, count: int, itemsize: int) -> tuple[int, list[int], int, int]:
+    """The single-copy all_reduces' layout of ``count`` elements of ``itemsize`` bytes in group
+    memory ``ctx``, and their rounds: ``(k0, edges, per, chunks)``. Member q reduces elements
+    [edges[q], edges[q + 1]) in chunks of ``per``; round k0 publishes the addresses and round
+    k0 + 1 + j says "chunk j of my slice is final", for the ``chunks`` of the largest slice (every
+    member takes the same rounds)."""
+    p = ctx.size
+    edges = [count * q // p for q in range(p + 1)]
+    per = max(1, CHUNK_SLOTS * ctx.slot_bytes // itemsize)
+    chunks = max(1, max(-(-(edges[q + 1] - edges[q]) // per) for q in range(p)))
+    k0 = ctx.next_round()
+    ctx.round += chunks
+    return k0, edges, per, chunks
 
 
 def fetch_finished(ctx, k0: int, copied: list[int], chunks: int, fetch) -> None:
