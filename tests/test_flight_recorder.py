@@ -60,6 +60,42 @@ def test_site_of_a_loop():
     assert _deep_module_loop_site() == [_line_of("# SITE-LOOP")] * 3
 
 
+# -- started in C, against the Python method it stands in for --------------------------------------
+def _records_from_here(rec, skip: int):
+    """The record of the Python method and of ``rec.started`` (C where built), from one frame."""
+    py = fr.FlightRecorder.started(rec, "g", 7, "broadcast", 8, "float32", 1, skip)  # SITE-PY
+    c = rec.started("g", 7, "broadcast", 8, "float32", 1, skip)  # SITE-C
+    return py, c
+
+
+def _records_from_a_file_not_seen_yet(rec, skip: int):
+    # a caller whose file the recorder has not classified: both learn it through the frame walk
+    namespace = {"records": _records_from_here}
+    exec(compile("def call(rec, skip):\n    return records(rec, skip)\n", f"/tmp/not-seen-{time.time_ns()}.py",
+                 "exec"), namespace)
+    return namespace["call"](rec, skip)
+
+
+@pytest.mark.skipif(not fr.STARTED_IN_C, reason="the C record is not built here (no compiler at install)")
+def test_started_in_c_makes_the_python_methods_record():
+    rec = fr.FlightRecorder(8)
+    assert rec.started != rec.record  # the instance's own (C) started, not the class's method
+    py, c = _records_from_here(rec, 1)  # skip 1: the caller's frame, at each call's own line
+    assert fr.resolve_site(py[fr.SITE])[1] == _line_of("# SITE-PY")
+    assert fr.resolve_site(c[fr.SITE])[1] == _line_of("# SITE-C")
+    for get in (_records_from_here, _records_from_a_file_not_seen_yet):
+        for skip in (2, 3, 10_000):  # the caller's caller, one more, past the stack's top (no site)
+            py, c = get(rec, skip)
+            assert c[fr.ID] == py[fr.ID] + 1
+            assert c[:fr.ID] + c[fr.ID + 1:fr.T_CREATED] == py[:fr.ID] + py[fr.ID + 1:fr.T_CREATED]
+            assert (c[fr.SITE] is None) == (skip == 10_000)
+            assert c[fr.T_COMPLETED:] == py[fr.T_COMPLETED:] == [None, fr.STARTED, None, None]
+            assert type(c[fr.T_CREATED]) is float and 0 <= c[fr.T_CREATED] - py[fr.T_CREATED] < 5
+    # both went into the ring under their ids: the last 8 records, oldest first
+    assert [e[fr.ID] for e in rec.entries()] == list(range(rec.recorded() - 8, rec.recorded()))
+    assert rec.entries()[-1] is c
+
+
 def test_snapshot_and_failure():
     rec = fr.FlightRecorder(8)
     fr.complete(rec.record("a", 1, "all_reduce", 8, "float32", None))
