@@ -8,13 +8,22 @@ else about the package is in pyproject.toml.
 
 from setuptools import Extension, setup
 
+try:  # the whole latency calls on numpy arrays (_shm_calls.c) read an array's fields through numpy's headers
+    import numpy
+
+    numpy_fields = {"include_dirs": [numpy.get_include()], "define_macros": [("DISTCOMM_NUMPY_FIELDS", "1")]}
+except ImportError:  # built without them: the Python latency paths take those calls
+    numpy_fields = {}
+
 setup(
     ext_modules=[
         Extension(
             "distcomm.transport._shm_round",
-            ["src/distcomm/transport/_shm_round.c"],
+            ["src/distcomm/transport/_shm_round.c", "src/distcomm/transport/_shm_calls.c"],
+            depends=["src/distcomm/transport/_shm_round.h"],
             extra_compile_args=["-O2", "-fno-fast-math", "-ffp-contract=off"],  # numpy's bits: no reassociation, no fused multiply-add
             optional=True,
+            **numpy_fields,
         ),
         Extension("distcomm._record", ["src/distcomm/_record.c"], extra_compile_args=["-O2"], optional=True),
     ]

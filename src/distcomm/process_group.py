@@ -22,7 +22,9 @@ from __future__ import annotations
 import itertools
 import time
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from functools import partial
+from types import MappingProxyType
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -48,6 +50,24 @@ from .work import Work
 _now = time.time
 _SCHEDULED, _STARTED, _COMPLETED = fr.SCHEDULED, fr.STARTED, fr.COMPLETED
 _STATE, _T_COMPLETED = fr.STATE, fr.T_COMPLETED
+
+
+class TensorPaths(NamedTuple):
+    """A group's latency paths on the user's own tensors, one per collective (the engine's
+    ``FastPath.tensor_<op>``), each called by the API function of that name with its own
+    arguments and the group's root: True when the call is done, False when nothing was done (the
+    API function then goes on: Buffers, checks, the method). Every field is callable: until the
+    engine is first asked, one that asks it and then calls the path; where it has none, one that
+    returns False."""
+
+    broadcast: Callable[..., bool]
+    reduce: Callable[..., bool]
+    all_gather: Callable[..., bool]
+    all_gather_into_tensor: Callable[..., bool]
+    gather: Callable[..., bool]
+    scatter: Callable[..., bool]
+    reduce_scatter_tensor: Callable[..., bool]
+    all_to_all_single: Callable[..., bool]
 
 
 def _op_code(op) -> int:
@@ -80,6 +100,8 @@ class ProcessGroup:
         self.group_name = name
         self.ranks = list(ranks)
         self._rank_of = {g: i for i, g in enumerate(self.ranks)}
+        #: ``group_ranks.get(global_rank)``: the member's group rank, or None (``group_rank``'s map, one C call)
+        self.group_ranks = MappingProxyType(self._rank_of)
         self.global_rank = global_rank
         self._rank = self._rank_of[global_rank]
         self.engine = engine
@@ -103,6 +125,8 @@ class ProcessGroup:
         self.fast_barrier = self._first_fast_barrier
         if fr.recorder is not None:
             fr.recorder.register_group(name, group_id, self.ranks, global_rank, self._timeout_s)
+        # ``tensor_paths.<op>(...) -> bool``: the same, on the user's tensors (TensorPaths)
+        self.tensor_paths = TensorPaths(*(partial(self._first_tensor_path, i) for i in range(len(TensorPaths._fields))))
         # The rest of it: method name -> that method's latency path (see _fast); None until asked.
         self._fast_paths: dict | None = None
         self._has_fast_path = False  # once _fast_paths is set: whether the engine gave one
@@ -519,6 +543,9 @@ class ProcessGroup:
     def _first_fast_barrier(self) -> bool:
         return self._install_fast_path() and self.fast_barrier()
 
+    def _first_tensor_path(self, field: int, *args) -> bool:
+        return self._install_fast_path() and self.tensor_paths[field](*args)
+
     def _fast(self, method: str, *args) -> bool:
         """Run this synchronous call of ``method`` (a collective method's name, with its arguments)
         through the engine's fast path for it, if there is one and it takes the call: True when
@@ -560,10 +587,13 @@ class ProcessGroup:
         self._has_fast_path = paths is not False
         if paths is False:
             self.fast_all_reduce = self.fast_barrier = _no_fast_path
+            self.tensor_paths = _NO_TENSOR_PATHS
             self._fast_paths = {}
             return False
         self.fast_all_reduce = paths.all_reduce or _no_fast_path
         self.fast_barrier = paths.barrier or _no_fast_path
+        by_name = paths._asdict()
+        self.tensor_paths = TensorPaths(*(by_name["tensor_" + op] or _no_fast_path for op in TensorPaths._fields))
         self._fast_paths = {name: fn for name, fn in paths._asdict().items()
                             if fn is not None and name not in ("all_reduce", "barrier")}
         return True
@@ -573,11 +603,15 @@ class ProcessGroup:
         # The engine's fast paths hold this group (its channel, its faults): dropping them breaks
         # that cycle, so the group and what it holds (its store) go when its last user lets go.
         self.fast_all_reduce = self.fast_barrier = _no_fast_path
+        self.tensor_paths = _NO_TENSOR_PATHS
         self._fast_paths, self._has_fast_path = {}, False
 
 
 def _no_fast_path(*args) -> bool:
     return False
+
+
+_NO_TENSOR_PATHS = TensorPaths(*(_no_fast_path for _ in TensorPaths._fields))
 
 
 class P2PWork(Work):

@@ -52,6 +52,16 @@ def resolve_group(group: Any, op: str):
     raise TypeError(f"{op}: group must be a distcomm process group (from new_group), got {type(group).__name__}")
 
 
+def group_root(pg, op: str, global_rank: int | None, group_rank: int | None, role: str) -> int:
+    """``group_peer``, its commonest case (a member's global rank, an int) one lookup: the API
+    functions of rooted collectives call this before their latency path."""
+    if group_rank is None and global_rank.__class__ is int:
+        rank = pg.group_ranks.get(global_rank)
+        if rank is not None:
+            return rank
+    return group_peer(pg, op, global_rank, group_rank, role)
+
+
 def group_peer(pg, op: str, global_rank: int | None, group_rank: int | None, role: str) -> int:
     """Translate a src/dst argument (global rank, or group_src/group_dst) into a group rank."""
     if global_rank is not None and group_rank is not None:

@@ -36,11 +36,13 @@ def broadcast(tensor, src: int | None = None, group=None, async_op: bool = False
     ``src`` and the buffer to receive into elsewhere. ``src`` is a global rank (``group_src`` the
     group rank). Returns a Work when ``async_op``, else None.
     """
-    pg = args.resolve_group(group, "broadcast")
+    pg = world.default_pg if group is None else None  # resolve_group's commonest case, folded in
     if pg is None:
-        return None
-    root = args.group_peer(pg, "broadcast", src, group_src, "src")
-    if not async_op and pg.fast_tensors("broadcast", tensor, root):
+        pg = args.resolve_group(group, "broadcast")
+        if pg is None:
+            return None
+    root = args.group_root(pg, "broadcast", src, group_src, "src")
+    if not async_op and not diagnostics.check_shapes and pg.tensor_paths.broadcast(tensor, root):
         return None
     buf = args.tensor(tensor, "broadcast", writes=pg.rank() != root)
     return pg.broadcast(buf, root, async_op, [tensor])
@@ -160,11 +162,14 @@ def reduce(tensor, dst: int | None = None, op=RedOpType.SUM, group=None, async_o
 
     Other ranks' tensors are left unchanged.
     """
-    pg = args.resolve_group(group, "reduce")
+    pg = world.default_pg if group is None else None
     if pg is None:
-        return None
-    root = args.group_peer(pg, "reduce", dst, group_dst, "dst")
-    if not async_op and op.__class__ is RedOpType and pg.fast_tensors("reduce", tensor, op, root):
+        pg = args.resolve_group(group, "reduce")
+        if pg is None:
+            return None
+    root = args.group_root(pg, "reduce", dst, group_dst, "dst")
+    if (not async_op and op.__class__ is RedOpType and not diagnostics.check_shapes
+            and pg.tensor_paths.reduce(tensor, op, root)):
         return None
     buf = args.tensor(tensor, "reduce", writes=pg.rank() == root)
     op = _check_op(op, buf.dtype, "reduce")
@@ -180,10 +185,12 @@ def _per_rank_views(output, size: int) -> list:
 
 def all_gather(tensor_list, tensor, group=None, async_op: bool = False):
     """Gather ``tensor`` from every rank into ``tensor_list`` (one tensor per rank, in rank order)."""
-    pg = args.resolve_group(group, "all_gather")
+    pg = world.default_pg if group is None else None
     if pg is None:
-        return None
-    if not async_op and pg.fast_tensors("all_gather", tensor_list, tensor):
+        pg = args.resolve_group(group, "all_gather")
+        if pg is None:
+            return None
+    if not async_op and not diagnostics.check_shapes and pg.tensor_paths.all_gather(tensor_list, tensor):
         return None
     inp = args.tensor(tensor, "all_gather")
     outs = args.tensor_list(tensor_list, "all_gather", "tensor_list", pg.size(), like=inp, writes=True)
@@ -193,10 +200,13 @@ def all_gather(tensor_list, tensor, group=None, async_op: bool = False):
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bool = False):
     """Gather ``input_tensor`` from every rank into one ``output_tensor`` of world_size times its
     size (concatenated along the first dimension, or stacked), in rank order."""
-    pg = args.resolve_group(group, "all_gather_into_tensor")
+    pg = world.default_pg if group is None else None
     if pg is None:
-        return None
-    if not async_op and pg.fast_tensors("all_gather_into_tensor", output_tensor, input_tensor):
+        pg = args.resolve_group(group, "all_gather_into_tensor")
+        if pg is None:
+            return None
+    if (not async_op and not diagnostics.check_shapes
+            and pg.tensor_paths.all_gather_into_tensor(output_tensor, input_tensor)):
         return None
     out = args.tensor(output_tensor, "all_gather_into_tensor", "output_tensor", writes=True)
     inp = args.tensor(input_tensor, "all_gather_into_tensor", "input_tensor")
@@ -218,11 +228,13 @@ def gather(tensor, gather_list=None, dst: int | None = None, group=None, async_o
 
     ``gather_list`` (one tensor per rank) is given on ``dst`` only; other ranks pass None.
     """
-    pg = args.resolve_group(group, "gather")
+    pg = world.default_pg if group is None else None
     if pg is None:
-        return None
-    root = args.group_peer(pg, "gather", dst, group_dst, "dst")
-    if not async_op and pg.fast_tensors("gather", tensor, gather_list, root):
+        pg = args.resolve_group(group, "gather")
+        if pg is None:
+            return None
+    root = args.group_root(pg, "gather", dst, group_dst, "dst")
+    if not async_op and not diagnostics.check_shapes and pg.tensor_paths.gather(tensor, gather_list, root):
         return None
     inp = args.tensor(tensor, "gather")
     if pg.rank() == root:
@@ -241,11 +253,13 @@ def scatter(tensor, scatter_list=None, src: int | None = None, group=None, async
             group_src: int | None = None):
     """Scatter ``scatter_list`` (given on ``src`` only, one tensor per rank) so that rank i's
     ``tensor`` receives ``scatter_list[i]``."""
-    pg = args.resolve_group(group, "scatter")
+    pg = world.default_pg if group is None else None
     if pg is None:
-        return None
-    root = args.group_peer(pg, "scatter", src, group_src, "src")
-    if not async_op and pg.fast_tensors("scatter", tensor, scatter_list, root):
+        pg = args.resolve_group(group, "scatter")
+        if pg is None:
+            return None
+    root = args.group_root(pg, "scatter", src, group_src, "src")
+    if not async_op and not diagnostics.check_shapes and pg.tensor_paths.scatter(tensor, scatter_list, root):
         return None
     out = args.tensor(tensor, "scatter", writes=True)
     if pg.rank() == root:
@@ -278,10 +292,13 @@ def reduce_scatter(output, input_list, op=RedOpType.SUM, group=None, async_op: b
 def reduce_scatter_tensor(output, input, op=RedOpType.SUM, group=None, async_op: bool = False):  # noqa: A002
     """Reduce ``input`` (world_size blocks, concatenated or stacked) across ranks; rank i's
     ``output`` receives the reduction of block i."""
-    pg = args.resolve_group(group, "reduce_scatter_tensor")
+    pg = world.default_pg if group is None else None
     if pg is None:
-        return None
-    if not async_op and op.__class__ is RedOpType and pg.fast_tensors("reduce_scatter_tensor", output, input, op):
+        pg = args.resolve_group(group, "reduce_scatter_tensor")
+        if pg is None:
+            return None
+    if (not async_op and op.__class__ is RedOpType and not diagnostics.check_shapes
+            and pg.tensor_paths.reduce_scatter_tensor(output, input, op)):
         return None
     out = args.tensor(output, "reduce_scatter_tensor", "output", writes=True)
     inp = args.tensor(input, "reduce_scatter_tensor", "input")
@@ -312,11 +329,13 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     """Split ``input`` along its first dimension (equally, or by ``input_split_sizes``), send part
     i to rank i, and concatenate what each rank sends into ``output`` (split by
     ``output_split_sizes``)."""
-    pg = args.resolve_group(group, "all_to_all_single")
+    pg = world.default_pg if group is None else None
     if pg is None:
-        return None
-    if (not async_op and output_split_sizes is None and input_split_sizes is None
-            and pg.fast_tensors("all_to_all_single", output, input)):
+        pg = args.resolve_group(group, "all_to_all_single")
+        if pg is None:
+            return None
+    if (not async_op and output_split_sizes is None and input_split_sizes is None and not diagnostics.check_shapes
+            and pg.tensor_paths.all_to_all_single(output, input)):
         return None
     out = args.tensor(output, "all_to_all_single", "output", writes=True)
     inp = args.tensor(input, "all_to_all_single", "input")

@@ -24,46 +24,13 @@
  * numpy ufuncs compute them (the same IEEE operations; MIN/MAX return the second operand on ties
  * and propagate NaN as numpy.minimum/maximum do; integers wrap as numpy's do).
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "_shm_round.h"
 #include <sched.h>
-#include <stdint.h>
 #include <string.h>
 #include <time.h>
 
-/* exchange()'s and all_reduce()'s result: bits */
-#define DONE 0
-#define PENDING 1       /* posted; not every peer's post arrived within the budget (or one sleeps) */
-#define MISMATCH 2      /* every peer posted, one header differs: nothing was read or consumed */
-#define RING_POSTED 4   /* a peer sleeps: ring_posted() is due, then the Python wait */
-#define RING_CONSUMED 8 /* after consuming, a peer waits to reuse a slot: ring_consumed() is due */
-#define DIFFERS 16 /* move(): every post matched; a peer's extra word (check) or an expected slot word differs */
-
-/* the words Python may name: a member's counters (before its "opened" bytes at byte 192) and a
- * slot header's (64 bytes) */
-#define CTL_WORDS 24
-#define HEADER_WORDS 8
-
-/* kinds: dtype * 8 + op */
-enum { T_F32, T_F64, T_I8, T_I16, T_I32, T_I64, T_U8, T_NTYPES };
-enum { O_SUM, O_PRODUCT, O_MIN, O_MAX, O_BAND, O_BOR, O_BXOR, O_NOPS };
-
 /* rounds this process consumed in C (tests read it: completed()) */
 static unsigned long long completed;
-
-typedef struct {
-    PyObject_HEAD
-    int rank, size, nslots;
-    Py_ssize_t slot_bytes;
-    uint64_t **ctl;  /* [size]: each member's counters */
-    uint64_t **hdr;  /* [size * nslots]: each member's slot headers */
-    char **slot;     /* [size * nslots]: each member's slots */
-    int posted, consumed, reusing, awaiting;       /* counter word indexes */
-    int s_round, s_seq, s_sig, s_nbytes, s_extra;  /* slot header word indexes */
-    int64_t budget_ns;
-    int yields;
-    PyObject *keepalive; /* whatever owns the mappings */
-} Rounds;
 
 #if defined(__x86_64__) || defined(__i386__)
 #define cpu_relax() __builtin_ia32_pause()
@@ -136,7 +103,7 @@ static int poll_posted(Rounds *r, uint64_t k) {
     case O_MAX: REDUCE_LOOP(T, (u > v || u != u) ? u : v); break;                \
     }
 
-static void reduce_into(char *acc, const char *src, Py_ssize_t n, int kind) {
+void shm_reduce_into(char *acc, const char *src, Py_ssize_t n, int kind) {
     int op = kind % 8;
     switch (kind / 8) {
     case T_F32: FLOAT_OPS(float); break;
@@ -149,7 +116,7 @@ static void reduce_into(char *acc, const char *src, Py_ssize_t n, int kind) {
     }
 }
 
-static int valid_kind(long kind) {
+int shm_valid_kind(long kind) {
     if (kind < 0 || kind >= T_NTYPES * 8 || kind % 8 >= O_NOPS) return 0;
     if ((kind / 8 == T_F32 || kind / 8 == T_F64) && kind % 8 > O_MAX) return 0; /* no bits on floats */
     return 1;
@@ -164,7 +131,7 @@ static int ready(Rounds *r) {
 
 /* GroupShm.publish and exchange's wait: post round k (header, then the counter), poll every
  * peer's post within the budget, check their headers. */
-static int post_and_poll(Rounds *r, uint64_t k, uint64_t seq, uint64_t sig, uint64_t nbytes, uint64_t extra) {
+int shm_post_and_poll(Rounds *r, uint64_t k, uint64_t seq, uint64_t sig, uint64_t nbytes, uint64_t extra) {
     int s = (int)(k % (uint64_t)r->nslots), me = r->rank;
     uint64_t *h = r->hdr[me * r->nslots + s];
     h[r->s_seq] = seq;
@@ -187,7 +154,7 @@ static int post_and_poll(Rounds *r, uint64_t k, uint64_t seq, uint64_t sig, uint
 }
 
 /* GroupShm.consume: done reading round k; RING_CONSUMED if a peer waits to reuse a slot. */
-static int consume(Rounds *r, uint64_t k) {
+int shm_consume(Rounds *r, uint64_t k) {
     store(&r->ctl[r->rank][r->consumed], k);
     completed++;
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
@@ -222,7 +189,7 @@ static PyObject *Rounds_exchange(Rounds *r, PyObject *const *args, Py_ssize_t na
     uint64_t a[5];
     if (u64_args(args, nargs, 5, a, "exchange(k, seq, sig, nbytes, extra)") < 0) return NULL;
     if (!ready(r)) return NULL;
-    return PyLong_FromLong(post_and_poll(r, a[0], a[1], a[2], a[3], a[4]));
+    return PyLong_FromLong(shm_post_and_poll(r, a[0], a[1], a[2], a[3], a[4]));
 }
 
 /* consume(k) -> RING_CONSUMED or DONE */
@@ -230,7 +197,7 @@ static PyObject *Rounds_consume(Rounds *r, PyObject *const *args, Py_ssize_t nar
     uint64_t k;
     if (u64_args(args, nargs, 1, &k, "consume(k)") < 0) return NULL;
     if (!ready(r)) return NULL;
-    return PyLong_FromLong(consume(r, k));
+    return PyLong_FromLong(shm_consume(r, k));
 }
 
 /* all_reduce(k, seq, sig, buffer, kind) -> status bits: the direct all_reduce's whole round k on
@@ -249,7 +216,7 @@ static PyObject *Rounds_all_reduce(Rounds *r, PyObject *const *args, Py_ssize_t 
     if (!ready(r)) return NULL;
     Py_buffer view;
     if (PyObject_GetBuffer(args[3], &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
-    if (view.len > r->slot_bytes || !valid_kind(kind)) {
+    if (view.len > r->slot_bytes || !shm_valid_kind(kind)) {
         PyBuffer_Release(&view);
         PyErr_Format(PyExc_ValueError, "a round carries at most %zd bytes of a known kind (got %zd, kind %ld)",
                      r->slot_bytes, view.len, kind);
@@ -258,31 +225,62 @@ static PyObject *Rounds_all_reduce(Rounds *r, PyObject *const *args, Py_ssize_t 
     Py_ssize_t n = view.len;
     int s = (int)(k % (uint64_t)r->nslots), me = r->rank;
     if (n) memcpy(r->slot[me * r->nslots + s], view.buf, (size_t)n);
-    int status = post_and_poll(r, k, seq, sig, (uint64_t)n, 0);
+    int status = shm_post_and_poll(r, k, seq, sig, (uint64_t)n, 0);
     if (status == DONE) {
         char *acc = view.buf;
         if (n && me) memcpy(acc, r->slot[s], (size_t)n);
-        for (int q = 1; q < r->size && n; q++) reduce_into(acc, r->slot[q * r->nslots + s], n, (int)kind);
-        status = consume(r, k);
+        for (int q = 1; q < r->size && n; q++) shm_reduce_into(acc, r->slot[q * r->nslots + s], n, (int)kind);
+        status = shm_consume(r, k);
     }
     PyBuffer_Release(&view);
     return PyLong_FromLong(status);
 }
 
-/* One copy of a plan: n bytes from src to dst, both checked against their buffer's or slot's length. */
-typedef struct {
-    int peer;                      /* a member whose slot is the source (reads), or -1: src_view */
-    Py_ssize_t src_off, dst_off, n;
-    Py_buffer src_view, dst_view;  /* held while the copy is pending (obj NULL when not taken) */
-} Copy;
-
-#define PLAN_STACK 32
-
-static void release_copies(Copy *c, Py_ssize_t count) {
-    for (Py_ssize_t i = 0; i < count; i++) {
-        if (c[i].src_view.obj) PyBuffer_Release(&c[i].src_view);
-        if (c[i].dst_view.obj) PyBuffer_Release(&c[i].dst_view);
+/* shm_move: a one-round collective's whole round k. Copy the writes into this member's slot, post
+ * (nbytes, extra), poll, check the headers and, with check, every peer's extra word against ours,
+ * and every expected slot word (DIFFERS: a rooted collective's root check failed, or a peer's slot
+ * says what the plan did not expect; nothing read or consumed); then the reads, in order: with
+ * kind -1 each a copy (memmove), else a fold into one destination (the first read copies, each
+ * later one reduces into it with kind's op, as shm_reduce_into does); then consume. Anything but
+ * DONE or RING_CONSUMED leaves the reads and the consume to Python (round_plan.finish). Every
+ * address and length was checked by the caller. */
+int shm_move(Rounds *r, uint64_t k, uint64_t seq, uint64_t sig, uint64_t nbytes, uint64_t extra, int check,
+             const Write *w, Py_ssize_t nw, const Read *rd, Py_ssize_t nr, int kind, const Expect *e, Py_ssize_t ne) {
+    int s = (int)(k % (uint64_t)r->nslots), me = r->rank;
+    char *mine = r->slot[me * r->nslots + s];
+    for (Py_ssize_t i = 0; i < nw; i++)
+        if (w[i].n) memcpy(mine + w[i].slot_off, w[i].src, (size_t)w[i].n);
+    int status = shm_post_and_poll(r, k, seq, sig, nbytes, extra);
+    if (status == DONE && check) {
+        for (int q = 0; q < r->size; q++)
+            if (q != me && r->hdr[q * r->nslots + s][r->s_extra] != extra) status = DIFFERS;
     }
+    for (Py_ssize_t i = 0; i < ne && status == DONE; i++) {
+        const uint64_t *words = (const uint64_t *)r->slot[e[i].member * r->nslots + s];
+        if (__atomic_load_n(&words[e[i].word], __ATOMIC_RELAXED) != e[i].value) status = DIFFERS;
+    }
+    if (status != DONE) return status;
+    for (Py_ssize_t i = 0; i < nr; i++) {
+        const Read *x = &rd[i];
+        if (!x->n) continue;
+        const char *from = x->peer >= 0 ? r->slot[x->peer * r->nslots + s] + x->src_off : x->src + x->src_off;
+        if (kind < 0 || i == 0)
+            memmove(x->dst, from, (size_t)x->n);
+        else
+            shm_reduce_into(x->dst, from, x->n, kind);
+    }
+    return shm_consume(r, k);
+}
+
+/* move()'s plan from Python: the buffers each copy names, held while the round runs */
+typedef struct {
+    Py_buffer *views;
+    Py_ssize_t count;
+} Held;
+
+static void release_held(Held *h) {
+    for (Py_ssize_t i = 0; i < h->count; i++) PyBuffer_Release(&h->views[i]);
+    h->count = 0;
 }
 
 static int bad_copy(const char *what, Py_ssize_t i) {
@@ -290,42 +288,67 @@ static int bad_copy(const char *what, Py_ssize_t i) {
     return -1;
 }
 
+/* a buffer of the plan, held (its bytes stay where they are until released) */
+static Py_buffer *hold(Held *h, PyObject *obj, int flags) {
+    Py_buffer *v = &h->views[h->count];
+    if (PyObject_GetBuffer(obj, v, flags) < 0) return NULL;
+    h->count++;
+    return v;
+}
+
 /* writes: (src, src_off, slot_off, n) into this member's slot; reads: (src, src_off, dst, dst_off, n)
  * where src is a member (its slot) or a buffer. Everything is checked before the round is posted,
  * so a bad plan raises having changed nothing. */
-static int parse_copies(Rounds *r, PyObject *seq, int reads, Copy *c, Py_ssize_t count) {
+static int parse_writes(Rounds *r, PyObject *seq, Write *w, Py_ssize_t count, Held *h) {
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *t = PySequence_Fast_GET_ITEM(seq, i);
-        const char *what = reads ? "read" : "write";
-        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != (reads ? 5 : 4)) return bad_copy(what, i);
-        PyObject *src = PyTuple_GET_ITEM(t, 0);
-        c[i].peer = -1;
-        c[i].src_off = PyLong_AsSsize_t(PyTuple_GET_ITEM(t, 1));
-        c[i].dst_off = PyLong_AsSsize_t(PyTuple_GET_ITEM(t, reads ? 3 : 2));
-        c[i].n = PyLong_AsSsize_t(PyTuple_GET_ITEM(t, reads ? 4 : 3));
+        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 4) return bad_copy("write", i);
+        Py_ssize_t src_off = PyLong_AsSsize_t(PyTuple_GET_ITEM(t, 1));
+        w[i].slot_off = PyLong_AsSsize_t(PyTuple_GET_ITEM(t, 2));
+        w[i].n = PyLong_AsSsize_t(PyTuple_GET_ITEM(t, 3));
         if (PyErr_Occurred()) return -1;
-        if (c[i].src_off < 0 || c[i].dst_off < 0 || c[i].n < 0) return bad_copy(what, i);
-        if (reads && PyLong_Check(src)) {
+        if (src_off < 0 || w[i].slot_off < 0 || w[i].n < 0 || w[i].slot_off > r->slot_bytes - w[i].n)
+            return bad_copy("write", i);
+        Py_buffer *v = hold(h, PyTuple_GET_ITEM(t, 0), PyBUF_C_CONTIGUOUS);
+        if (!v) return -1;
+        if (src_off > v->len - w[i].n) return bad_copy("write", i);
+        w[i].src = (const char *)v->buf + src_off;
+    }
+    return 0;
+}
+
+static int parse_reads(Rounds *r, PyObject *seq, Read *rd, Py_ssize_t count, Held *h) {
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *t = PySequence_Fast_GET_ITEM(seq, i);
+        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 5) return bad_copy("read", i);
+        PyObject *src = PyTuple_GET_ITEM(t, 0);
+        rd[i].peer = -1;
+        rd[i].src = NULL;
+        rd[i].src_off = PyLong_AsSsize_t(PyTuple_GET_ITEM(t, 1));
+        Py_ssize_t dst_off = PyLong_AsSsize_t(PyTuple_GET_ITEM(t, 3));
+        rd[i].n = PyLong_AsSsize_t(PyTuple_GET_ITEM(t, 4));
+        if (PyErr_Occurred()) return -1;
+        if (rd[i].src_off < 0 || dst_off < 0 || rd[i].n < 0) return bad_copy("read", i);
+        if (PyLong_Check(src)) {
             long q = PyLong_AsLong(src);
-            if (q < 0 || q >= r->size || c[i].src_off > r->slot_bytes - c[i].n) return bad_copy(what, i);
-            c[i].peer = (int)q;
+            if (q < 0 || q >= r->size || rd[i].src_off > r->slot_bytes - rd[i].n) return bad_copy("read", i);
+            rd[i].peer = (int)q;
         } else {
-            if (PyObject_GetBuffer(src, &c[i].src_view, PyBUF_C_CONTIGUOUS) < 0) return -1;
-            if (c[i].src_off > c[i].src_view.len - c[i].n) return bad_copy(what, i);
+            Py_buffer *v = hold(h, src, PyBUF_C_CONTIGUOUS);
+            if (!v) return -1;
+            if (rd[i].src_off > v->len - rd[i].n) return bad_copy("read", i);
+            rd[i].src = v->buf;
         }
-        if (reads) {
-            if (PyObject_GetBuffer(PyTuple_GET_ITEM(t, 2), &c[i].dst_view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
-                return -1;
-            if (c[i].dst_off > c[i].dst_view.len - c[i].n) return bad_copy(what, i);
-        } else if (c[i].dst_off > r->slot_bytes - c[i].n) {
-            return bad_copy(what, i);
-        }
+        Py_buffer *d = hold(h, PyTuple_GET_ITEM(t, 2), PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS);
+        if (!d) return -1;
+        if (dst_off > d->len - rd[i].n) return bad_copy("read", i);
+        rd[i].dst = (char *)d->buf + dst_off;
     }
     return 0;
 }
 
 /* expect: (member, word, value): member's slot holds value at 64-bit word index word */
-static int parse_expects(Rounds *r, PyObject *seq, Py_ssize_t count, Py_ssize_t *out) {
+static int parse_expects(Rounds *r, PyObject *seq, Py_ssize_t count, Expect *out) {
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *t = PySequence_Fast_GET_ITEM(seq, i);
         if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 3) return bad_copy("expect", i);
@@ -333,19 +356,15 @@ static int parse_expects(Rounds *r, PyObject *seq, Py_ssize_t count, Py_ssize_t 
         uint64_t v;
         if (PyErr_Occurred() || as_u64(PyTuple_GET_ITEM(t, 2), &v) < 0) return -1;
         if (q < 0 || q >= r->size || w < 0 || w >= r->slot_bytes / 8) return bad_copy("expect", i);
-        out[3 * i] = q, out[3 * i + 1] = w, out[3 * i + 2] = (Py_ssize_t)v;
+        out[i].member = q, out[i].word = w, out[i].value = v;
     }
     return 0;
 }
 
-/* move(k, seq, sig, nbytes, extra, check, writes, reads, kind, expect) -> status bits: a one-round
- * collective's whole round k. Copy the writes into this member's slot, post (nbytes, extra), poll,
- * check the headers and, with check, every peer's extra word against ours, and every expected
- * slot word (DIFFERS: a rooted collective's root check failed, or a peer's slot says what the
- * plan did not expect; nothing read or consumed); then the reads, in order:
- * with kind -1 each a copy (memmove), else a fold into one destination (the first read copies,
- * each later one reduces into it with kind's op, as reduce_into does); then consume. Anything but
- * DONE or RING_CONSUMED leaves the reads and the consume to Python (round_plan.finish). */
+#define PLAN_STACK 32
+
+/* move(k, seq, sig, nbytes, extra, check, writes, reads, kind, expect) -> status bits: shm_move's
+ * round from a plan of Python tuples (see round_plan.py). */
 static PyObject *Rounds_move(Rounds *r, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 10) {
         PyErr_SetString(PyExc_TypeError, "move(k, seq, sig, nbytes, extra, check, writes, reads, kind, expect)");
@@ -357,7 +376,7 @@ static PyObject *Rounds_move(Rounds *r, PyObject *const *args, Py_ssize_t nargs)
     int check = PyObject_IsTrue(args[5]);
     long kind = PyLong_AsLong(args[8]);
     if (check < 0 || (kind == -1 && PyErr_Occurred())) return NULL;
-    if (kind != -1 && !valid_kind(kind)) {
+    if (kind != -1 && !shm_valid_kind(kind)) {
         PyErr_Format(PyExc_ValueError, "move(): unknown reduction kind %ld", kind);
         return NULL;
     }
@@ -375,53 +394,28 @@ static PyObject *Rounds_move(Rounds *r, PyObject *const *args, Py_ssize_t nargs)
         Py_DECREF(rseq);
         return NULL;
     }
-    Py_ssize_t nw = PySequence_Fast_GET_SIZE(wseq), nr = PySequence_Fast_GET_SIZE(rseq), total = nw + nr;
-    Py_ssize_t ne = PySequence_Fast_GET_SIZE(eseq);
-    Copy stack[PLAN_STACK], *c = total <= PLAN_STACK ? stack : PyMem_Calloc((size_t)total, sizeof(Copy));
-    Py_ssize_t estack[3 * PLAN_STACK];
-    Py_ssize_t *e = ne <= PLAN_STACK ? estack : PyMem_Calloc((size_t)(3 * ne), sizeof(Py_ssize_t));
+    Py_ssize_t nw = PySequence_Fast_GET_SIZE(wseq), nr = PySequence_Fast_GET_SIZE(rseq);
+    Py_ssize_t ne = PySequence_Fast_GET_SIZE(eseq), nviews = nw + 2 * nr;
+    Write wstack[PLAN_STACK], *w = nw <= PLAN_STACK ? wstack : PyMem_Calloc((size_t)nw, sizeof(Write));
+    Read rstack[PLAN_STACK], *rd = nr <= PLAN_STACK ? rstack : PyMem_Calloc((size_t)nr, sizeof(Read));
+    Expect estack[PLAN_STACK], *e = ne <= PLAN_STACK ? estack : PyMem_Calloc((size_t)ne, sizeof(Expect));
+    Py_buffer vstack[3 * PLAN_STACK];
+    Held held = {nviews <= 3 * PLAN_STACK ? vstack : PyMem_Calloc((size_t)nviews, sizeof(Py_buffer)), 0};
     PyObject *result = NULL;
-    if (!c || !e) {
+    if (!w || !rd || !e || !held.views) {
         PyErr_NoMemory();
         goto out;
     }
-    memset(c, 0, sizeof(Copy) * (size_t)total);
-    if (parse_copies(r, wseq, 0, c, nw) < 0 || parse_copies(r, rseq, 1, c + nw, nr) < 0 ||
+    if (parse_writes(r, wseq, w, nw, &held) < 0 || parse_reads(r, rseq, rd, nr, &held) < 0 ||
         parse_expects(r, eseq, ne, e) < 0)
-        goto release;
-    int s = (int)(a[0] % (uint64_t)r->nslots), me = r->rank;
-    char *mine = r->slot[me * r->nslots + s];
-    for (Py_ssize_t i = 0; i < nw; i++)
-        if (c[i].n) memcpy(mine + c[i].dst_off, (char *)c[i].src_view.buf + c[i].src_off, (size_t)c[i].n);
-    int status = post_and_poll(r, a[0], a[1], a[2], a[3], a[4]);
-    if (status == DONE && check) {
-        for (int q = 0; q < r->size; q++)
-            if (q != me && r->hdr[q * r->nslots + s][r->s_extra] != a[4]) status = DIFFERS;
-    }
-    for (Py_ssize_t i = 0; i < ne && status == DONE; i++) {
-        const uint64_t *words = (const uint64_t *)r->slot[e[3 * i] * r->nslots + s];
-        if (__atomic_load_n(&words[e[3 * i + 1]], __ATOMIC_RELAXED) != (uint64_t)e[3 * i + 2]) status = DIFFERS;
-    }
-    if (status == DONE) {
-        for (Py_ssize_t i = nw; i < total; i++) {
-            Copy *x = &c[i];
-            if (!x->n) continue;
-            const char *from = x->peer >= 0 ? r->slot[x->peer * r->nslots + s] + x->src_off
-                                            : (const char *)x->src_view.buf + x->src_off;
-            char *to = (char *)x->dst_view.buf + x->dst_off;
-            if (kind < 0 || i == nw)
-                memmove(to, from, (size_t)x->n);
-            else
-                reduce_into(to, from, x->n, (int)kind);
-        }
-        status = consume(r, a[0]);
-    }
-    result = PyLong_FromLong(status);
-release:
-    release_copies(c, total);
+        goto out;
+    result = PyLong_FromLong(shm_move(r, a[0], a[1], a[2], a[3], a[4], check, w, nw, rd, nr, (int)kind, e, ne));
 out:
-    if (c && c != stack) PyMem_Free(c);
+    release_held(&held);
+    if (w && w != wstack) PyMem_Free(w);
+    if (rd && rd != rstack) PyMem_Free(rd);
     if (e && e != estack) PyMem_Free(e);
+    if (held.views && held.views != vstack) PyMem_Free(held.views);
     Py_DECREF(wseq);
     Py_DECREF(rseq);
     Py_DECREF(eseq);
@@ -514,7 +508,7 @@ static PyMethodDef Rounds_methods[] = {
      "a one-round collective's round k"},
     {NULL}};
 
-static PyTypeObject RoundsType = {
+PyTypeObject ShmRoundsType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "distcomm.transport._shm_round.Rounds",
     .tp_basicsize = sizeof(Rounds),
     .tp_flags = Py_TPFLAGS_DEFAULT,
@@ -546,15 +540,15 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, .m_name = "distcomm.t
                                     .m_methods = module_methods};
 
 PyMODINIT_FUNC PyInit__shm_round(void) {
-    if (PyType_Ready(&RoundsType) < 0) return NULL;
+    if (PyType_Ready(&ShmRoundsType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
-    if (PyModule_AddObjectRef(m, "Rounds", (PyObject *)&RoundsType) < 0 ||
+    if (PyModule_AddObjectRef(m, "Rounds", (PyObject *)&ShmRoundsType) < 0 ||
         PyModule_AddIntConstant(m, "DONE", DONE) < 0 || PyModule_AddIntConstant(m, "PENDING", PENDING) < 0 ||
         PyModule_AddIntConstant(m, "MISMATCH", MISMATCH) < 0 ||
         PyModule_AddIntConstant(m, "RING_POSTED", RING_POSTED) < 0 ||
         PyModule_AddIntConstant(m, "RING_CONSUMED", RING_CONSUMED) < 0 ||
-        PyModule_AddIntConstant(m, "DIFFERS", DIFFERS) < 0)
+        PyModule_AddIntConstant(m, "DIFFERS", DIFFERS) < 0 || shm_add_calls(m) < 0)
         return NULL;
     return m;
 }

@@ -50,6 +50,8 @@ RING_POSTED, RING_CONSUMED, DIFFERS = (0, 0, 0) if _shm_round is None else (
     _shm_round.RING_POSTED, _shm_round.RING_CONSUMED, _shm_round.DIFFERS)
 #: buffer_address(buffer) -> where a C-contiguous buffer's bytes start (None without the C module)
 buffer_address = None if _shm_round is None else _shm_round.address
+#: whole small collectives on numpy arrays in C (_shm_calls.c), where built with numpy's headers; else None
+Calls = _shm_round.Calls if _shm_round is not None and _shm_round.CALLS else None
 
 
 def rounds_consumed_in_c() -> int:

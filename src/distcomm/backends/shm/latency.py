@@ -67,6 +67,7 @@ from ...errors import DistBackendError
 from ...profiling import profiler_check
 from ...reduction import check_supported, finish, reducer, sequence_reducer
 from ...signatures import signature, without_root
+from ...transport import shm_group
 from ...transport.base import TransportError
 from ...types import RedOpType
 from ..engine import FastPath, root_mismatch
@@ -75,6 +76,7 @@ from . import (allreduce_direct, alltoall_slots, broadcast_slots, gather_slots, 
 from .choose import Capabilities, choose
 
 _ndarray = np.ndarray
+RED_OP_VALUES = frozenset(int(op) for op in RedOpType)
 _may_share = np.may_share_memory
 
 #: each latency path's observer name -> the algorithm (choose's name) whose rounds it runs
@@ -323,16 +325,20 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
         # a rooted op's round carries its root check (root_check.exchange) and returns its result
         disagreeing = ran if root is not None else None
         if disagreeing is not None:
-            # the round itself completed, so the group's memory stays usable (as on the general path)
-            exc = root_mismatch(pg.channel(op, seq, sig), root, disagreeing[0], disagreeing[1],
-                                "src" if op in ("broadcast", "scatter") else "dst")
-            if record is not None:
-                fr.fail(record, exc)
-            diagnostics.on_fault(pg, exc, op, seq)
-            raise exc
+            refuse(op, seq, sig, root, disagreeing, record)
         if record is not None:
             record[T_COMPLETED], record[STATE] = now(), COMPLETED
         return True
+
+    def refuse(op: str, seq: int, sig: int, root: int, disagreeing: tuple[int, int], record) -> NoReturn:
+        """Raise the root mismatch of a rooted call whose round found (peer, its root) differing.
+        The round itself completed, so the group's memory stays usable (as on the general path)."""
+        exc = root_mismatch(pg.channel(op, seq, sig), root, disagreeing[0], disagreeing[1],
+                            "src" if op in ("broadcast", "scatter") else "dst")
+        if record is not None:
+            fr.fail(record, exc)
+        diagnostics.on_fault(pg, exc, op, seq)
+        raise exc
 
     # -- each one_round as a plan of copies, run in one C call (round_plan.py), where it is built ---
     move = round_plan.runner(ctx)
@@ -654,9 +660,10 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
                 return None
         return flats
 
-    # the recorder's skip: started, run_round, the path, ProcessGroup.fast_tensors and the API
-    # function are distcomm's; the user's frame is next (a distcomm caller there costs a walk)
-    frames = 5
+    # the recorder's skip: run_round, the path and the API function (which calls the path through
+    # ProcessGroup.tensor_paths, or through Calls, which adds no frame) are distcomm's; the user's frame
+    # is next (a distcomm caller there, as ProcessGroup.fast_tensors for torch's adapter, costs a walk)
+    frames = 4
 
     def tensor_broadcast(tensor, root) -> bool:
         flat = flat_of(tensor)
@@ -824,8 +831,51 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
                   a2a_round, send, out, count)
         return True
 
-    return paths._replace(tensor_broadcast=tensor_broadcast, tensor_reduce=tensor_reduce,
-                          tensor_all_to_all_single=tensor_all_to_all_single, tensor_all_gather=tensor_all_gather,
-                          tensor_all_gather_into_tensor=tensor_all_gather_into_tensor,
-                          tensor_reduce_scatter_tensor=tensor_reduce_scatter_tensor, tensor_gather=tensor_gather,
-                          tensor_scatter=tensor_scatter)
+    paths = paths._replace(tensor_broadcast=tensor_broadcast, tensor_reduce=tensor_reduce,
+                           tensor_all_to_all_single=tensor_all_to_all_single, tensor_all_gather=tensor_all_gather,
+                           tensor_all_gather_into_tensor=tensor_all_gather_into_tensor,
+                           tensor_reduce_scatter_tensor=tensor_reduce_scatter_tensor, tensor_gather=tensor_gather,
+                           tensor_scatter=tensor_scatter)
+    if shm_group.Calls is None:
+        return paths
+
+    # -- on numpy arrays, the whole call in C (transport/_shm_calls.c), the paths above its fallback --
+    def describe(op: str, np_dtype: np.dtype, red: int, root: int):
+        """What a call of ``op`` on ``np_dtype`` with reduce op ``red`` (-1: none) and ``root`` (-1:
+        none) needs in C, or None where the Python path above decides (AVG and PREMUL_SUM among them)."""
+        dtype = dtype_of_numpy(np_dtype)
+        if dtype is None:
+            return None
+        at = None if root < 0 else root
+        kind, red_fn = -1, None
+        if red >= 0:
+            fold = fold_of(RedOpType(red), np_dtype) if red in RED_OP_VALUES else None
+            if fold is None or red == RedOpType.AVG:
+                return None
+            _, red_fn, kind = fold
+        sig = sig_of(op, dtype.code, max(red, 0), at)
+        stride = 0
+        if op == "reduce_scatter_tensor":
+            stride = reduce_scatter_slots.piece_count(ctx.slot_bytes, size, np_dtype.itemsize) * np_dtype.itemsize
+        return (sig, sig if at is None else without_root(sig), dtype.name, kind, np_dtype.itemsize, stride, red_fn,
+                np_dtype)
+
+    ops = shm_group.Calls.OPS
+    python_paths = {"broadcast": tensor_broadcast, "reduce": tensor_reduce, "all_gather": tensor_all_gather,
+                    "all_gather_into_tensor": tensor_all_gather_into_tensor, "gather": tensor_gather,
+                    "scatter": tensor_scatter, "reduce_scatter_tensor": tensor_reduce_scatter_tensor}
+    limit_of = {"broadcast": limits.broadcast, "reduce": limits.reduce, "all_gather": limits.all_gather,
+                "all_gather_into_tensor": limits.all_gather, "gather": limits.gather, "scatter": limits.scatter,
+                "reduce_scatter_tensor": limits.reduce_scatter_piece}
+    calls = shm_group.Calls(
+        rounds=ctx.native, ndarray=_ndarray, redop=RedOpType, ctx=ctx, profiler_on=profiler_on, enter=enter,
+        leave=leave, next_seq=next_seq, open_round=ctx.open_round, ring_consumed=ctx.ring_consumed,
+        describe=describe, handback=partial(round_plan.handed_back, ctx), fail=fail, refuse=refuse,
+        channels=tuple(channels[op] for op in ops), fallbacks=tuple(python_paths[op] for op in ops),
+        recorder_module=fr, observe_module=observe, group=group, limits=tuple(max(limit_of[op], 0) for op in ops),
+        rs_total=max(limits.reduce_scatter, 0), scatter_step=scatter_step, t_completed=T_COMPLETED, state=STATE,
+        completed=COMPLETED)
+    return paths._replace(tensor_broadcast=calls.broadcast, tensor_reduce=calls.reduce,
+                          tensor_all_gather=calls.all_gather, tensor_all_gather_into_tensor=calls.all_gather_into_tensor,
+                          tensor_gather=calls.gather, tensor_scatter=calls.scatter,
+                          tensor_reduce_scatter_tensor=calls.reduce_scatter_tensor)

@@ -92,10 +92,20 @@ def runner(ctx):
         if status == RING_CONSUMED:
             ctx.ring_consumed()
             return None
-        if status != DIFFERS:
-            ctx.settle(status, k, seq, header_sig, nbytes, channel)
         if resume is not None:
+            if status != DIFFERS:
+                ctx.settle(status, k, seq, header_sig, nbytes, channel)
             return resume(k)
-        return finish(ctx, k, extra, check, reads, kind, red, dtype)
+        return handed_back(ctx, status, k, seq, header_sig, channel, nbytes, extra, check, reads, kind, red, dtype)
 
     return run
+
+
+def handed_back(ctx, status: int, k: int, seq: int, header_sig: int, channel, nbytes: int, extra: int, check: bool,
+                reads, kind: int, red, dtype):
+    """The rest of round k, which a C call posted and handed back with ``status`` (neither DONE nor
+    RING_CONSUMED): the wait and the header check (unless only a word differed), then ``finish``;
+    returns what ``finish`` does. The plan runner's, and the whole calls' in C (``Calls``)."""
+    if status != shm_group.DIFFERS:
+        ctx.settle(status, k, seq, header_sig, nbytes, channel)
+    return finish(ctx, k, extra, check, reads, kind, red, dtype)

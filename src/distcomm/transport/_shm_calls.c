@@ -1,0 +1,738 @@
+/* A group's small collectives on numpy arrays, each a whole call in C: Calls.
+ *
+ * The latency paths (backends/shm/latency.py) run a small collective's one round as a plan of
+ * copies in one C call (shm_move). Around that call sat about thirty Python calls: the array's
+ * checks, the signature, the claim of the group, the sequence number, the flight recorder's
+ * record, the plan's tuples, the round's opening and closing. At 8 bytes those were most of the
+ * time, several times MPICH's whole call (docs/performance-notes.md, "Whole calls in C").
+ *
+ * A Calls method takes the API function's own arguments, e.g. broadcast(array, root), and does
+ * the latency path's call: the same checks, the same round, the same record, the same errors.
+ * Python keeps every decision that is not the common case, handed in as callables when the group's
+ * latency paths are built:
+ *
+ *   describe(op, dtype, reduce_op, root) -> what a call of that dtype, op and root needs (its
+ *       signatures, dtype name and item size, the C fold's kind, Python's reducer), or None: the
+ *       dtype or op is not one the round takes. Asked once per combination; kept in a dict.
+ *   fallbacks[op](*args): the Python latency path of the op, called with the same arguments for
+ *       anything this does not take (a torch tensor, a list of anything but plain arrays, a
+ *       message past the limit, a busy group, torch's profiler on): it takes the call or declines
+ *       it to the general path, whose checks and errors stand.
+ *   profiler_on(), enter(), leave(), next_seq(), open_round(seq, sig, channel), ring_consumed():
+ *       the group's claim and release, sequence numbers and the round's opening (its slot reuse
+ *       waits) and peers to ring, as the Python paths call them.
+ *   handback(status, k, seq, header_sig, channel, nbytes, extra, check, reads, kind, red, dtype):
+ *       the rest of a round shm_move handed back (a peer asleep, the long wait, a mismatch, a root
+ *       that differs); returns None or the first (peer, its extra word) that differs.
+ *   fail(exc, op, seq, sig, record): an error within a claimed call: marks the group's memory
+ *       broken and raises the error in the operation's words.
+ *   refuse(op, seq, sig, root, peer, value, record): raises the root mismatch (the round completed).
+ *
+ * What this costs and saves is in docs/performance-notes.md. The Python latency paths stay: they
+ * take torch tensors, and every call where this module is not built.
+ */
+#include "_shm_round.h"
+
+#ifndef DISTCOMM_NUMPY_FIELDS
+
+int shm_add_calls(PyObject *module) { return PyModule_AddIntConstant(module, "CALLS", 0); }
+
+#else
+
+#define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
+#include <numpy/ndarraytypes.h>
+#include <time.h>
+
+enum { C_BROADCAST, C_REDUCE, C_ALL_GATHER, C_ALL_GATHER_INTO_TENSOR, C_GATHER, C_SCATTER, C_REDUCE_SCATTER_TENSOR,
+       C_NOPS };
+static const char *const NAMES[C_NOPS] = {"broadcast", "reduce", "all_gather", "all_gather_into_tensor", "gather",
+                                          "scatter", "reduce_scatter_tensor"};
+
+/* the largest world a call takes here (its plan lives on the stack); larger ones take Python's */
+#define MAX_MEMBERS 64
+
+typedef struct {
+    PyObject_HEAD
+    Rounds *rounds;
+    PyTypeObject *ndarray, *redop;
+    PyObject *ctx;                                        /* the GroupShm: its "broken" */
+    PyObject *profiler_on, *enter, *leave, *next_seq, *open_round, *ring_consumed;
+    PyObject *describe, *handback, *fail, *refuse;
+    PyObject *channels, *fallbacks;                       /* tuples in C_* order */
+    PyObject *recorder_module, *observe_module, *group;
+    PyObject *entries;                                    /* key -> describe()'s answer, or None */
+    PyObject *names[C_NOPS], *observed[C_NOPS];           /* "broadcast", "latency_broadcast", ... */
+    PyObject *s_broken, *s_recorder, *s_started, *s_current, *s_torch, *s_completed, *two;
+    Py_ssize_t limits[C_NOPS], rs_total, scatter_step;
+    Py_ssize_t t_completed, state;                        /* a record's fields */
+} Calls;
+
+/* one array's memory, when it is what the Python paths take: an exact numpy ndarray, C-contiguous,
+ * aligned, writeable, in native byte order, of a builtin number dtype (bool, the integers, the
+ * floats, the complex ones; their type numbers say the dtype whole, where a string's or a
+ * datetime's do not) */
+typedef struct {
+    PyObject *obj;
+    PyObject *dtype; /* borrowed: the array's */
+    char *data;
+    Py_ssize_t count;
+    int type_num;
+} Arr;
+
+static int array_of(Calls *c, PyObject *o, Arr *a) {
+    if (Py_TYPE(o) != c->ndarray) return 0;
+    PyArrayObject *x = (PyArrayObject *)o;
+    if ((PyArray_FLAGS(x) & NPY_ARRAY_CARRAY) != NPY_ARRAY_CARRAY) return 0;
+    PyArray_Descr *d = PyArray_DESCR(x);
+    if (!PyArray_ISNBO(d->byteorder) || !((d->type_num >= NPY_BOOL && d->type_num <= NPY_CLONGDOUBLE) ||
+                                          d->type_num == NPY_HALF))
+        return 0;
+    npy_intp *dims = PyArray_DIMS(x);
+    Py_ssize_t count = 1;
+    for (int i = 0; i < PyArray_NDIM(x); i++) count *= dims[i];
+    a->obj = o, a->dtype = (PyObject *)d, a->data = PyArray_DATA(x), a->count = count, a->type_num = d->type_num;
+    return 1;
+}
+
+/* describe()'s answer for a call */
+typedef struct {
+    uint64_t sig, header_sig;
+    PyObject *sig_obj, *dtype_name, *red, *np_dtype; /* borrowed from the entry, which the dict keeps */
+    int kind;
+    Py_ssize_t itemsize, stride;
+} Entry;
+
+static int entry_of(Calls *c, int op, const Arr *a, long reduce_op, long root, Entry *e) {
+    long long key = (((long long)op * 256 + a->type_num) * 64 + (reduce_op + 1)) * 65536 + (root + 1);
+    PyObject *k = PyLong_FromLongLong(key);
+    if (!k) return -1;
+    PyObject *t = PyDict_GetItemWithError(c->entries, k);
+    if (!t) {
+        if (PyErr_Occurred()) {
+            Py_DECREF(k);
+            return -1;
+        }
+        t = PyObject_CallFunction(c->describe, "OOll", c->names[op], a->dtype, reduce_op, root);
+        if (!t || PyDict_SetItem(c->entries, k, t) < 0) {
+            Py_XDECREF(t);
+            Py_DECREF(k);
+            return -1;
+        }
+        Py_DECREF(t); /* the dict keeps it */
+    }
+    Py_DECREF(k);
+    if (t == Py_None) return 0;
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 8) {
+        PyErr_SetString(PyExc_TypeError, "describe() must return None or an 8-tuple");
+        return -1;
+    }
+    e->sig_obj = PyTuple_GET_ITEM(t, 0);
+    e->sig = PyLong_AsUnsignedLongLong(e->sig_obj);
+    e->header_sig = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(t, 1));
+    e->dtype_name = PyTuple_GET_ITEM(t, 2);
+    e->kind = (int)PyLong_AsLong(PyTuple_GET_ITEM(t, 3));
+    e->itemsize = PyLong_AsSsize_t(PyTuple_GET_ITEM(t, 4));
+    e->stride = PyLong_AsSsize_t(PyTuple_GET_ITEM(t, 5));
+    e->red = PyTuple_GET_ITEM(t, 6);
+    e->np_dtype = PyTuple_GET_ITEM(t, 7);
+    if (PyErr_Occurred()) return -1;
+    if (e->itemsize <= 0 || (e->kind != -1 && !shm_valid_kind(e->kind))) {
+        PyErr_SetString(PyExc_ValueError, "describe(): an item size must be positive and a kind known");
+        return -1;
+    }
+    return 1;
+}
+
+/* A plan: the copies of shm_move, with the Python objects and offsets of every read kept for a
+ * round handed back to Python (round_plan.finish reads them as tuples). */
+typedef struct {
+    Write w[MAX_MEMBERS];
+    Read r[MAX_MEMBERS];
+    PyObject *src[MAX_MEMBERS], *dst[MAX_MEMBERS]; /* borrowed; src NULL: a member's slot */
+    Py_ssize_t src_off[MAX_MEMBERS], dst_off[MAX_MEMBERS];
+    Py_ssize_t nw, nr;
+} Plan;
+
+static void write_of(Plan *p, const Arr *a, Py_ssize_t off, Py_ssize_t slot_off, Py_ssize_t n) {
+    p->w[p->nw++] = (Write){a->data + off, slot_off, n};
+}
+
+/* a read from member q's slot (q >= 0) or from array src (q < 0) */
+static void read_of(Plan *p, int q, const Arr *src, Py_ssize_t src_off, const Arr *dst, Py_ssize_t dst_off,
+                    Py_ssize_t n) {
+    Py_ssize_t i = p->nr++;
+    p->r[i] = (Read){q, q >= 0 ? NULL : src->data, src_off, n, dst->data + dst_off};
+    p->src[i] = q >= 0 ? NULL : src->obj;
+    p->dst[i] = dst->obj;
+    p->src_off[i] = src_off, p->dst_off[i] = dst_off;
+}
+
+static PyObject *reads_as_tuples(const Plan *p) {
+    PyObject *reads = PyTuple_New(p->nr);
+    if (!reads) return NULL;
+    for (Py_ssize_t i = 0; i < p->nr; i++) {
+        PyObject *t = p->src[i] ? Py_BuildValue("(OnOnn)", p->src[i], p->src_off[i], p->dst[i], p->dst_off[i],
+                                                p->r[i].n)
+                                : Py_BuildValue("(inOnn)", p->r[i].peer, p->src_off[i], p->dst[i], p->dst_off[i],
+                                                p->r[i].n);
+        if (!t) {
+            Py_DECREF(reads);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(reads, i, t);
+    }
+    return reads;
+}
+
+/* what a call declined here does: the Python path, with the same arguments */
+static PyObject *fall_back(Calls *c, int op, PyObject *const *args, Py_ssize_t nargs) {
+    return PyObject_Vectorcall(PyTuple_GET_ITEM(c->fallbacks, op), args, (size_t)nargs, NULL);
+}
+
+#define DECLINED 1
+
+/* The group for this call, as the Python paths' claim(): memory not broken, torch's profiler off
+ * (it records calls on the general path), nothing running or queued. 0: ours; DECLINED; -1 error. */
+static int claim(Calls *c) {
+    PyObject *broken = PyObject_GetAttr(c->ctx, c->s_broken);
+    if (!broken) return -1;
+    Py_DECREF(broken);
+    if (broken != Py_None) return DECLINED;
+    PyObject *torch = PyDict_GetItemWithError(PyImport_GetModuleDict(), c->s_torch);
+    if (torch) { /* without torch loaded its profiler cannot be on */
+        PyObject *on = PyObject_CallNoArgs(c->profiler_on);
+        if (!on) return -1;
+        int yes = PyObject_IsTrue(on);
+        Py_DECREF(on);
+        if (yes) return yes < 0 ? -1 : DECLINED;
+    } else if (PyErr_Occurred()) {
+        return -1;
+    }
+    PyObject *entered = PyObject_CallNoArgs(c->enter);
+    if (!entered) return -1;
+    int yes = PyObject_IsTrue(entered);
+    Py_DECREF(entered);
+    return yes < 0 ? -1 : yes ? 0 : DECLINED;
+}
+
+static void leave(Calls *c) {
+    /* the lock's release: keeps an exception being raised */
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *r = PyObject_CallNoArgs(c->leave);
+    if (r)
+        Py_DECREF(r);
+    else
+        PyErr_WriteUnraisable(c->leave);
+    PyErr_Restore(type, value, tb);
+}
+
+static PyObject *now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts); /* time.time()'s clock */
+    return PyFloat_FromDouble((double)ts.tv_sec + ts.tv_nsec * 1e-9);
+}
+
+/* A claimed call: its sequence number, its record, the round, the record completed. As the Python
+ * paths' run_round: an error within the round goes through fail() (the group's memory is then
+ * broken), a root that differs through refuse() once the group is released. */
+static PyObject *run(Calls *c, int op, const Entry *e, Plan *p, uint64_t nbytes, uint64_t extra, int check, long root,
+                     Py_ssize_t record_bytes) {
+    PyObject *seq = NULL, *record = NULL, *disagreeing = NULL;
+    uint64_t k = 0;
+    seq = PyObject_CallNoArgs(c->next_seq);
+    if (!seq) goto released;
+    uint64_t seq_value = PyLong_AsUnsignedLongLong(seq);
+    if (PyErr_Occurred()) goto released;
+    PyObject *recorder = PyObject_GetAttr(c->recorder_module, c->s_recorder);
+    if (!recorder) goto released;
+    if (recorder != Py_None) {
+        PyObject *started = PyObject_GetAttr(recorder, c->s_started);
+        Py_DECREF(recorder);
+        if (!started) goto released;
+        PyObject *size = PyLong_FromSsize_t(record_bytes), *peer = root < 0 ? Py_NewRef(Py_None) : PyLong_FromLong(root);
+        if (size && peer) {
+            /* skip 2: the user's frame is above the API function's, the caller of this call */
+            PyObject *fields[] = {c->group, seq, c->names[op], size, e->dtype_name, peer, c->two};
+            record = PyObject_Vectorcall(started, fields, 7, NULL);
+        }
+        Py_XDECREF(size);
+        Py_XDECREF(peer);
+        Py_DECREF(started);
+        if (!record) goto released;
+    } else {
+        Py_DECREF(recorder);
+    }
+    PyObject *observer = PyObject_GetAttr(c->observe_module, c->s_current);
+    if (!observer) goto failed;
+    if (observer != Py_None) {
+        PyObject *r = PyObject_CallOneArg(observer, c->observed[op]);
+        Py_DECREF(observer);
+        if (!r) goto failed;
+        Py_DECREF(r);
+    } else {
+        Py_DECREF(observer);
+    }
+    PyObject *channel = PyTuple_GET_ITEM(c->channels, op);
+    PyObject *opening[] = {seq, e->sig_obj, channel};
+    PyObject *opened = PyObject_Vectorcall(c->open_round, opening, 3, NULL);
+    if (!opened) goto failed;
+    k = PyLong_AsUnsignedLongLong(opened);
+    Py_DECREF(opened);
+    if (PyErr_Occurred()) goto failed;
+    int status = shm_move(c->rounds, k, seq_value, e->header_sig, nbytes, extra, check, p->w, p->nw, p->r, p->nr,
+                          e->kind, NULL, 0);
+    if (status == RING_CONSUMED) {
+        PyObject *r = PyObject_CallNoArgs(c->ring_consumed);
+        if (!r) goto failed;
+        Py_DECREF(r);
+    } else if (status != DONE) {
+        PyObject *reads = reads_as_tuples(p);
+        if (!reads) goto failed;
+        disagreeing = PyObject_CallFunction(c->handback, "iKOKOKKOOiOO", status, k, seq, e->header_sig, channel,
+                                            nbytes, extra, check ? Py_True : Py_False, reads, e->kind, e->red,
+                                            e->np_dtype);
+        Py_DECREF(reads);
+        if (!disagreeing) goto failed;
+    }
+    leave(c);
+    if (disagreeing && disagreeing != Py_None) {
+        PyObject *r = PyObject_CallFunction(c->refuse, "OOKlOO", c->names[op], seq, e->sig, root, disagreeing,
+                                            record ? record : Py_None);
+        Py_XDECREF(r); /* it raises */
+        goto out;
+    }
+    if (record) {
+        PyObject *t = now();
+        if (!t || PyList_SetItem(record, c->t_completed, t) < 0) goto out;
+        Py_INCREF(c->s_completed);
+        if (PyList_SetItem(record, c->state, c->s_completed) < 0) goto out;
+    }
+    Py_XDECREF(disagreeing);
+    Py_XDECREF(record);
+    Py_DECREF(seq);
+    Py_RETURN_TRUE;
+
+failed: { /* within the round: fail() marks the memory broken and raises the error in the op's words */
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb) PyException_SetTraceback(value, tb);
+    PyObject *r = PyObject_CallFunction(c->fail, "OOOKO", value, c->names[op], seq, e->sig, record ? record : Py_None);
+    Py_XDECREF(r);
+    if (r) PyErr_Restore(type, value, tb); /* fail() always raises; if it did not, the error stands */
+    else {
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+    }
+}
+released:
+    leave(c);
+out:
+    Py_XDECREF(disagreeing);
+    Py_XDECREF(record);
+    Py_XDECREF(seq);
+    return NULL;
+}
+
+/* A call of op that passed its checks: claimed and run here, or (declined) given to Python. */
+static PyObject *claim_and_run(Calls *c, int op, PyObject *const *args, Py_ssize_t nargs, const Entry *e, Plan *p,
+                               uint64_t nbytes, uint64_t extra, int check, long root, Py_ssize_t record_bytes) {
+    int claimed = claim(c);
+    if (claimed < 0) return NULL;
+    if (claimed == DECLINED) return fall_back(c, op, args, nargs);
+    return run(c, op, e, p, nbytes, extra, check, root, record_bytes);
+}
+
+static long root_of(Calls *c, PyObject *o) {
+    if (!PyLong_CheckExact(o)) return -1;
+    long root = PyLong_AsLong(o);
+    if (root < 0 || root >= c->rounds->size) {
+        PyErr_Clear();
+        return -1;
+    }
+    return root;
+}
+
+/* gather's or scatter's list: on the root, `size` arrays each like `like`; elsewhere none (None or
+ * an empty list). 1: it is; 0: Python decides. */
+static int root_list(Calls *c, PyObject *list, const Arr *like, long root, Arr *out) {
+    Rounds *r = c->rounds;
+    if (r->rank != root) return list == Py_None || (PyList_CheckExact(list) && PyList_GET_SIZE(list) == 0);
+    if (!PyList_CheckExact(list) || PyList_GET_SIZE(list) != r->size) return 0;
+    for (int q = 0; q < r->size; q++)
+        if (!array_of(c, PyList_GET_ITEM(list, q), &out[q]) || out[q].type_num != like->type_num ||
+            out[q].count != like->count)
+            return 0;
+    return 1;
+}
+
+/* broadcast(array, root) */
+static PyObject *Calls_broadcast(Calls *c, PyObject *const *args, Py_ssize_t nargs) {
+    Arr x;
+    long root;
+    Entry e;
+    if (nargs != 2 || !array_of(c, args[0], &x) || (root = root_of(c, args[1])) < 0) goto python;
+    int known = entry_of(c, C_BROADCAST, &x, -1, root, &e);
+    if (known <= 0) return known < 0 ? NULL : fall_back(c, C_BROADCAST, args, nargs);
+    Py_ssize_t n = x.count * e.itemsize;
+    if (n <= 0 || n > c->limits[C_BROADCAST]) goto python;
+    Plan p = {.nw = 0, .nr = 0};
+    if (c->rounds->rank == root)
+        write_of(&p, &x, 0, 0, n);
+    else
+        read_of(&p, (int)root, NULL, 0, &x, 0, n);
+    return claim_and_run(c, C_BROADCAST, args, nargs, &e, &p, (uint64_t)n, (uint64_t)root, 1, root, n);
+python:
+    return fall_back(c, C_BROADCAST, args, nargs);
+}
+
+/* reduce(array, op, root): every member's copy folded on the root in rank order */
+static PyObject *Calls_reduce(Calls *c, PyObject *const *args, Py_ssize_t nargs) {
+    Arr x;
+    long root, red;
+    Entry e;
+    if (nargs != 3 || !array_of(c, args[0], &x) || Py_TYPE(args[1]) != c->redop ||
+        (root = root_of(c, args[2])) < 0)
+        goto python;
+    red = PyLong_AsLong(args[1]);
+    if (red < 0 || red > 62) {
+        PyErr_Clear();
+        goto python;
+    }
+    int known = entry_of(c, C_REDUCE, &x, red, root, &e);
+    if (known <= 0) return known < 0 ? NULL : fall_back(c, C_REDUCE, args, nargs);
+    Py_ssize_t n = x.count * e.itemsize;
+    if (n <= 0 || n > c->limits[C_REDUCE] || e.kind < 0) goto python;
+    Plan p = {.nw = 0, .nr = 0};
+    write_of(&p, &x, 0, 0, n);
+    if (c->rounds->rank == root)
+        for (int q = 0; q < c->rounds->size; q++) read_of(&p, q, NULL, 0, &x, 0, n);
+    return claim_and_run(c, C_REDUCE, args, nargs, &e, &p, (uint64_t)n, (uint64_t)root, 1, root, n);
+python:
+    return fall_back(c, C_REDUCE, args, nargs);
+}
+
+/* gather_slots' round: every member's block (its own from its array) into outs[q], or into one
+ * array at q * n (into_one); only the members that read (reads) read */
+static void gather_plan(Plan *p, Rounds *r, const Arr *send, Py_ssize_t n, const Arr *outs, const Arr *into_one,
+                        int writes, int reads) {
+    if (writes) write_of(p, send, 0, 0, n);
+    if (!reads) return;
+    for (int q = 0; q < r->size; q++) {
+        const Arr *dst = into_one ? into_one : &outs[q];
+        Py_ssize_t at = into_one ? q * n : 0;
+        if (q == r->rank)
+            read_of(p, -1, send, 0, dst, at, n);
+        else
+            read_of(p, q, NULL, 0, dst, at, n);
+    }
+}
+
+/* all_gather(list of arrays, array) */
+static PyObject *Calls_all_gather(Calls *c, PyObject *const *args, Py_ssize_t nargs) {
+    Arr send, outs[MAX_MEMBERS];
+    Entry e;
+    Rounds *r = c->rounds;
+    if (nargs != 2 || !array_of(c, args[1], &send) || !PyList_CheckExact(args[0]) ||
+        PyList_GET_SIZE(args[0]) != r->size)
+        goto python;
+    for (int q = 0; q < r->size; q++)
+        if (!array_of(c, PyList_GET_ITEM(args[0], q), &outs[q]) || outs[q].type_num != send.type_num ||
+            outs[q].count != send.count)
+            goto python;
+    int known = entry_of(c, C_ALL_GATHER, &send, -1, -1, &e);
+    if (known <= 0) return known < 0 ? NULL : fall_back(c, C_ALL_GATHER, args, nargs);
+    Py_ssize_t n = send.count * e.itemsize;
+    if (n <= 0 || n > c->limits[C_ALL_GATHER]) goto python;
+    Plan p = {.nw = 0, .nr = 0};
+    gather_plan(&p, r, &send, n, outs, NULL, 1, 1);
+    return claim_and_run(c, C_ALL_GATHER, args, nargs, &e, &p, (uint64_t)n, 0, 0, -1, n);
+python:
+    return fall_back(c, C_ALL_GATHER, args, nargs);
+}
+
+/* all_gather_into_tensor(output, input) */
+static PyObject *Calls_all_gather_into_tensor(Calls *c, PyObject *const *args, Py_ssize_t nargs) {
+    Arr out, send;
+    Entry e;
+    Rounds *r = c->rounds;
+    if (nargs != 2 || !array_of(c, args[0], &out) || !array_of(c, args[1], &send) ||
+        out.type_num != send.type_num || out.count != send.count * r->size)
+        goto python;
+    int known = entry_of(c, C_ALL_GATHER_INTO_TENSOR, &send, -1, -1, &e);
+    if (known <= 0) return known < 0 ? NULL : fall_back(c, C_ALL_GATHER_INTO_TENSOR, args, nargs);
+    Py_ssize_t n = send.count * e.itemsize;
+    if (n <= 0 || n > c->limits[C_ALL_GATHER_INTO_TENSOR]) goto python;
+    Plan p = {.nw = 0, .nr = 0};
+    gather_plan(&p, r, &send, n, NULL, &out, 1, 1);
+    return claim_and_run(c, C_ALL_GATHER_INTO_TENSOR, args, nargs, &e, &p, (uint64_t)n, 0, 0, -1, n);
+python:
+    return fall_back(c, C_ALL_GATHER_INTO_TENSOR, args, nargs);
+}
+
+/* gather(array, gather_list or None, root) */
+static PyObject *Calls_gather(Calls *c, PyObject *const *args, Py_ssize_t nargs) {
+    Arr send, outs[MAX_MEMBERS];
+    long root;
+    Entry e;
+    Rounds *r = c->rounds;
+    if (nargs != 3 || !array_of(c, args[0], &send) || (root = root_of(c, args[2])) < 0 ||
+        !root_list(c, args[1], &send, root, outs))
+        goto python;
+    int known = entry_of(c, C_GATHER, &send, -1, root, &e);
+    if (known <= 0) return known < 0 ? NULL : fall_back(c, C_GATHER, args, nargs);
+    Py_ssize_t n = send.count * e.itemsize;
+    if (n <= 0 || n > c->limits[C_GATHER]) goto python;
+    Plan p = {.nw = 0, .nr = 0};
+    gather_plan(&p, r, &send, n, outs, NULL, r->rank != root, r->rank == root);
+    return claim_and_run(c, C_GATHER, args, nargs, &e, &p, (uint64_t)n, (uint64_t)root, 1, root, n);
+python:
+    return fall_back(c, C_GATHER, args, nargs);
+}
+
+/* scatter(array, scatter_list or None, root): the root's pieces, each in its own part of the slot */
+static PyObject *Calls_scatter(Calls *c, PyObject *const *args, Py_ssize_t nargs) {
+    Arr out, ins[MAX_MEMBERS];
+    long root;
+    Entry e;
+    Rounds *r = c->rounds;
+    if (nargs != 3 || !array_of(c, args[0], &out) || (root = root_of(c, args[2])) < 0 ||
+        !root_list(c, args[1], &out, root, ins))
+        goto python;
+    int known = entry_of(c, C_SCATTER, &out, -1, root, &e);
+    if (known <= 0) return known < 0 ? NULL : fall_back(c, C_SCATTER, args, nargs);
+    Py_ssize_t n = out.count * e.itemsize;
+    if (n <= 0 || n > c->limits[C_SCATTER]) goto python;
+    Plan p = {.nw = 0, .nr = 0};
+    if (r->rank == root) {
+        for (int q = 0; q < r->size; q++)
+            if (q != root) write_of(&p, &ins[q], 0, q * c->scatter_step, n);
+        read_of(&p, -1, &ins[root], 0, &out, 0, n);
+    } else {
+        read_of(&p, (int)root, NULL, r->rank * c->scatter_step, &out, 0, n);
+    }
+    return claim_and_run(c, C_SCATTER, args, nargs, &e, &p, (uint64_t)n, (uint64_t)root, 1, root, n);
+python:
+    return fall_back(c, C_SCATTER, args, nargs);
+}
+
+/* reduce_scatter_tensor(output, input, op): each member's block q goes to part q of its slot;
+ * member q folds every member's part q (its own from its input) in rank order */
+static PyObject *Calls_reduce_scatter_tensor(Calls *c, PyObject *const *args, Py_ssize_t nargs) {
+    Arr out, inp;
+    long red;
+    Entry e;
+    Rounds *r = c->rounds;
+    if (nargs != 3 || !array_of(c, args[0], &out) || !array_of(c, args[1], &inp) || Py_TYPE(args[2]) != c->redop ||
+        out.type_num != inp.type_num || inp.count != out.count * r->size)
+        goto python;
+    red = PyLong_AsLong(args[2]);
+    if (red < 0 || red > 62) {
+        PyErr_Clear();
+        goto python;
+    }
+    int known = entry_of(c, C_REDUCE_SCATTER_TENSOR, &out, red, -1, &e);
+    if (known <= 0) return known < 0 ? NULL : fall_back(c, C_REDUCE_SCATTER_TENSOR, args, nargs);
+    Py_ssize_t n = out.count * e.itemsize, total = n * r->size;
+    if (n <= 0 || n > c->limits[C_REDUCE_SCATTER_TENSOR] || total > c->rs_total || e.kind < 0 || e.stride < n)
+        goto python;
+    if (out.data < inp.data + total && inp.data < out.data + n) goto python; /* in place: Python reduces a copy */
+    Plan p = {.nw = 0, .nr = 0};
+    for (int q = 0; q < r->size; q++)
+        if (q != r->rank) write_of(&p, &inp, q * n, q * e.stride, n);
+    for (int q = 0; q < r->size; q++) {
+        if (q == r->rank)
+            read_of(&p, -1, &inp, r->rank * n, &out, 0, n);
+        else
+            read_of(&p, q, NULL, r->rank * e.stride, &out, 0, n);
+    }
+    return claim_and_run(c, C_REDUCE_SCATTER_TENSOR, args, nargs, &e, &p, (uint64_t)total, 0, 0, -1, n);
+python:
+    return fall_back(c, C_REDUCE_SCATTER_TENSOR, args, nargs);
+}
+
+/* -- the type ------------------------------------------------------------------------------------ */
+static int Calls_traverse(Calls *c, visitproc visit, void *arg) {
+    Py_VISIT(c->rounds);
+    Py_VISIT(c->ndarray);
+    Py_VISIT(c->redop);
+    Py_VISIT(c->ctx);
+    Py_VISIT(c->profiler_on);
+    Py_VISIT(c->enter);
+    Py_VISIT(c->leave);
+    Py_VISIT(c->next_seq);
+    Py_VISIT(c->open_round);
+    Py_VISIT(c->ring_consumed);
+    Py_VISIT(c->describe);
+    Py_VISIT(c->handback);
+    Py_VISIT(c->fail);
+    Py_VISIT(c->refuse);
+    Py_VISIT(c->channels);
+    Py_VISIT(c->fallbacks);
+    Py_VISIT(c->recorder_module);
+    Py_VISIT(c->observe_module);
+    Py_VISIT(c->group);
+    Py_VISIT(c->entries);
+    return 0;
+}
+
+static int Calls_clear(Calls *c) {
+    Py_CLEAR(c->rounds);
+    Py_CLEAR(c->ndarray);
+    Py_CLEAR(c->redop);
+    Py_CLEAR(c->ctx);
+    Py_CLEAR(c->profiler_on);
+    Py_CLEAR(c->enter);
+    Py_CLEAR(c->leave);
+    Py_CLEAR(c->next_seq);
+    Py_CLEAR(c->open_round);
+    Py_CLEAR(c->ring_consumed);
+    Py_CLEAR(c->describe);
+    Py_CLEAR(c->handback);
+    Py_CLEAR(c->fail);
+    Py_CLEAR(c->refuse);
+    Py_CLEAR(c->channels);
+    Py_CLEAR(c->fallbacks);
+    Py_CLEAR(c->recorder_module);
+    Py_CLEAR(c->observe_module);
+    Py_CLEAR(c->group);
+    Py_CLEAR(c->entries);
+    for (int i = 0; i < C_NOPS; i++) {
+        Py_CLEAR(c->names[i]);
+        Py_CLEAR(c->observed[i]);
+    }
+    Py_CLEAR(c->s_broken);
+    Py_CLEAR(c->s_recorder);
+    Py_CLEAR(c->s_started);
+    Py_CLEAR(c->s_current);
+    Py_CLEAR(c->s_torch);
+    Py_CLEAR(c->s_completed);
+    Py_CLEAR(c->two);
+    return 0;
+}
+
+static void Calls_dealloc(Calls *c) {
+    PyObject_GC_UnTrack(c);
+    Calls_clear(c);
+    Py_TYPE(c)->tp_free((PyObject *)c);
+}
+
+static int sized_tuple(PyObject *t, const char *name) {
+    if (PyTuple_Check(t) && PyTuple_GET_SIZE(t) == C_NOPS) return 1;
+    PyErr_Format(PyExc_ValueError, "Calls: %s must be a tuple of one per op, in Calls.OPS's order", name);
+    return 0;
+}
+
+static int Calls_init(Calls *c, PyObject *args, PyObject *kwds) {
+    static char *kw[] = {"rounds", "ndarray", "redop", "ctx", "profiler_on", "enter", "leave", "next_seq",
+                         "open_round", "ring_consumed", "describe", "handback", "fail", "refuse", "channels",
+                         "fallbacks", "recorder_module", "observe_module", "group", "limits", "rs_total",
+                         "scatter_step", "t_completed", "state", "completed", NULL};
+    PyObject *rounds, *o[17], *limits, *completed;
+    PyTypeObject *ndarray, *redop;
+    Py_ssize_t rs_total, scatter_step, t_completed, state;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!OOOOOOOOOOOOOOOOOnnnnO", kw, &ShmRoundsType, &rounds,
+                                     &PyType_Type, &ndarray, &PyType_Type, &redop, &o[0], &o[1], &o[2], &o[3], &o[4],
+                                     &o[5], &o[6], &o[7], &o[8], &o[9], &o[10], &o[11], &o[12], &o[13], &o[14],
+                                     &o[15], &limits, &rs_total, &scatter_step, &t_completed, &state, &completed))
+        return -1;
+    if (!sized_tuple(o[11], "channels") || !sized_tuple(o[12], "fallbacks") || !sized_tuple(limits, "limits"))
+        return -1;
+    if (((Rounds *)rounds)->size > MAX_MEMBERS) {
+        PyErr_Format(PyExc_ValueError, "Calls: at most %d members", MAX_MEMBERS);
+        return -1;
+    }
+    Py_ssize_t lim[C_NOPS];
+    for (int i = 0; i < C_NOPS; i++) {
+        lim[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(limits, i));
+        if (lim[i] == -1 && PyErr_Occurred()) return -1;
+        if (lim[i] > ((Rounds *)rounds)->slot_bytes) {
+            PyErr_SetString(PyExc_ValueError, "Calls: a limit is larger than a slot");
+            return -1;
+        }
+    }
+    if (t_completed < 0 || state < 0 || scatter_step < 0 || scatter_step * ((Rounds *)rounds)->size >
+                                                             ((Rounds *)rounds)->slot_bytes) {
+        PyErr_SetString(PyExc_ValueError, "Calls: bad record field or scatter step");
+        return -1;
+    }
+    Calls_clear(c);
+    PyObject **fields[] = {&c->ctx, &c->profiler_on, &c->enter, &c->leave, &c->next_seq, &c->open_round,
+                           &c->ring_consumed, &c->describe, &c->handback, &c->fail, &c->refuse, &c->channels,
+                           &c->fallbacks, &c->recorder_module, &c->observe_module, &c->group};
+    for (int i = 0; i < 16; i++) *fields[i] = Py_NewRef(o[i]);
+    c->rounds = (Rounds *)Py_NewRef(rounds);
+    c->ndarray = (PyTypeObject *)Py_NewRef(ndarray);
+    c->redop = (PyTypeObject *)Py_NewRef(redop);
+    c->s_completed = Py_NewRef(completed);
+    c->entries = PyDict_New();
+    c->s_broken = PyUnicode_InternFromString("broken");
+    c->s_recorder = PyUnicode_InternFromString("recorder");
+    c->s_started = PyUnicode_InternFromString("started");
+    c->s_current = PyUnicode_InternFromString("current");
+    c->s_torch = PyUnicode_InternFromString("torch");
+    c->two = PyLong_FromLong(2);
+    if (!c->entries || !c->two || !c->s_broken || !c->s_recorder || !c->s_started || !c->s_current || !c->s_torch) return -1;
+    for (int i = 0; i < C_NOPS; i++) {
+        c->names[i] = PyUnicode_InternFromString(NAMES[i]);
+        c->observed[i] = PyUnicode_FromFormat("latency_%s", NAMES[i]);
+        if (!c->names[i] || !c->observed[i]) return -1;
+        c->limits[i] = lim[i];
+    }
+    c->rs_total = rs_total, c->scatter_step = scatter_step, c->t_completed = t_completed, c->state = state;
+    return 0;
+}
+
+static PyMethodDef Calls_methods[] = {
+    {"broadcast", (PyCFunction)(void (*)(void))Calls_broadcast, METH_FASTCALL, "broadcast(array, root) -> bool"},
+    {"reduce", (PyCFunction)(void (*)(void))Calls_reduce, METH_FASTCALL, "reduce(array, op, root) -> bool"},
+    {"all_gather", (PyCFunction)(void (*)(void))Calls_all_gather, METH_FASTCALL,
+     "all_gather(list of arrays, array) -> bool"},
+    {"all_gather_into_tensor", (PyCFunction)(void (*)(void))Calls_all_gather_into_tensor, METH_FASTCALL,
+     "all_gather_into_tensor(output, input) -> bool"},
+    {"gather", (PyCFunction)(void (*)(void))Calls_gather, METH_FASTCALL,
+     "gather(array, gather_list or None, root) -> bool"},
+    {"scatter", (PyCFunction)(void (*)(void))Calls_scatter, METH_FASTCALL,
+     "scatter(array, scatter_list or None, root) -> bool"},
+    {"reduce_scatter_tensor", (PyCFunction)(void (*)(void))Calls_reduce_scatter_tensor, METH_FASTCALL,
+     "reduce_scatter_tensor(output, input, op) -> bool"},
+    {NULL}};
+
+static PyTypeObject CallsType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "distcomm.transport._shm_round.Calls",
+    .tp_basicsize = sizeof(Calls),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "A group's small collectives on numpy arrays, each a whole call in C (see _shm_calls.c).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Calls_init,
+    .tp_dealloc = (destructor)Calls_dealloc,
+    .tp_traverse = (traverseproc)Calls_traverse,
+    .tp_clear = (inquiry)Calls_clear,
+    .tp_methods = Calls_methods,
+};
+
+int shm_add_calls(PyObject *module) {
+    if (PyType_Ready(&CallsType) < 0) return -1;
+    PyObject *ops = PyTuple_New(C_NOPS);
+    if (!ops) return -1;
+    for (int i = 0; i < C_NOPS; i++) {
+        PyObject *name = PyUnicode_FromString(NAMES[i]);
+        if (!name) {
+            Py_DECREF(ops);
+            return -1;
+        }
+        PyTuple_SET_ITEM(ops, i, name);
+    }
+    int failed = PyDict_SetItemString(CallsType.tp_dict, "OPS", ops) < 0;
+    Py_DECREF(ops);
+    if (failed) return -1;
+    PyType_Modified(&CallsType);
+    return PyModule_AddObjectRef(module, "Calls", (PyObject *)&CallsType) < 0 ||
+                   PyModule_AddIntConstant(module, "CALLS", 1) < 0
+               ? -1
+               : 0;
+}
+
+#endif
