@@ -21,7 +21,8 @@
  *   profiler_on(), enter(), leave(), next_seq(), open_round(seq, sig, channel), ring_consumed():
  *       the group's claim and release, sequence numbers and the round's opening (its slot reuse
  *       waits) and peers to ring, as the Python paths call them.
- *   handback(status, k, seq, header_sig, channel, nbytes, extra, check, reads, kind, red, dtype):
+ *   handback(status, k, seq, header_sig, channel, nbytes, extra, check, reads, kind, red, dtype,
+ *            first_copies):
  *       the rest of a round shm_move handed back (a peer asleep, the long wait, a mismatch, a root
  *       that differs); returns None or the first (peer, its extra word) that differs.
  *   fail(exc, op, seq, sig, record): an error within a claimed call: marks the group's memory
@@ -44,9 +45,9 @@ int shm_add_calls(PyObject *module) { return PyModule_AddIntConstant(module, "CA
 #include <time.h>
 
 enum { C_BROADCAST, C_REDUCE, C_ALL_GATHER, C_ALL_GATHER_INTO_TENSOR, C_GATHER, C_SCATTER, C_REDUCE_SCATTER_TENSOR,
-       C_NOPS };
+       C_ALL_REDUCE, C_BARRIER, C_NOPS };
 static const char *const NAMES[C_NOPS] = {"broadcast", "reduce", "all_gather", "all_gather_into_tensor", "gather",
-                                          "scatter", "reduce_scatter_tensor"};
+                                          "scatter", "reduce_scatter_tensor", "all_reduce", "barrier"};
 
 /* the largest world a call takes here (its plan lives on the stack); larger ones take Python's */
 #define MAX_MEMBERS 64
@@ -103,7 +104,8 @@ typedef struct {
 } Entry;
 
 static int entry_of(Calls *c, int op, const Arr *a, long reduce_op, long root, Entry *e) {
-    long long key = (((long long)op * 256 + a->type_num) * 64 + (reduce_op + 1)) * 65536 + (root + 1);
+    /* a: the call's array (NULL for a barrier, whose dtype is None) */
+    long long key = (((long long)op * 256 + (a ? a->type_num : 0)) * 64 + (reduce_op + 1)) * 65536 + (root + 1);
     PyObject *k = PyLong_FromLongLong(key);
     if (!k) return -1;
     PyObject *t = PyDict_GetItemWithError(c->entries, k);
@@ -112,7 +114,7 @@ static int entry_of(Calls *c, int op, const Arr *a, long reduce_op, long root, E
             Py_DECREF(k);
             return -1;
         }
-        t = PyObject_CallFunction(c->describe, "OOll", c->names[op], a->dtype, reduce_op, root);
+        t = PyObject_CallFunction(c->describe, "OOll", c->names[op], a ? a->dtype : Py_None, reduce_op, root);
         if (!t || PyDict_SetItem(c->entries, k, t) < 0) {
             Py_XDECREF(t);
             Py_DECREF(k);
@@ -151,7 +153,11 @@ typedef struct {
     PyObject *src[MAX_MEMBERS], *dst[MAX_MEMBERS]; /* borrowed; src NULL: a member's slot */
     Py_ssize_t src_off[MAX_MEMBERS], dst_off[MAX_MEMBERS];
     Py_ssize_t nw, nr;
+    int first_copies; /* a fold's first read copies (shm_move's), else every read folds */
 } Plan;
+
+/* an empty plan (not the whole struct: a few KiB to clear on every call) */
+#define EMPTY_PLAN(p) ((p).nw = (p).nr = 0, (p).first_copies = 1)
 
 static void write_of(Plan *p, const Arr *a, Py_ssize_t off, Py_ssize_t slot_off, Py_ssize_t n) {
     p->w[p->nw++] = (Write){a->data + off, slot_off, n};
@@ -281,7 +287,7 @@ static PyObject *run(Calls *c, int op, const Entry *e, Plan *p, uint64_t nbytes,
     Py_DECREF(opened);
     if (PyErr_Occurred()) goto failed;
     int status = shm_move(c->rounds, k, seq_value, e->header_sig, nbytes, extra, check, p->w, p->nw, p->r, p->nr,
-                          e->kind, NULL, 0);
+                          e->kind, p->first_copies, NULL, 0);
     if (status == RING_CONSUMED) {
         PyObject *r = PyObject_CallNoArgs(c->ring_consumed);
         if (!r) goto failed;
@@ -289,9 +295,9 @@ static PyObject *run(Calls *c, int op, const Entry *e, Plan *p, uint64_t nbytes,
     } else if (status != DONE) {
         PyObject *reads = reads_as_tuples(p);
         if (!reads) goto failed;
-        disagreeing = PyObject_CallFunction(c->handback, "iKOKOKKOOiOO", status, k, seq, e->header_sig, channel,
+        disagreeing = PyObject_CallFunction(c->handback, "iKOKOKKOOiOOO", status, k, seq, e->header_sig, channel,
                                             nbytes, extra, check ? Py_True : Py_False, reads, e->kind, e->red,
-                                            e->np_dtype);
+                                            e->np_dtype, p->first_copies ? Py_True : Py_False);
         Py_DECREF(reads);
         if (!disagreeing) goto failed;
     }
@@ -378,7 +384,8 @@ static PyObject *Calls_broadcast(Calls *c, PyObject *const *args, Py_ssize_t nar
     if (known <= 0) return known < 0 ? NULL : fall_back(c, C_BROADCAST, args, nargs);
     Py_ssize_t n = x.count * e.itemsize;
     if (n <= 0 || n > c->limits[C_BROADCAST]) goto python;
-    Plan p = {.nw = 0, .nr = 0};
+    Plan p;
+    EMPTY_PLAN(p);
     if (c->rounds->rank == root)
         write_of(&p, &x, 0, 0, n);
     else
@@ -405,7 +412,8 @@ static PyObject *Calls_reduce(Calls *c, PyObject *const *args, Py_ssize_t nargs)
     if (known <= 0) return known < 0 ? NULL : fall_back(c, C_REDUCE, args, nargs);
     Py_ssize_t n = x.count * e.itemsize;
     if (n <= 0 || n > c->limits[C_REDUCE] || e.kind < 0) goto python;
-    Plan p = {.nw = 0, .nr = 0};
+    Plan p;
+    EMPTY_PLAN(p);
     write_of(&p, &x, 0, 0, n);
     if (c->rounds->rank == root)
         for (int q = 0; q < c->rounds->size; q++) read_of(&p, q, NULL, 0, &x, 0, n);
@@ -446,7 +454,8 @@ static PyObject *Calls_all_gather(Calls *c, PyObject *const *args, Py_ssize_t na
     if (known <= 0) return known < 0 ? NULL : fall_back(c, C_ALL_GATHER, args, nargs);
     Py_ssize_t n = send.count * e.itemsize;
     if (n <= 0 || n > c->limits[C_ALL_GATHER]) goto python;
-    Plan p = {.nw = 0, .nr = 0};
+    Plan p;
+    EMPTY_PLAN(p);
     gather_plan(&p, r, &send, n, outs, NULL, 1, 1);
     return claim_and_run(c, C_ALL_GATHER, args, nargs, &e, &p, (uint64_t)n, 0, 0, -1, n);
 python:
@@ -465,7 +474,8 @@ static PyObject *Calls_all_gather_into_tensor(Calls *c, PyObject *const *args, P
     if (known <= 0) return known < 0 ? NULL : fall_back(c, C_ALL_GATHER_INTO_TENSOR, args, nargs);
     Py_ssize_t n = send.count * e.itemsize;
     if (n <= 0 || n > c->limits[C_ALL_GATHER_INTO_TENSOR]) goto python;
-    Plan p = {.nw = 0, .nr = 0};
+    Plan p;
+    EMPTY_PLAN(p);
     gather_plan(&p, r, &send, n, NULL, &out, 1, 1);
     return claim_and_run(c, C_ALL_GATHER_INTO_TENSOR, args, nargs, &e, &p, (uint64_t)n, 0, 0, -1, n);
 python:
@@ -485,7 +495,8 @@ static PyObject *Calls_gather(Calls *c, PyObject *const *args, Py_ssize_t nargs)
     if (known <= 0) return known < 0 ? NULL : fall_back(c, C_GATHER, args, nargs);
     Py_ssize_t n = send.count * e.itemsize;
     if (n <= 0 || n > c->limits[C_GATHER]) goto python;
-    Plan p = {.nw = 0, .nr = 0};
+    Plan p;
+    EMPTY_PLAN(p);
     gather_plan(&p, r, &send, n, outs, NULL, r->rank != root, r->rank == root);
     return claim_and_run(c, C_GATHER, args, nargs, &e, &p, (uint64_t)n, (uint64_t)root, 1, root, n);
 python:
@@ -505,7 +516,8 @@ static PyObject *Calls_scatter(Calls *c, PyObject *const *args, Py_ssize_t nargs
     if (known <= 0) return known < 0 ? NULL : fall_back(c, C_SCATTER, args, nargs);
     Py_ssize_t n = out.count * e.itemsize;
     if (n <= 0 || n > c->limits[C_SCATTER]) goto python;
-    Plan p = {.nw = 0, .nr = 0};
+    Plan p;
+    EMPTY_PLAN(p);
     if (r->rank == root) {
         for (int q = 0; q < r->size; q++)
             if (q != root) write_of(&p, &ins[q], 0, q * c->scatter_step, n);
@@ -539,7 +551,8 @@ static PyObject *Calls_reduce_scatter_tensor(Calls *c, PyObject *const *args, Py
     if (n <= 0 || n > c->limits[C_REDUCE_SCATTER_TENSOR] || total > c->rs_total || e.kind < 0 || e.stride < n)
         goto python;
     if (out.data < inp.data + total && inp.data < out.data + n) goto python; /* in place: Python reduces a copy */
-    Plan p = {.nw = 0, .nr = 0};
+    Plan p;
+    EMPTY_PLAN(p);
     for (int q = 0; q < r->size; q++)
         if (q != r->rank) write_of(&p, &inp, q * n, q * e.stride, n);
     for (int q = 0; q < r->size; q++) {
@@ -551,6 +564,44 @@ static PyObject *Calls_reduce_scatter_tensor(Calls *c, PyObject *const *args, Py
     return claim_and_run(c, C_REDUCE_SCATTER_TENSOR, args, nargs, &e, &p, (uint64_t)total, 0, 0, -1, n);
 python:
     return fall_back(c, C_REDUCE_SCATTER_TENSOR, args, nargs);
+}
+
+/* all_reduce(array, op): the direct all_reduce's round (shm_all_reduce_plan's) */
+static PyObject *Calls_all_reduce(Calls *c, PyObject *const *args, Py_ssize_t nargs) {
+    Arr x;
+    long red;
+    Entry e;
+    Rounds *r = c->rounds;
+    if (nargs != 2 || !array_of(c, args[0], &x) || Py_TYPE(args[1]) != c->redop) goto python;
+    red = PyLong_AsLong(args[1]);
+    if (red < 0 || red > 62) {
+        PyErr_Clear();
+        goto python;
+    }
+    int known = entry_of(c, C_ALL_REDUCE, &x, red, -1, &e);
+    if (known <= 0) return known < 0 ? NULL : fall_back(c, C_ALL_REDUCE, args, nargs);
+    Py_ssize_t n = x.count * e.itemsize;
+    if (n <= 0 || n > c->limits[C_ALL_REDUCE] || e.kind < 0) goto python;
+    Plan p;
+    EMPTY_PLAN(p);
+    write_of(&p, &x, 0, 0, n);
+    /* member 0 folds every other copy into its own; the others copy member 0's first */
+    p.first_copies = r->rank != 0;
+    for (int q = r->rank ? 0 : 1; q < r->size; q++) read_of(&p, q, NULL, 0, &x, 0, n);
+    return claim_and_run(c, C_ALL_REDUCE, args, nargs, &e, &p, (uint64_t)n, 0, 0, -1, n);
+python:
+    return fall_back(c, C_ALL_REDUCE, args, nargs);
+}
+
+/* barrier(): a round with nothing in it */
+static PyObject *Calls_barrier(Calls *c, PyObject *const *args, Py_ssize_t nargs) {
+    Entry e;
+    if (nargs != 0) return fall_back(c, C_BARRIER, args, nargs);
+    int known = entry_of(c, C_BARRIER, NULL, -1, -1, &e);
+    if (known <= 0) return known < 0 ? NULL : fall_back(c, C_BARRIER, args, nargs);
+    Plan p;
+    EMPTY_PLAN(p);
+    return claim_and_run(c, C_BARRIER, args, nargs, &e, &p, 0, 0, 0, -1, 0);
 }
 
 /* -- the type ------------------------------------------------------------------------------------ */
@@ -698,6 +749,8 @@ static PyMethodDef Calls_methods[] = {
      "scatter(array, scatter_list or None, root) -> bool"},
     {"reduce_scatter_tensor", (PyCFunction)(void (*)(void))Calls_reduce_scatter_tensor, METH_FASTCALL,
      "reduce_scatter_tensor(output, input, op) -> bool"},
+    {"all_reduce", (PyCFunction)(void (*)(void))Calls_all_reduce, METH_FASTCALL, "all_reduce(array, op) -> bool"},
+    {"barrier", (PyCFunction)(void (*)(void))Calls_barrier, METH_FASTCALL, "barrier() -> bool"},
     {NULL}};
 
 static PyTypeObject CallsType = {
@@ -725,8 +778,11 @@ int shm_add_calls(PyObject *module) {
         }
         PyTuple_SET_ITEM(ops, i, name);
     }
-    int failed = PyDict_SetItemString(CallsType.tp_dict, "OPS", ops) < 0;
+    PyObject *most = PyLong_FromLong(MAX_MEMBERS);
+    int failed = !most || PyDict_SetItemString(CallsType.tp_dict, "OPS", ops) < 0 ||
+                 PyDict_SetItemString(CallsType.tp_dict, "MAX_MEMBERS", most) < 0;
     Py_DECREF(ops);
+    Py_XDECREF(most);
     if (failed) return -1;
     PyType_Modified(&CallsType);
     return PyModule_AddObjectRef(module, "Calls", (PyObject *)&CallsType) < 0 ||

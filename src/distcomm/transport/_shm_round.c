@@ -200,6 +200,17 @@ static PyObject *Rounds_consume(Rounds *r, PyObject *const *args, Py_ssize_t nar
     return PyLong_FromLong(shm_consume(r, k));
 }
 
+/* plans up to this many copies live on the stack */
+#define PLAN_STACK 32
+
+/* The direct all_reduce's round as a plan: this member's copy into its slot; member 0 folds every
+ * other copy into its buffer, the others copy member 0's and fold the rest, in rank order. */
+void shm_all_reduce_plan(Rounds *r, char *buf, Py_ssize_t n, Write *w, Read *rd, Py_ssize_t *nr) {
+    w[0] = (Write){buf, 0, n};
+    *nr = 0;
+    for (int q = r->rank ? 0 : 1; q < r->size; q++) rd[(*nr)++] = (Read){q, NULL, 0, n, buf};
+}
+
 /* all_reduce(k, seq, sig, buffer, kind) -> status bits: the direct all_reduce's whole round k on
  * buffer (written, posted, polled, checked, reduced in rank order, consumed); anything but DONE
  * or RING_CONSUMED leaves the rest of the round to Python, unread and unconsumed. */
@@ -222,16 +233,16 @@ static PyObject *Rounds_all_reduce(Rounds *r, PyObject *const *args, Py_ssize_t 
                      r->slot_bytes, view.len, kind);
         return NULL;
     }
-    Py_ssize_t n = view.len;
-    int s = (int)(k % (uint64_t)r->nslots), me = r->rank;
-    if (n) memcpy(r->slot[me * r->nslots + s], view.buf, (size_t)n);
-    int status = shm_post_and_poll(r, k, seq, sig, (uint64_t)n, 0);
-    if (status == DONE) {
-        char *acc = view.buf;
-        if (n && me) memcpy(acc, r->slot[s], (size_t)n);
-        for (int q = 1; q < r->size && n; q++) shm_reduce_into(acc, r->slot[q * r->nslots + s], n, (int)kind);
-        status = shm_consume(r, k);
+    Write w;
+    Read stack[PLAN_STACK], *rd = r->size <= PLAN_STACK ? stack : PyMem_Calloc((size_t)r->size, sizeof(Read));
+    if (!rd) {
+        PyBuffer_Release(&view);
+        return PyErr_NoMemory();
     }
+    Py_ssize_t nr;
+    shm_all_reduce_plan(r, view.buf, view.len, &w, rd, &nr);
+    int status = shm_move(r, k, seq, sig, (uint64_t)view.len, 0, 0, &w, 1, rd, nr, (int)kind, r->rank != 0, NULL, 0);
+    if (rd != stack) PyMem_Free(rd);
     PyBuffer_Release(&view);
     return PyLong_FromLong(status);
 }
@@ -240,12 +251,14 @@ static PyObject *Rounds_all_reduce(Rounds *r, PyObject *const *args, Py_ssize_t 
  * (nbytes, extra), poll, check the headers and, with check, every peer's extra word against ours,
  * and every expected slot word (DIFFERS: a rooted collective's root check failed, or a peer's slot
  * says what the plan did not expect; nothing read or consumed); then the reads, in order: with
- * kind -1 each a copy (memmove), else a fold into one destination (the first read copies, each
- * later one reduces into it with kind's op, as shm_reduce_into does); then consume. Anything but
+ * kind -1 each a copy (memmove), else a fold into one destination (with first_copies the first
+ * read copies and each later one reduces into it with kind's op, as shm_reduce_into does; without,
+ * every read reduces into what the destination holds); then consume. Anything but
  * DONE or RING_CONSUMED leaves the reads and the consume to Python (round_plan.finish). Every
  * address and length was checked by the caller. */
 int shm_move(Rounds *r, uint64_t k, uint64_t seq, uint64_t sig, uint64_t nbytes, uint64_t extra, int check,
-             const Write *w, Py_ssize_t nw, const Read *rd, Py_ssize_t nr, int kind, const Expect *e, Py_ssize_t ne) {
+             const Write *w, Py_ssize_t nw, const Read *rd, Py_ssize_t nr, int kind, int first_copies, const Expect *e,
+             Py_ssize_t ne) {
     int s = (int)(k % (uint64_t)r->nslots), me = r->rank;
     char *mine = r->slot[me * r->nslots + s];
     for (Py_ssize_t i = 0; i < nw; i++)
@@ -264,7 +277,7 @@ int shm_move(Rounds *r, uint64_t k, uint64_t seq, uint64_t sig, uint64_t nbytes,
         const Read *x = &rd[i];
         if (!x->n) continue;
         const char *from = x->peer >= 0 ? r->slot[x->peer * r->nslots + s] + x->src_off : x->src + x->src_off;
-        if (kind < 0 || i == 0)
+        if (kind < 0 || (i == 0 && first_copies))
             memmove(x->dst, from, (size_t)x->n);
         else
             shm_reduce_into(x->dst, from, x->n, kind);
@@ -361,8 +374,6 @@ static int parse_expects(Rounds *r, PyObject *seq, Py_ssize_t count, Expect *out
     return 0;
 }
 
-#define PLAN_STACK 32
-
 /* move(k, seq, sig, nbytes, extra, check, writes, reads, kind, expect) -> status bits: shm_move's
  * round from a plan of Python tuples (see round_plan.py). */
 static PyObject *Rounds_move(Rounds *r, PyObject *const *args, Py_ssize_t nargs) {
@@ -409,7 +420,7 @@ static PyObject *Rounds_move(Rounds *r, PyObject *const *args, Py_ssize_t nargs)
     if (parse_writes(r, wseq, w, nw, &held) < 0 || parse_reads(r, rseq, rd, nr, &held) < 0 ||
         parse_expects(r, eseq, ne, e) < 0)
         goto out;
-    result = PyLong_FromLong(shm_move(r, a[0], a[1], a[2], a[3], a[4], check, w, nw, rd, nr, (int)kind, e, ne));
+    result = PyLong_FromLong(shm_move(r, a[0], a[1], a[2], a[3], a[4], check, w, nw, rd, nr, (int)kind, 1, e, ne));
 out:
     release_held(&held);
     if (w && w != wstack) PyMem_Free(w);

@@ -62,12 +62,16 @@ typedef struct {
 
 extern PyTypeObject ShmRoundsType;
 
+/* the direct all_reduce's plan of n bytes in buf: one write, and r->size reads at most into rd */
+void shm_all_reduce_plan(Rounds *r, char *buf, Py_ssize_t n, Write *w, Read *rd, Py_ssize_t *nr);
+
 int shm_post_and_poll(Rounds *r, uint64_t k, uint64_t seq, uint64_t sig, uint64_t nbytes, uint64_t extra);
 int shm_consume(Rounds *r, uint64_t k);
 void shm_reduce_into(char *acc, const char *src, Py_ssize_t n, int kind);
 int shm_valid_kind(long kind);
 int shm_move(Rounds *r, uint64_t k, uint64_t seq, uint64_t sig, uint64_t nbytes, uint64_t extra, int check,
-             const Write *w, Py_ssize_t nw, const Read *rd, Py_ssize_t nr, int kind, const Expect *e, Py_ssize_t ne);
+             const Write *w, Py_ssize_t nw, const Read *rd, Py_ssize_t nr, int kind, int first_copies, const Expect *e,
+             Py_ssize_t ne);
 
 /* _shm_calls.c: adds its type (Calls) to the module where numpy's headers were found at build time;
  * returns -1 with an exception set on failure */

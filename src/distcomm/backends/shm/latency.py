@@ -836,13 +836,15 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
                            tensor_all_gather_into_tensor=tensor_all_gather_into_tensor,
                            tensor_reduce_scatter_tensor=tensor_reduce_scatter_tensor, tensor_gather=tensor_gather,
                            tensor_scatter=tensor_scatter)
-    if shm_group.Calls is None:
+    if shm_group.Calls is None or size > shm_group.Calls.MAX_MEMBERS:
         return paths
 
     # -- on numpy arrays, the whole call in C (transport/_shm_calls.c), the paths above its fallback --
     def describe(op: str, np_dtype: np.dtype, red: int, root: int):
         """What a call of ``op`` on ``np_dtype`` with reduce op ``red`` (-1: none) and ``root`` (-1:
         none) needs in C, or None where the Python path above decides (AVG and PREMUL_SUM among them)."""
+        if op == "barrier":
+            return (barrier_sig, barrier_sig, None, -1, 1, 0, None, None)
         dtype = dtype_of_numpy(np_dtype)
         if dtype is None:
             return None
@@ -863,10 +865,12 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
     ops = shm_group.Calls.OPS
     python_paths = {"broadcast": tensor_broadcast, "reduce": tensor_reduce, "all_gather": tensor_all_gather,
                     "all_gather_into_tensor": tensor_all_gather_into_tensor, "gather": tensor_gather,
-                    "scatter": tensor_scatter, "reduce_scatter_tensor": tensor_reduce_scatter_tensor}
+                    "scatter": tensor_scatter, "reduce_scatter_tensor": tensor_reduce_scatter_tensor,
+                    "all_reduce": small_all_reduce, "barrier": small_barrier}
     limit_of = {"broadcast": limits.broadcast, "reduce": limits.reduce, "all_gather": limits.all_gather,
                 "all_gather_into_tensor": limits.all_gather, "gather": limits.gather, "scatter": limits.scatter,
-                "reduce_scatter_tensor": limits.reduce_scatter_piece}
+                "reduce_scatter_tensor": limits.reduce_scatter_piece, "all_reduce": limit, "barrier": 0}
+    channels.update(all_reduce=all_reduce_channel, barrier=barrier_channel)
     calls = shm_group.Calls(
         rounds=ctx.native, ndarray=_ndarray, redop=RedOpType, ctx=ctx, profiler_on=profiler_on, enter=enter,
         leave=leave, next_seq=next_seq, open_round=ctx.open_round, ring_consumed=ctx.ring_consumed,
@@ -875,7 +879,8 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
         recorder_module=fr, observe_module=observe, group=group, limits=tuple(max(limit_of[op], 0) for op in ops),
         rs_total=max(limits.reduce_scatter, 0), scatter_step=scatter_step, t_completed=T_COMPLETED, state=STATE,
         completed=COMPLETED)
-    return paths._replace(tensor_broadcast=calls.broadcast, tensor_reduce=calls.reduce,
+    return paths._replace(all_reduce=calls.all_reduce, barrier=calls.barrier,
+                          tensor_broadcast=calls.broadcast, tensor_reduce=calls.reduce,
                           tensor_all_gather=calls.all_gather, tensor_all_gather_into_tensor=calls.all_gather_into_tensor,
                           tensor_gather=calls.gather, tensor_scatter=calls.scatter,
                           tensor_reduce_scatter_tensor=calls.reduce_scatter_tensor)

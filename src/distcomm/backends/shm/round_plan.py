@@ -37,9 +37,11 @@ def _bytes(buf) -> memoryview:
     return memoryview(buf).cast("B")
 
 
-def finish(ctx, k: int, extra: int, check: bool, reads, kind: int, red, dtype) -> tuple[int, int] | None:
+def finish(ctx, k: int, extra: int, check: bool, reads, kind: int, red, dtype,
+           first_copies: bool = True) -> tuple[int, int] | None:
     """The rest of round k after the C call handed it back and every post is in and checked: the
-    extra words, then the reads and the consume, in Python."""
+    extra words, then the reads and the consume, in Python. ``first_copies``: a fold's first read
+    copies (else every read folds into what its destination holds: the all_reduce's member 0)."""
     disagreeing = None
     if check:
         for q in range(ctx.size):
@@ -47,18 +49,18 @@ def finish(ctx, k: int, extra: int, check: bool, reads, kind: int, red, dtype) -
                 disagreeing = (q, ctx.extra(q, k))
                 break
     if disagreeing is None:
-        _read(ctx, k, reads, kind, red, dtype)
+        _read(ctx, k, reads, kind, red, dtype, first_copies)
     ctx.consume(k)
     return disagreeing
 
 
-def _read(ctx, k: int, reads, kind: int, red, dtype) -> None:
+def _read(ctx, k: int, reads, kind: int, red, dtype, first_copies: bool) -> None:
     for i, (src, src_offset, dst, dst_offset, n) in enumerate(reads):
         if not n:
             continue
         source = (ctx.raw(src, k) if isinstance(src, int) else _bytes(src))[src_offset:src_offset + n]
         target = _bytes(dst)[dst_offset:dst_offset + n]
-        if kind < 0 or i == 0:
+        if kind < 0 or (i == 0 and first_copies):
             target[:] = source
         else:
             red(np.frombuffer(target, dtype), np.frombuffer(source, dtype))
@@ -102,10 +104,10 @@ def runner(ctx):
 
 
 def handed_back(ctx, status: int, k: int, seq: int, header_sig: int, channel, nbytes: int, extra: int, check: bool,
-                reads, kind: int, red, dtype):
+                reads, kind: int, red, dtype, first_copies: bool = True):
     """The rest of round k, which a C call posted and handed back with ``status`` (neither DONE nor
     RING_CONSUMED): the wait and the header check (unless only a word differed), then ``finish``;
     returns what ``finish`` does. The plan runner's, and the whole calls' in C (``Calls``)."""
     if status != shm_group.DIFFERS:
         ctx.settle(status, k, seq, header_sig, nbytes, channel)
-    return finish(ctx, k, extra, check, reads, kind, red, dtype)
+    return finish(ctx, k, extra, check, reads, kind, red, dtype, first_copies)
