@@ -28,15 +28,19 @@ from harness import run_world
 needs_calls = pytest.mark.skipif(shm_group.Calls is None, reason="the whole calls in C are not built here "
                                  "(no compiler, or numpy's headers, at install)")
 
-# Where a call C declined would go: the Python latency paths (latency.py), whose fallback it is, or
-# the general path, which makes Buffers (buffers.py). A call C took enters only the API function's
-# helpers, the group's claim and the round's opening, or, when a peer is late (the watch itself
-# slows a rank down), the hand-back's wait and finish (shm_group.py, round_plan.py): never these.
-DECLINED_TO = ("latency.py", "buffers.py")
+def _declined(frame: str) -> bool:
+    """Whether a Python frame ("file:function") is where a call C declined goes: a Python latency
+    path (latency.py's tensor_<op>, small_all_reduce and small_barrier, which are its fallbacks),
+    or the general path, which makes Buffers (buffers.py). A call C took enters only the API
+    function's helpers, the group's claim and the round's opening, or, when a peer is late (the
+    watch itself slows a rank down), the hand-back's wait and finish: never these."""
+    file, function = frame.split(":")
+    return file == "buffers.py" or (file == "latency.py" and (
+        function.startswith("tensor_") or function in ("small_all_reduce", "small_barrier")))
 
 
 OPS_IN_C = ("all_reduce", "barrier", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "gather",
-            "scatter", "reduce_scatter_tensor")
+            "scatter", "reduce_scatter_tensor", "all_to_all_single")
 
 
 def _calls(dist, rank: int, world: int):
@@ -45,6 +49,7 @@ def _calls(dist, rank: int, world: int):
     outs = [np.zeros(3, np.float32) for _ in range(world)]
     big = np.zeros(3 * world, np.float32)
     src = np.arange(3 * world, dtype=np.float32)
+    received = np.zeros(3 * world, np.float32)
     return [
         ("all_reduce", lambda: dist.all_reduce(x)),
         ("barrier", lambda: dist.barrier()),
@@ -55,6 +60,7 @@ def _calls(dist, rank: int, world: int):
         ("gather", lambda: dist.gather(x, outs if rank == 0 else None, dst=0)),
         ("scatter", lambda: dist.scatter(x, outs if rank == 1 else None, src=1)),
         ("reduce_scatter_tensor", lambda: dist.reduce_scatter_tensor(x, src)),
+        ("all_to_all_single", lambda: dist.all_to_all_single(received, src)),
     ]
 
 
@@ -91,7 +97,7 @@ def frames_body(rank, world):
 def test_small_numpy_calls_run_in_c_from_the_api_function_on(world):
     for rank, entered in enumerate(run_world(frames_body, world, timeout=60)):
         for name, frames in entered.items():
-            declined = {f for f in frames if f.split(":")[0] in DECLINED_TO}
+            declined = {f for f in frames if _declined(f)}
             assert not declined, (rank, name, sorted(frames))
             # the API function of the op itself ran (the watch saw Python calls at all)
             assert any(f.startswith("collectives.py:") for f in frames), (rank, name, sorted(frames))
@@ -204,7 +210,8 @@ def test_calls_in_c_record_what_the_python_paths_record():
     with open(__file__) as f:  # the user's frame: each op's lambda in _calls
         lines = {op: i for i, text in enumerate(f, 1) for op in OPS_IN_C if f'("{op}", lambda' in text}
     want_bytes = {"all_reduce": 12, "barrier": 0, "broadcast": 12, "reduce": 12, "all_gather": 12,
-                  "all_gather_into_tensor": 12, "gather": 12, "scatter": 12, "reduce_scatter_tensor": 12}
+                  "all_gather_into_tensor": 12, "gather": 12, "scatter": 12, "reduce_scatter_tensor": 12,
+                  "all_to_all_single": 24}
     peers = {"broadcast": 1, "reduce": 0, "gather": 0, "scatter": 1}
     for records in run_world(records_body, 2, timeout=60):
         assert [r[0] for r in records] == list(OPS_IN_C)

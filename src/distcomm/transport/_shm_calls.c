@@ -28,6 +28,9 @@
  *   fail(exc, op, seq, sig, record): an error within a claimed call: marks the group's memory
  *       broken and raises the error in the operation's words.
  *   refuse(op, seq, sig, root, peer, value, record): raises the root mismatch (the round completed).
+ *   resume_all_to_all(status, k, seq, sig, channel, output, input): an all_to_all_single's first
+ *       round handed back (a peer sends another split, or more rounds, or votes for single copies):
+ *       its algorithm goes on from there.
  *
  * What this costs and saves is in docs/performance-notes.md. The Python latency paths stay: they
  * take torch tensors, and every call where this module is not built.
@@ -45,9 +48,10 @@ int shm_add_calls(PyObject *module) { return PyModule_AddIntConstant(module, "CA
 #include <time.h>
 
 enum { C_BROADCAST, C_REDUCE, C_ALL_GATHER, C_ALL_GATHER_INTO_TENSOR, C_GATHER, C_SCATTER, C_REDUCE_SCATTER_TENSOR,
-       C_ALL_REDUCE, C_BARRIER, C_NOPS };
+       C_ALL_REDUCE, C_BARRIER, C_ALL_TO_ALL_SINGLE, C_NOPS };
 static const char *const NAMES[C_NOPS] = {"broadcast", "reduce", "all_gather", "all_gather_into_tensor", "gather",
-                                          "scatter", "reduce_scatter_tensor", "all_reduce", "barrier"};
+                                          "scatter", "reduce_scatter_tensor", "all_reduce", "barrier",
+                                          "all_to_all_single"};
 
 /* the largest world a call takes here (its plan lives on the stack); larger ones take Python's */
 #define MAX_MEMBERS 64
@@ -58,13 +62,14 @@ typedef struct {
     PyTypeObject *ndarray, *redop;
     PyObject *ctx;                                        /* the GroupShm: its "broken" */
     PyObject *profiler_on, *enter, *leave, *next_seq, *open_round, *ring_consumed;
-    PyObject *describe, *handback, *fail, *refuse;
+    PyObject *describe, *handback, *fail, *refuse, *resume_all_to_all;
     PyObject *channels, *fallbacks;                       /* tuples in C_* order */
     PyObject *recorder_module, *observe_module, *group;
     PyObject *entries;                                    /* key -> describe()'s answer, or None */
     PyObject *names[C_NOPS], *observed[C_NOPS];           /* "broadcast", "latency_broadcast", ... */
     PyObject *s_broken, *s_recorder, *s_started, *s_current, *s_torch, *s_completed, *two;
     Py_ssize_t limits[C_NOPS], rs_total, scatter_step;
+    int direct_reads;                                     /* peers may read our memory: all_to_all's address */
     Py_ssize_t t_completed, state;                        /* a record's fields */
 } Calls;
 
@@ -100,7 +105,7 @@ typedef struct {
     uint64_t sig, header_sig;
     PyObject *sig_obj, *dtype_name, *red, *np_dtype; /* borrowed from the entry, which the dict keeps */
     int kind;
-    Py_ssize_t itemsize, stride;
+    Py_ssize_t itemsize, stride, head;
 } Entry;
 
 static int entry_of(Calls *c, int op, const Arr *a, long reduce_op, long root, Entry *e) {
@@ -124,8 +129,8 @@ static int entry_of(Calls *c, int op, const Arr *a, long reduce_op, long root, E
     }
     Py_DECREF(k);
     if (t == Py_None) return 0;
-    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 8) {
-        PyErr_SetString(PyExc_TypeError, "describe() must return None or an 8-tuple");
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 9) {
+        PyErr_SetString(PyExc_TypeError, "describe() must return None or a 9-tuple");
         return -1;
     }
     e->sig_obj = PyTuple_GET_ITEM(t, 0);
@@ -137,8 +142,9 @@ static int entry_of(Calls *c, int op, const Arr *a, long reduce_op, long root, E
     e->stride = PyLong_AsSsize_t(PyTuple_GET_ITEM(t, 5));
     e->red = PyTuple_GET_ITEM(t, 6);
     e->np_dtype = PyTuple_GET_ITEM(t, 7);
+    e->head = PyLong_AsSsize_t(PyTuple_GET_ITEM(t, 8));
     if (PyErr_Occurred()) return -1;
-    if (e->itemsize <= 0 || (e->kind != -1 && !shm_valid_kind(e->kind))) {
+    if (e->itemsize <= 0 || e->stride < 0 || e->head < 0 || (e->kind != -1 && !shm_valid_kind(e->kind))) {
         PyErr_SetString(PyExc_ValueError, "describe(): an item size must be positive and a kind known");
         return -1;
     }
@@ -154,10 +160,13 @@ typedef struct {
     Py_ssize_t src_off[MAX_MEMBERS], dst_off[MAX_MEMBERS];
     Py_ssize_t nw, nr;
     int first_copies; /* a fold's first read copies (shm_move's), else every read folds */
+    Expect e[3 * MAX_MEMBERS];
+    Py_ssize_t ne;
+    int64_t table[3 * MAX_MEMBERS + 3]; /* all_to_all's first words, written into the slot */
 } Plan;
 
 /* an empty plan (not the whole struct: a few KiB to clear on every call) */
-#define EMPTY_PLAN(p) ((p).nw = (p).nr = 0, (p).first_copies = 1)
+#define EMPTY_PLAN(p) ((p).nw = (p).nr = (p).ne = 0, (p).first_copies = 1)
 
 static void write_of(Plan *p, const Arr *a, Py_ssize_t off, Py_ssize_t slot_off, Py_ssize_t n) {
     p->w[p->nw++] = (Write){a->data + off, slot_off, n};
@@ -242,8 +251,8 @@ static PyObject *now(void) {
 /* A claimed call: its sequence number, its record, the round, the record completed. As the Python
  * paths' run_round: an error within the round goes through fail() (the group's memory is then
  * broken), a root that differs through refuse() once the group is released. */
-static PyObject *run(Calls *c, int op, const Entry *e, Plan *p, uint64_t nbytes, uint64_t extra, int check, long root,
-                     Py_ssize_t record_bytes) {
+static PyObject *run(Calls *c, int op, PyObject *const *call_args, const Entry *e, Plan *p, uint64_t nbytes,
+                     uint64_t extra, int check, long root, Py_ssize_t record_bytes) {
     PyObject *seq = NULL, *record = NULL, *disagreeing = NULL;
     uint64_t k = 0;
     seq = PyObject_CallNoArgs(c->next_seq);
@@ -287,9 +296,14 @@ static PyObject *run(Calls *c, int op, const Entry *e, Plan *p, uint64_t nbytes,
     Py_DECREF(opened);
     if (PyErr_Occurred()) goto failed;
     int status = shm_move(c->rounds, k, seq_value, e->header_sig, nbytes, extra, check, p->w, p->nw, p->r, p->nr,
-                          e->kind, p->first_copies, NULL, 0);
+                          e->kind, p->first_copies, p->e, p->ne);
     if (status == RING_CONSUMED) {
         PyObject *r = PyObject_CallNoArgs(c->ring_consumed);
+        if (!r) goto failed;
+        Py_DECREF(r);
+    } else if (status != DONE && op == C_ALL_TO_ALL_SINGLE) {
+        PyObject *r = PyObject_CallFunction(c->resume_all_to_all, "iKOKOOO", status, k, seq, e->header_sig, channel,
+                                            call_args[0], call_args[1]);
         if (!r) goto failed;
         Py_DECREF(r);
     } else if (status != DONE) {
@@ -348,7 +362,7 @@ static PyObject *claim_and_run(Calls *c, int op, PyObject *const *args, Py_ssize
     int claimed = claim(c);
     if (claimed < 0) return NULL;
     if (claimed == DECLINED) return fall_back(c, op, args, nargs);
-    return run(c, op, e, p, nbytes, extra, check, root, record_bytes);
+    return run(c, op, args, e, p, nbytes, extra, check, root, record_bytes);
 }
 
 static long root_of(Calls *c, PyObject *o) {
@@ -515,7 +529,7 @@ static PyObject *Calls_scatter(Calls *c, PyObject *const *args, Py_ssize_t nargs
     int known = entry_of(c, C_SCATTER, &out, -1, root, &e);
     if (known <= 0) return known < 0 ? NULL : fall_back(c, C_SCATTER, args, nargs);
     Py_ssize_t n = out.count * e.itemsize;
-    if (n <= 0 || n > c->limits[C_SCATTER]) goto python;
+    if (n <= 0 || n > c->limits[C_SCATTER] || n > c->scatter_step) goto python;
     Plan p;
     EMPTY_PLAN(p);
     if (r->rank == root) {
@@ -548,7 +562,8 @@ static PyObject *Calls_reduce_scatter_tensor(Calls *c, PyObject *const *args, Py
     int known = entry_of(c, C_REDUCE_SCATTER_TENSOR, &out, red, -1, &e);
     if (known <= 0) return known < 0 ? NULL : fall_back(c, C_REDUCE_SCATTER_TENSOR, args, nargs);
     Py_ssize_t n = out.count * e.itemsize, total = n * r->size;
-    if (n <= 0 || n > c->limits[C_REDUCE_SCATTER_TENSOR] || total > c->rs_total || e.kind < 0 || e.stride < n)
+    if (n <= 0 || n > c->limits[C_REDUCE_SCATTER_TENSOR] || total > c->rs_total || e.kind < 0 || e.stride < n ||
+        r->size * e.stride > r->slot_bytes)
         goto python;
     if (out.data < inp.data + total && inp.data < out.data + n) goto python; /* in place: Python reduces a copy */
     Plan p;
@@ -604,6 +619,51 @@ static PyObject *Calls_barrier(Calls *c, PyObject *const *args, Py_ssize_t nargs
     return claim_and_run(c, C_BARRIER, args, nargs, &e, &p, 0, 0, 0, -1, 0);
 }
 
+/* all_to_all_single(output, input), even splits: alltoall_slots' first round as a plan, when it is
+ * the only one. Its slot starts with this member's table of words (what it sends each member, the
+ * offsets, the counts, one round, no single-copy vote, its input's address), then one region per
+ * peer; each peer's table must say it sends `count` elements, in one round, with no vote, else the
+ * round is handed back and the algorithm goes on (resume_all_to_all). */
+static PyObject *Calls_all_to_all_single(Calls *c, PyObject *const *args, Py_ssize_t nargs) {
+    Arr out, inp;
+    Entry e;
+    Rounds *r = c->rounds;
+    int p = r->size, me = r->rank;
+    if (nargs != 2 || !array_of(c, args[0], &out) || !array_of(c, args[1], &inp) || out.type_num != inp.type_num ||
+        out.count != inp.count)
+        goto python;
+    PyArrayObject *ao = (PyArrayObject *)args[0], *ai = (PyArrayObject *)args[1];
+    if (PyArray_NDIM(ao) < 1 || PyArray_NDIM(ai) < 1 || PyArray_DIMS(ao)[0] % p || PyArray_DIMS(ai)[0] % p)
+        goto python;
+    int known = entry_of(c, C_ALL_TO_ALL_SINGLE, &inp, -1, -1, &e);
+    if (known <= 0) return known < 0 ? NULL : fall_back(c, C_ALL_TO_ALL_SINGLE, args, nargs);
+    Py_ssize_t count = inp.count / p, item = e.itemsize, nb = count * item, per = e.stride / item;
+    if (count <= 0 || count > per || inp.count * item > c->limits[C_ALL_TO_ALL_SINGLE] ||
+        e.head < (Py_ssize_t)sizeof(int64_t) * (3 * p + 3) || e.head + (p - 1) * e.stride > r->slot_bytes)
+        goto python;
+    Plan pl;
+    EMPTY_PLAN(pl);
+    int64_t *t = pl.table;
+    for (int q = 0; q < p; q++) t[q] = count, t[p + q] = (int64_t)q * count, t[2 * p + q] = count;
+    t[3 * p] = 1, t[3 * p + 1] = 0, t[3 * p + 2] = c->direct_reads ? (int64_t)(intptr_t)inp.data : 0;
+    pl.w[pl.nw++] = (Write){(const char *)t, 0, (Py_ssize_t)sizeof(int64_t) * (3 * p + 3)};
+    for (int q = 0; q < p; q++) /* our piece for q: region (q - (q > me)) of our slot */
+        if (q != me) write_of(&pl, &inp, q * nb, e.head + (q - (q > me)) * e.stride, nb);
+    for (int q = 0; q < p; q++) {
+        if (q == me) {
+            read_of(&pl, -1, &inp, q * nb, &out, q * nb, nb);
+            continue;
+        }
+        read_of(&pl, q, NULL, e.head + (me - (me > q)) * e.stride, &out, q * nb, nb);
+        pl.e[pl.ne++] = (Expect){q, me, (uint64_t)count};
+        pl.e[pl.ne++] = (Expect){q, 3 * p, 1};
+        pl.e[pl.ne++] = (Expect){q, 3 * p + 1, 0};
+    }
+    return claim_and_run(c, C_ALL_TO_ALL_SINGLE, args, nargs, &e, &pl, 0, 0, 0, -1, inp.count * item);
+python:
+    return fall_back(c, C_ALL_TO_ALL_SINGLE, args, nargs);
+}
+
 /* -- the type ------------------------------------------------------------------------------------ */
 static int Calls_traverse(Calls *c, visitproc visit, void *arg) {
     Py_VISIT(c->rounds);
@@ -620,6 +680,7 @@ static int Calls_traverse(Calls *c, visitproc visit, void *arg) {
     Py_VISIT(c->handback);
     Py_VISIT(c->fail);
     Py_VISIT(c->refuse);
+    Py_VISIT(c->resume_all_to_all);
     Py_VISIT(c->channels);
     Py_VISIT(c->fallbacks);
     Py_VISIT(c->recorder_module);
@@ -644,6 +705,7 @@ static int Calls_clear(Calls *c) {
     Py_CLEAR(c->handback);
     Py_CLEAR(c->fail);
     Py_CLEAR(c->refuse);
+    Py_CLEAR(c->resume_all_to_all);
     Py_CLEAR(c->channels);
     Py_CLEAR(c->fallbacks);
     Py_CLEAR(c->recorder_module);
@@ -679,15 +741,17 @@ static int sized_tuple(PyObject *t, const char *name) {
 static int Calls_init(Calls *c, PyObject *args, PyObject *kwds) {
     static char *kw[] = {"rounds", "ndarray", "redop", "ctx", "profiler_on", "enter", "leave", "next_seq",
                          "open_round", "ring_consumed", "describe", "handback", "fail", "refuse", "channels",
-                         "fallbacks", "recorder_module", "observe_module", "group", "limits", "rs_total",
-                         "scatter_step", "t_completed", "state", "completed", NULL};
+                         "fallbacks", "recorder_module", "observe_module", "group", "resume_all_to_all", "limits",
+                         "rs_total", "scatter_step", "t_completed", "state", "completed", "direct_reads", NULL};
     PyObject *rounds, *o[17], *limits, *completed;
     PyTypeObject *ndarray, *redop;
     Py_ssize_t rs_total, scatter_step, t_completed, state;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!OOOOOOOOOOOOOOOOOnnnnO", kw, &ShmRoundsType, &rounds,
+    int direct_reads;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!OOOOOOOOOOOOOOOOOOnnnnOp", kw, &ShmRoundsType, &rounds,
                                      &PyType_Type, &ndarray, &PyType_Type, &redop, &o[0], &o[1], &o[2], &o[3], &o[4],
                                      &o[5], &o[6], &o[7], &o[8], &o[9], &o[10], &o[11], &o[12], &o[13], &o[14],
-                                     &o[15], &limits, &rs_total, &scatter_step, &t_completed, &state, &completed))
+                                     &o[15], &o[16], &limits, &rs_total, &scatter_step, &t_completed, &state,
+                                     &completed, &direct_reads))
         return -1;
     if (!sized_tuple(o[11], "channels") || !sized_tuple(o[12], "fallbacks") || !sized_tuple(limits, "limits"))
         return -1;
@@ -699,7 +763,7 @@ static int Calls_init(Calls *c, PyObject *args, PyObject *kwds) {
     for (int i = 0; i < C_NOPS; i++) {
         lim[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(limits, i));
         if (lim[i] == -1 && PyErr_Occurred()) return -1;
-        if (lim[i] > ((Rounds *)rounds)->slot_bytes) {
+        if (lim[i] > ((Rounds *)rounds)->slot_bytes && i != C_ALL_TO_ALL_SINGLE) { /* its pieces: per round */
             PyErr_SetString(PyExc_ValueError, "Calls: a limit is larger than a slot");
             return -1;
         }
@@ -712,8 +776,9 @@ static int Calls_init(Calls *c, PyObject *args, PyObject *kwds) {
     Calls_clear(c);
     PyObject **fields[] = {&c->ctx, &c->profiler_on, &c->enter, &c->leave, &c->next_seq, &c->open_round,
                            &c->ring_consumed, &c->describe, &c->handback, &c->fail, &c->refuse, &c->channels,
-                           &c->fallbacks, &c->recorder_module, &c->observe_module, &c->group};
-    for (int i = 0; i < 16; i++) *fields[i] = Py_NewRef(o[i]);
+                           &c->fallbacks, &c->recorder_module, &c->observe_module, &c->group,
+                           &c->resume_all_to_all};
+    for (int i = 0; i < 17; i++) *fields[i] = Py_NewRef(o[i]);
     c->rounds = (Rounds *)Py_NewRef(rounds);
     c->ndarray = (PyTypeObject *)Py_NewRef(ndarray);
     c->redop = (PyTypeObject *)Py_NewRef(redop);
@@ -733,6 +798,7 @@ static int Calls_init(Calls *c, PyObject *args, PyObject *kwds) {
         c->limits[i] = lim[i];
     }
     c->rs_total = rs_total, c->scatter_step = scatter_step, c->t_completed = t_completed, c->state = state;
+    c->direct_reads = direct_reads;
     return 0;
 }
 
@@ -751,6 +817,8 @@ static PyMethodDef Calls_methods[] = {
      "reduce_scatter_tensor(output, input, op) -> bool"},
     {"all_reduce", (PyCFunction)(void (*)(void))Calls_all_reduce, METH_FASTCALL, "all_reduce(array, op) -> bool"},
     {"barrier", (PyCFunction)(void (*)(void))Calls_barrier, METH_FASTCALL, "barrier() -> bool"},
+    {"all_to_all_single", (PyCFunction)(void (*)(void))Calls_all_to_all_single, METH_FASTCALL,
+     "all_to_all_single(output, input) -> bool: even splits"},
     {NULL}};
 
 static PyTypeObject CallsType = {

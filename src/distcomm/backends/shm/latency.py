@@ -844,7 +844,7 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
         """What a call of ``op`` on ``np_dtype`` with reduce op ``red`` (-1: none) and ``root`` (-1:
         none) needs in C, or None where the Python path above decides (AVG and PREMUL_SUM among them)."""
         if op == "barrier":
-            return (barrier_sig, barrier_sig, None, -1, 1, 0, None, None)
+            return (barrier_sig, barrier_sig, None, -1, 1, 0, None, None, 0)
         dtype = dtype_of_numpy(np_dtype)
         if dtype is None:
             return None
@@ -856,31 +856,50 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
                 return None
             _, red_fn, kind = fold
         sig = sig_of(op, dtype.code, max(red, 0), at)
-        stride = 0
+        item = np_dtype.itemsize
+        stride = head = 0  # bytes between a slot's blocks (reduce_scatter, all_to_all), before the first
         if op == "reduce_scatter_tensor":
-            stride = reduce_scatter_slots.piece_count(ctx.slot_bytes, size, np_dtype.itemsize) * np_dtype.itemsize
-        return (sig, sig if at is None else without_root(sig), dtype.name, kind, np_dtype.itemsize, stride, red_fn,
-                np_dtype)
+            stride = reduce_scatter_slots.piece_count(ctx.slot_bytes, size, item) * item
+        elif op == "all_to_all_single":
+            if not alltoall_slots.fits(ctx.slot_bytes, size, item):
+                return None
+            stride = alltoall_slots.piece_capacity(ctx.slot_bytes, size, item) * item
+            head = alltoall_slots.slot_head(size)
+        return (sig, sig if at is None else without_root(sig), dtype.name, kind, item, stride, red_fn, np_dtype, head)
+
+    def resume_all_to_all(status: int, k: int, seq: int, sig: int, channel, output, inp) -> None:
+        """An all_to_all_single whose first round C handed back: the algorithm goes on from it."""
+        if status != shm_group.DIFFERS:
+            ctx.settle(status, k, seq, sig, 0, channel)
+        count = inp.size // size
+        send, recv = inp.reshape(-1), output.reshape(-1)
+        alltoall_slots.alltoall_rounds(ctx, seq, sig, channel, [send[q * count:(q + 1) * count] for q in range(size)],
+                                       [recv[q * count:(q + 1) * count] for q in range(size)],
+                                       address(send) if direct_reads else 0, [q * count for q in range(size)], False,
+                                       k)
 
     ops = shm_group.Calls.OPS
     python_paths = {"broadcast": tensor_broadcast, "reduce": tensor_reduce, "all_gather": tensor_all_gather,
                     "all_gather_into_tensor": tensor_all_gather_into_tensor, "gather": tensor_gather,
                     "scatter": tensor_scatter, "reduce_scatter_tensor": tensor_reduce_scatter_tensor,
-                    "all_reduce": small_all_reduce, "barrier": small_barrier}
+                    "all_reduce": small_all_reduce, "barrier": small_barrier,
+                    "all_to_all_single": tensor_all_to_all_single}
     limit_of = {"broadcast": limits.broadcast, "reduce": limits.reduce, "all_gather": limits.all_gather,
                 "all_gather_into_tensor": limits.all_gather, "gather": limits.gather, "scatter": limits.scatter,
-                "reduce_scatter_tensor": limits.reduce_scatter_piece, "all_reduce": limit, "barrier": 0}
+                "reduce_scatter_tensor": limits.reduce_scatter_piece, "all_reduce": limit, "barrier": 0,
+                "all_to_all_single": limits.all_to_all}
     channels.update(all_reduce=all_reduce_channel, barrier=barrier_channel)
     calls = shm_group.Calls(
         rounds=ctx.native, ndarray=_ndarray, redop=RedOpType, ctx=ctx, profiler_on=profiler_on, enter=enter,
         leave=leave, next_seq=next_seq, open_round=ctx.open_round, ring_consumed=ctx.ring_consumed,
         describe=describe, handback=partial(round_plan.handed_back, ctx), fail=fail, refuse=refuse,
         channels=tuple(channels[op] for op in ops), fallbacks=tuple(python_paths[op] for op in ops),
-        recorder_module=fr, observe_module=observe, group=group, limits=tuple(max(limit_of[op], 0) for op in ops),
-        rs_total=max(limits.reduce_scatter, 0), scatter_step=scatter_step, t_completed=T_COMPLETED, state=STATE,
-        completed=COMPLETED)
+        recorder_module=fr, observe_module=observe, group=group, resume_all_to_all=resume_all_to_all,
+        limits=tuple(max(limit_of[op], 0) for op in ops), rs_total=max(limits.reduce_scatter, 0),
+        scatter_step=scatter_step, t_completed=T_COMPLETED, state=STATE, completed=COMPLETED, direct_reads=direct_reads)
     return paths._replace(all_reduce=calls.all_reduce, barrier=calls.barrier,
                           tensor_broadcast=calls.broadcast, tensor_reduce=calls.reduce,
                           tensor_all_gather=calls.all_gather, tensor_all_gather_into_tensor=calls.all_gather_into_tensor,
                           tensor_gather=calls.gather, tensor_scatter=calls.scatter,
-                          tensor_reduce_scatter_tensor=calls.reduce_scatter_tensor)
+                          tensor_reduce_scatter_tensor=calls.reduce_scatter_tensor,
+                          tensor_all_to_all_single=calls.all_to_all_single)
