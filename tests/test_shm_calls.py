@@ -1,7 +1,10 @@
 """Whole small collectives on numpy arrays in C (``Calls``, transport/_shm_calls.c).
 
 * A small synchronous call on plain numpy arrays runs in C from the API function on: neither the
-  Python latency paths nor the general path run (sys.setprofile watches every Python call).
+  Python latency paths nor the general path run (sys.setprofile watches every Python call). So
+  does one on plain CPU torch tensors (one or two of them: lists of tensors take the Python path),
+  whose memory C keeps with the tensor: a tensor whose memory changed in place since (another
+  dtype over the same bytes, a transpose, a resize) is seen again, with right results.
 * What C does not take it hands to the Python latency path with the same arguments, which takes
   it or leaves it to the general path: arrays that are not C-contiguous, read-only, 0-d, in the
   other byte order (the general path's error); dtypes with no C fold (float16, bool, complex) in reductions and any dtype in
@@ -64,7 +67,23 @@ def _calls(dist, rank: int, world: int):
     ]
 
 
-def frames_body(rank, world):
+def _tensor_calls(dist, rank: int, world: int):
+    """(name, call) for every op C takes on torch tensors."""
+    import torch
+
+    x = torch.arange(3, dtype=torch.float32) + rank
+    big = torch.zeros(3 * world)
+    src = torch.arange(3 * world, dtype=torch.float32)
+    return [
+        ("all_reduce", lambda: dist.all_reduce(x)),
+        ("broadcast", lambda: dist.broadcast(x, src=world - 1)),
+        ("reduce", lambda: dist.reduce(x, dst=0)),
+        ("all_gather_into_tensor", lambda: dist.all_gather_into_tensor(big, x)),
+        ("reduce_scatter_tensor", lambda: dist.reduce_scatter_tensor(x, src)),
+    ]
+
+
+def frames_body(rank, world, kind):
     import os
     import sys
 
@@ -72,7 +91,7 @@ def frames_body(rank, world):
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=20))
     entered: dict[str, set] = {}
-    for name, call in _calls(dist, rank, world):
+    for name, call in (_calls if kind == "numpy" else _tensor_calls)(dist, rank, world):
         for _ in range(3):  # the group's memory, its paths and the recorder's files: set up on first use
             call()
         seen: set = set()
@@ -93,9 +112,10 @@ def frames_body(rank, world):
 
 
 @needs_calls
-@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
-def test_small_numpy_calls_run_in_c_from_the_api_function_on(world):
-    for rank, entered in enumerate(run_world(frames_body, world, timeout=60)):
+@pytest.mark.parametrize("world, kind", [(2, "numpy"), (2, "torch"), pytest.param(3, "numpy", marks=pytest.mark.slow),
+                                         pytest.param(3, "torch", marks=pytest.mark.slow)])
+def test_small_calls_run_in_c_from_the_api_function_on(world, kind):
+    for rank, entered in enumerate(run_world(frames_body, world, args=(kind,), timeout=60)):
         for name, frames in entered.items():
             declined = {f for f in frames if _declined(f)}
             assert not declined, (rank, name, sorted(frames))
@@ -188,6 +208,50 @@ def test_what_c_declines_python_takes_with_the_same_results(world):
         assert wrong == [], (rank, wrong)
 
 
+def changed_body(rank, world):
+    import torch
+
+    import distcomm as dist
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=20))
+    wrong = []
+
+    def check(what, got, want):
+        if not torch.equal(got, want):
+            wrong.append((what, got.tolist(), want.tolist()))
+
+    t = torch.full((2, 2), float(rank + 1))
+    for _ in range(3):
+        dist.all_reduce(t)  # kept with its memory from the second call on
+    check("float", t, torch.full((2, 2), float(world ** 2 * sum(range(1, world + 1)))))
+    t.fill_(rank + 1)
+    t.data = t.data.view(torch.int32)  # the same bytes, another dtype
+    t.fill_((rank + 1) * 10 ** 8)  # (small integers' bit patterns would add alike as float32 denormals)
+    dist.all_reduce(t)
+    check("another dtype", t, torch.full((2, 2), sum(range(1, world + 1)) * 10 ** 8, dtype=torch.int32))
+    u = torch.arange(4, dtype=torch.float32).reshape(2, 2)
+    dist.broadcast(u, src=0)
+    if rank == 0:
+        u.t_()  # the same memory and element count, no longer contiguous: C must not take it
+    u.copy_(torch.arange(4, dtype=torch.float32).reshape(2, 2) + 10 * rank)
+    dist.broadcast(u, src=world - 1)  # into rank 0's transposed tensor: by element, not by byte
+    check("transposed", u, torch.arange(4, dtype=torch.float32).reshape(2, 2) + 10 * (world - 1))
+    v = torch.full((4,), float(rank + 1))
+    dist.all_reduce(v)
+    v.resize_(2)  # fewer elements over the same memory
+    v.fill_(rank + 1)
+    dist.all_reduce(v)
+    check("resized", v, torch.full((2,), float(sum(range(1, world + 1)))))
+    dist.destroy_process_group()
+    return wrong
+
+
+@needs_calls
+def test_a_tensor_whose_memory_changed_in_place_is_seen_again():
+    for rank, wrong in enumerate(run_world(changed_body, 2, timeout=60)):
+        assert wrong == [], (rank, wrong)
+
+
 def records_body(rank, world):
     import distcomm as dist
     from distcomm import flight_recorder as fr
@@ -208,7 +272,11 @@ def records_body(rank, world):
 @needs_calls
 def test_calls_in_c_record_what_the_python_paths_record():
     with open(__file__) as f:  # the user's frame: each op's lambda in _calls
-        lines = {op: i for i, text in enumerate(f, 1) for op in OPS_IN_C if f'("{op}", lambda' in text}
+        lines: dict = {}
+        for i, text in enumerate(f, 1):
+            for op in OPS_IN_C:
+                if f'("{op}", lambda' in text:
+                    lines.setdefault(op, i)  # _calls's, the first
     want_bytes = {"all_reduce": 12, "barrier": 0, "broadcast": 12, "reduce": 12, "all_gather": 12,
                   "all_gather_into_tensor": 12, "gather": 12, "scatter": 12, "reduce_scatter_tensor": 12,
                   "all_to_all_single": 24}

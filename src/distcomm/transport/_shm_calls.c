@@ -56,6 +56,15 @@ static const char *const NAMES[C_NOPS] = {"broadcast", "reduce", "all_gather", "
 /* the largest world a call takes here (its plan lives on the stack); larger ones take Python's */
 #define MAX_MEMBERS 64
 
+/* torch tensors taken lately, each with its memory as a numpy array (see memory_of) */
+#define KNOWN_TENSORS 8
+
+typedef struct {
+    PyObject *tensor, *dtype, *flat; /* held: the tensor, its dtype, its memory (a numpy array) */
+    long long address;               /* its data pointer then */
+    Py_ssize_t numel;
+} Known;
+
 typedef struct {
     PyObject_HEAD
     Rounds *rounds;
@@ -68,6 +77,11 @@ typedef struct {
     PyObject *entries;                                    /* key -> describe()'s answer, or None */
     PyObject *names[C_NOPS], *observed[C_NOPS];           /* "broadcast", "latency_broadcast", ... */
     PyObject *s_broken, *s_recorder, *s_started, *s_current, *s_torch, *s_completed, *two;
+    PyObject *tensor_memory;                              /* (tensor) -> its memory as numpy, or None */
+    PyObject *tensor_type;                                /* torch.Tensor, once torch is loaded */
+    PyObject *s_Tensor, *s_data_ptr, *s_numel, *s_is_contiguous, *s_dtype;
+    Known known[KNOWN_TENSORS];
+    int next_known;
     Py_ssize_t limits[C_NOPS], rs_total, scatter_step;
     int direct_reads;                                     /* peers may read our memory: all_to_all's address */
     Py_ssize_t t_completed, state;                        /* a record's fields */
@@ -99,6 +113,85 @@ static int array_of(Calls *c, PyObject *o, Arr *a) {
     a->obj = o, a->dtype = (PyObject *)d, a->data = PyArray_DATA(x), a->count = count, a->type_num = d->type_num;
     return 1;
 }
+
+static void forget(Known *k) {
+    Py_CLEAR(k->tensor);
+    Py_CLEAR(k->dtype);
+    Py_CLEAR(k->flat);
+}
+
+/* A method's answer as a C integer (-1 with no exception: not an integer). */
+static long long call_long(PyObject *o, PyObject *name) {
+    PyObject *r = PyObject_CallMethodNoArgs(o, name);
+    if (!r) return -1;
+    long long v = PyLong_Check(r) ? PyLong_AsLongLong(r) : -1;
+    Py_DECREF(r);
+    return v;
+}
+
+/* A torch tensor's memory as an Arr: a plain dense CPU tensor (tensor_memory's answer, kept for
+ * the next calls with the same tensor, as the Python paths keep theirs), else 0. Only an exact
+ * torch.Tensor (a subclass may override what a view means: the Python path decides). */
+static int tensor_of(Calls *c, PyObject *o, Arr *a) {
+    if (!c->tensor_type) {
+        PyObject *torch = PyDict_GetItemWithError(PyImport_GetModuleDict(), c->s_torch);
+        if (!torch) {
+            PyErr_Clear();
+            return 0;
+        }
+        c->tensor_type = PyObject_GetAttr(torch, c->s_Tensor);
+        if (!c->tensor_type) {
+            PyErr_Clear();
+            return 0;
+        }
+    }
+    if ((PyObject *)Py_TYPE(o) != c->tensor_type) return 0;
+    for (int i = 0; i < KNOWN_TENSORS; i++) {
+        Known *k = &c->known[i];
+        if (k->tensor != o) continue;
+        PyObject *dtype = PyObject_GetAttr(o, c->s_dtype);
+        int same = dtype == k->dtype && call_long(o, c->s_data_ptr) == k->address &&
+                   call_long(o, c->s_numel) == k->numel;
+        Py_XDECREF(dtype);
+        if (same) {
+            PyObject *contiguous = PyObject_CallMethodNoArgs(o, c->s_is_contiguous);
+            same = contiguous == Py_True;
+            Py_XDECREF(contiguous);
+        }
+        PyErr_Clear();
+        if (same) return array_of(c, k->flat, a);
+        forget(k);
+        break;
+    }
+    PyObject *flat = PyObject_CallOneArg(c->tensor_memory, o);
+    if (!flat) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (!array_of(c, flat, a)) {
+        Py_DECREF(flat);
+        return 0;
+    }
+    long long address = call_long(o, c->s_data_ptr), numel = call_long(o, c->s_numel);
+    PyObject *dtype = PyObject_GetAttr(o, c->s_dtype);
+    PyErr_Clear();
+    if (!dtype || address == -1 || numel < 0) { /* nothing to know it by next time: Python's */
+        Py_XDECREF(dtype);
+        Py_DECREF(flat);
+        return 0;
+    }
+    /* a->obj borrows flat: the entry holds it for the call (a call takes at most two tensors
+     * here, and the round-robin replaces the oldest of KNOWN_TENSORS) */
+    Known *k = &c->known[c->next_known];
+    c->next_known = (c->next_known + 1) % KNOWN_TENSORS;
+    forget(k);
+    k->tensor = Py_NewRef(o), k->dtype = dtype, k->flat = flat, k->address = address, k->numel = (Py_ssize_t)numel;
+    return 1;
+}
+
+/* a numpy array's or a torch tensor's memory (see array_of and tensor_of): at most two tensors a
+ * call (the lists of gather, scatter and all_gather take numpy arrays only) */
+static int memory_of(Calls *c, PyObject *o, Arr *a) { return array_of(c, o, a) || tensor_of(c, o, a); }
 
 /* describe()'s answer for a call */
 typedef struct {
@@ -393,7 +486,7 @@ static PyObject *Calls_broadcast(Calls *c, PyObject *const *args, Py_ssize_t nar
     Arr x;
     long root;
     Entry e;
-    if (nargs != 2 || !array_of(c, args[0], &x) || (root = root_of(c, args[1])) < 0) goto python;
+    if (nargs != 2 || !memory_of(c, args[0], &x) || (root = root_of(c, args[1])) < 0) goto python;
     int known = entry_of(c, C_BROADCAST, &x, -1, root, &e);
     if (known <= 0) return known < 0 ? NULL : fall_back(c, C_BROADCAST, args, nargs);
     Py_ssize_t n = x.count * e.itemsize;
@@ -414,7 +507,7 @@ static PyObject *Calls_reduce(Calls *c, PyObject *const *args, Py_ssize_t nargs)
     Arr x;
     long root, red;
     Entry e;
-    if (nargs != 3 || !array_of(c, args[0], &x) || Py_TYPE(args[1]) != c->redop ||
+    if (nargs != 3 || !memory_of(c, args[0], &x) || Py_TYPE(args[1]) != c->redop ||
         (root = root_of(c, args[2])) < 0)
         goto python;
     red = PyLong_AsLong(args[1]);
@@ -457,7 +550,7 @@ static PyObject *Calls_all_gather(Calls *c, PyObject *const *args, Py_ssize_t na
     Arr send, outs[MAX_MEMBERS];
     Entry e;
     Rounds *r = c->rounds;
-    if (nargs != 2 || !array_of(c, args[1], &send) || !PyList_CheckExact(args[0]) ||
+    if (nargs != 2 || !memory_of(c, args[1], &send) || !PyList_CheckExact(args[0]) ||
         PyList_GET_SIZE(args[0]) != r->size)
         goto python;
     for (int q = 0; q < r->size; q++)
@@ -481,7 +574,7 @@ static PyObject *Calls_all_gather_into_tensor(Calls *c, PyObject *const *args, P
     Arr out, send;
     Entry e;
     Rounds *r = c->rounds;
-    if (nargs != 2 || !array_of(c, args[0], &out) || !array_of(c, args[1], &send) ||
+    if (nargs != 2 || !memory_of(c, args[0], &out) || !memory_of(c, args[1], &send) ||
         out.type_num != send.type_num || out.count != send.count * r->size)
         goto python;
     int known = entry_of(c, C_ALL_GATHER_INTO_TENSOR, &send, -1, -1, &e);
@@ -502,7 +595,7 @@ static PyObject *Calls_gather(Calls *c, PyObject *const *args, Py_ssize_t nargs)
     long root;
     Entry e;
     Rounds *r = c->rounds;
-    if (nargs != 3 || !array_of(c, args[0], &send) || (root = root_of(c, args[2])) < 0 ||
+    if (nargs != 3 || !memory_of(c, args[0], &send) || (root = root_of(c, args[2])) < 0 ||
         !root_list(c, args[1], &send, root, outs))
         goto python;
     int known = entry_of(c, C_GATHER, &send, -1, root, &e);
@@ -523,7 +616,7 @@ static PyObject *Calls_scatter(Calls *c, PyObject *const *args, Py_ssize_t nargs
     long root;
     Entry e;
     Rounds *r = c->rounds;
-    if (nargs != 3 || !array_of(c, args[0], &out) || (root = root_of(c, args[2])) < 0 ||
+    if (nargs != 3 || !memory_of(c, args[0], &out) || (root = root_of(c, args[2])) < 0 ||
         !root_list(c, args[1], &out, root, ins))
         goto python;
     int known = entry_of(c, C_SCATTER, &out, -1, root, &e);
@@ -551,7 +644,7 @@ static PyObject *Calls_reduce_scatter_tensor(Calls *c, PyObject *const *args, Py
     long red;
     Entry e;
     Rounds *r = c->rounds;
-    if (nargs != 3 || !array_of(c, args[0], &out) || !array_of(c, args[1], &inp) || Py_TYPE(args[2]) != c->redop ||
+    if (nargs != 3 || !memory_of(c, args[0], &out) || !memory_of(c, args[1], &inp) || Py_TYPE(args[2]) != c->redop ||
         out.type_num != inp.type_num || inp.count != out.count * r->size)
         goto python;
     red = PyLong_AsLong(args[2]);
@@ -587,7 +680,7 @@ static PyObject *Calls_all_reduce(Calls *c, PyObject *const *args, Py_ssize_t na
     long red;
     Entry e;
     Rounds *r = c->rounds;
-    if (nargs != 2 || !array_of(c, args[0], &x) || Py_TYPE(args[1]) != c->redop) goto python;
+    if (nargs != 2 || !memory_of(c, args[0], &x) || Py_TYPE(args[1]) != c->redop) goto python;
     red = PyLong_AsLong(args[1]);
     if (red < 0 || red > 62) {
         PyErr_Clear();
@@ -687,6 +780,13 @@ static int Calls_traverse(Calls *c, visitproc visit, void *arg) {
     Py_VISIT(c->observe_module);
     Py_VISIT(c->group);
     Py_VISIT(c->entries);
+    Py_VISIT(c->tensor_memory);
+    Py_VISIT(c->tensor_type);
+    for (int i = 0; i < KNOWN_TENSORS; i++) {
+        Py_VISIT(c->known[i].tensor);
+        Py_VISIT(c->known[i].dtype);
+        Py_VISIT(c->known[i].flat);
+    }
     return 0;
 }
 
@@ -723,6 +823,14 @@ static int Calls_clear(Calls *c) {
     Py_CLEAR(c->s_torch);
     Py_CLEAR(c->s_completed);
     Py_CLEAR(c->two);
+    Py_CLEAR(c->tensor_memory);
+    Py_CLEAR(c->tensor_type);
+    Py_CLEAR(c->s_Tensor);
+    Py_CLEAR(c->s_data_ptr);
+    Py_CLEAR(c->s_numel);
+    Py_CLEAR(c->s_is_contiguous);
+    Py_CLEAR(c->s_dtype);
+    for (int i = 0; i < KNOWN_TENSORS; i++) forget(&c->known[i]);
     return 0;
 }
 
@@ -742,16 +850,17 @@ static int Calls_init(Calls *c, PyObject *args, PyObject *kwds) {
     static char *kw[] = {"rounds", "ndarray", "redop", "ctx", "profiler_on", "enter", "leave", "next_seq",
                          "open_round", "ring_consumed", "describe", "handback", "fail", "refuse", "channels",
                          "fallbacks", "recorder_module", "observe_module", "group", "resume_all_to_all", "limits",
-                         "rs_total", "scatter_step", "t_completed", "state", "completed", "direct_reads", NULL};
-    PyObject *rounds, *o[17], *limits, *completed;
+                         "rs_total", "scatter_step", "t_completed", "state", "completed", "direct_reads",
+                         "tensor_memory", NULL};
+    PyObject *rounds, *o[17], *limits, *completed, *tensor_memory;
     PyTypeObject *ndarray, *redop;
     Py_ssize_t rs_total, scatter_step, t_completed, state;
     int direct_reads;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!OOOOOOOOOOOOOOOOOOnnnnOp", kw, &ShmRoundsType, &rounds,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!OOOOOOOOOOOOOOOOOOnnnnOpO", kw, &ShmRoundsType, &rounds,
                                      &PyType_Type, &ndarray, &PyType_Type, &redop, &o[0], &o[1], &o[2], &o[3], &o[4],
                                      &o[5], &o[6], &o[7], &o[8], &o[9], &o[10], &o[11], &o[12], &o[13], &o[14],
                                      &o[15], &o[16], &limits, &rs_total, &scatter_step, &t_completed, &state,
-                                     &completed, &direct_reads))
+                                     &completed, &direct_reads, &tensor_memory))
         return -1;
     if (!sized_tuple(o[11], "channels") || !sized_tuple(o[12], "fallbacks") || !sized_tuple(limits, "limits"))
         return -1;
@@ -783,6 +892,13 @@ static int Calls_init(Calls *c, PyObject *args, PyObject *kwds) {
     c->ndarray = (PyTypeObject *)Py_NewRef(ndarray);
     c->redop = (PyTypeObject *)Py_NewRef(redop);
     c->s_completed = Py_NewRef(completed);
+    c->tensor_memory = Py_NewRef(tensor_memory);
+    c->s_Tensor = PyUnicode_InternFromString("Tensor");
+    c->s_data_ptr = PyUnicode_InternFromString("data_ptr");
+    c->s_numel = PyUnicode_InternFromString("numel");
+    c->s_is_contiguous = PyUnicode_InternFromString("is_contiguous");
+    c->s_dtype = PyUnicode_InternFromString("dtype");
+    if (!c->s_Tensor || !c->s_data_ptr || !c->s_numel || !c->s_is_contiguous || !c->s_dtype) return -1;
     c->entries = PyDict_New();
     c->s_broken = PyUnicode_InternFromString("broken");
     c->s_recorder = PyUnicode_InternFromString("recorder");

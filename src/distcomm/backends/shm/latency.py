@@ -878,6 +878,12 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
                                        address(send) if direct_reads else 0, [q * count for q in range(size)], False,
                                        k)
 
+    def small_tensor_memory(t) -> np.ndarray | None:
+        """A plain CPU torch tensor's memory, for Calls to keep with the tensor: only a message a
+        slot can hold (Calls keeps a few, and must not keep a large tensor alive)."""
+        flat = plain_tensor_memory(t)
+        return flat if flat is not None and flat.nbytes <= ctx.slot_bytes else None
+
     ops = shm_group.Calls.OPS
     python_paths = {"broadcast": tensor_broadcast, "reduce": tensor_reduce, "all_gather": tensor_all_gather,
                     "all_gather_into_tensor": tensor_all_gather_into_tensor, "gather": tensor_gather,
@@ -896,7 +902,8 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
         channels=tuple(channels[op] for op in ops), fallbacks=tuple(python_paths[op] for op in ops),
         recorder_module=fr, observe_module=observe, group=group, resume_all_to_all=resume_all_to_all,
         limits=tuple(max(limit_of[op], 0) for op in ops), rs_total=max(limits.reduce_scatter, 0),
-        scatter_step=scatter_step, t_completed=T_COMPLETED, state=STATE, completed=COMPLETED, direct_reads=direct_reads)
+        scatter_step=scatter_step, t_completed=T_COMPLETED, state=STATE, completed=COMPLETED, direct_reads=direct_reads,
+        tensor_memory=small_tensor_memory)
     return paths._replace(all_reduce=calls.all_reduce, barrier=calls.barrier,
                           tensor_broadcast=calls.broadcast, tensor_reduce=calls.reduce,
                           tensor_all_gather=calls.all_gather, tensor_all_gather_into_tensor=calls.all_gather_into_tensor,
