@@ -553,14 +553,6 @@ class ProcessGroup:
         path = self._fast_path_for(method)
         return path is not None and path(*args)
 
-    def fast_tensors(self, op: str, *args) -> bool:
-        """The synchronous collective ``op`` on the user's own tensors (the API function's
-        arguments, with the group's root), through the engine's ``FastPath.tensor_<op>``, before
-        any Buffer is made: True when the call is done, False when nothing was done (the API
-        function then goes on: Buffers, checks, the method)."""
-        path = self._fast_path_for("tensor_" + op)
-        return path is not None and path(*args)
-
     def _fast_path_for(self, name: str):
         """The engine's fast path called ``name`` (a FastPath field), or None.
 

@@ -32,24 +32,29 @@ def profiler_scope(name: str):
     return nullcontext() if torch is None else torch.profiler.record_function(name)
 
 
+def profiler_flag():
+    """Once torch is loaded: the zero-argument function saying whether its profiler is on, for a
+    path that asks on every call: torch's own C function, one call (``profiling()`` costs five
+    lookups and two calls more, about 0.3 µs), or the general test on a torch without it."""
+    try:
+        return sys.modules["torch"]._C._autograd._profiler_enabled
+    except AttributeError:
+        return lambda: profiling() is not None
+
+
 def profiler_check():
     """A zero-argument function saying whether torch's profiler is on (``profiling() is not None``)
-    for a path that asks on every call: while torch is not loaded it looks in ``sys.modules``; once
-    torch is loaded it is torch's own C function, one call (``profiling()`` costs five lookups and
-    two calls more, about 0.3 µs)."""
+    for a path that asks on every call: while torch is not loaded it looks in ``sys.modules`` (no
+    profiler can be on); once torch is loaded, ``profiler_flag()``'s function."""
     modules = sys.modules
     found = []
 
     def check() -> bool:
         if found:
             return found[0]()
-        torch = modules.get("torch")
-        if torch is None:
+        if modules.get("torch") is None:
             return False
-        try:
-            found.append(torch._C._autograd._profiler_enabled)
-        except AttributeError:  # a torch without it: the general test
-            found.append(lambda: profiling() is not None)
+        found.append(profiler_flag())
         return found[0]()
 
     return check

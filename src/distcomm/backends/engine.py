@@ -217,7 +217,7 @@ class FastPath(NamedTuple):
     them only for ``async_op=False`` (``ProcessGroup._fast``).
 
     The ``tensor_<op>`` ones take the user's own arguments, before any Buffer is made (the API
-    function calls ``ProcessGroup.fast_tensors(op, ...)`` once the group and its root are known):
+    function calls its field of ``ProcessGroup.tensor_paths`` once the group and its root are known):
     ``tensor_broadcast`` (tensor, root), ``tensor_reduce`` (tensor, op, root),
     ``tensor_all_gather_into_tensor`` (output, input), ``tensor_reduce_scatter_tensor`` (output,
     input, op), ``tensor_gather`` (tensor, gather_list or None, root), ``tensor_scatter`` (tensor,

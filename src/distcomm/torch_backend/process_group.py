@@ -146,13 +146,14 @@ class DistcommProcessGroup(tdist.ProcessGroup):
         done._result = result
         return done
 
-    def _fast(self, op: str, result, opts, *args) -> TorchWork | None:
-        """The Work of ``op`` when the engine's tensor-level latency path took it
-        (``ProcessGroup.fast_tensors(op, *args)``: an idle group, plain CPU tensors, a small
-        message), else None and nothing was done. As an inline call on the general path, a failure
-        is delivered by the Work's ``wait()``."""
+    def _fast(self, path, result, opts, *args) -> TorchWork | None:
+        """The Work of a call when the engine's tensor-level latency path ``path`` (a field of
+        ``ProcessGroup.tensor_paths``) took it with ``args``: an idle group, plain CPU tensors, a
+        small message; else None and nothing was done (always under DETAIL, whose shape check only
+        the general path makes). As an inline call on the general path, a failure is delivered by
+        the Work's ``wait()``."""
         try:
-            if not self.group.fast_tensors(op, *args):
+            if diagnostics.check_shapes or not path(*args):
                 return None
         except Exception as exc:  # noqa: BLE001 - delivered by wait(), as _issue does
             return self._track(TorchWork(result, error=exc))
@@ -188,7 +189,7 @@ class DistcommProcessGroup(tdist.ProcessGroup):
         return self._run(lambda a: self.group.allreduce_coalesced(bufs, op, a, tensors), tensors)
 
     def broadcast(self, tensors, opts):
-        done = self._fast("broadcast", tensors, opts, tensors[0], opts.rootRank)
+        done = self._fast(self.group.tensor_paths.broadcast, tensors, opts, tensors[0], opts.rootRank)
         if done is not None:
             return done
         buf = as_buffer(tensors[0])
@@ -197,21 +198,21 @@ class DistcommProcessGroup(tdist.ProcessGroup):
     def reduce(self, tensors, opts):
         op = reduce_op(opts.reduceOp)
         if op.__class__ is RedOpType:  # the latency path takes plain ops only (not PREMUL_SUM)
-            done = self._fast("reduce", tensors, opts, tensors[0], op, opts.rootRank)
+            done = self._fast(self.group.tensor_paths.reduce, tensors, opts, tensors[0], op, opts.rootRank)
             if done is not None:
                 return done
         buf = as_buffer(tensors[0])
         return self._run(lambda a: self.group.reduce(buf, op, opts.rootRank, a, tensors), tensors)
 
     def allgather(self, output_lists, inputs, opts=None):
-        done = self._fast("all_gather", output_lists, opts, output_lists[0], inputs[0])
+        done = self._fast(self.group.tensor_paths.all_gather, output_lists, opts, output_lists[0], inputs[0])
         if done is not None:
             return done
         outs, inp = as_buffers(output_lists[0]), as_buffer(inputs[0])
         return self._run(lambda a: self.group.allgather(outs, inp, a, output_lists), output_lists)
 
     def all_gather_single(self, output, input, opts=None):  # noqa: A002 - torch's names
-        done = self._fast("all_gather_into_tensor", [output], opts, output, input)
+        done = self._fast(self.group.tensor_paths.all_gather_into_tensor, [output], opts, output, input)
         if done is not None:
             return done
         out, inp = as_buffer(output), as_buffer(input)
@@ -230,7 +231,8 @@ class DistcommProcessGroup(tdist.ProcessGroup):
     def gather(self, output_lists, inputs, opts):
         root = opts.rootRank
         is_root = self.group.rank() == root
-        done = self._fast("gather", output_lists, opts, inputs[0], output_lists[0] if is_root else None, root)
+        done = self._fast(self.group.tensor_paths.gather, output_lists, opts, inputs[0],
+                          output_lists[0] if is_root else None, root)
         if done is not None:
             return done
         outs = as_buffers(output_lists[0]) if is_root else None
@@ -240,7 +242,8 @@ class DistcommProcessGroup(tdist.ProcessGroup):
     def scatter(self, outputs, input_lists, opts):
         root = opts.rootRank
         is_root = self.group.rank() == root
-        done = self._fast("scatter", outputs, opts, outputs[0], input_lists[0] if is_root else None, root)
+        done = self._fast(self.group.tensor_paths.scatter, outputs, opts, outputs[0],
+                          input_lists[0] if is_root else None, root)
         if done is not None:
             return done
         out = as_buffer(outputs[0])
@@ -255,7 +258,7 @@ class DistcommProcessGroup(tdist.ProcessGroup):
     def reduce_scatter_single(self, output, input, opts):  # noqa: A002 - torch's name
         op = reduce_op(opts.reduceOp)
         if op.__class__ is RedOpType:
-            done = self._fast("reduce_scatter_tensor", [output], opts, output, input, op)
+            done = self._fast(self.group.tensor_paths.reduce_scatter_tensor, [output], opts, output, input, op)
             if done is not None:
                 return done
         out, inp = as_buffer(output), as_buffer(input)
@@ -273,7 +276,7 @@ class DistcommProcessGroup(tdist.ProcessGroup):
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):  # noqa: A002
         if not output_split_sizes and not input_split_sizes:  # the latency path's even splits
-            done = self._fast("all_to_all_single", [output], opts, output, input)
+            done = self._fast(self.group.tensor_paths.all_to_all_single, [output], opts, output, input)
             if done is not None:
                 return done
         size = self.group.size()

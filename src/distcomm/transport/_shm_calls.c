@@ -18,9 +18,11 @@
  *       anything this does not take (a torch tensor, a list of anything but plain arrays, a
  *       message past the limit, a busy group, torch's profiler on): it takes the call or declines
  *       it to the general path, whose checks and errors stand.
- *   profiler_on(), enter(), leave(), next_seq(), open_round(seq, sig, channel), ring_consumed():
- *       the group's claim and release, sequence numbers and the round's opening (its slot reuse
- *       waits) and peers to ring, as the Python paths call them.
+ *   profiler_flag() -> the function saying whether torch's profiler is on (asked once torch is
+ *       loaded; before, no profiler can be on); enter(), leave(), next_seq(),
+ *       open_round(seq, sig, channel), ring_consumed(): the group's claim and release, sequence
+ *       numbers and the round's opening (its slot reuse waits) and peers to ring, as the Python
+ *       paths call them.
  *   handback(status, k, seq, header_sig, channel, nbytes, extra, check, reads, kind, red, dtype,
  *            first_copies):
  *       the rest of a round shm_move handed back (a peer asleep, the long wait, a mismatch, a root
@@ -70,7 +72,8 @@ typedef struct {
     Rounds *rounds;
     PyTypeObject *ndarray, *redop;
     PyObject *ctx;                                        /* the GroupShm: its "broken" */
-    PyObject *profiler_on, *enter, *leave, *next_seq, *open_round, *ring_consumed;
+    PyObject *profiler_flag, *enter, *leave, *next_seq, *open_round, *ring_consumed;
+    PyObject *profiler_on;                                /* profiler_flag()'s answer, once torch is loaded */
     PyObject *describe, *handback, *fail, *refuse, *resume_all_to_all;
     PyObject *channels, *fallbacks;                       /* tuples in C_* order */
     PyObject *recorder_module, *observe_module, *group;
@@ -308,6 +311,7 @@ static int claim(Calls *c) {
     if (broken != Py_None) return DECLINED;
     PyObject *torch = PyDict_GetItemWithError(PyImport_GetModuleDict(), c->s_torch);
     if (torch) { /* without torch loaded its profiler cannot be on */
+        if (!c->profiler_on && !(c->profiler_on = PyObject_CallNoArgs(c->profiler_flag))) return -1;
         PyObject *on = PyObject_CallNoArgs(c->profiler_on);
         if (!on) return -1;
         int yes = PyObject_IsTrue(on);
@@ -763,6 +767,7 @@ static int Calls_traverse(Calls *c, visitproc visit, void *arg) {
     Py_VISIT(c->ndarray);
     Py_VISIT(c->redop);
     Py_VISIT(c->ctx);
+    Py_VISIT(c->profiler_flag);
     Py_VISIT(c->profiler_on);
     Py_VISIT(c->enter);
     Py_VISIT(c->leave);
@@ -795,6 +800,7 @@ static int Calls_clear(Calls *c) {
     Py_CLEAR(c->ndarray);
     Py_CLEAR(c->redop);
     Py_CLEAR(c->ctx);
+    Py_CLEAR(c->profiler_flag);
     Py_CLEAR(c->profiler_on);
     Py_CLEAR(c->enter);
     Py_CLEAR(c->leave);
@@ -847,7 +853,7 @@ static int sized_tuple(PyObject *t, const char *name) {
 }
 
 static int Calls_init(Calls *c, PyObject *args, PyObject *kwds) {
-    static char *kw[] = {"rounds", "ndarray", "redop", "ctx", "profiler_on", "enter", "leave", "next_seq",
+    static char *kw[] = {"rounds", "ndarray", "redop", "ctx", "profiler_flag", "enter", "leave", "next_seq",
                          "open_round", "ring_consumed", "describe", "handback", "fail", "refuse", "channels",
                          "fallbacks", "recorder_module", "observe_module", "group", "resume_all_to_all", "limits",
                          "rs_total", "scatter_step", "t_completed", "state", "completed", "direct_reads",
@@ -883,7 +889,7 @@ static int Calls_init(Calls *c, PyObject *args, PyObject *kwds) {
         return -1;
     }
     Calls_clear(c);
-    PyObject **fields[] = {&c->ctx, &c->profiler_on, &c->enter, &c->leave, &c->next_seq, &c->open_round,
+    PyObject **fields[] = {&c->ctx, &c->profiler_flag, &c->enter, &c->leave, &c->next_seq, &c->open_round,
                            &c->ring_consumed, &c->describe, &c->handback, &c->fail, &c->refuse, &c->channels,
                            &c->fallbacks, &c->recorder_module, &c->observe_module, &c->group,
                            &c->resume_all_to_all};

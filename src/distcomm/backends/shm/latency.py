@@ -26,8 +26,11 @@ round as a plan of copies in one C call (``round_plan.py``: the same bytes as th
 ``one_round``), and broadcast, reduce, gather, scatter, all_gather (list and tensor),
 reduce_scatter_tensor and all_to_all_single (even splits, its first round a plan too) take the call
 on the user's own arrays and tensors, before any Buffer is made (``FastPath.tensor_<op>``, through
-``ProcessGroup.fast_tensors``). The Channel a wait would need to sleep is made only then
-(``ProcessGroup.channel``). What does not change from call to call is looked up once, when the
+``ProcessGroup.tensor_paths``). Where the whole calls in C are built too (``Calls``,
+transport/_shm_calls.c), those calls, all_reduce and barrier run in C from the API function on, for
+numpy arrays and plain CPU torch tensors: each function here is then the fallback of its ``Calls``
+method, which hands it the calls it does not take (the last part of ``build``). The Channel a
+wait would need to sleep is made only then (``ProcessGroup.channel``). What does not change from call to call is looked up once, when the
 group's shared memory exists: the executor, the reducers, the signatures, and ``Limits``: the
 sizes for which ``choose`` picks the algorithm above and it takes one round (all_to_all: any
 number of rounds, as long as this rank votes against single copies).
@@ -64,7 +67,7 @@ from ... import flight_recorder as fr
 from ...buffers import plain_tensor_memory
 from ...dtypes import from_numpy
 from ...errors import DistBackendError
-from ...profiling import profiler_check
+from ...profiling import profiler_check, profiler_flag
 from ...reduction import check_supported, finish, reducer, sequence_reducer
 from ...signatures import signature, without_root
 from ...transport import shm_group
@@ -662,7 +665,7 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
 
     # the recorder's skip: run_round, the path and the API function (which calls the path through
     # ProcessGroup.tensor_paths, or through Calls, which adds no frame) are distcomm's; the user's frame
-    # is next (a distcomm caller there, as ProcessGroup.fast_tensors for torch's adapter, costs a walk)
+    # is next (a distcomm caller there, as torch's adapter, costs a walk)
     frames = 4
 
     def tensor_broadcast(tensor, root) -> bool:
@@ -896,7 +899,7 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
                 "all_to_all_single": limits.all_to_all}
     channels.update(all_reduce=all_reduce_channel, barrier=barrier_channel)
     calls = shm_group.Calls(
-        rounds=ctx.native, ndarray=_ndarray, redop=RedOpType, ctx=ctx, profiler_on=profiler_on, enter=enter,
+        rounds=ctx.native, ndarray=_ndarray, redop=RedOpType, ctx=ctx, profiler_flag=profiler_flag, enter=enter,
         leave=leave, next_seq=next_seq, open_round=ctx.open_round, ring_consumed=ctx.ring_consumed,
         describe=describe, handback=partial(round_plan.handed_back, ctx), fail=fail, refuse=refuse,
         channels=tuple(channels[op] for op in ops), fallbacks=tuple(python_paths[op] for op in ops),
