@@ -247,6 +247,16 @@ static int entry_of(Calls *c, int op, const Arr *a, long reduce_op, long root, E
     return 1;
 }
 
+/* What a call of op on a's memory needs (entry_of's, into e) and its bytes n (a's elements): 1 when
+ * op takes that many bytes here, 0 when Python's path decides (an unknown dtype or op, a message
+ * past the limit), -1 on an error. */
+static int described(Calls *c, int op, const Arr *a, long reduce_op, long root, Entry *e, Py_ssize_t *n) {
+    int known = entry_of(c, op, a, reduce_op, root, e);
+    if (known <= 0) return known;
+    *n = a->count * e->itemsize;
+    return *n > 0 && *n <= c->limits[op];
+}
+
 /* A plan: the copies of shm_move, with the Python objects and offsets of every read kept for a
  * round handed back to Python (round_plan.finish reads them as tuples). */
 typedef struct {
@@ -491,10 +501,10 @@ static PyObject *Calls_broadcast(Calls *c, PyObject *const *args, Py_ssize_t nar
     long root;
     Entry e;
     if (nargs != 2 || !memory_of(c, args[0], &x) || (root = root_of(c, args[1])) < 0) goto python;
-    int known = entry_of(c, C_BROADCAST, &x, -1, root, &e);
-    if (known <= 0) return known < 0 ? NULL : fall_back(c, C_BROADCAST, args, nargs);
-    Py_ssize_t n = x.count * e.itemsize;
-    if (n <= 0 || n > c->limits[C_BROADCAST]) goto python;
+    Py_ssize_t n = 0;
+    int takes = described(c, C_BROADCAST, &x, -1, root, &e, &n);
+    if (takes < 0) return NULL;
+    if (!takes) goto python;
     Plan p;
     EMPTY_PLAN(p);
     if (c->rounds->rank == root)
@@ -519,10 +529,10 @@ static PyObject *Calls_reduce(Calls *c, PyObject *const *args, Py_ssize_t nargs)
         PyErr_Clear();
         goto python;
     }
-    int known = entry_of(c, C_REDUCE, &x, red, root, &e);
-    if (known <= 0) return known < 0 ? NULL : fall_back(c, C_REDUCE, args, nargs);
-    Py_ssize_t n = x.count * e.itemsize;
-    if (n <= 0 || n > c->limits[C_REDUCE] || e.kind < 0) goto python;
+    Py_ssize_t n = 0;
+    int takes = described(c, C_REDUCE, &x, red, root, &e, &n);
+    if (takes < 0) return NULL;
+    if (!takes || e.kind < 0) goto python;
     Plan p;
     EMPTY_PLAN(p);
     write_of(&p, &x, 0, 0, n);
@@ -561,10 +571,10 @@ static PyObject *Calls_all_gather(Calls *c, PyObject *const *args, Py_ssize_t na
         if (!array_of(c, PyList_GET_ITEM(args[0], q), &outs[q]) || outs[q].type_num != send.type_num ||
             outs[q].count != send.count)
             goto python;
-    int known = entry_of(c, C_ALL_GATHER, &send, -1, -1, &e);
-    if (known <= 0) return known < 0 ? NULL : fall_back(c, C_ALL_GATHER, args, nargs);
-    Py_ssize_t n = send.count * e.itemsize;
-    if (n <= 0 || n > c->limits[C_ALL_GATHER]) goto python;
+    Py_ssize_t n = 0;
+    int takes = described(c, C_ALL_GATHER, &send, -1, -1, &e, &n);
+    if (takes < 0) return NULL;
+    if (!takes) goto python;
     Plan p;
     EMPTY_PLAN(p);
     gather_plan(&p, r, &send, n, outs, NULL, 1, 1);
@@ -581,10 +591,10 @@ static PyObject *Calls_all_gather_into_tensor(Calls *c, PyObject *const *args, P
     if (nargs != 2 || !memory_of(c, args[0], &out) || !memory_of(c, args[1], &send) ||
         out.type_num != send.type_num || out.count != send.count * r->size)
         goto python;
-    int known = entry_of(c, C_ALL_GATHER_INTO_TENSOR, &send, -1, -1, &e);
-    if (known <= 0) return known < 0 ? NULL : fall_back(c, C_ALL_GATHER_INTO_TENSOR, args, nargs);
-    Py_ssize_t n = send.count * e.itemsize;
-    if (n <= 0 || n > c->limits[C_ALL_GATHER_INTO_TENSOR]) goto python;
+    Py_ssize_t n = 0;
+    int takes = described(c, C_ALL_GATHER_INTO_TENSOR, &send, -1, -1, &e, &n);
+    if (takes < 0) return NULL;
+    if (!takes) goto python;
     Plan p;
     EMPTY_PLAN(p);
     gather_plan(&p, r, &send, n, NULL, &out, 1, 1);
@@ -602,10 +612,10 @@ static PyObject *Calls_gather(Calls *c, PyObject *const *args, Py_ssize_t nargs)
     if (nargs != 3 || !memory_of(c, args[0], &send) || (root = root_of(c, args[2])) < 0 ||
         !root_list(c, args[1], &send, root, outs))
         goto python;
-    int known = entry_of(c, C_GATHER, &send, -1, root, &e);
-    if (known <= 0) return known < 0 ? NULL : fall_back(c, C_GATHER, args, nargs);
-    Py_ssize_t n = send.count * e.itemsize;
-    if (n <= 0 || n > c->limits[C_GATHER]) goto python;
+    Py_ssize_t n = 0;
+    int takes = described(c, C_GATHER, &send, -1, root, &e, &n);
+    if (takes < 0) return NULL;
+    if (!takes) goto python;
     Plan p;
     EMPTY_PLAN(p);
     gather_plan(&p, r, &send, n, outs, NULL, r->rank != root, r->rank == root);
@@ -623,10 +633,10 @@ static PyObject *Calls_scatter(Calls *c, PyObject *const *args, Py_ssize_t nargs
     if (nargs != 3 || !memory_of(c, args[0], &out) || (root = root_of(c, args[2])) < 0 ||
         !root_list(c, args[1], &out, root, ins))
         goto python;
-    int known = entry_of(c, C_SCATTER, &out, -1, root, &e);
-    if (known <= 0) return known < 0 ? NULL : fall_back(c, C_SCATTER, args, nargs);
-    Py_ssize_t n = out.count * e.itemsize;
-    if (n <= 0 || n > c->limits[C_SCATTER] || n > c->scatter_step) goto python;
+    Py_ssize_t n = 0;
+    int takes = described(c, C_SCATTER, &out, -1, root, &e, &n);
+    if (takes < 0) return NULL;
+    if (!takes || n > c->scatter_step) goto python;
     Plan p;
     EMPTY_PLAN(p);
     if (r->rank == root) {
@@ -656,10 +666,11 @@ static PyObject *Calls_reduce_scatter_tensor(Calls *c, PyObject *const *args, Py
         PyErr_Clear();
         goto python;
     }
-    int known = entry_of(c, C_REDUCE_SCATTER_TENSOR, &out, red, -1, &e);
-    if (known <= 0) return known < 0 ? NULL : fall_back(c, C_REDUCE_SCATTER_TENSOR, args, nargs);
-    Py_ssize_t n = out.count * e.itemsize, total = n * r->size;
-    if (n <= 0 || n > c->limits[C_REDUCE_SCATTER_TENSOR] || total > c->rs_total || e.kind < 0 || e.stride < n ||
+    Py_ssize_t n = 0, total;
+    int takes = described(c, C_REDUCE_SCATTER_TENSOR, &out, red, -1, &e, &n);
+    if (takes < 0) return NULL;
+    total = n * r->size;
+    if (!takes || total > c->rs_total || e.kind < 0 || e.stride < n ||
         r->size * e.stride > r->slot_bytes)
         goto python;
     if (out.data < inp.data + total && inp.data < out.data + n) goto python; /* in place: Python reduces a copy */
@@ -690,10 +701,10 @@ static PyObject *Calls_all_reduce(Calls *c, PyObject *const *args, Py_ssize_t na
         PyErr_Clear();
         goto python;
     }
-    int known = entry_of(c, C_ALL_REDUCE, &x, red, -1, &e);
-    if (known <= 0) return known < 0 ? NULL : fall_back(c, C_ALL_REDUCE, args, nargs);
-    Py_ssize_t n = x.count * e.itemsize;
-    if (n <= 0 || n > c->limits[C_ALL_REDUCE] || e.kind < 0) goto python;
+    Py_ssize_t n = 0;
+    int takes = described(c, C_ALL_REDUCE, &x, red, -1, &e, &n);
+    if (takes < 0) return NULL;
+    if (!takes || e.kind < 0) goto python;
     Plan p;
     EMPTY_PLAN(p);
     write_of(&p, &x, 0, 0, n);
@@ -732,11 +743,13 @@ static PyObject *Calls_all_to_all_single(Calls *c, PyObject *const *args, Py_ssi
     PyArrayObject *ao = (PyArrayObject *)args[0], *ai = (PyArrayObject *)args[1];
     if (PyArray_NDIM(ao) < 1 || PyArray_NDIM(ai) < 1 || PyArray_DIMS(ao)[0] % p || PyArray_DIMS(ai)[0] % p)
         goto python;
-    int known = entry_of(c, C_ALL_TO_ALL_SINGLE, &inp, -1, -1, &e);
-    if (known <= 0) return known < 0 ? NULL : fall_back(c, C_ALL_TO_ALL_SINGLE, args, nargs);
+    Py_ssize_t total = 0; /* what this member sends, in all */
+    int takes = described(c, C_ALL_TO_ALL_SINGLE, &inp, -1, -1, &e, &total);
+    if (takes < 0) return NULL;
+    if (!takes) goto python;
     Py_ssize_t count = inp.count / p, item = e.itemsize, nb = count * item, per = e.stride / item;
-    if (count <= 0 || count > per || inp.count * item > c->limits[C_ALL_TO_ALL_SINGLE] ||
-        e.head < (Py_ssize_t)sizeof(int64_t) * (3 * p + 3) || e.head + (p - 1) * e.stride > r->slot_bytes)
+    if (count <= 0 || count > per || e.head < (Py_ssize_t)sizeof(int64_t) * (3 * p + 3) ||
+        e.head + (p - 1) * e.stride > r->slot_bytes)
         goto python;
     Plan pl;
     EMPTY_PLAN(pl);
@@ -756,7 +769,7 @@ static PyObject *Calls_all_to_all_single(Calls *c, PyObject *const *args, Py_ssi
         pl.e[pl.ne++] = (Expect){q, 3 * p, 1};
         pl.e[pl.ne++] = (Expect){q, 3 * p + 1, 0};
     }
-    return claim_and_run(c, C_ALL_TO_ALL_SINGLE, args, nargs, &e, &pl, 0, 0, 0, -1, inp.count * item);
+    return claim_and_run(c, C_ALL_TO_ALL_SINGLE, args, nargs, &e, &pl, 0, 0, 0, -1, total);
 python:
     return fall_back(c, C_ALL_TO_ALL_SINGLE, args, nargs);
 }
