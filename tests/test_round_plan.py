@@ -9,7 +9,8 @@
   writes into a read-only one, is refused before anything is posted.
 * In real worlds: ranks running the plans in C and ranks running the algorithms' rounds in Python
   (DISTCOMM_SHM_NATIVE=0) meet in the same rounds for broadcast, reduce, gather, scatter,
-  all_gather (list), all_gather_into_tensor, reduce_scatter_tensor and all_to_all_single at world sizes 2, 3 and 5,
+  all_gather (list), all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single, all_reduce
+  and barrier at world sizes 2, 3 and 5,
   against numpy; a late peer makes the C call hand its round back, and Python finishes it (reads
   and folds); an all_to_all_single whose peer sends another split hands its round back to the
   algorithm, which names the peer.
@@ -129,7 +130,7 @@ def test_a_read_only_destination_or_an_unknown_kind_is_refused_before_posting():
 
 # -- in real worlds ---------------------------------------------------------------------------
 OPS = ("broadcast", "reduce", "gather", "scatter", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
-       "all_to_all_single")
+       "all_to_all_single", "all_reduce", "barrier")
 
 
 def _inputs(op: str, rank: int, world: int, n: int, i: int, dtype: str):
@@ -142,6 +143,10 @@ def _expected(op: str, rank: int, world: int, n: int, i: int, dtype: str, root: 
     xs = [_inputs(op, q, world, n, i, dtype) for q in range(world)]
     if op == "broadcast":
         return xs[root]
+    if op == "all_reduce":  # rank order, as every member folds
+        return np.sum(xs, axis=0, dtype=dtype)
+    if op == "barrier":
+        return None
     if op == "reduce":
         return np.sum(xs, axis=0, dtype=dtype) if rank == root else xs[rank]
     if op == "gather":
@@ -157,6 +162,12 @@ def _expected(op: str, rank: int, world: int, n: int, i: int, dtype: str, root: 
 
 def _call(dist, op: str, rank: int, world: int, n: int, i: int, dtype: str, root: int):
     x = _inputs(op, rank, world, n, i, dtype)
+    if op == "all_reduce":
+        dist.all_reduce(x)
+        return x
+    if op == "barrier":
+        dist.barrier()
+        return None
     if op in ("broadcast", "reduce"):
         getattr(dist, op)(x, root)
         return x
