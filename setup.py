@@ -20,7 +20,7 @@ setup(
         Extension(
             "distcomm.transport._shm_round",
             ["src/distcomm/transport/_shm_round.c", "src/distcomm/transport/_shm_calls.c"],
-            depends=["src/distcomm/transport/_shm_round.h"],
+            depends=["src/distcomm/transport/_shm_round.h", "src/distcomm/_calls.h"],
             extra_compile_args=["-O2", "-fno-fast-math", "-ffp-contract=off"],  # numpy's bits: no reassociation, no fused multiply-add
             optional=True,
             **numpy_fields,

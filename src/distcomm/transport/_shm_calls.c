@@ -45,9 +45,7 @@ int shm_add_calls(PyObject *module) { return PyModule_AddIntConstant(module, "CA
 
 #else
 
-#define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
-#include <numpy/ndarraytypes.h>
-#include <time.h>
+#include "../_calls.h"
 
 enum { C_BROADCAST, C_REDUCE, C_ALL_GATHER, C_ALL_GATHER_INTO_TENSOR, C_GATHER, C_SCATTER, C_REDUCE_SCATTER_TENSOR,
        C_ALL_REDUCE, C_BARRIER, C_ALL_TO_ALL_SINGLE, C_NOPS };
@@ -71,15 +69,13 @@ typedef struct {
     PyObject_HEAD
     Rounds *rounds;
     PyTypeObject *ndarray, *redop;
-    PyObject *ctx;                                        /* the GroupShm: its "broken" */
-    PyObject *profiler_flag, *enter, *leave, *next_seq, *open_round, *ring_consumed;
-    PyObject *profiler_on;                                /* profiler_flag()'s answer, once torch is loaded */
+    Group g;                                              /* its owner: the GroupShm ("broken") */
+    PyObject *open_round, *ring_consumed;
     PyObject *describe, *handback, *fail, *refuse, *resume_all_to_all;
     PyObject *channels, *fallbacks;                       /* tuples in C_* order */
-    PyObject *recorder_module, *observe_module, *group;
     PyObject *entries;                                    /* key -> describe()'s answer, or None */
     PyObject *names[C_NOPS], *observed[C_NOPS];           /* "broadcast", "latency_broadcast", ... */
-    PyObject *s_broken, *s_recorder, *s_started, *s_current, *s_torch, *s_completed, *two;
+    PyObject *s_torch;
     PyObject *tensor_memory;                              /* (tensor) -> its memory as numpy, or None */
     PyObject *tensor_type;                                /* torch.Tensor, once torch is loaded */
     PyObject *s_Tensor, *s_data_ptr, *s_numel, *s_is_contiguous, *s_dtype;
@@ -87,35 +83,7 @@ typedef struct {
     int next_known;
     Py_ssize_t limits[C_NOPS], rs_total, scatter_step;
     int direct_reads;                                     /* peers may read our memory: all_to_all's address */
-    Py_ssize_t t_completed, state;                        /* a record's fields */
 } Calls;
-
-/* one array's memory, when it is what the Python paths take: an exact numpy ndarray, C-contiguous,
- * aligned, writeable, in native byte order, of a builtin number dtype (bool, the integers, the
- * floats, the complex ones; their type numbers say the dtype whole, where a string's or a
- * datetime's do not) */
-typedef struct {
-    PyObject *obj;
-    PyObject *dtype; /* borrowed: the array's */
-    char *data;
-    Py_ssize_t count;
-    int type_num;
-} Arr;
-
-static int array_of(Calls *c, PyObject *o, Arr *a) {
-    if (Py_TYPE(o) != c->ndarray) return 0;
-    PyArrayObject *x = (PyArrayObject *)o;
-    if ((PyArray_FLAGS(x) & NPY_ARRAY_CARRAY) != NPY_ARRAY_CARRAY) return 0;
-    PyArray_Descr *d = PyArray_DESCR(x);
-    if (!PyArray_ISNBO(d->byteorder) || !((d->type_num >= NPY_BOOL && d->type_num <= NPY_CLONGDOUBLE) ||
-                                          d->type_num == NPY_HALF))
-        return 0;
-    npy_intp *dims = PyArray_DIMS(x);
-    Py_ssize_t count = 1;
-    for (int i = 0; i < PyArray_NDIM(x); i++) count *= dims[i];
-    a->obj = o, a->dtype = (PyObject *)d, a->data = PyArray_DATA(x), a->count = count, a->type_num = d->type_num;
-    return 1;
-}
 
 static void forget(Known *k) {
     Py_CLEAR(k->tensor);
@@ -162,7 +130,7 @@ static int tensor_of(Calls *c, PyObject *o, Arr *a) {
             Py_XDECREF(contiguous);
         }
         PyErr_Clear();
-        if (same) return array_of(c, k->flat, a);
+        if (same) return array_of(c->ndarray, k->flat, a);
         forget(k);
         break;
     }
@@ -171,7 +139,7 @@ static int tensor_of(Calls *c, PyObject *o, Arr *a) {
         PyErr_Clear();
         return 0;
     }
-    if (!array_of(c, flat, a)) {
+    if (!array_of(c->ndarray, flat, a)) {
         Py_DECREF(flat);
         return 0;
     }
@@ -194,7 +162,7 @@ static int tensor_of(Calls *c, PyObject *o, Arr *a) {
 
 /* a numpy array's or a torch tensor's memory (see array_of and tensor_of): at most two tensors a
  * call (the lists of gather, scatter and all_gather take numpy arrays only) */
-static int memory_of(Calls *c, PyObject *o, Arr *a) { return array_of(c, o, a) || tensor_of(c, o, a); }
+static int memory_of(Calls *c, PyObject *o, Arr *a) { return array_of(c->ndarray, o, a) || tensor_of(c, o, a); }
 
 /* describe()'s answer for a call */
 typedef struct {
@@ -310,51 +278,6 @@ static PyObject *fall_back(Calls *c, int op, PyObject *const *args, Py_ssize_t n
     return PyObject_Vectorcall(PyTuple_GET_ITEM(c->fallbacks, op), args, (size_t)nargs, NULL);
 }
 
-#define DECLINED 1
-
-/* The group for this call, as the Python paths' claim(): memory not broken, torch's profiler off
- * (it records calls on the general path), nothing running or queued. 0: ours; DECLINED; -1 error. */
-static int claim(Calls *c) {
-    PyObject *broken = PyObject_GetAttr(c->ctx, c->s_broken);
-    if (!broken) return -1;
-    Py_DECREF(broken);
-    if (broken != Py_None) return DECLINED;
-    PyObject *torch = PyDict_GetItemWithError(PyImport_GetModuleDict(), c->s_torch);
-    if (torch) { /* without torch loaded its profiler cannot be on */
-        if (!c->profiler_on && !(c->profiler_on = PyObject_CallNoArgs(c->profiler_flag))) return -1;
-        PyObject *on = PyObject_CallNoArgs(c->profiler_on);
-        if (!on) return -1;
-        int yes = PyObject_IsTrue(on);
-        Py_DECREF(on);
-        if (yes) return yes < 0 ? -1 : DECLINED;
-    } else if (PyErr_Occurred()) {
-        return -1;
-    }
-    PyObject *entered = PyObject_CallNoArgs(c->enter);
-    if (!entered) return -1;
-    int yes = PyObject_IsTrue(entered);
-    Py_DECREF(entered);
-    return yes < 0 ? -1 : yes ? 0 : DECLINED;
-}
-
-static void leave(Calls *c) {
-    /* the lock's release: keeps an exception being raised */
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    PyObject *r = PyObject_CallNoArgs(c->leave);
-    if (r)
-        Py_DECREF(r);
-    else
-        PyErr_WriteUnraisable(c->leave);
-    PyErr_Restore(type, value, tb);
-}
-
-static PyObject *now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts); /* time.time()'s clock */
-    return PyFloat_FromDouble((double)ts.tv_sec + ts.tv_nsec * 1e-9);
-}
-
 /* A claimed call: its sequence number, its record, the round, the record completed. As the Python
  * paths' run_round: an error within the round goes through fail() (the group's memory is then
  * broken), a root that differs through refuse() once the group is released. */
@@ -362,39 +285,13 @@ static PyObject *run(Calls *c, int op, PyObject *const *call_args, const Entry *
                      uint64_t extra, int check, long root, Py_ssize_t record_bytes) {
     PyObject *seq = NULL, *record = NULL, *disagreeing = NULL;
     uint64_t k = 0;
-    seq = PyObject_CallNoArgs(c->next_seq);
+    seq = PyObject_CallNoArgs(c->g.next_seq);
     if (!seq) goto released;
     uint64_t seq_value = PyLong_AsUnsignedLongLong(seq);
     if (PyErr_Occurred()) goto released;
-    PyObject *recorder = PyObject_GetAttr(c->recorder_module, c->s_recorder);
-    if (!recorder) goto released;
-    if (recorder != Py_None) {
-        PyObject *started = PyObject_GetAttr(recorder, c->s_started);
-        Py_DECREF(recorder);
-        if (!started) goto released;
-        PyObject *size = PyLong_FromSsize_t(record_bytes), *peer = root < 0 ? Py_NewRef(Py_None) : PyLong_FromLong(root);
-        if (size && peer) {
-            /* skip 2: the user's frame is above the API function's, the caller of this call */
-            PyObject *fields[] = {c->group, seq, c->names[op], size, e->dtype_name, peer, c->two};
-            record = PyObject_Vectorcall(started, fields, 7, NULL);
-        }
-        Py_XDECREF(size);
-        Py_XDECREF(peer);
-        Py_DECREF(started);
-        if (!record) goto released;
-    } else {
-        Py_DECREF(recorder);
-    }
-    PyObject *observer = PyObject_GetAttr(c->observe_module, c->s_current);
-    if (!observer) goto failed;
-    if (observer != Py_None) {
-        PyObject *r = PyObject_CallOneArg(observer, c->observed[op]);
-        Py_DECREF(observer);
-        if (!r) goto failed;
-        Py_DECREF(r);
-    } else {
-        Py_DECREF(observer);
-    }
+    record = group_started(&c->g, seq, c->names[op], record_bytes, e->dtype_name, root);
+    if (!record) goto released;
+    if (group_observe(&c->g, c->observed[op]) < 0) goto failed;
     PyObject *channel = PyTuple_GET_ITEM(c->channels, op);
     PyObject *opening[] = {seq, e->sig_obj, channel};
     PyObject *opened = PyObject_Vectorcall(c->open_round, opening, 3, NULL);
@@ -422,40 +319,24 @@ static PyObject *run(Calls *c, int op, PyObject *const *call_args, const Entry *
         Py_DECREF(reads);
         if (!disagreeing) goto failed;
     }
-    leave(c);
+    group_leave(&c->g);
     if (disagreeing && disagreeing != Py_None) {
-        PyObject *r = PyObject_CallFunction(c->refuse, "OOKlOO", c->names[op], seq, e->sig, root, disagreeing,
-                                            record ? record : Py_None);
+        PyObject *r = PyObject_CallFunction(c->refuse, "OOKlOO", c->names[op], seq, e->sig, root, disagreeing, record);
         Py_XDECREF(r); /* it raises */
         goto out;
     }
-    if (record) {
-        PyObject *t = now();
-        if (!t || PyList_SetItem(record, c->t_completed, t) < 0) goto out;
-        Py_INCREF(c->s_completed);
-        if (PyList_SetItem(record, c->state, c->s_completed) < 0) goto out;
-    }
+    if (group_completed(&c->g, record) < 0) goto out;
     Py_XDECREF(disagreeing);
     Py_XDECREF(record);
     Py_DECREF(seq);
     Py_RETURN_TRUE;
 
 failed: { /* within the round: fail() marks the memory broken and raises the error in the op's words */
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    PyErr_NormalizeException(&type, &value, &tb);
-    if (tb) PyException_SetTraceback(value, tb);
-    PyObject *r = PyObject_CallFunction(c->fail, "OOOKO", value, c->names[op], seq, e->sig, record ? record : Py_None);
-    Py_XDECREF(r);
-    if (r) PyErr_Restore(type, value, tb); /* fail() always raises; if it did not, the error stands */
-    else {
-        Py_XDECREF(type);
-        Py_XDECREF(value);
-        Py_XDECREF(tb);
-    }
+    PyObject *more[] = {c->names[op], seq, e->sig_obj, record};
+    group_fail(c->fail, more, 4);
 }
 released:
-    leave(c);
+    group_leave(&c->g);
 out:
     Py_XDECREF(disagreeing);
     Py_XDECREF(record);
@@ -466,7 +347,7 @@ out:
 /* A call of op that passed its checks: claimed and run here, or (declined) given to Python. */
 static PyObject *claim_and_run(Calls *c, int op, PyObject *const *args, Py_ssize_t nargs, const Entry *e, Plan *p,
                                uint64_t nbytes, uint64_t extra, int check, long root, Py_ssize_t record_bytes) {
-    int claimed = claim(c);
+    int claimed = group_claim(&c->g);
     if (claimed < 0) return NULL;
     if (claimed == DECLINED) return fall_back(c, op, args, nargs);
     return run(c, op, args, e, p, nbytes, extra, check, root, record_bytes);
@@ -489,7 +370,7 @@ static int root_list(Calls *c, PyObject *list, const Arr *like, long root, Arr *
     if (r->rank != root) return list == Py_None || (PyList_CheckExact(list) && PyList_GET_SIZE(list) == 0);
     if (!PyList_CheckExact(list) || PyList_GET_SIZE(list) != r->size) return 0;
     for (int q = 0; q < r->size; q++)
-        if (!array_of(c, PyList_GET_ITEM(list, q), &out[q]) || out[q].type_num != like->type_num ||
+        if (!array_of(c->ndarray, PyList_GET_ITEM(list, q), &out[q]) || out[q].type_num != like->type_num ||
             out[q].count != like->count)
             return 0;
     return 1;
@@ -568,7 +449,7 @@ static PyObject *Calls_all_gather(Calls *c, PyObject *const *args, Py_ssize_t na
         PyList_GET_SIZE(args[0]) != r->size)
         goto python;
     for (int q = 0; q < r->size; q++)
-        if (!array_of(c, PyList_GET_ITEM(args[0], q), &outs[q]) || outs[q].type_num != send.type_num ||
+        if (!array_of(c->ndarray, PyList_GET_ITEM(args[0], q), &outs[q]) || outs[q].type_num != send.type_num ||
             outs[q].count != send.count)
             goto python;
     Py_ssize_t n = 0;
@@ -737,7 +618,7 @@ static PyObject *Calls_all_to_all_single(Calls *c, PyObject *const *args, Py_ssi
     Entry e;
     Rounds *r = c->rounds;
     int p = r->size, me = r->rank;
-    if (nargs != 2 || !array_of(c, args[0], &out) || !array_of(c, args[1], &inp) || out.type_num != inp.type_num ||
+    if (nargs != 2 || !array_of(c->ndarray, args[0], &out) || !array_of(c->ndarray, args[1], &inp) || out.type_num != inp.type_num ||
         out.count != inp.count)
         goto python;
     PyArrayObject *ao = (PyArrayObject *)args[0], *ai = (PyArrayObject *)args[1];
@@ -779,12 +660,8 @@ static int Calls_traverse(Calls *c, visitproc visit, void *arg) {
     Py_VISIT(c->rounds);
     Py_VISIT(c->ndarray);
     Py_VISIT(c->redop);
-    Py_VISIT(c->ctx);
-    Py_VISIT(c->profiler_flag);
-    Py_VISIT(c->profiler_on);
-    Py_VISIT(c->enter);
-    Py_VISIT(c->leave);
-    Py_VISIT(c->next_seq);
+    int r = group_traverse(&c->g, visit, arg);
+    if (r) return r;
     Py_VISIT(c->open_round);
     Py_VISIT(c->ring_consumed);
     Py_VISIT(c->describe);
@@ -794,9 +671,6 @@ static int Calls_traverse(Calls *c, visitproc visit, void *arg) {
     Py_VISIT(c->resume_all_to_all);
     Py_VISIT(c->channels);
     Py_VISIT(c->fallbacks);
-    Py_VISIT(c->recorder_module);
-    Py_VISIT(c->observe_module);
-    Py_VISIT(c->group);
     Py_VISIT(c->entries);
     Py_VISIT(c->tensor_memory);
     Py_VISIT(c->tensor_type);
@@ -812,12 +686,7 @@ static int Calls_clear(Calls *c) {
     Py_CLEAR(c->rounds);
     Py_CLEAR(c->ndarray);
     Py_CLEAR(c->redop);
-    Py_CLEAR(c->ctx);
-    Py_CLEAR(c->profiler_flag);
-    Py_CLEAR(c->profiler_on);
-    Py_CLEAR(c->enter);
-    Py_CLEAR(c->leave);
-    Py_CLEAR(c->next_seq);
+    group_clear(&c->g);
     Py_CLEAR(c->open_round);
     Py_CLEAR(c->ring_consumed);
     Py_CLEAR(c->describe);
@@ -827,21 +696,12 @@ static int Calls_clear(Calls *c) {
     Py_CLEAR(c->resume_all_to_all);
     Py_CLEAR(c->channels);
     Py_CLEAR(c->fallbacks);
-    Py_CLEAR(c->recorder_module);
-    Py_CLEAR(c->observe_module);
-    Py_CLEAR(c->group);
     Py_CLEAR(c->entries);
     for (int i = 0; i < C_NOPS; i++) {
         Py_CLEAR(c->names[i]);
         Py_CLEAR(c->observed[i]);
     }
-    Py_CLEAR(c->s_broken);
-    Py_CLEAR(c->s_recorder);
-    Py_CLEAR(c->s_started);
-    Py_CLEAR(c->s_current);
     Py_CLEAR(c->s_torch);
-    Py_CLEAR(c->s_completed);
-    Py_CLEAR(c->two);
     Py_CLEAR(c->tensor_memory);
     Py_CLEAR(c->tensor_type);
     Py_CLEAR(c->s_Tensor);
@@ -896,21 +756,22 @@ static int Calls_init(Calls *c, PyObject *args, PyObject *kwds) {
             return -1;
         }
     }
-    if (t_completed < 0 || state < 0 || scatter_step < 0 || scatter_step * ((Rounds *)rounds)->size >
-                                                             ((Rounds *)rounds)->slot_bytes) {
-        PyErr_SetString(PyExc_ValueError, "Calls: bad record field or scatter step");
+    if (scatter_step < 0 || scatter_step * ((Rounds *)rounds)->size > ((Rounds *)rounds)->slot_bytes) {
+        PyErr_SetString(PyExc_ValueError, "Calls: the scatter step must fit a slot once per member");
         return -1;
     }
     Calls_clear(c);
-    PyObject **fields[] = {&c->ctx, &c->profiler_flag, &c->enter, &c->leave, &c->next_seq, &c->open_round,
-                           &c->ring_consumed, &c->describe, &c->handback, &c->fail, &c->refuse, &c->channels,
-                           &c->fallbacks, &c->recorder_module, &c->observe_module, &c->group,
-                           &c->resume_all_to_all};
-    for (int i = 0; i < 17; i++) *fields[i] = Py_NewRef(o[i]);
+    /* the group's side: ctx (the owner), profiler_flag, enter, leave, next_seq, recorder_module,
+     * observe_module, group */
+    PyObject *const side[8] = {o[0], o[1], o[2], o[3], o[4], o[13], o[14], o[15]};
+    if (group_set(&c->g, side, t_completed, state, completed) < 0) return -1;
+    PyObject **fields[] = {&c->open_round, &c->ring_consumed, &c->describe, &c->handback, &c->fail, &c->refuse,
+                           &c->channels, &c->fallbacks, &c->resume_all_to_all};
+    int from[] = {5, 6, 7, 8, 9, 10, 11, 12, 16};
+    for (int i = 0; i < 9; i++) *fields[i] = Py_NewRef(o[from[i]]);
     c->rounds = (Rounds *)Py_NewRef(rounds);
     c->ndarray = (PyTypeObject *)Py_NewRef(ndarray);
     c->redop = (PyTypeObject *)Py_NewRef(redop);
-    c->s_completed = Py_NewRef(completed);
     c->tensor_memory = Py_NewRef(tensor_memory);
     c->s_Tensor = PyUnicode_InternFromString("Tensor");
     c->s_data_ptr = PyUnicode_InternFromString("data_ptr");
@@ -919,20 +780,15 @@ static int Calls_init(Calls *c, PyObject *args, PyObject *kwds) {
     c->s_dtype = PyUnicode_InternFromString("dtype");
     if (!c->s_Tensor || !c->s_data_ptr || !c->s_numel || !c->s_is_contiguous || !c->s_dtype) return -1;
     c->entries = PyDict_New();
-    c->s_broken = PyUnicode_InternFromString("broken");
-    c->s_recorder = PyUnicode_InternFromString("recorder");
-    c->s_started = PyUnicode_InternFromString("started");
-    c->s_current = PyUnicode_InternFromString("current");
     c->s_torch = PyUnicode_InternFromString("torch");
-    c->two = PyLong_FromLong(2);
-    if (!c->entries || !c->two || !c->s_broken || !c->s_recorder || !c->s_started || !c->s_current || !c->s_torch) return -1;
+    if (!c->entries || !c->s_torch) return -1;
     for (int i = 0; i < C_NOPS; i++) {
         c->names[i] = PyUnicode_InternFromString(NAMES[i]);
         c->observed[i] = PyUnicode_FromFormat("latency_%s", NAMES[i]);
         if (!c->names[i] || !c->observed[i]) return -1;
         c->limits[i] = lim[i];
     }
-    c->rs_total = rs_total, c->scatter_step = scatter_step, c->t_completed = t_completed, c->state = state;
+    c->rs_total = rs_total, c->scatter_step = scatter_step;
     c->direct_reads = direct_reads;
     return 0;
 }
