@@ -27,4 +27,9 @@ setup(
         ),
         Extension("distcomm._record", ["src/distcomm/_record.c"], extra_compile_args=["-O2"], optional=True),
     ]
+    + (  # the MPI engine's small all_reduce in C: Python methods of mpi4py's requests, no MPI header
+        [Extension("distcomm.backends.mpi._mpi_calls", ["src/distcomm/backends/mpi/_mpi_calls.c"],
+                   depends=["src/distcomm/_calls.h"], extra_compile_args=["-O2"], optional=True, **numpy_fields)]
+        if numpy_fields else []
+    )
 )

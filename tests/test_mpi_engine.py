@@ -127,6 +127,12 @@ def test_receive_timeout_names_the_peer(error_lines):
     assert text.startswith("DistTimeoutError: recv on rank 0 (peer rank 1) (tag 5): timed out"), text
 
 
+def _mpi_calls_missing() -> bool:
+    from distcomm.backends.mpi import latency
+
+    return not latency.ALL_REDUCE_IN_C
+
+
 @pytest.mark.parametrize("ws", WORLD_SIZES)
 def test_latency_paths(ws):
     lines = _lines(ws, "latency_worker.py")
@@ -150,6 +156,7 @@ def test_latency_paths(ws):
                     ("broadcast", 9, "completed", 24)]
         assert got("records") == str(expected)
         assert got("public_sites") == "ok"
+        assert got("all_reduce_in_c") in ("yes", "not built" if _mpi_calls_missing() else "yes")
         # rank 0 on the latency path, the others on the general one: the same MPI calls
         assert got("mixed_all_reduce") == f"True {[float(n * (n - 1) // 2)] * 2}"
         assert got("mixed_all_gather") == f"True {[q + 5 for q in range(n)]}"

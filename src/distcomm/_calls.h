@@ -3,12 +3,12 @@
  * and the group's side of a call, which is the Python latency paths' side of it:
  *
  *   claim: the group's memory (or communicator) not broken, torch's profiler off (it records calls
- *          on the general path), nothing running or queued on the group (its executor's
- *          enter_inline); leave: the release;
+ *          on the general path), nothing running or queued on the group (the steps of its
+ *          executor's enter_inline, on what its inline_gate gives); leave: the release;
  *   its sequence number, the flight recorder's record (started, then completed), the engine
  *   observer's notice ("latency_<op>", for tests).
  *
- * Static functions: each extension compiles its own copy from this one definition.
+ * Static inline functions: each extension compiles its own copy from this one definition.
  */
 #ifndef DISTCOMM_CALLS_H
 #define DISTCOMM_CALLS_H
@@ -31,7 +31,7 @@ typedef struct {
     int type_num;
 } Arr;
 
-static int array_of(PyTypeObject *ndarray, PyObject *o, Arr *a) {
+static inline int array_of(PyTypeObject *ndarray, PyObject *o, Arr *a) {
     if (Py_TYPE(o) != ndarray) return 0;
     PyArrayObject *x = (PyArrayObject *)o;
     if ((PyArray_FLAGS(x) & NPY_ARRAY_CARRAY) != NPY_ARRAY_CARRAY) return 0;
@@ -49,19 +49,29 @@ static int array_of(PyTypeObject *ndarray, PyObject *o, Arr *a) {
 /* the group's side of a call (see the top of this file) */
 typedef struct {
     PyObject *owner; /* whose "broken" attribute, when not None, says the group is unusable */
-    PyObject *profiler_flag, *profiler_on, *enter, *leave, *next_seq;
+    PyObject *profiler_flag, *profiler_on, *executor, *queue, *lock, *leave, *next_seq;
     PyObject *recorder_module, *observe_module, *group;
-    PyObject *s_broken, *s_recorder, *s_started, *s_current, *s_torch, *s_completed, *two;
+    PyObject *s_broken, *s_recorder, *s_started, *s_current, *s_torch, *s_completed, *two, *s_closed, *s_acquire;
     Py_ssize_t t_completed, state; /* a record's fields */
 } Group;
 
-/* owner, profiler_flag, enter, leave, next_seq, recorder_module, observe_module, group: see Group
+/* owner, profiler_flag, executor, leave, next_seq, recorder_module, observe_module, group: see Group
  * and the top of this file; t_completed, state, completed: a record's fields and its final state */
-static int group_set(Group *g, PyObject *const objects[8], Py_ssize_t t_completed, Py_ssize_t state,
+static inline int group_set(Group *g, PyObject *const objects[8], Py_ssize_t t_completed, Py_ssize_t state,
                      PyObject *completed) {
-    PyObject **fields[] = {&g->owner, &g->profiler_flag, &g->enter, &g->leave, &g->next_seq, &g->recorder_module,
+    PyObject **fields[] = {&g->owner, &g->profiler_flag, &g->executor, &g->leave, &g->next_seq, &g->recorder_module,
                            &g->observe_module, &g->group};
     for (int i = 0; i < 8; i++) *fields[i] = Py_NewRef(objects[i]);
+    PyObject *gate = PyObject_CallMethod(g->executor, "inline_gate", NULL);
+    if (!gate) return -1;
+    if (!PyTuple_Check(gate) || PyTuple_GET_SIZE(gate) != 2) {
+        Py_DECREF(gate);
+        PyErr_SetString(PyExc_TypeError, "executor.inline_gate() must return (queue, lock)");
+        return -1;
+    }
+    g->queue = Py_NewRef(PyTuple_GET_ITEM(gate, 0));
+    g->lock = Py_NewRef(PyTuple_GET_ITEM(gate, 1));
+    Py_DECREF(gate);
     g->s_completed = Py_NewRef(completed);
     g->t_completed = t_completed, g->state = state;
     g->s_broken = PyUnicode_InternFromString("broken");
@@ -70,7 +80,11 @@ static int group_set(Group *g, PyObject *const objects[8], Py_ssize_t t_complete
     g->s_current = PyUnicode_InternFromString("current");
     g->s_torch = PyUnicode_InternFromString("torch");
     g->two = PyLong_FromLong(2);
-    if (!g->s_broken || !g->s_recorder || !g->s_started || !g->s_current || !g->s_torch || !g->two) return -1;
+    g->s_closed = PyUnicode_InternFromString("closed");
+    g->s_acquire = PyUnicode_InternFromString("acquire");
+    if (!g->s_broken || !g->s_recorder || !g->s_started || !g->s_current || !g->s_torch || !g->two || !g->s_closed ||
+        !g->s_acquire)
+        return -1;
     if (t_completed < 0 || state < 0) {
         PyErr_SetString(PyExc_ValueError, "a record's fields are indexes");
         return -1;
@@ -78,11 +92,13 @@ static int group_set(Group *g, PyObject *const objects[8], Py_ssize_t t_complete
     return 0;
 }
 
-static int group_traverse(Group *g, visitproc visit, void *arg) {
+static inline int group_traverse(Group *g, visitproc visit, void *arg) {
     Py_VISIT(g->owner);
     Py_VISIT(g->profiler_flag);
     Py_VISIT(g->profiler_on);
-    Py_VISIT(g->enter);
+    Py_VISIT(g->executor);
+    Py_VISIT(g->queue);
+    Py_VISIT(g->lock);
     Py_VISIT(g->leave);
     Py_VISIT(g->next_seq);
     Py_VISIT(g->recorder_module);
@@ -91,11 +107,13 @@ static int group_traverse(Group *g, visitproc visit, void *arg) {
     return 0;
 }
 
-static void group_clear(Group *g) {
+static inline void group_clear(Group *g) {
     Py_CLEAR(g->owner);
     Py_CLEAR(g->profiler_flag);
     Py_CLEAR(g->profiler_on);
-    Py_CLEAR(g->enter);
+    Py_CLEAR(g->executor);
+    Py_CLEAR(g->queue);
+    Py_CLEAR(g->lock);
     Py_CLEAR(g->leave);
     Py_CLEAR(g->next_seq);
     Py_CLEAR(g->recorder_module);
@@ -108,12 +126,26 @@ static void group_clear(Group *g) {
     Py_CLEAR(g->s_torch);
     Py_CLEAR(g->s_completed);
     Py_CLEAR(g->two);
+    Py_CLEAR(g->s_closed);
+    Py_CLEAR(g->s_acquire);
+}
+
+/* the claim's release (a lock's): keeps an exception being raised */
+static inline void group_leave(Group *g) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *r = PyObject_CallNoArgs(g->leave);
+    if (r)
+        Py_DECREF(r);
+    else
+        PyErr_WriteUnraisable(g->leave);
+    PyErr_Restore(type, value, tb);
 }
 
 #define DECLINED 1
 
 /* The group for this call. 0: ours (then group_leave must follow); DECLINED; -1: an error. */
-static int group_claim(Group *g) {
+static inline int group_claim(Group *g) {
     PyObject *broken = PyObject_GetAttr(g->owner, g->s_broken);
     if (!broken) return -1;
     Py_DECREF(broken);
@@ -129,30 +161,32 @@ static int group_claim(Group *g) {
     } else if (PyErr_Occurred()) {
         return -1;
     }
-    PyObject *entered = PyObject_CallNoArgs(g->enter);
-    if (!entered) return -1;
-    int yes = PyObject_IsTrue(entered);
-    Py_DECREF(entered);
-    return yes < 0 ? -1 : yes ? 0 : DECLINED;
-}
-
-/* the claim's release (a lock's): keeps an exception being raised */
-static void group_leave(Group *g) {
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    PyObject *r = PyObject_CallNoArgs(g->leave);
-    if (r)
-        Py_DECREF(r);
-    else
-        PyErr_WriteUnraisable(g->leave);
-    PyErr_Restore(type, value, tb);
+    /* enter_inline's steps: nothing queued, not closed, the lock without waiting, still nothing
+     * queued (a task queued between the test and the claim was issued first) */
+    Py_ssize_t queued = PyObject_Length(g->queue);
+    if (queued) return queued < 0 ? -1 : DECLINED;
+    PyObject *closed = PyObject_GetAttr(g->executor, g->s_closed);
+    if (!closed) return -1;
+    int yes = PyObject_IsTrue(closed);
+    Py_DECREF(closed);
+    if (yes) return yes < 0 ? -1 : DECLINED;
+    PyObject *taken = PyObject_CallMethodOneArg(g->lock, g->s_acquire, Py_False);
+    if (!taken) return -1;
+    yes = PyObject_IsTrue(taken);
+    Py_DECREF(taken);
+    if (yes <= 0) return yes < 0 ? -1 : DECLINED;
+    if ((queued = PyObject_Length(g->queue)) != 0) {
+        group_leave(g);
+        return queued < 0 ? -1 : DECLINED;
+    }
+    return 0;
 }
 
 /* The flight recorder's record of a call started now (op `name`, sequence number `seq`, `nbytes`,
  * `dtype_name`, root or -1), made as the Python paths make it: a new reference, Py_None (a new
  * reference too) when the recorder is off, NULL on an error. The user's frame is two above: the
  * API function's caller (a distcomm or torch caller there costs the recorder's walk). */
-static PyObject *group_started(Group *g, PyObject *seq, PyObject *name, Py_ssize_t nbytes, PyObject *dtype_name,
+static inline PyObject *group_started(Group *g, PyObject *seq, PyObject *name, Py_ssize_t nbytes, PyObject *dtype_name,
                                long root) {
     PyObject *recorder = PyObject_GetAttr(g->recorder_module, g->s_recorder);
     if (!recorder || recorder == Py_None) return recorder;
@@ -171,8 +205,10 @@ static PyObject *group_started(Group *g, PyObject *seq, PyObject *name, Py_ssize
     return record;
 }
 
-/* the engine observer's notice of a call it takes (`observed`: "latency_<op>"), when one is set */
-static int group_observe(Group *g, PyObject *observed) {
+/* the engine observer's notice of a call it takes (`observed`: "latency_<op>"), when the engine has
+ * one (its observe_module, else None) and one is set */
+static inline int group_observe(Group *g, PyObject *observed) {
+    if (g->observe_module == Py_None) return 0;
     PyObject *observer = PyObject_GetAttr(g->observe_module, g->s_current);
     if (!observer) return -1;
     if (observer == Py_None) {
@@ -186,7 +222,7 @@ static int group_observe(Group *g, PyObject *observed) {
 }
 
 /* a record (group_started's) marked completed now */
-static int group_completed(Group *g, PyObject *record) {
+static inline int group_completed(Group *g, PyObject *record) {
     if (record == Py_None) return 0;
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts); /* time.time()'s clock */
@@ -198,7 +234,7 @@ static int group_completed(Group *g, PyObject *record) {
 
 /* the exception being raised, normalized, handed to `fail(exc, *more)`, which raises the call's
  * error in the operation's words; if fail returns instead, the first error stands */
-static void group_fail(PyObject *fail, PyObject *const *more, Py_ssize_t nmore) {
+static inline void group_fail(PyObject *fail, PyObject *const *more, Py_ssize_t nmore) {
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
     PyErr_NormalizeException(&type, &value, &tb);

@@ -39,10 +39,11 @@ class OrderedExecutor:
         self.name = name
         self._queue: collections.deque[_Task] = collections.deque()
         self._running = threading.Lock()
-        # Guards the queue, the worker's start and ``_closed``; only the worker waits on it.
+        # Guards the queue, the worker's start and ``closed``; only the worker waits on it.
         self._cv = threading.Condition(threading.Lock())
         self._thread: threading.Thread | None = None
-        self._closed = False
+        # Set by close(), under _cv; an inline claim reads it without (its claim is the lock).
+        self.closed = False
         # The release of an inline call's claim: the lock's own method, no Python frame. The worker
         # needs no wake-up: it waits on the lock itself.
         self.leave_inline = self._running.release
@@ -51,12 +52,18 @@ class OrderedExecutor:
         """Claim the group for a synchronous call the caller runs itself: True when nothing is
         running or queued and the group is open (then ``leave_inline()`` must follow), else False."""
         queue = self._queue
-        if queue or self._closed or not self._running.acquire(False):
+        if queue or self.closed or not self._running.acquire(False):
             return False
         if queue:  # queued between the test and the claim: the queued task was issued first
             self._running.release()
             return False
         return True
+
+    def inline_gate(self) -> tuple:
+        """(queue, lock): what ``enter_inline`` reads, for a claim made in C (the whole calls of
+        _calls.h, which repeat its steps: nothing queued, not closed, the lock taken without
+        waiting, still nothing queued). The queue is only read there; ``leave_inline`` releases."""
+        return self._queue, self._running
 
     def idle(self) -> bool:
         """Nothing running or queued: a snapshot, for callers choosing between running a call
@@ -72,7 +79,7 @@ class OrderedExecutor:
             return None
         work = Work(op, result)
         with self._cv:
-            if self._closed:
+            if self.closed:
                 raise RuntimeError(f"{op}: the process group {self.name!r} has been destroyed")
             self._queue.append(_Task(fn, work))
             if self._thread is None:
@@ -97,7 +104,7 @@ class OrderedExecutor:
         while True:
             with self._cv:
                 while not self._queue:
-                    if self._closed:
+                    if self.closed:
                         return
                     self._cv.wait()
             # The claim first, then the task: a task stays queued (so inline calls decline) until
@@ -116,7 +123,7 @@ class OrderedExecutor:
 
     def close(self) -> None:
         with self._cv:
-            self._closed = True
+            self.closed = True
             self._cv.notify_all()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():

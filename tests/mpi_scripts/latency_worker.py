@@ -15,7 +15,8 @@ the call computed. The calls are made:
    op, sequence number and rank, the record says failed, the group is broken;
 6. (made before 5) the records of calls through the public API name the caller's line and function;
 7. (made before 6) all_reduces of more sizes than the group keeps persistent requests for, mixing
-   the latency and general paths.
+   the latency and general paths;
+8. (made after 6) where it is built, a numpy all_reduce runs in C (the Python path never runs).
 """
 
 import os
@@ -153,6 +154,35 @@ def public_calls():
 
 
 say(f"{rank} public_sites {public_calls()}")
+
+
+# 8. where the all_reduce in C is built (backends/mpi/_mpi_calls.c), a numpy all_reduce never
+# reaches the Python path (small_all_reduce, which stays its fallback)
+def all_reduce_in_c():
+    import sys
+
+    from distcomm.backends.mpi import latency
+
+    if not latency.ALL_REDUCE_IN_C:
+        return "not built"
+    seen = set()
+
+    def watch(frame, event, arg):
+        if event == "call":
+            seen.add(frame.f_code.co_name)
+
+    v = np.ones(2, np.float32)
+    dist.all_reduce(v, group=g)
+    sys.setprofile(watch)
+    try:
+        for _ in range(5):
+            dist.all_reduce(v, group=g)
+    finally:
+        sys.setprofile(None)
+    return "python path" if "small_all_reduce" in seen else "yes"
+
+
+say(f"{rank} all_reduce_in_c {all_reduce_in_c()}")
 
 # 5. a latency-path call that times out inside MPI
 s = dist.new_group(list(range(size)), timeout=timedelta(seconds=1.5))

@@ -15,14 +15,13 @@
  *       signatures, dtype name and item size, the C fold's kind, Python's reducer), or None: the
  *       dtype or op is not one the round takes. Asked once per combination; kept in a dict.
  *   fallbacks[op](*args): the Python latency path of the op, called with the same arguments for
- *       anything this does not take (a torch tensor, a list of anything but plain arrays, a
- *       message past the limit, a busy group, torch's profiler on): it takes the call or declines
- *       it to the general path, whose checks and errors stand.
- *   profiler_flag() -> the function saying whether torch's profiler is on (asked once torch is
- *       loaded; before, no profiler can be on); enter(), leave(), next_seq(),
- *       open_round(seq, sig, channel), ring_consumed(): the group's claim and release, sequence
- *       numbers and the round's opening (its slot reuse waits) and peers to ring, as the Python
- *       paths call them.
+ *       anything this does not take (a tensor that is not a plain CPU one, a list of anything but
+ *       numpy arrays, a message past the limit, a busy group, torch's profiler on): it takes the
+ *       call or declines it to the general path, whose checks and errors stand.
+ *   the group's side (_calls.h): its claim (profiler_flag, the executor), leave(), next_seq(),
+ *       the flight recorder and the engine observer's modules;
+ *   open_round(seq, sig, channel), ring_consumed(): the round's opening (its slot reuse waits)
+ *       and the peers to ring, as the Python paths call them.
  *   handback(status, k, seq, header_sig, channel, nbytes, extra, check, reads, kind, red, dtype,
  *            first_copies):
  *       the rest of a round shm_move handed back (a peer asleep, the long wait, a mismatch, a root
@@ -726,7 +725,7 @@ static int sized_tuple(PyObject *t, const char *name) {
 }
 
 static int Calls_init(Calls *c, PyObject *args, PyObject *kwds) {
-    static char *kw[] = {"rounds", "ndarray", "redop", "ctx", "profiler_flag", "enter", "leave", "next_seq",
+    static char *kw[] = {"rounds", "ndarray", "redop", "ctx", "profiler_flag", "executor", "leave", "next_seq",
                          "open_round", "ring_consumed", "describe", "handback", "fail", "refuse", "channels",
                          "fallbacks", "recorder_module", "observe_module", "group", "resume_all_to_all", "limits",
                          "rs_total", "scatter_step", "t_completed", "state", "completed", "direct_reads",
@@ -761,7 +760,7 @@ static int Calls_init(Calls *c, PyObject *args, PyObject *kwds) {
         return -1;
     }
     Calls_clear(c);
-    /* the group's side: ctx (the owner), profiler_flag, enter, leave, next_seq, recorder_module,
+    /* the group's side: ctx (the owner), profiler_flag, executor, leave, next_seq, recorder_module,
      * observe_module, group */
     PyObject *const side[8] = {o[0], o[1], o[2], o[3], o[4], o[13], o[14], o[15]};
     if (group_set(&c->g, side, t_completed, state, completed) < 0) return -1;

@@ -45,7 +45,7 @@ from ... import flight_recorder as fr
 from ...buffers import plain_tensor_memory
 from ...dtypes import from_numpy
 from ...errors import DistBackendError
-from ...profiling import profiler_check
+from ...profiling import profiler_check, profiler_flag
 from ...reduction import check_supported, finish
 from ...signatures import signature
 from ...transport.base import TransportError
@@ -54,6 +54,14 @@ from ...types import RedOpType
 from ..engine import FastPath
 
 LIMIT = 64 * 1024  # bytes: past this the call's own cost is MPI's, and the general path adds nothing to it
+
+try:  # the small all_reduce on a numpy array, the whole call in C (setup.py builds it where it can)
+    from ._mpi_calls import Calls as _CallsInC
+except ImportError:
+    _CallsInC = None
+#: whether the small all_reduce on a numpy array runs in C here (_mpi_calls.c, built by setup.py)
+ALL_REDUCE_IN_C = _CallsInC is not None
+_RED_OP_VALUES = frozenset(int(op) for op in RedOpType)
 
 _ndarray = np.ndarray
 _modules = sys.modules
@@ -292,5 +300,26 @@ def build(pg, collectives) -> FastPath:
         buf.commit()
         return True
 
-    return FastPath(small_all_reduce, small_barrier, allgather_into_tensor=small_all_gather_into_tensor,
+    all_reduce = small_all_reduce
+    if _CallsInC is not None:
+        def describe(red: int, np_dtype: np.dtype):
+            """What the all_reduce in C needs for ``red`` (a RedOpType's value) on ``np_dtype``: the
+            signature, the dtype's name, its item size and the persistent requests made for its MPI
+            datatype and op; None where small_all_reduce decides (AVG divides after, in Python)."""
+            if red not in _RED_OP_VALUES or red == AVG:
+                return None
+            op = RedOpType(red)
+            entry = plans[op][np_dtype.num] if np_dtype.num in plans[op] else plan(op, np_dtype)
+            if entry is None:
+                return None
+            _, _, _, dtype_name, sig, made = entry
+            return (sig, dtype_name, np_dtype.itemsize, made)
+
+        all_reduce = _CallsInC(
+            ndarray=_ndarray, redop=RedOpType, owner=collectives, profiler_flag=profiler_flag, executor=executor,
+            leave=leave, next_seq=next_seq, recorder_module=fr, group=group, describe=describe,
+            fallback=small_all_reduce, wait=wait, fail=fail, limit=LIMIT, t_completed=T_COMPLETED, state=STATE,
+            completed=COMPLETED).all_reduce
+
+    return FastPath(all_reduce, small_barrier, allgather_into_tensor=small_all_gather_into_tensor,
                     reduce_scatter_tensor=small_reduce_scatter_tensor, broadcast=small_broadcast)

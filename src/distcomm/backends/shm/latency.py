@@ -899,7 +899,7 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
                 "all_to_all_single": limits.all_to_all}
     channels.update(all_reduce=all_reduce_channel, barrier=barrier_channel)
     calls = shm_group.Calls(
-        rounds=ctx.native, ndarray=_ndarray, redop=RedOpType, ctx=ctx, profiler_flag=profiler_flag, enter=enter,
+        rounds=ctx.native, ndarray=_ndarray, redop=RedOpType, ctx=ctx, profiler_flag=profiler_flag, executor=executor,
         leave=leave, next_seq=next_seq, open_round=ctx.open_round, ring_consumed=ctx.ring_consumed,
         describe=describe, handback=partial(round_plan.handed_back, ctx), fail=fail, refuse=refuse,
         channels=tuple(channels[op] for op in ops), fallbacks=tuple(python_paths[op] for op in ops),
