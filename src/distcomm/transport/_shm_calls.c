@@ -79,7 +79,7 @@ typedef struct {
     PyObject *tensor_type;                                /* torch.Tensor, once torch is loaded */
     PyObject *s_Tensor, *s_data_ptr, *s_numel, *s_is_contiguous, *s_dtype;
     Known known[KNOWN_TENSORS];
-    int next_known;
+    int next_known, last_known; /* the entry to replace next; the entry tensor_of gave last */
     Py_ssize_t limits[C_NOPS], rs_total, scatter_step;
     int direct_reads;                                     /* peers may read our memory: all_to_all's address */
 } Calls;
@@ -129,7 +129,10 @@ static int tensor_of(Calls *c, PyObject *o, Arr *a) {
             Py_XDECREF(contiguous);
         }
         PyErr_Clear();
-        if (same) return array_of(c->ndarray, k->flat, a);
+        if (same) {
+            c->last_known = i;
+            return array_of(c->ndarray, k->flat, a);
+        }
         forget(k);
         break;
     }
@@ -150,9 +153,11 @@ static int tensor_of(Calls *c, PyObject *o, Arr *a) {
         Py_DECREF(flat);
         return 0;
     }
-    /* a->obj borrows flat: the entry holds it for the call (a call takes at most two tensors
-     * here, and the round-robin replaces the oldest of KNOWN_TENSORS) */
+    /* a->obj borrows flat: the entry holds it for the call. A call takes at most two tensors here,
+     * so the round-robin skips the entry the call's other tensor may be using (the last given). */
+    if (c->next_known == c->last_known) c->next_known = (c->next_known + 1) % KNOWN_TENSORS;
     Known *k = &c->known[c->next_known];
+    c->last_known = c->next_known;
     c->next_known = (c->next_known + 1) % KNOWN_TENSORS;
     forget(k);
     k->tensor = Py_NewRef(o), k->dtype = dtype, k->flat = flat, k->address = address, k->numel = (Py_ssize_t)numel;

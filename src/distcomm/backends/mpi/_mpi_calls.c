@@ -22,8 +22,10 @@
 
 #include <string.h>
 
-/* Tests of the request spun here before the Python wait takes over (its deadline and health checks) */
-#define SPIN_TESTS 2000
+/* How long the request is tested here before the Python wait (transport/mpi.py's wait_request: its
+ * spin, then yields and sleeps, the deadline, the transport's health) takes over: a peer that is
+ * on its way (most calls complete within a few µs), not one that needs this CPU to get there. */
+#define SPIN_NS 20000
 
 typedef struct {
     PyObject_HEAD
@@ -122,8 +124,15 @@ static PyObject *Calls_all_reduce(Calls *c, PyObject *const *args, Py_ssize_t na
     record = group_started(&c->g, seq, c->name, n, dtype_name, -1);
     if (!record) goto failed;
     int done = 0;
-    for (int i = 0; i < SPIN_TESTS && !done; i++)
+    struct timespec t0, t;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (unsigned i = 1; !done; i++) {
         if ((done = call_true(req, c->s_Test)) < 0) goto failed;
+        if (!done && (i & 15) == 0) {
+            clock_gettime(CLOCK_MONOTONIC, &t);
+            if ((t.tv_sec - t0.tv_sec) * 1000000000LL + (t.tv_nsec - t0.tv_nsec) > SPIN_NS) break;
+        }
+    }
     if (!done) {
         PyObject *r = PyObject_CallOneArg(c->wait, req);
         if (!r) goto failed;
