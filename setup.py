@@ -1,9 +1,10 @@
 """The compiled pieces: the shared-memory round steps in C (src/distcomm/transport/_shm_round.c) and
 the flight recorder's hot record (src/distcomm/_record.c).
 
-Optional: where it does not build (no C compiler, no Python headers), the install goes on and
-distcomm runs the same rounds (and makes the same records) in Python (transport/shm_group.py's C_UNAVAILABLE says why when it is not in use). Everything
-else about the package is in pyproject.toml.
+Optional: where they do not build (no C compiler, no Python headers), the install goes on and
+distcomm runs the same rounds and calls (and makes the same records) in Python
+(transport/shm_group.py's C_UNAVAILABLE says why when the rounds are not in use). Everything else
+about the package is in pyproject.toml.
 """
 
 from setuptools import Extension, setup

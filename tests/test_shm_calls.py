@@ -1,4 +1,4 @@
-"""Whole small collectives on numpy arrays in C (``Calls``, transport/_shm_calls.c).
+"""Whole small collectives on numpy arrays and torch tensors in C (``Calls``, transport/_shm_calls.c).
 
 * A small synchronous call on plain numpy arrays runs in C from the API function on: neither the
   Python latency paths nor the general path run (sys.setprofile watches every Python call). So
@@ -7,9 +7,10 @@
   dtype over the same bytes, a transpose, a resize) is seen again, with right results.
 * What C does not take it hands to the Python latency path with the same arguments, which takes
   it or leaves it to the general path: arrays that are not C-contiguous, read-only, 0-d, in the
-  other byte order (the general path's error); dtypes with no C fold (float16, bool, complex) in reductions and any dtype in
-  copies; AVG; lists holding something else than arrays; an in-place reduce_scatter_tensor; a
-  list of the wrong length (the general path's error). Every result is compared with numpy's.
+  other byte order (the general path's error); dtypes with no C fold (float16, bool, complex) in
+  reductions and any dtype in copies; AVG; lists holding something else than arrays; an
+  in-place reduce_scatter_tensor; a list of the wrong length (the general path's error). Every
+  result is compared with numpy's.
 * A C call records what the Python path records (op, sequence number, bytes, dtype, root, the
   user's line, completed).
 

@@ -622,8 +622,8 @@ static PyObject *Calls_all_to_all_single(Calls *c, PyObject *const *args, Py_ssi
     Entry e;
     Rounds *r = c->rounds;
     int p = r->size, me = r->rank;
-    if (nargs != 2 || !array_of(c->ndarray, args[0], &out) || !array_of(c->ndarray, args[1], &inp) || out.type_num != inp.type_num ||
-        out.count != inp.count)
+    if (nargs != 2 || !array_of(c->ndarray, args[0], &out) || !array_of(c->ndarray, args[1], &inp) ||
+        out.type_num != inp.type_num || out.count != inp.count)
         goto python;
     PyArrayObject *ao = (PyArrayObject *)args[0], *ai = (PyArrayObject *)args[1];
     if (PyArray_NDIM(ao) < 1 || PyArray_NDIM(ai) < 1 || PyArray_DIMS(ao)[0] % p || PyArray_DIMS(ai)[0] % p)

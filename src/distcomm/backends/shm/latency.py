@@ -30,10 +30,11 @@ on the user's own arrays and tensors, before any Buffer is made (``FastPath.tens
 transport/_shm_calls.c), those calls, all_reduce and barrier run in C from the API function on, for
 numpy arrays and plain CPU torch tensors: each function here is then the fallback of its ``Calls``
 method, which hands it the calls it does not take (the last part of ``build``). The Channel a
-wait would need to sleep is made only then (``ProcessGroup.channel``). What does not change from call to call is looked up once, when the
-group's shared memory exists: the executor, the reducers, the signatures, and ``Limits``: the
-sizes for which ``choose`` picks the algorithm above and it takes one round (all_to_all: any
-number of rounds, as long as this rank votes against single copies).
+wait would need to sleep is made only then (``ProcessGroup.channel``). What does not change from
+call to call is looked up once, when the group's shared memory exists: the executor, the
+reducers, the signatures, and ``Limits``: the sizes for which ``choose`` picks the algorithm above
+and it takes one round (all_to_all: any number of rounds, as long as this rank votes against
+single copies).
 
 Each takes only an ordinary call, and leaves anything else to the general path (returning False
 without having done anything), which then runs it or raises its error:
@@ -909,7 +910,8 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
         tensor_memory=small_tensor_memory)
     return paths._replace(all_reduce=calls.all_reduce, barrier=calls.barrier,
                           tensor_broadcast=calls.broadcast, tensor_reduce=calls.reduce,
-                          tensor_all_gather=calls.all_gather, tensor_all_gather_into_tensor=calls.all_gather_into_tensor,
+                          tensor_all_gather=calls.all_gather,
+                          tensor_all_gather_into_tensor=calls.all_gather_into_tensor,
                           tensor_gather=calls.gather, tensor_scatter=calls.scatter,
                           tensor_reduce_scatter_tensor=calls.reduce_scatter_tensor,
                           tensor_all_to_all_single=calls.all_to_all_single)
