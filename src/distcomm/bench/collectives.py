@@ -24,7 +24,7 @@ How each row is measured, on every rank, with the same buffers throughout:
 The reported time is the slowest rank's median iteration time (``--stat mean`` for the mean, as
 nccl-tests reports); algbw and busbw follow nccl-tests (see ``report.py``). Without ``--iters``,
 rank 0 times three warmup iterations and picks the counts for the row from the quickest — timed iterations for about
-``--budget`` seconds (at least 5, at most 1000), untimed warmups for a tenth of that (at most 20) —
+``--budget`` seconds (at least 5, at most 1000), untimed warmups for a tenth of that (at most 200) —
 and tells the other ranks through the store, so every engine gets the same time per row however
 fast it is, and the default run at world 2 takes a couple of minutes. Iterations are not separated
 by barriers (as in nccl-tests): an op whose data flows one way (broadcast, reduce) may overlap the

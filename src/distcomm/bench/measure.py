@@ -14,8 +14,10 @@ from typing import Callable
 import numpy as np
 
 # The automatic counts (see collectives.py's docstring): timed iterations clamped to [MIN_ITERS, MAX_ITERS],
-# warmups (after the one that measures) at most MAX_WARMUP.
-MIN_ITERS, MAX_ITERS, MAX_WARMUP = 5, 1000, 20
+# warmups (after the one that measures) at most MAX_WARMUP: as many as the OSU micro-benchmarks' 200
+# for small messages, since two ranks calling an op of a few µs in a loop take a few hundred calls
+# to fall into step (docs/performance-notes.md, "In a steady loop"); a tenth of the budget caps them.
+MIN_ITERS, MAX_ITERS, MAX_WARMUP = 5, 1000, 200
 PROBES = 3  # warmups rank 0 times to pick the counts (the quickest counts)
 
 _PERIOD = 5  # the check pattern repeats every _PERIOD elements: small integers, exact in every dtype
