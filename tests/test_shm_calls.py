@@ -4,7 +4,8 @@
   Python latency paths nor the general path run (sys.setprofile watches every Python call). So
   does one on plain CPU torch tensors (one or two of them: lists of tensors take the Python path),
   whose memory C keeps with the tensor: a tensor whose memory changed in place since (another
-  dtype over the same bytes, a transpose, a resize) is seen again, with right results.
+  dtype over the same bytes, a transpose, a resize) is seen again, with right results, and more
+  tensors than it keeps, in rounds handed back to Python, give right results too.
 * What C does not take it hands to the Python latency path with the same arguments, which takes
   it or leaves it to the general path: arrays that are not C-contiguous, read-only, 0-d, in the
   other byte order (the general path's error); dtypes with no C fold (float16, bool, complex) in
@@ -245,6 +246,38 @@ def changed_body(rank, world):
     check("resized", v, torch.full((2,), float(sum(range(1, world + 1)))))
     dist.destroy_process_group()
     return wrong
+
+
+def many_tensors_body(rank, world):
+    import time
+
+    import torch
+
+    import distcomm as dist
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=20))
+    wrong = []
+    # more tensors than C keeps (two a call), each call with a late peer now and then: a round
+    # handed back reads the tensors' views, which the call holds whatever the cache does meanwhile
+    ins = [torch.full((3,), float(10 * i + rank)) for i in range(7)]
+    outs = [torch.zeros(3 * world) for _ in range(7)]
+    for rep in range(4):
+        for i in range(7):
+            if rank == 1 and (rep + i) % 3 == 0:
+                time.sleep(0.01)  # past the poll: the other's C call hands its round back
+            dist.all_gather_into_tensor(outs[i], ins[i])
+            want = torch.cat([torch.full((3,), float(10 * i + q)) for q in range(world)])
+            if not torch.equal(outs[i], want):
+                wrong.append((rep, i, outs[i].tolist()))
+            outs[i].zero_()
+    dist.destroy_process_group()
+    return wrong
+
+
+@needs_calls
+def test_more_tensors_than_kept_with_rounds_handed_back():
+    for rank, wrong in enumerate(run_world(many_tensors_body, 2, timeout=60)):
+        assert wrong == [], (rank, wrong[:3])
 
 
 @needs_calls

@@ -64,6 +64,13 @@ typedef struct {
     Py_ssize_t numel;
 } Known;
 
+/* the numpy views of a call's torch tensors, held until the call returns: another call (another
+ * thread's, while this one runs Python code) may replace their entries of `known` meanwhile */
+typedef struct {
+    PyObject *refs[2];
+    int n;
+} Held;
+
 typedef struct {
     PyObject_HEAD
     Rounds *rounds;
@@ -79,7 +86,7 @@ typedef struct {
     PyObject *tensor_type;                                /* torch.Tensor, once torch is loaded */
     PyObject *s_Tensor, *s_data_ptr, *s_numel, *s_is_contiguous, *s_dtype;
     Known known[KNOWN_TENSORS];
-    int next_known, last_known; /* the entry to replace next; the entry tensor_of gave last */
+    int next_known; /* the entry of `known` to replace next */
     Py_ssize_t limits[C_NOPS], rs_total, scatter_step;
     int direct_reads;                                     /* peers may read our memory: all_to_all's address */
 } Calls;
@@ -102,7 +109,8 @@ static long long call_long(PyObject *o, PyObject *name) {
 /* A torch tensor's memory as an Arr: a plain dense CPU tensor (tensor_memory's answer, kept for
  * the next calls with the same tensor, as the Python paths keep theirs), else 0. Only an exact
  * torch.Tensor (a subclass may override what a view means: the Python path decides). */
-static int tensor_of(Calls *c, PyObject *o, Arr *a) {
+static int tensor_of(Calls *c, PyObject *o, Arr *a, Held *h) {
+    if (h->n >= 2) return 0; /* a call takes at most two tensors here */
     if (!c->tensor_type) {
         PyObject *torch = PyDict_GetItemWithError(PyImport_GetModuleDict(), c->s_torch);
         if (!torch) {
@@ -129,10 +137,11 @@ static int tensor_of(Calls *c, PyObject *o, Arr *a) {
             Py_XDECREF(contiguous);
         }
         PyErr_Clear();
-        if (same) {
-            c->last_known = i;
-            return array_of(c->ndarray, k->flat, a);
+        if (same && array_of(c->ndarray, k->flat, a)) {
+            h->refs[h->n++] = Py_NewRef(k->flat);
+            return 1;
         }
+        if (same) return 0;
         forget(k);
         break;
     }
@@ -153,20 +162,28 @@ static int tensor_of(Calls *c, PyObject *o, Arr *a) {
         Py_DECREF(flat);
         return 0;
     }
-    /* a->obj borrows flat: the entry holds it for the call. A call takes at most two tensors here,
-     * so the round-robin skips the entry the call's other tensor may be using (the last given). */
-    if (c->next_known == c->last_known) c->next_known = (c->next_known + 1) % KNOWN_TENSORS;
     Known *k = &c->known[c->next_known];
-    c->last_known = c->next_known;
     c->next_known = (c->next_known + 1) % KNOWN_TENSORS;
     forget(k);
     k->tensor = Py_NewRef(o), k->dtype = dtype, k->flat = flat, k->address = address, k->numel = (Py_ssize_t)numel;
+    h->refs[h->n++] = Py_NewRef(flat); /* a->obj is flat: held for the call, whatever becomes of k */
     return 1;
 }
 
 /* a numpy array's or a torch tensor's memory (see array_of and tensor_of): at most two tensors a
- * call (the lists of gather, scatter and all_gather take numpy arrays only) */
-static int memory_of(Calls *c, PyObject *o, Arr *a) { return array_of(c->ndarray, o, a) || tensor_of(c, o, a); }
+ * call (the lists of gather, scatter and all_gather take numpy arrays only), their views held in h */
+static int memory_of(Calls *c, PyObject *o, Arr *a, Held *h) {
+    return array_of(c->ndarray, o, a) || tensor_of(c, o, a, h);
+}
+
+/* Calls_<op>: <op>_call with the views of its tensors held until it returns */
+#define HOLDING(op)                                                                  \
+    static PyObject *Calls_##op(Calls *c, PyObject *const *args, Py_ssize_t nargs) { \
+        Held h = {{NULL, NULL}, 0};                                                  \
+        PyObject *result = op##_call(c, args, nargs, &h);                            \
+        for (int i = 0; i < h.n; i++) Py_DECREF(h.refs[i]);                          \
+        return result;                                                               \
+    }
 
 /* describe()'s answer for a call */
 typedef struct {
@@ -381,11 +398,11 @@ static int root_list(Calls *c, PyObject *list, const Arr *like, long root, Arr *
 }
 
 /* broadcast(array, root) */
-static PyObject *Calls_broadcast(Calls *c, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *broadcast_call(Calls *c, PyObject *const *args, Py_ssize_t nargs, Held *h) {
     Arr x;
     long root;
     Entry e;
-    if (nargs != 2 || !memory_of(c, args[0], &x) || (root = root_of(c, args[1])) < 0) goto python;
+    if (nargs != 2 || !memory_of(c, args[0], &x, h) || (root = root_of(c, args[1])) < 0) goto python;
     Py_ssize_t n = 0;
     int takes = described(c, C_BROADCAST, &x, -1, root, &e, &n);
     if (takes < 0) return NULL;
@@ -402,11 +419,11 @@ python:
 }
 
 /* reduce(array, op, root): every member's copy folded on the root in rank order */
-static PyObject *Calls_reduce(Calls *c, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *reduce_call(Calls *c, PyObject *const *args, Py_ssize_t nargs, Held *h) {
     Arr x;
     long root, red;
     Entry e;
-    if (nargs != 3 || !memory_of(c, args[0], &x) || Py_TYPE(args[1]) != c->redop ||
+    if (nargs != 3 || !memory_of(c, args[0], &x, h) || Py_TYPE(args[1]) != c->redop ||
         (root = root_of(c, args[2])) < 0)
         goto python;
     red = PyLong_AsLong(args[1]);
@@ -445,11 +462,11 @@ static void gather_plan(Plan *p, Rounds *r, const Arr *send, Py_ssize_t n, const
 }
 
 /* all_gather(list of arrays, array) */
-static PyObject *Calls_all_gather(Calls *c, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *all_gather_call(Calls *c, PyObject *const *args, Py_ssize_t nargs, Held *h) {
     Arr send, outs[MAX_MEMBERS];
     Entry e;
     Rounds *r = c->rounds;
-    if (nargs != 2 || !memory_of(c, args[1], &send) || !PyList_CheckExact(args[0]) ||
+    if (nargs != 2 || !memory_of(c, args[1], &send, h) || !PyList_CheckExact(args[0]) ||
         PyList_GET_SIZE(args[0]) != r->size)
         goto python;
     for (int q = 0; q < r->size; q++)
@@ -469,11 +486,11 @@ python:
 }
 
 /* all_gather_into_tensor(output, input) */
-static PyObject *Calls_all_gather_into_tensor(Calls *c, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *all_gather_into_tensor_call(Calls *c, PyObject *const *args, Py_ssize_t nargs, Held *h) {
     Arr out, send;
     Entry e;
     Rounds *r = c->rounds;
-    if (nargs != 2 || !memory_of(c, args[0], &out) || !memory_of(c, args[1], &send) ||
+    if (nargs != 2 || !memory_of(c, args[0], &out, h) || !memory_of(c, args[1], &send, h) ||
         out.type_num != send.type_num || out.count != send.count * r->size)
         goto python;
     Py_ssize_t n = 0;
@@ -489,12 +506,12 @@ python:
 }
 
 /* gather(array, gather_list or None, root) */
-static PyObject *Calls_gather(Calls *c, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *gather_call(Calls *c, PyObject *const *args, Py_ssize_t nargs, Held *h) {
     Arr send, outs[MAX_MEMBERS];
     long root;
     Entry e;
     Rounds *r = c->rounds;
-    if (nargs != 3 || !memory_of(c, args[0], &send) || (root = root_of(c, args[2])) < 0 ||
+    if (nargs != 3 || !memory_of(c, args[0], &send, h) || (root = root_of(c, args[2])) < 0 ||
         !root_list(c, args[1], &send, root, outs))
         goto python;
     Py_ssize_t n = 0;
@@ -510,12 +527,12 @@ python:
 }
 
 /* scatter(array, scatter_list or None, root): the root's pieces, each in its own part of the slot */
-static PyObject *Calls_scatter(Calls *c, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *scatter_call(Calls *c, PyObject *const *args, Py_ssize_t nargs, Held *h) {
     Arr out, ins[MAX_MEMBERS];
     long root;
     Entry e;
     Rounds *r = c->rounds;
-    if (nargs != 3 || !memory_of(c, args[0], &out) || (root = root_of(c, args[2])) < 0 ||
+    if (nargs != 3 || !memory_of(c, args[0], &out, h) || (root = root_of(c, args[2])) < 0 ||
         !root_list(c, args[1], &out, root, ins))
         goto python;
     Py_ssize_t n = 0;
@@ -538,13 +555,13 @@ python:
 
 /* reduce_scatter_tensor(output, input, op): each member's block q goes to part q of its slot;
  * member q folds every member's part q (its own from its input) in rank order */
-static PyObject *Calls_reduce_scatter_tensor(Calls *c, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *reduce_scatter_tensor_call(Calls *c, PyObject *const *args, Py_ssize_t nargs, Held *h) {
     Arr out, inp;
     long red;
     Entry e;
     Rounds *r = c->rounds;
-    if (nargs != 3 || !memory_of(c, args[0], &out) || !memory_of(c, args[1], &inp) || Py_TYPE(args[2]) != c->redop ||
-        out.type_num != inp.type_num || inp.count != out.count * r->size)
+    if (nargs != 3 || !memory_of(c, args[0], &out, h) || !memory_of(c, args[1], &inp, h) ||
+        Py_TYPE(args[2]) != c->redop || out.type_num != inp.type_num || inp.count != out.count * r->size)
         goto python;
     red = PyLong_AsLong(args[2]);
     if (red < 0 || red > 62) {
@@ -575,12 +592,12 @@ python:
 }
 
 /* all_reduce(array, op): the direct all_reduce's round (shm_all_reduce_plan's) */
-static PyObject *Calls_all_reduce(Calls *c, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *all_reduce_call(Calls *c, PyObject *const *args, Py_ssize_t nargs, Held *h) {
     Arr x;
     long red;
     Entry e;
     Rounds *r = c->rounds;
-    if (nargs != 2 || !memory_of(c, args[0], &x) || Py_TYPE(args[1]) != c->redop) goto python;
+    if (nargs != 2 || !memory_of(c, args[0], &x, h) || Py_TYPE(args[1]) != c->redop) goto python;
     red = PyLong_AsLong(args[1]);
     if (red < 0 || red > 62) {
         PyErr_Clear();
@@ -658,6 +675,15 @@ static PyObject *Calls_all_to_all_single(Calls *c, PyObject *const *args, Py_ssi
 python:
     return fall_back(c, C_ALL_TO_ALL_SINGLE, args, nargs);
 }
+
+HOLDING(broadcast)
+HOLDING(reduce)
+HOLDING(all_gather)
+HOLDING(all_gather_into_tensor)
+HOLDING(gather)
+HOLDING(scatter)
+HOLDING(reduce_scatter_tensor)
+HOLDING(all_reduce)
 
 /* -- the type ------------------------------------------------------------------------------------ */
 static int Calls_traverse(Calls *c, visitproc visit, void *arg) {
