@@ -36,6 +36,9 @@ variable                               meaning (default)
 ``DISTCOMM_SHM_DIRECT``                0: no single-copy reads (process_vm_readv) (1)
 ``DISTCOMM_SHM_NATIVE``                0: the latency path's all_reduce and barrier rounds in
                                        Python even where their C version is built (1)
+``DISTCOMM_SHM_DEFER``                 0: a small rooted collective run in C waits for every
+                                       member's post and checks it at once, instead of
+                                       leaving the members it does not read to a later call (1)
 =====================================  =======================================================
 
 Not tuning, and so not here: where things are (``DISTCOMM_SHM_DIR``, ``DISTCOMM_HOST_ID``,
@@ -116,6 +119,7 @@ class Tuning:
     shm_shared_yield_s: float | None = None
     shm_direct: bool = True
     shm_native: bool = True
+    shm_defer: bool = True
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Tuning":
@@ -134,6 +138,7 @@ class Tuning:
             shm_shared_yield_s=_micros(env, "DISTCOMM_SHM_SHARED_YIELD_US"),
             shm_direct=env.get("DISTCOMM_SHM_DIRECT", "1").lower() not in _OFF,
             shm_native=env.get("DISTCOMM_SHM_NATIVE", "1").lower() not in _OFF,
+            shm_defer=env.get("DISTCOMM_SHM_DEFER", "1").lower() not in _OFF,
         )
 
     def algorithm(self, op_key: str) -> str | None:

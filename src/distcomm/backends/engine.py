@@ -43,6 +43,18 @@ def root_mismatch(ch: Channel, root: int, peer: int, theirs: int, what: str) -> 
         f"{peer} with {what}={theirs} (group ranks); every rank of the group must pass the same {what}")
 
 
+def late_root_mismatch(ch: Channel, late) -> CollectiveMismatchError:
+    """The error of an earlier rooted collective whose root check this rank completed only in call
+    ``ch`` (``late``: the transport's LateDisagreement): its own call returned before every peer's
+    root was in, and ``ch``'s call has completed."""
+    what = "src" if late.op in ("broadcast", "scatter") else "dst"
+    return CollectiveMismatchError(
+        f"{describe_op(late.op, late.seq, ch.rank, late.peer)}: this rank called {late.op} with {what}={late.root} "
+        f"but rank {late.peer} with {what}={late.theirs} (group ranks); every rank of the group must pass the same "
+        f"{what}. Found when {ch.op} #{ch.key.seq} completed: {late.op} returns on this rank before every peer's "
+        f"{what} is in, and the next call checks them")
+
+
 class GroupSpec(NamedTuple):
     """A process group as an engine sees it."""
 

@@ -29,6 +29,14 @@
  *   fail(exc, op, seq, sig, record): an error within a claimed call: marks the group's memory
  *       broken and raises the error in the operation's words.
  *   refuse(op, seq, sig, root, peer, value, record): raises the root mismatch (the round completed).
+ *   settle(seq, sig, channel): GroupShm.settle_deferred, when shm_settle hands the deferred checks
+ *       back (one is due and a peer has not posted, or one differs); returns None or a
+ *       LateDisagreement, which refuse_late(late, op, seq, sig) raises once the call that found it
+ *       has completed. ring_posted(): a peer sleeps (a deferred round's post).
+ *
+ * A rooted call (broadcast, reduce, gather, scatter) runs its round with shm_move's defer: a member
+ * that does not read every peer returns without waiting for them, and its checks of their headers
+ * are made by a later call, from their history (shm_settle; see _shm_round.c).
  *   resume_all_to_all(status, k, seq, sig, channel, output, input): an all_to_all_single's first
  *       round handed back (a peer sends another split, or more rounds, or votes for single copies):
  *       its algorithm goes on from there.
@@ -78,6 +86,7 @@ typedef struct {
     Group g;                                              /* its owner: the GroupShm ("broken") */
     PyObject *open_round, *ring_consumed;
     PyObject *describe, *handback, *fail, *refuse, *resume_all_to_all;
+    PyObject *settle, *refuse_late, *ring_posted;
     PyObject *channels, *fallbacks;                       /* tuples in C_* order */
     PyObject *entries;                                    /* key -> describe()'s answer, or None */
     PyObject *names[C_NOPS], *observed[C_NOPS];           /* "broadcast", "latency_broadcast", ... */
@@ -89,6 +98,7 @@ typedef struct {
     int next_known; /* the entry of `known` to replace next */
     Py_ssize_t limits[C_NOPS], rs_total, scatter_step;
     int direct_reads;                                     /* peers may read our memory: all_to_all's address */
+    int defer;                                            /* rooted calls defer checks (shm_move) */
 } Calls;
 
 static void forget(Known *k) {
@@ -304,7 +314,7 @@ static PyObject *fall_back(Calls *c, int op, PyObject *const *args, Py_ssize_t n
  * broken), a root that differs through refuse() once the group is released. */
 static PyObject *run(Calls *c, int op, PyObject *const *call_args, const Entry *e, Plan *p, uint64_t nbytes,
                      uint64_t extra, int check, long root, Py_ssize_t record_bytes) {
-    PyObject *seq = NULL, *record = NULL, *disagreeing = NULL;
+    PyObject *seq = NULL, *record = NULL, *disagreeing = NULL, *late = NULL;
     uint64_t k = 0;
     seq = PyObject_CallNoArgs(c->g.next_seq);
     if (!seq) goto released;
@@ -314,18 +324,37 @@ static PyObject *run(Calls *c, int op, PyObject *const *call_args, const Entry *
     if (!record) goto released;
     if (group_observe(&c->g, c->observed[op]) < 0) goto failed;
     PyObject *channel = PyTuple_GET_ITEM(c->channels, op);
+    Rounds *rounds = c->rounds;
+    if (shm_deferred(rounds)) { /* earlier rooted calls' checks left to later (shm_move's defer) */
+        /* Python's, with a deadline: one is due, or differs, or this call will wait for every peer
+         * (not a rooted one), so a peer that stopped at a mismatch there must be found first */
+        if (shm_settle(rounds) != DONE || (!check && shm_deferred(rounds))) {
+            PyObject *settling[] = {seq, e->sig_obj, channel};
+            late = PyObject_Vectorcall(c->settle, settling, 3, NULL);
+            if (!late) goto failed;
+            if (late == Py_None) Py_CLEAR(late);
+        }
+    }
     PyObject *opening[] = {seq, e->sig_obj, channel};
     PyObject *opened = PyObject_Vectorcall(c->open_round, opening, 3, NULL);
     if (!opened) goto failed;
     k = PyLong_AsUnsignedLongLong(opened);
     Py_DECREF(opened);
     if (PyErr_Occurred()) goto failed;
-    int status = shm_move(c->rounds, k, seq_value, e->header_sig, nbytes, extra, check, p->w, p->nw, p->r, p->nr,
-                          e->kind, p->first_copies, p->e, p->ne);
-    if (status == RING_CONSUMED) {
-        PyObject *r = PyObject_CallNoArgs(c->ring_consumed);
-        if (!r) goto failed;
-        Py_DECREF(r);
+    /* a rooted call defers the checks it need not wait for: its number (op + 1) names it later */
+    int status = shm_move(rounds, k, seq_value, e->header_sig, nbytes, extra, check, p->w, p->nw, p->r, p->nr,
+                          e->kind, p->first_copies, p->e, p->ne, check && c->defer ? op + 1 : 0);
+    if (!(status & (PENDING | MISMATCH | DIFFERS))) { /* done: ring whoever is due */
+        if (status & RING_POSTED) {
+            PyObject *r = PyObject_CallNoArgs(c->ring_posted);
+            if (!r) goto failed;
+            Py_DECREF(r);
+        }
+        if (status & RING_CONSUMED) {
+            PyObject *r = PyObject_CallNoArgs(c->ring_consumed);
+            if (!r) goto failed;
+            Py_DECREF(r);
+        }
     } else if (status != DONE && op == C_ALL_TO_ALL_SINGLE) {
         PyObject *r = PyObject_CallFunction(c->resume_all_to_all, "iKOKOOO", status, k, seq, e->header_sig, channel,
                                             call_args[0], call_args[1]);
@@ -347,6 +376,11 @@ static PyObject *run(Calls *c, int op, PyObject *const *call_args, const Entry *
         goto out;
     }
     if (group_completed(&c->g, record) < 0) goto out;
+    if (late) { /* an earlier call's root check, completed in this one: raised now that this one is done */
+        PyObject *r = PyObject_CallFunction(c->refuse_late, "OOOO", late, c->names[op], seq, e->sig_obj);
+        Py_XDECREF(r); /* it raises */
+        goto out;
+    }
     Py_XDECREF(disagreeing);
     Py_XDECREF(record);
     Py_DECREF(seq);
@@ -359,6 +393,7 @@ failed: { /* within the round: fail() marks the memory broken and raises the err
 released:
     group_leave(&c->g);
 out:
+    Py_XDECREF(late);
     Py_XDECREF(disagreeing);
     Py_XDECREF(record);
     Py_XDECREF(seq);
@@ -699,6 +734,9 @@ static int Calls_traverse(Calls *c, visitproc visit, void *arg) {
     Py_VISIT(c->fail);
     Py_VISIT(c->refuse);
     Py_VISIT(c->resume_all_to_all);
+    Py_VISIT(c->settle);
+    Py_VISIT(c->refuse_late);
+    Py_VISIT(c->ring_posted);
     Py_VISIT(c->channels);
     Py_VISIT(c->fallbacks);
     Py_VISIT(c->entries);
@@ -724,6 +762,9 @@ static int Calls_clear(Calls *c) {
     Py_CLEAR(c->fail);
     Py_CLEAR(c->refuse);
     Py_CLEAR(c->resume_all_to_all);
+    Py_CLEAR(c->settle);
+    Py_CLEAR(c->refuse_late);
+    Py_CLEAR(c->ring_posted);
     Py_CLEAR(c->channels);
     Py_CLEAR(c->fallbacks);
     Py_CLEAR(c->entries);
@@ -760,16 +801,17 @@ static int Calls_init(Calls *c, PyObject *args, PyObject *kwds) {
                          "open_round", "ring_consumed", "describe", "handback", "fail", "refuse", "channels",
                          "fallbacks", "recorder_module", "observe_module", "group", "resume_all_to_all", "limits",
                          "rs_total", "scatter_step", "t_completed", "state", "completed", "direct_reads",
-                         "tensor_memory", NULL};
-    PyObject *rounds, *o[17], *limits, *completed, *tensor_memory;
+                         "tensor_memory", "settle", "refuse_late", "ring_posted", "defer", NULL};
+    PyObject *rounds, *o[17], *limits, *completed, *tensor_memory, *settle, *refuse_late, *ring_posted;
     PyTypeObject *ndarray, *redop;
     Py_ssize_t rs_total, scatter_step, t_completed, state;
-    int direct_reads;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!OOOOOOOOOOOOOOOOOOnnnnOpO", kw, &ShmRoundsType, &rounds,
+    int direct_reads, defer;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!OOOOOOOOOOOOOOOOOOnnnnOpOOOOp", kw, &ShmRoundsType, &rounds,
                                      &PyType_Type, &ndarray, &PyType_Type, &redop, &o[0], &o[1], &o[2], &o[3], &o[4],
                                      &o[5], &o[6], &o[7], &o[8], &o[9], &o[10], &o[11], &o[12], &o[13], &o[14],
                                      &o[15], &o[16], &limits, &rs_total, &scatter_step, &t_completed, &state,
-                                     &completed, &direct_reads, &tensor_memory))
+                                     &completed, &direct_reads, &tensor_memory, &settle, &refuse_late,
+                                     &ring_posted, &defer))
         return -1;
     if (!sized_tuple(o[11], "channels") || !sized_tuple(o[12], "fallbacks") || !sized_tuple(limits, "limits"))
         return -1;
@@ -803,6 +845,9 @@ static int Calls_init(Calls *c, PyObject *args, PyObject *kwds) {
     c->ndarray = (PyTypeObject *)Py_NewRef(ndarray);
     c->redop = (PyTypeObject *)Py_NewRef(redop);
     c->tensor_memory = Py_NewRef(tensor_memory);
+    c->settle = Py_NewRef(settle);
+    c->refuse_late = Py_NewRef(refuse_late);
+    c->ring_posted = Py_NewRef(ring_posted);
     c->s_Tensor = PyUnicode_InternFromString("Tensor");
     c->s_data_ptr = PyUnicode_InternFromString("data_ptr");
     c->s_numel = PyUnicode_InternFromString("numel");
@@ -820,6 +865,7 @@ static int Calls_init(Calls *c, PyObject *args, PyObject *kwds) {
     }
     c->rs_total = rs_total, c->scatter_step = scatter_step;
     c->direct_reads = direct_reads;
+    c->defer = defer;
     return 0;
 }
 

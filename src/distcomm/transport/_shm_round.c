@@ -9,6 +9,10 @@
  * These functions do what a round does when every peer arrives within the wait policy's poll
  * budget, and say so when one does not.
  *
+ * Deferred checks (shm_move's defer, shm_settle): every post also goes into the member's header
+ * history, which outlives its slot's reuse; a rooted call's member that reads only some peers checks
+ * the others' headers there, in a later call (transport/shm_group.py's docstring).
+ *
  * Why C: one Python round costs about 9 µs of CPU at world size 2 (about 50 Python calls); the
  * same steps here cost under 1 µs (docs/performance-notes.md, "The round in C").
  *
@@ -47,15 +51,19 @@ static int64_t now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-static int all_posted(Rounds *r, uint64_t k) {
+/* every peer in `from` (bit q: member q; members past 63 are always in) posted round k */
+static int all_posted(Rounds *r, uint64_t k, uint64_t from) {
     for (int q = 0; q < r->size; q++)
-        if (q != r->rank && load(&r->ctl[q][r->posted]) < k) return 0;
+        if (q != r->rank && (q >= 64 || (from >> q & 1)) && load(&r->ctl[q][r->posted]) < k) return 0;
     return 1;
 }
 
-/* Spin (or yield, with more ranks than CPUs) until every peer posted round k, at most the budget. */
-static int poll_posted(Rounds *r, uint64_t k) {
-    if (all_posted(r, k)) return 1;
+#define EVERY_PEER (~(uint64_t)0)
+
+/* Spin (or yield, with more ranks than CPUs) until every peer in `from` posted round k, at most
+ * the budget. */
+static int poll_posted(Rounds *r, uint64_t k, uint64_t from) {
+    if (all_posted(r, k, from)) return 1;
     if (r->budget_ns <= 0) return 0; /* the policy goes straight to sleep: no yield that cannot help */
     int ready = 0;
     Py_BEGIN_ALLOW_THREADS
@@ -65,7 +73,7 @@ static int poll_posted(Rounds *r, uint64_t k) {
             sched_yield();
         else
             cpu_relax();
-        if (all_posted(r, k)) { ready = 1; break; }
+        if (all_posted(r, k, from)) { ready = 1; break; }
         if ((r->yields || (i & 63) == 0) && now_ns() >= end) break;
     }
     Py_END_ALLOW_THREADS
@@ -124,14 +132,14 @@ int shm_valid_kind(long kind) {
 
 /* A Rounds made without __init__ has no addresses: refuse it instead of reading through NULL. */
 static int ready(Rounds *r) {
-    if (r->ctl && r->hdr && r->slot) return 1;
+    if (r->ctl && r->hdr && r->slot && r->hist) return 1;
     PyErr_SetString(PyExc_ValueError, "Rounds is not initialised");
     return 0;
 }
 
-/* GroupShm.publish and exchange's wait: post round k (header, then the counter), poll every
- * peer's post within the budget, check their headers. */
-int shm_post_and_poll(Rounds *r, uint64_t k, uint64_t seq, uint64_t sig, uint64_t nbytes, uint64_t extra) {
+/* GroupShm.publish: post round k (header, then the counter); 1 if a peer sleeps (ring_posted() is
+ * then due: it may be waiting for this post). */
+static int shm_post(Rounds *r, uint64_t k, uint64_t seq, uint64_t sig, uint64_t nbytes, uint64_t extra) {
     int s = (int)(k % (uint64_t)r->nslots), me = r->rank;
     uint64_t *h = r->hdr[me * r->nslots + s];
     h[r->s_seq] = seq;
@@ -139,18 +147,39 @@ int shm_post_and_poll(Rounds *r, uint64_t k, uint64_t seq, uint64_t sig, uint64_
     h[r->s_nbytes] = nbytes;
     h[r->s_extra] = extra;
     store(&h[r->s_round], k);
+    if (r->hist_len) { /* the same words in the history, which outlives the slot's reuse */
+        uint64_t *e = r->hist[me] + (k % (uint64_t)r->hist_len) * HEADER_WORDS;
+        e[r->s_seq] = seq;
+        e[r->s_sig] = sig;
+        e[r->s_nbytes] = nbytes;
+        e[r->s_extra] = extra;
+        e[r->h_deferred] = 0;
+        store(&e[r->s_round], k);
+    }
     store(&r->ctl[me][r->posted], k);
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
     for (int q = 0; q < r->size; q++)
-        if (q != me && load(&r->ctl[q][r->awaiting])) return PENDING | RING_POSTED; /* Python rings and waits */
-    if (!poll_posted(r, k)) return PENDING;
+        if (q != me && load(&r->ctl[q][r->awaiting])) return 1;
+    return 0;
+}
+
+/* every peer in `from` posted round k with these words in its header */
+static int headers_match(Rounds *r, uint64_t k, uint64_t seq, uint64_t sig, uint64_t nbytes, uint64_t from) {
+    int s = (int)(k % (uint64_t)r->nslots);
     for (int q = 0; q < r->size; q++) {
-        if (q == me) continue;
+        if (q == r->rank || (q < 64 && !(from >> q & 1))) continue;
         uint64_t *g = r->hdr[q * r->nslots + s];
-        if (g[r->s_round] != k || g[r->s_seq] != seq || g[r->s_sig] != sig || g[r->s_nbytes] != nbytes)
-            return MISMATCH;
+        if (g[r->s_round] != k || g[r->s_seq] != seq || g[r->s_sig] != sig || g[r->s_nbytes] != nbytes) return 0;
     }
-    return DONE;
+    return 1;
+}
+
+/* GroupShm.publish and exchange's wait: post round k, poll every peer's post within the budget,
+ * check their headers. */
+int shm_post_and_poll(Rounds *r, uint64_t k, uint64_t seq, uint64_t sig, uint64_t nbytes, uint64_t extra) {
+    if (shm_post(r, k, seq, sig, nbytes, extra)) return PENDING | RING_POSTED; /* Python rings and waits */
+    if (!poll_posted(r, k, EVERY_PEER)) return PENDING;
+    return headers_match(r, k, seq, sig, nbytes, EVERY_PEER) ? DONE : MISMATCH;
 }
 
 /* GroupShm.consume: done reading round k; RING_CONSUMED if a peer waits to reuse a slot. */
@@ -200,6 +229,36 @@ static PyObject *Rounds_consume(Rounds *r, PyObject *const *args, Py_ssize_t nar
     return PyLong_FromLong(shm_consume(r, k));
 }
 
+/* every peer's consumed >= k */
+static int all_consumed(Rounds *r, uint64_t k) {
+    for (int q = 0; q < r->size; q++)
+        if (q != r->rank && load(&r->ctl[q][r->consumed]) < k) return 0;
+    return 1;
+}
+
+/* poll_consumed(k) -> bool: spin (or yield) until every peer's consumed >= k, at most the budget:
+ * open_round's wait for a slot's reuse, before Python's wait sleeps */
+static PyObject *Rounds_poll_consumed(Rounds *r, PyObject *const *args, Py_ssize_t nargs) {
+    uint64_t k;
+    if (u64_args(args, nargs, 1, &k, "poll_consumed(k)") < 0) return NULL;
+    if (!ready(r)) return NULL;
+    int done = all_consumed(r, k);
+    if (!done && r->budget_ns > 0) {
+        Py_BEGIN_ALLOW_THREADS
+        int64_t end = now_ns() + r->budget_ns;
+        for (unsigned i = 1;; i++) {
+            if (r->yields)
+                sched_yield();
+            else
+                cpu_relax();
+            if (all_consumed(r, k)) { done = 1; break; }
+            if ((r->yields || (i & 63) == 0) && now_ns() >= end) break;
+        }
+        Py_END_ALLOW_THREADS
+    }
+    return PyBool_FromLong(done);
+}
+
 /* plans up to this many copies live on the stack */
 #define PLAN_STACK 32
 
@@ -241,28 +300,67 @@ static PyObject *Rounds_all_reduce(Rounds *r, PyObject *const *args, Py_ssize_t 
     }
     Py_ssize_t nr;
     shm_all_reduce_plan(r, view.buf, view.len, &w, rd, &nr);
-    int status = shm_move(r, k, seq, sig, (uint64_t)view.len, 0, 0, &w, 1, rd, nr, (int)kind, r->rank != 0, NULL, 0);
+    int status = shm_move(r, k, seq, sig, (uint64_t)view.len, 0, 0, &w, 1, rd, nr, (int)kind, r->rank != 0, NULL, 0, 0);
     if (rd != stack) PyMem_Free(rd);
     PyBuffer_Release(&view);
     return PyLong_FromLong(status);
 }
 
+/* the reads of a plan: a copy each (kind -1), else a fold into one destination (with first_copies
+ * the first read copies and each later one reduces into it with kind's op; without, every read
+ * reduces into what the destination holds) */
+static void do_reads(Rounds *r, int s, const Read *rd, Py_ssize_t nr, int kind, int first_copies) {
+    for (Py_ssize_t i = 0; i < nr; i++) {
+        const Read *x = &rd[i];
+        if (!x->n) continue;
+        const char *from = x->peer >= 0 ? r->slot[x->peer * r->nslots + s] + x->src_off : x->src + x->src_off;
+        if (kind < 0 || (i == 0 && first_copies))
+            memmove(x->dst, from, (size_t)x->n);
+        else
+            shm_reduce_into(x->dst, from, x->n, kind);
+    }
+}
+
 /* shm_move: a one-round collective's whole round k. Copy the writes into this member's slot, post
  * (nbytes, extra), poll, check the headers and, with check, every peer's extra word against ours,
  * and every expected slot word (DIFFERS: a rooted collective's root check failed, or a peer's slot
- * says what the plan did not expect; nothing read or consumed); then the reads, in order: with
- * kind -1 each a copy (memmove), else a fold into one destination (with first_copies the first
- * read copies and each later one reduces into it with kind's op, as shm_reduce_into does; without,
- * every read reduces into what the destination holds); then consume. Anything but
- * DONE or RING_CONSUMED leaves the reads and the consume to Python (round_plan.finish). Every
- * address and length was checked by the caller. */
+ * says what the plan did not expect; nothing read or consumed); then the reads (do_reads), then
+ * consume. Anything but DONE or RING_CONSUMED leaves the reads and the consume to Python
+ * (round_plan.finish). Every address and length was checked by the caller.
+ *
+ * defer (nonzero: the call's number for its error, see shm_settle; a rooted collective's member
+ * that does not read every peer: a broadcast's or scatter's root reads none, their other members
+ * the root alone, a reduce's or gather's non-roots none): wait only for the members the reads
+ * name, check their headers and extra words, read and consume, and leave the other members'
+ * headers to be checked later, from their history (shm_settle). Peers cannot tell. The result is
+ * then DONE, or the bits RING_POSTED (a peer sleeps: ring_posted() is due) and RING_CONSUMED.
+ * Anything unusual (a read peer not in within the budget, a header or extra word that differs)
+ * is PENDING: Python waits for every post and checks the round in full, as without defer. */
 int shm_move(Rounds *r, uint64_t k, uint64_t seq, uint64_t sig, uint64_t nbytes, uint64_t extra, int check,
              const Write *w, Py_ssize_t nw, const Read *rd, Py_ssize_t nr, int kind, int first_copies, const Expect *e,
-             Py_ssize_t ne) {
+             Py_ssize_t ne, int defer) {
     int s = (int)(k % (uint64_t)r->nslots), me = r->rank;
     char *mine = r->slot[me * r->nslots + s];
     for (Py_ssize_t i = 0; i < nw; i++)
         if (w[i].n) memcpy(mine + w[i].slot_off, w[i].src, (size_t)w[i].n);
+    uint64_t from = 0, everyone = 0;
+    if (defer && ne == 0 && r->size <= 64 && r->hist_len > r->nslots + 2) {
+        for (Py_ssize_t i = 0; i < nr; i++)
+            if (rd[i].peer >= 0 && rd[i].peer != me) from |= (uint64_t)1 << rd[i].peer;
+        for (int q = 0; q < r->size; q++)
+            if (q != me) everyone |= (uint64_t)1 << q;
+        if (from != everyone) {
+            int ring = shm_post(r, k, seq, sig, nbytes, extra);
+            int ready = poll_posted(r, k, from) && headers_match(r, k, seq, sig, nbytes, from);
+            for (int q = 0; ready && check && q < r->size; q++)
+                if ((from >> q & 1) && r->hdr[q * r->nslots + s][r->s_extra] != extra) ready = 0;
+            if (!ready) return PENDING | (ring ? RING_POSTED : 0);
+            do_reads(r, s, rd, nr, kind, first_copies);
+            r->hist[me][(k % (uint64_t)r->hist_len) * HEADER_WORDS + r->h_deferred] = (uint64_t)defer;
+            if (!load(&r->ctl[me][r->deferred])) store(&r->ctl[me][r->deferred], k);
+            return shm_consume(r, k) | (ring ? RING_POSTED : 0);
+        }
+    }
     int status = shm_post_and_poll(r, k, seq, sig, nbytes, extra);
     if (status == DONE && check) {
         for (int q = 0; q < r->size; q++)
@@ -273,16 +371,45 @@ int shm_move(Rounds *r, uint64_t k, uint64_t seq, uint64_t sig, uint64_t nbytes,
         if (__atomic_load_n(&words[e[i].word], __ATOMIC_RELAXED) != e[i].value) status = DIFFERS;
     }
     if (status != DONE) return status;
-    for (Py_ssize_t i = 0; i < nr; i++) {
-        const Read *x = &rd[i];
-        if (!x->n) continue;
-        const char *from = x->peer >= 0 ? r->slot[x->peer * r->nslots + s] + x->src_off : x->src + x->src_off;
-        if (kind < 0 || (i == 0 && first_copies))
-            memmove(x->dst, from, (size_t)x->n);
-        else
-            shm_reduce_into(x->dst, from, x->n, kind);
-    }
+    do_reads(r, s, rd, nr, kind, first_copies);
     return shm_consume(r, k);
+}
+
+/* shm_settle: check the rounds whose checks this member deferred (shm_move), oldest first, from
+ * the counter word `deferred` (the oldest not yet checked) to its last post: each such round (its
+ * own history entry says so: word h_deferred) once every peer has posted it, every peer's history entry
+ * of it against ours (round, sequence number, signature, byte count, extra word). A peer may
+ * reuse its slots as soon as we consume, so the slot headers may be gone: a history entry lasts
+ * until its owner posts hist_len rounds later, which needs our consume of a round hist_len -
+ * nslots later; so a round is checked before this member opens a round that far on.
+ *
+ * DONE: every deferred round checked, or the rest not posted yet by some peer and not yet due.
+ * PENDING: the oldest one must be checked now and a peer has not posted it. MISMATCH: a history
+ * entry differs. Either leaves the rest to Python (GroupShm.settle_deferred), which waits with a
+ * deadline and says what differs. */
+int shm_settle(Rounds *r) {
+    int me = r->rank;
+    uint64_t j = load(&r->ctl[me][r->deferred]), last = load(&r->ctl[me][r->posted]);
+    uint64_t n = (uint64_t)r->hist_len;
+    for (; j && j <= last; j++) {
+        const uint64_t *mine = r->hist[me] + (j % n) * HEADER_WORDS;
+        if (mine[r->s_round] != j || !mine[r->h_deferred]) continue; /* not posted here, or checked in its round */
+        if (!all_posted(r, j, EVERY_PEER)) {
+            store(&r->ctl[me][r->deferred], j);
+            return last + 2 >= j + n - (uint64_t)r->nslots ? PENDING : DONE;
+        }
+        for (int q = 0; q < r->size; q++) {
+            if (q == me) continue;
+            const uint64_t *g = r->hist[q] + (j % n) * HEADER_WORDS;
+            if (load((uint64_t *)&g[r->s_round]) != j || g[r->s_seq] != mine[r->s_seq] || g[r->s_sig] != mine[r->s_sig] ||
+                g[r->s_nbytes] != mine[r->s_nbytes] || g[r->s_extra] != mine[r->s_extra]) {
+                store(&r->ctl[me][r->deferred], j);
+                return MISMATCH;
+            }
+        }
+    }
+    store(&r->ctl[me][r->deferred], 0);
+    return DONE;
 }
 
 /* move()'s plan from Python: the buffers each copy names, held while the round runs */
@@ -420,7 +547,7 @@ static PyObject *Rounds_move(Rounds *r, PyObject *const *args, Py_ssize_t nargs)
     if (parse_writes(r, wseq, w, nw, &held) < 0 || parse_reads(r, rseq, rd, nr, &held) < 0 ||
         parse_expects(r, eseq, ne, e) < 0)
         goto out;
-    result = PyLong_FromLong(shm_move(r, a[0], a[1], a[2], a[3], a[4], check, w, nw, rd, nr, (int)kind, 1, e, ne));
+    result = PyLong_FromLong(shm_move(r, a[0], a[1], a[2], a[3], a[4], check, w, nw, rd, nr, (int)kind, 1, e, ne, 0));
 out:
     release_held(&held);
     if (w && w != wstack) PyMem_Free(w);
@@ -462,33 +589,34 @@ static void Rounds_dealloc(Rounds *r) {
     PyMem_Free(r->ctl);
     PyMem_Free(r->hdr);
     PyMem_Free(r->slot);
+    PyMem_Free(r->hist);
     Py_XDECREF(r->keepalive);
     Py_TYPE(r)->tp_free((PyObject *)r);
 }
 
 static int Rounds_init(Rounds *r, PyObject *args, PyObject *kwds) {
-    PyObject *ctl, *hdr, *slot, *keepalive;
+    PyObject *ctl, *hdr, *slot, *hist, *keepalive;
     long long budget_ns;
-    static char *names[] = {"rank", "size", "nslots", "slot_bytes", "ctl", "headers", "slots", "posted", "consumed",
-                            "reusing", "awaiting", "s_round", "s_seq", "s_sig", "s_nbytes", "s_extra", "budget_ns",
-                            "yields", "keepalive", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iiinOOOiiiiiiiiiLpO", names, &r->rank, &r->size, &r->nslots,
-                                     &r->slot_bytes, &ctl, &hdr, &slot, &r->posted, &r->consumed, &r->reusing,
-                                     &r->awaiting, &r->s_round, &r->s_seq, &r->s_sig, &r->s_nbytes, &r->s_extra,
-                                     &budget_ns, &r->yields, &keepalive))
+    static char *names[] = {"rank", "size", "nslots", "slot_bytes", "ctl", "headers", "slots", "history",
+                            "history_len", "h_deferred", "posted", "consumed", "reusing", "awaiting", "deferred", "s_round",
+                            "s_seq", "s_sig", "s_nbytes", "s_extra", "budget_ns", "yields", "keepalive", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iiinOOOOiiiiiiiiiiiiLpO", names, &r->rank, &r->size, &r->nslots,
+                                     &r->slot_bytes, &ctl, &hdr, &slot, &hist, &r->hist_len, &r->h_deferred, &r->posted,
+                                     &r->consumed, &r->reusing, &r->awaiting, &r->deferred, &r->s_round, &r->s_seq,
+                                     &r->s_sig, &r->s_nbytes, &r->s_extra, &budget_ns, &r->yields, &keepalive))
         return -1;
-    if (r->size < 1 || r->rank < 0 || r->rank >= r->size || r->nslots < 1 || r->slot_bytes < 0) {
-        PyErr_SetString(PyExc_ValueError, "need 0 <= rank < size, nslots >= 1 and slot_bytes >= 0");
+    if (r->size < 1 || r->rank < 0 || r->rank >= r->size || r->nslots < 1 || r->slot_bytes < 0 || r->hist_len < 0) {
+        PyErr_SetString(PyExc_ValueError, "need 0 <= rank < size, nslots >= 1, slot_bytes >= 0 and history_len >= 0");
         return -1;
     }
-    int words[] = {r->posted, r->consumed, r->reusing, r->awaiting}, fields[] = {r->s_round, r->s_seq, r->s_sig,
-                                                                                 r->s_nbytes, r->s_extra};
-    for (int i = 0; i < 4; i++)
+    int words[] = {r->posted, r->consumed, r->reusing, r->awaiting, r->deferred},
+        fields[] = {r->s_round, r->s_seq, r->s_sig, r->s_nbytes, r->s_extra, r->h_deferred};
+    for (int i = 0; i < 5; i++)
         if (words[i] < 0 || words[i] >= CTL_WORDS) {
             PyErr_SetString(PyExc_ValueError, "a counter index is outside the counters' words");
             return -1;
         }
-    for (int i = 0; i < 5; i++)
+    for (int i = 0; i < 6; i++)
         if (fields[i] < 0 || fields[i] >= HEADER_WORDS) {
             PyErr_SetString(PyExc_ValueError, "a slot header index is outside the header's words");
             return -1;
@@ -496,11 +624,12 @@ static int Rounds_init(Rounds *r, PyObject *args, PyObject *kwds) {
     PyMem_Free(r->ctl);
     PyMem_Free(r->hdr);
     PyMem_Free(r->slot);
-    r->ctl = NULL, r->hdr = NULL, r->slot = NULL;
+    PyMem_Free(r->hist);
+    r->ctl = NULL, r->hdr = NULL, r->slot = NULL, r->hist = NULL;
     r->budget_ns = budget_ns;
     Py_ssize_t slots = (Py_ssize_t)r->size * r->nslots;
     if (addresses(ctl, r->size, (void ***)&r->ctl) < 0 || addresses(hdr, slots, (void ***)&r->hdr) < 0 ||
-        addresses(slot, slots, (void ***)&r->slot) < 0)
+        addresses(slot, slots, (void ***)&r->slot) < 0 || addresses(hist, r->size, (void ***)&r->hist) < 0)
         return -1;
     Py_INCREF(keepalive);
     Py_XSETREF(r->keepalive, keepalive);
@@ -510,6 +639,8 @@ static int Rounds_init(Rounds *r, PyObject *args, PyObject *kwds) {
 static PyMethodDef Rounds_methods[] = {
     {"exchange", (PyCFunction)(void (*)(void))Rounds_exchange, METH_FASTCALL,
      "exchange(k, seq, sig, nbytes, extra) -> status bits: post round k, poll the peers' posts, check them"},
+    {"poll_consumed", (PyCFunction)(void (*)(void))Rounds_poll_consumed, METH_FASTCALL,
+     "poll_consumed(k) -> bool: every peer's consumed reached k within the poll budget"},
     {"consume", (PyCFunction)(void (*)(void))Rounds_consume, METH_FASTCALL,
      "consume(k) -> RING_CONSUMED or DONE: done reading round k"},
     {"all_reduce", (PyCFunction)(void (*)(void))Rounds_all_reduce, METH_FASTCALL,

@@ -17,9 +17,10 @@
 #define DIFFERS 16 /* move(): every post matched; a peer's extra word (check) or an expected slot word differs */
 
 /* the words Python may name: a member's counters (before its "opened" bytes at byte 192) and a
- * slot header's (64 bytes) */
+ * slot header's (64 bytes; a history entry has the same words, and one more: h_deferred) */
 #define CTL_WORDS 24
 #define HEADER_WORDS 8
+
 
 /* kinds: dtype * 8 + op */
 enum { T_F32, T_F64, T_I8, T_I16, T_I32, T_I64, T_U8, T_NTYPES };
@@ -33,6 +34,10 @@ typedef struct {
     uint64_t **hdr;  /* [size * nslots]: each member's slot headers */
     char **slot;     /* [size * nslots]: each member's slots */
     int posted, consumed, reusing, awaiting;       /* counter word indexes */
+    int deferred;                                  /* counter word: this member's oldest unchecked round */
+    uint64_t **hist;                               /* [size]: each member's header history (see shm_settle) */
+    int hist_len;                                  /* entries in a history; 0: no deferred checks */
+    int h_deferred;                                /* history word: which call deferred the entry's checks */
     int s_round, s_seq, s_sig, s_nbytes, s_extra;  /* slot header word indexes */
     int64_t budget_ns;
     int yields;
@@ -71,7 +76,13 @@ void shm_reduce_into(char *acc, const char *src, Py_ssize_t n, int kind);
 int shm_valid_kind(long kind);
 int shm_move(Rounds *r, uint64_t k, uint64_t seq, uint64_t sig, uint64_t nbytes, uint64_t extra, int check,
              const Write *w, Py_ssize_t nw, const Read *rd, Py_ssize_t nr, int kind, int first_copies, const Expect *e,
-             Py_ssize_t ne);
+             Py_ssize_t ne, int defer);
+int shm_settle(Rounds *r);
+
+/* this member's deferred round (see shm_move), or 0 */
+static inline uint64_t shm_deferred(const Rounds *r) {
+    return __atomic_load_n(&r->ctl[r->rank][r->deferred], __ATOMIC_RELAXED);
+}
 
 /* _shm_calls.c: adds its type (Calls) to the module where numpy's headers were found at build time;
  * returns -1 with an exception set on failure */

@@ -15,6 +15,16 @@ Each slot starts with a header (round, sequence number, signature, byte count, o
 readers check, so members running different collectives, or the same one with different sizes,
 fail with a mismatch naming the peer instead of exchanging the wrong bytes.
 
+Every post also goes into the member's header history (its last HISTORY posts' headers, after the
+counters), which outlives the slot's reuse. A member that reads only some peers' slots in a round
+(a small rooted collective run whole in C: the root of a broadcast or scatter reads none, their
+other members only the root; a reduce's or gather's non-roots none) may *defer* its checks of the
+others: it waits for, checks and reads the peers it reads, consumes and returns, and a later call
+checks the other members' history entries of that round once they have posted it
+(``settle_deferred``; in C, _shm_round.c's shm_settle), at the latest before this member opens a
+round HISTORY - nslots later, after which a peer could overwrite them. Peers cannot tell. A
+disagreement found then is reported by that later call (``LateDisagreement``).
+
 Two groups on the same ranks have different segments, so concurrent collectives on them (async
 work on both) never touch each other's memory.
 
@@ -28,6 +38,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -68,10 +79,15 @@ REUSING = 20  # byte 160: k while this member waits for every peer's CONSUMED >=
 AWAITING = 21  # byte 168: k while this member waits for peers' POSTED >= k (else 0)
 AWAIT_FROM = 22  # byte 176: which peers AWAITING means: 0 all others, q + 1 member q, AWAIT_ANY some
 AWAIT_ANY = 1 << 63
+DEFERRED = 23  # byte 184: the oldest round whose checks this member left to later (settle_deferred), else 0
 _OPENED_AT = 192  # one byte per member: "I have mapped this segment"
 SLOT_HEADER = 64
 # u64 indexes into a slot header
 S_ROUND, S_SEQ, S_SIG, S_NBYTES, S_EXTRA = 0, 1, 2, 3, 4
+#: each member's last HISTORY posts' headers (the same words, 64 bytes each), after the counters' page
+#: start: what deferred checks read once the slots may have been reused (settle_deferred)
+HISTORY = 64
+H_DEFERRED = 5  # in a member's own history entry: the call (Calls.OPS index + 1) that deferred its checks
 
 _clock, _sched_yield = time.perf_counter, os.sched_yield
 
@@ -83,9 +99,14 @@ def _align(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
+def history_offset(size: int) -> int:
+    """Where a member's header history starts in its segment of a group of ``size`` members."""
+    return _align(_OPENED_AT + size, 64)
+
+
 def layout(size: int, slot_bytes: int, nslots: int) -> tuple[int, int]:
     """(offset of the first slot, total segment bytes) for a group of ``size`` members."""
-    first = _align(_OPENED_AT + size, 4096)
+    first = _align(history_offset(size) + HISTORY * SLOT_HEADER, 4096)
     return first, first + nslots * _align(SLOT_HEADER + slot_bytes, 4096)
 
 
@@ -108,6 +129,25 @@ def init_segment(buf: np.ndarray, gid: int, size: int, slot_bytes: int, nslots: 
     words[_H_SLOT_BYTES] = slot_bytes
     words[_H_NSLOTS] = nslots
     words[_H_MAGIC] = MAGIC
+
+
+class LateDisagreement(NamedTuple):
+    """A deferred round's root check failed when this member settled it (``settle_deferred``): the
+    call ``op`` #``seq`` (its name: one of Calls.OPS) had ``root`` here and ``theirs`` at group rank
+    ``peer``. The round itself completed, so the group's memory stays usable."""
+
+    op: str
+    seq: int
+    root: int
+    peer: int
+    theirs: int
+    round: int  # its round: GroupShm.reported(late) once raised
+
+    def describe(self) -> str:
+        what = "src" if self.op in ("broadcast", "scatter") else "dst"
+        return (f"{self.op} (sequence number {self.seq}, an earlier call whose round this rank checked in full only "
+                f"now): this rank called it with {what}={self.root} but group rank {self.peer} with "
+                f"{what}={self.theirs}; every rank of the group must pass the same {what}")
 
 
 ROUND_STEPS = ("open_round", "publish", "check_posts", "exchange", "await_posts", "collect", "consume")  # see _build_round_steps
@@ -165,6 +205,11 @@ class GroupShm:
             [memoryview(s.buf[first + k * stride : first + k * stride + SLOT_HEADER]).cast("Q") for k in range(nslots)]
             for s in segments
         ]
+        at = history_offset(self.size)
+        self.history = [  # [member][round % HISTORY]: that post's header words
+            [memoryview(s.buf[at + j * SLOT_HEADER : at + (j + 1) * SLOT_HEADER]).cast("Q") for j in range(HISTORY)]
+            for s in segments
+        ]
         self.slots = [
             [s.buf[first + k * stride + SLOT_HEADER : first + k * stride + SLOT_HEADER + slot_bytes] for k in range(nslots)]
             for s in segments
@@ -204,6 +249,8 @@ class GroupShm:
         it a measurable part of a small barrier (docs/performance-notes.md)."""
         nslots = self.nslots
         mine, my_headers, headers, ctl = self._mine, self._my_headers, self.headers, self.ctl
+        my_history = self.history[self.rank]
+        due = HISTORY - nslots - 2  # open no round this far past a deferred one before checking it (see settle_deferred)
         peers, peer_ctl = self._peers, self._peer_ctl
         poll_posted, wait_posts, mismatch = self._poll_posted, self._wait_posts, self._mismatch
         ring_posted, ring_consumed, reserve = self.ring_posted, self.ring_consumed, self._reserve
@@ -216,6 +263,13 @@ class GroupShm:
             known to have crashed (one word to read) fails the round at once if it is a member."""
             if news[0]:
                 check_members(members)
+            deferred = mine[DEFERRED]
+            if deferred and self.round - deferred >= due:
+                # due now (the calls in C and ShmCollectives check earlier, and can raise a root that
+                # differs once their call has completed; here it can only fail the round)
+                late = self.settle_deferred(seq, sig, channel)
+                if late is not None:
+                    raise TransportError(late.describe(), peer=self.ranks[late.peer], reason="mismatch")
             k = self.round = self.round + 1
             need = k - nslots
             if need > self._consumed_floor:  # the floor only rises: most rounds read no counter at all
@@ -230,6 +284,13 @@ class GroupShm:
             h[S_SIG] = sig
             h[S_NBYTES] = nbytes
             h[S_EXTRA] = extra
+            h[S_ROUND] = k
+            h = my_history[k % HISTORY]
+            h[S_SEQ] = seq
+            h[S_SIG] = sig
+            h[S_NBYTES] = nbytes
+            h[S_EXTRA] = extra
+            h[H_DEFERRED] = 0
             h[S_ROUND] = k
             mine[POSTED] = k
             fence()
@@ -321,7 +382,58 @@ class GroupShm:
         ring = status & RING_POSTED
         if ring:
             self.ring_posted()
+        if self._mine[DEFERRED]:  # before waiting: a member that found a mismatch there posts nothing more
+            self.settle_deferred(seq, sig, channel)
         self.await_posts(k, seq, sig, nbytes, channel, not ring)  # without a ring, C polled the whole budget
+
+    @property
+    def deferred(self) -> int:
+        """The oldest round whose checks this member left to later (see ``settle_deferred``), or 0."""
+        return self._mine[DEFERRED]
+
+    def settle_deferred(self, seq: int, sig: int, channel) -> LateDisagreement | None:
+        """Every check this member deferred (a small rooted call in C read only the peers it needed:
+        the module docstring), now: from the oldest (``DEFERRED``) to its last post, each round whose
+        own history entry says it deferred, once every peer has posted it (polling, then sleeping
+        with the Channel ``channel(seq, sig)`` of the call settling it), every peer's history entry
+        of it against ours (a mismatch raises, naming the peer, as ``exchange`` does). Stops at the
+        first peer whose extra word (its root) differs from ours, and returns it as a
+        LateDisagreement; that round stays the oldest unchecked one until ``reported(late)``, so a
+        later call raises it if this one does not get to. Else None, every check made.
+
+        Called by the calls that can raise a disagreement once they have completed (the calls in C,
+        ShmCollectives), and before any wait that may sleep (``settle``, the slot reuse wait), so a
+        member whose peer stopped at a mismatch found here stops too instead of waiting for it."""
+        mine, history = self._mine, self.history
+        for j in range(mine[DEFERRED] or mine[POSTED] + 1, mine[POSTED] + 1):
+            h = history[self.rank][j % HISTORY]
+            if h[S_ROUND] != j or not h[H_DEFERRED]:
+                continue
+            for c in self._peer_ctl:
+                if c[POSTED] < j:
+                    if not self._poll_posted(j):
+                        self._wait_posts(j, channel(seq, sig), self._peers, 0, True)
+                    break
+            for q in self._peers:
+                theirs = history[q][j % HISTORY]
+                if theirs[S_ROUND] != j or theirs[S_SEQ] != h[S_SEQ] or theirs[S_SIG] != h[S_SIG] or (
+                        theirs[S_NBYTES] != h[S_NBYTES]):
+                    mine[DEFERRED] = j
+                    raise self._mismatch(q, j, theirs, h[S_SEQ], h[S_SIG], h[S_NBYTES])
+            for q in self._peers:
+                theirs = history[q][j % HISTORY][S_EXTRA]
+                if theirs != h[S_EXTRA]:
+                    mine[DEFERRED] = j
+                    code = h[H_DEFERRED]
+                    op = Calls.OPS[code - 1] if Calls is not None and code <= len(Calls.OPS) else "a rooted collective"
+                    return LateDisagreement(op, h[S_SEQ], h[S_EXTRA], q, theirs, j)
+        mine[DEFERRED] = 0
+        return None
+
+    def reported(self, late: LateDisagreement) -> None:
+        """``late`` (settle_deferred's) has been raised: the checks go on after its round."""
+        if self._mine[DEFERRED] == late.round:
+            self._mine[DEFERRED] = late.round + 1
 
     def next_round(self) -> int:
         self.round += 1
@@ -342,7 +454,10 @@ class GroupShm:
         """Wait until every peer's ``consumed >= need``, and raise the cached floor."""
         floor = min([c[CONSUMED] for c in self._peer_ctl])
         if floor < need:
-            self._wait_reuse(need, channel(seq, sig))
+            if self.native is None or not self.native.poll_consumed(need):
+                if self._mine[DEFERRED]:  # before waiting (as in settle)
+                    self.settle_deferred(seq, sig, channel)
+                self._wait_reuse(need, channel(seq, sig))
             floor = min([c[CONSUMED] for c in self._peer_ctl])
         self._consumed_floor = floor
 
@@ -512,8 +627,9 @@ class GroupShm:
         headers = [b + first + k * stride for b in bases for k in range(self.nslots)]
         return dict(rank=self.rank, size=self.size, nslots=self.nslots, slot_bytes=self.slot_bytes, ctl=bases,
                     headers=headers, slots=[h + SLOT_HEADER for h in headers], posted=POSTED, consumed=CONSUMED,
-                    reusing=REUSING, awaiting=AWAITING, s_round=S_ROUND, s_seq=S_SEQ, s_sig=S_SIG,
-                    s_nbytes=S_NBYTES, s_extra=S_EXTRA, keepalive=tuple(s.buf for s in self.segments))
+                    reusing=REUSING, awaiting=AWAITING, deferred=DEFERRED, s_round=S_ROUND, s_seq=S_SEQ, s_sig=S_SIG,
+                    s_nbytes=S_NBYTES, history=[b + history_offset(self.size) for b in bases], history_len=HISTORY,
+                    h_deferred=H_DEFERRED, s_extra=S_EXTRA, keepalive=tuple(s.buf for s in self.segments))
 
     def raw(self, q: int, k: int) -> memoryview:
         """Member q's slot of round k as a memoryview of bytes (cached: slicing and copying a

@@ -30,7 +30,7 @@ from ...transport import shm_direct
 from ...transport.base import Channel, TransportError
 from ...tuning import DEFAULT, Tuning
 from ...types import RedOpType
-from ..engine import GroupCollectives, root_mismatch
+from ..engine import GroupCollectives, late_root_mismatch, root_mismatch
 from ..generic import GenericCollectives
 from . import alltoall_slots as alltoall, latency, observe, root_check
 from .allgather_readv import allgather_readv
@@ -216,9 +216,12 @@ class ShmCollectives(GroupCollectives):
     def _guarded(ctx, ch: Channel, algorithm, *args):
         """``algorithm(ctx, ch, *args)``; a failure leaves the group's memory unusable (mid-round,
         its counters no longer agree with the peers'), and a transport's error is raised in the
-        words of the operation."""
+        words of the operation. A round this member deferred (an earlier small rooted call in C) is
+        settled first; a root disagreement found there is raised once this call has completed, so
+        every member still runs the same rounds."""
         try:
-            return algorithm(ctx, ch, *args)
+            late = ctx.settle_deferred(ch.key.seq, ch.signature, same_channel(ch)) if ctx.deferred else None
+            result = algorithm(ctx, ch, *args)
         except TransportError as exc:
             if isinstance(exc, shm_direct.DirectReadError):
                 exc = _direct_read_failure(ctx, ch, exc)
@@ -227,6 +230,10 @@ class ShmCollectives(GroupCollectives):
         except BaseException as exc:
             ctx.broken = f"{type(exc).__name__}: {exc}"
             raise
+        if late is not None:
+            ctx.reported(late)
+            raise late_root_mismatch(ch, late)
+        return result
 
     # -- the collectives (signatures: engine.GroupCollectives) -----------------------------------
     def all_reduce(self, ch: Channel, flat: np.ndarray, dtype, op) -> None:

@@ -74,7 +74,7 @@ from ...signatures import signature, without_root
 from ...transport import shm_group
 from ...transport.base import TransportError
 from ...types import RedOpType
-from ..engine import FastPath, root_mismatch
+from ..engine import FastPath, late_root_mismatch, root_mismatch
 from . import (allreduce_direct, alltoall_slots, broadcast_slots, gather_slots, native, observe, reduce_direct,
                reduce_scatter_slots, round_plan, scatter_slots)
 from .choose import Capabilities, choose
@@ -342,6 +342,14 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
         if record is not None:
             fr.fail(record, exc)
         diagnostics.on_fault(pg, exc, op, seq)
+        raise exc
+
+    def refuse_late(late, op: str, seq: int, sig: int) -> NoReturn:
+        """Raise an earlier rooted call's root mismatch (``late``: GroupShm.settle_deferred's), which
+        call ``op`` #``seq`` found when it settled that call's deferred round and has now completed."""
+        exc = late_root_mismatch(pg.channel(op, seq, sig), late)
+        ctx.reported(late)
+        diagnostics.on_fault(pg, exc, late.op, late.seq)
         raise exc
 
     # -- each one_round as a plan of copies, run in one C call (round_plan.py), where it is built ---
@@ -907,7 +915,8 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
         recorder_module=fr, observe_module=observe, group=group, resume_all_to_all=resume_all_to_all,
         limits=tuple(max(limit_of[op], 0) for op in ops), rs_total=max(limits.reduce_scatter, 0),
         scatter_step=scatter_step, t_completed=T_COMPLETED, state=STATE, completed=COMPLETED, direct_reads=direct_reads,
-        tensor_memory=small_tensor_memory)
+        tensor_memory=small_tensor_memory, settle=ctx.settle_deferred, refuse_late=refuse_late,
+        ring_posted=ctx.ring_posted, defer=ctx.transport.tuning.shm_defer)
     return paths._replace(all_reduce=calls.all_reduce, barrier=calls.barrier,
                           tensor_broadcast=calls.broadcast, tensor_reduce=calls.reduce,
                           tensor_all_gather=calls.all_gather,
