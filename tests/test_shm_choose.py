@@ -8,6 +8,7 @@ import pytest
 
 from distcomm.backends.shm import group_collectives
 from distcomm.backends.shm.choose import THRESHOLDS, Capabilities, check_forced, choose, latency_limit
+from distcomm.backends.shm.scatter_slots import piece_bytes
 from distcomm.tuning import Tuning
 
 KiB, MiB = 1024, 1 << 20
@@ -79,7 +80,6 @@ def test_thresholds_from_the_tuning():
     ("reducescatter", "reduce_scatter_slots", "reduce_scatter_readv"),
     ("alltoall", "alltoall_slots", "alltoall_readv"),
     ("broadcast", "broadcast_slots", "broadcast_readv"),
-    ("scatter", "scatter_slots", "scatter_readv"),
 ])
 def test_single_copy_from_4_mib(op, slots, readv):
     assert choose(op, 4 * MiB - 1, 4, CAN, DEFAULT) == slots
@@ -89,6 +89,17 @@ def test_single_copy_from_4_mib(op, slots, readv):
     assert choose(op, 8, 4, CAN, forced) == readv
     assert choose(op, 8, 4, CANNOT, forced) == slots
     assert choose(op, 64 * MiB, 4, CAN, tuned(**{f"DISTCOMM_SHM_ALGO_{op.upper()}": "slots"})) == slots
+
+
+@pytest.mark.parametrize("size", [2, 3, 4, 8])
+def test_scatter_single_copy_once_a_block_takes_more_than_one_round(size):
+    piece = piece_bytes(SLOT, size)  # a rank's part of one round's slot
+    assert choose("scatter", size * piece, size, CAN, DEFAULT) == "scatter_slots"
+    assert choose("scatter", size * piece + 1, size, CAN, DEFAULT) == "scatter_readv"
+    assert choose("scatter", 4 * MiB, size, CAN, DEFAULT) == "scatter_readv"
+    assert choose("scatter", 64 * MiB, size, CANNOT, DEFAULT) == "scatter_slots"  # not allowed: through slots
+    assert choose("scatter", 8, size, CAN, tuned(DISTCOMM_SHM_ALGO_SCATTER="readv")) == "scatter_readv"
+    assert choose("scatter", 64 * MiB, size, CAN, tuned(DISTCOMM_SHM_ALGO_SCATTER="slots")) == "scatter_slots"
 
 
 def test_broadcast_at_two_ranks_splits_the_copy_from_4_mib():

@@ -13,7 +13,8 @@ measurements behind each threshold):
 * the copy-only collectives (scatter by its whole input), and reduce: single copy ("<op>_readv")
   from ``readv_bytes`` (4 MiB),
   where a system call and page pinning per chunk are paid back by copying once and not running in
-  lockstep; below, through slots. broadcast at p = 2 from there: "broadcast_split" (the reader
+  lockstep; below, through slots. scatter also from where a rank's block no longer fits its piece
+  of one slot (a slot / p): the slots would take two rounds or more. broadcast at p = 2 from there: "broadcast_split" (the reader
   reads the head while the root writes the tail: both CPUs copy).
 * gather: from ``readv_bytes`` "gather_writev" (every peer writes its block into the root's output,
   all at once); below, through slots. "gather_readv" (the root alone reads every block) only when
@@ -35,6 +36,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from ...tuning import Tuning
+from .scatter_slots import piece_bytes
 
 THRESHOLDS = {
     "allreduce_direct_bytes": 256 * 1024,
@@ -120,6 +122,8 @@ def choose(op: str, nbytes: int, size: int, caps: Capabilities, tuning: Tuning) 
     if op == "barrier":
         return "barrier_slots"
     large = nbytes >= _threshold(tuning, "readv_bytes")
+    if op == "scatter" and nbytes > size * piece_bytes(caps.slot_bytes, size):
+        large = True  # a block of more than one round's piece
     if op == "gather":
         if forced is None:
             forced = "writev" if large else "slots"
