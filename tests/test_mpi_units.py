@@ -129,6 +129,10 @@ class _MPI:
     def Is_finalized():  # noqa: N802
         return False
 
+    @staticmethod
+    def _addressof(request):  # where the request's handle lies (mpi4py's): here, a stand-in
+        return id(request)
+
 
 def test_persistent_requests_per_count_datatype_and_op_oldest_freed_first_one_barrier():
     import numpy as np
@@ -138,8 +142,8 @@ def test_persistent_requests_per_count_datatype_and_op_oldest_freed_first_one_ba
     comm = _Comm()
     cache = persistent.PersistentRequests(comm, _MPI)
     FLOAT, DOUBLE, SUM, MAX = object(), object(), object(), object()
-    staging, request = cache.all_reduce(np.ones(3, np.float32), FLOAT, SUM)
-    assert staging.shape == (3,) and staging.dtype == np.float32
+    staging, request, handle = cache.all_reduce(np.ones(3, np.float32), FLOAT, SUM)
+    assert staging.shape == (3,) and staging.dtype == np.float32 and handle == id(request)
     assert comm.log == [("init", (3, "float32", FLOAT, SUM), "IN_PLACE")]
     # the same count, datatype and op: the same request, whatever the array
     assert cache.all_reduce(np.zeros(3, np.float32), FLOAT, SUM)[1] is request

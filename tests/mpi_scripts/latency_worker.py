@@ -157,14 +157,17 @@ say(f"{rank} public_sites {public_calls()}")
 
 
 # 8. where the all_reduce in C is built (backends/mpi/_mpi_calls.c), a numpy all_reduce never
-# reaches the Python path (small_all_reduce, which stays its fallback)
+# reaches the Python path (small_all_reduce, which stays its fallback); where the MPI library's
+# MPI_Start and MPI_Test are found (library.py), the calls in C use them
 def all_reduce_in_c():
     import sys
 
-    from distcomm.backends.mpi import latency
+    from distcomm.backends.mpi import latency, library
 
     if not latency.ALL_REDUCE_IN_C:
         return "not built"
+    calls = paths.all_reduce.__self__
+    found = library.entry_points() is not None
     seen = set()
 
     def watch(frame, event, arg):
@@ -179,7 +182,7 @@ def all_reduce_in_c():
             dist.all_reduce(v, group=g)
     finally:
         sys.setprofile(None)
-    return "python path" if "small_all_reduce" in seen else "yes"
+    return "python path" if "small_all_reduce" in seen else f"yes direct={calls.direct} found={found}"
 
 
 say(f"{rank} all_reduce_in_c {all_reduce_in_c()}")

@@ -7,6 +7,13 @@
  * Python methods: no MPI header or library is needed to build it) with everything around them in
  * C, and the same record and errors.
  *
+ * Where the MPI library's own MPI_Start and MPI_Test are found (library.py: their addresses in the
+ * library mpi4py loaded, and each request's handle address), the request is started and tested
+ * through them: each of mpi4py's methods releases and retakes the GIL, and a test loop of them
+ * spent more time there than in MPI (docs/performance-notes.md). The loop then runs without the
+ * GIL, taken back once. The handle address makes this ABI-neutral: MPI_Request is an int in MPICH
+ * and a pointer in Open MPI, and both functions take its address.
+ *
  * Python keeps every decision that is not the common case, handed in when the group's latency
  * paths are built (see _calls.h for the group's side: claim, sequence number, record):
  *   describe(op, dtype) -> (signature, dtype name, item size, the persistent requests made for
@@ -20,6 +27,7 @@
  */
 #include "../../_calls.h"
 
+#include <stdint.h>
 #include <string.h>
 
 /* How long the request is tested here before the Python wait (transport/mpi.py's wait_request: its
@@ -35,7 +43,39 @@ typedef struct {
     PyObject *entries; /* (type number, op) -> describe()'s answer, or None */
     PyObject *name, *s_Start, *s_Test;
     Py_ssize_t limit;
+    int (*start)(void *request);                            /* MPI_Start, or NULL: mpi4py's method */
+    int (*test)(void *request, int *flag, void *status);    /* MPI_Test, or NULL */
 } Calls;
+
+/* room for any MPI library's MPI_Status (MPICH's is 20 bytes, Open MPI's 24, the MPI 5 ABI's 32) */
+typedef struct {
+    int64_t words[16];
+} AnyStatus;
+
+/* the request at `handle` started and tested through the library for up to SPIN_NS, without the
+ * GIL: 1 done, 0 not yet, -1 an MPI error (raised) */
+static int start_and_spin(Calls *c, void *handle) {
+    int rc = c->start(handle), flag = 0;
+    if (rc == 0) {
+        AnyStatus status;
+        Py_BEGIN_ALLOW_THREADS
+        struct timespec t0, t;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        for (unsigned i = 1;; i++) {
+            if ((rc = c->test(handle, &flag, &status)) != 0 || flag) break;
+            if ((i & 15) == 0) {
+                clock_gettime(CLOCK_MONOTONIC, &t);
+                if ((t.tv_sec - t0.tv_sec) * 1000000000LL + (t.tv_nsec - t0.tv_nsec) > SPIN_NS) break;
+            }
+        }
+        Py_END_ALLOW_THREADS
+    }
+    if (rc != 0) {
+        PyErr_Format(PyExc_RuntimeError, "MPI error code %d in the all_reduce's persistent request", rc);
+        return -1;
+    }
+    return flag;
+}
 
 static PyObject *fall_back(Calls *c, PyObject *const *args, Py_ssize_t nargs) {
     return PyObject_Vectorcall(c->fallback, args, (size_t)nargs, NULL);
@@ -103,14 +143,17 @@ static PyObject *Calls_all_reduce(Calls *c, PyObject *const *args, Py_ssize_t na
     if (!known || n <= 0 || n > c->limit) return fall_back(c, args, nargs);
     PyObject *count = PyLong_FromSsize_t(x.count);
     if (!count) return NULL;
-    PyObject *staged = PyDict_GetItemWithError(made, count); /* borrowed: (staging array, request) */
+    /* borrowed: (staging array, request, the request's handle address) */
+    PyObject *staged = PyDict_GetItemWithError(made, count);
     Py_DECREF(count);
     if (!staged) return PyErr_Occurred() ? NULL : fall_back(c, args, nargs);
-    if (!PyTuple_Check(staged) || PyTuple_GET_SIZE(staged) != 2 ||
+    if (!PyTuple_Check(staged) || PyTuple_GET_SIZE(staged) != 3 ||
         !array_of(c->ndarray, PyTuple_GET_ITEM(staged, 0), &staging) || staging.type_num != x.type_num ||
         staging.count != x.count)
         return fall_back(c, args, nargs);
     PyObject *req = PyTuple_GET_ITEM(staged, 1);
+    void *handle = c->test ? PyLong_AsVoidPtr(PyTuple_GET_ITEM(staged, 2)) : NULL;
+    if (!handle && PyErr_Occurred()) return NULL;
     int claimed = group_claim(&c->g);
     if (claimed < 0) return NULL;
     if (claimed == DECLINED) return fall_back(c, args, nargs);
@@ -119,18 +162,25 @@ static PyObject *Calls_all_reduce(Calls *c, PyObject *const *args, Py_ssize_t na
     PyObject *record = NULL, *seq = PyObject_CallNoArgs(c->g.next_seq);
     if (!seq) goto released;
     memcpy(staging.data, x.data, (size_t)n);
-    if (call_true(req, c->s_Start) < 0) goto failed;
-    /* recorded once MPI has the call, as the Python path does: while the peers' calls meet it */
-    record = group_started(&c->g, seq, c->name, n, dtype_name, -1);
-    if (!record) goto failed;
     int done = 0;
-    struct timespec t0, t;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
-    for (unsigned i = 1; !done; i++) {
-        if ((done = call_true(req, c->s_Test)) < 0) goto failed;
-        if (!done && (i & 15) == 0) {
-            clock_gettime(CLOCK_MONOTONIC, &t);
-            if ((t.tv_sec - t0.tv_sec) * 1000000000LL + (t.tv_nsec - t0.tv_nsec) > SPIN_NS) break;
+    if (handle) {
+        /* the record comes after the spin here: it needs the GIL, which the spin gives away */
+        if ((done = start_and_spin(c, handle)) < 0) goto failed;
+        record = group_started(&c->g, seq, c->name, n, dtype_name, -1);
+        if (!record) goto failed;
+    } else {
+        if (call_true(req, c->s_Start) < 0) goto failed;
+        /* recorded once MPI has the call, as the Python path does: while the peers' calls meet it */
+        record = group_started(&c->g, seq, c->name, n, dtype_name, -1);
+        if (!record) goto failed;
+        struct timespec t0, t;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        for (unsigned i = 1; !done; i++) {
+            if ((done = call_true(req, c->s_Test)) < 0) goto failed;
+            if (!done && (i & 15) == 0) {
+                clock_gettime(CLOCK_MONOTONIC, &t);
+                if ((t.tv_sec - t0.tv_sec) * 1000000000LL + (t.tv_nsec - t0.tv_nsec) > SPIN_NS) break;
+            }
         }
     }
     if (!done) {
@@ -208,14 +258,19 @@ static void Calls_dealloc(Calls *c) {
 static int Calls_init(Calls *c, PyObject *args, PyObject *kwds) {
     static char *kw[] = {"ndarray", "redop", "owner", "profiler_flag", "executor", "leave", "next_seq",
                          "recorder_module", "group", "describe", "fallback", "wait", "fail", "limit", "t_completed",
-                         "state", "completed", NULL};
+                         "state", "completed", "start", "test", NULL};
     PyTypeObject *ndarray, *redop;
     PyObject *o[11], *completed;
     Py_ssize_t limit, t_completed, state;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!OOOOOOOOOOOnnnO", kw, &PyType_Type, &ndarray, &PyType_Type,
+    unsigned long long start = 0, test = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!OOOOOOOOOOOnnnO|KK", kw, &PyType_Type, &ndarray, &PyType_Type,
                                      &redop, &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7], &o[8], &o[9],
-                                     &o[10], &limit, &t_completed, &state, &completed))
+                                     &o[10], &limit, &t_completed, &state, &completed, &start, &test))
         return -1;
+    if (!start != !test) {
+        PyErr_SetString(PyExc_ValueError, "Calls: MPI_Start and MPI_Test come together (both addresses, or neither)");
+        return -1;
+    }
     if (limit < 0) {
         PyErr_SetString(PyExc_ValueError, "Calls: the limit is a byte count");
         return -1;
@@ -231,12 +286,20 @@ static int Calls_init(Calls *c, PyObject *args, PyObject *kwds) {
     c->wait = Py_NewRef(o[9]);
     c->fail = Py_NewRef(o[10]);
     c->limit = limit;
+    c->start = (int (*)(void *))(uintptr_t)start;
+    c->test = (int (*)(void *, int *, void *))(uintptr_t)test;
     c->entries = PyDict_New();
     c->name = PyUnicode_InternFromString("all_reduce");
     c->s_Start = PyUnicode_InternFromString("Start");
     c->s_Test = PyUnicode_InternFromString("Test");
     return c->entries && c->name && c->s_Start && c->s_Test ? 0 : -1;
 }
+
+static PyObject *Calls_direct(Calls *c, void *closure) { return PyBool_FromLong(c->test != NULL); }
+
+static PyGetSetDef Calls_getset[] = {
+    {"direct", (getter)Calls_direct, NULL, "the requests start and are tested through the MPI library itself", NULL},
+    {NULL}};
 
 static PyMethodDef Calls_methods[] = {
     {"all_reduce", (PyCFunction)(void (*)(void))Calls_all_reduce, METH_FASTCALL, "all_reduce(array, op) -> bool"},
@@ -253,6 +316,7 @@ static PyTypeObject CallsType = {
     .tp_traverse = (traverseproc)Calls_traverse,
     .tp_clear = (inquiry)Calls_clear,
     .tp_methods = Calls_methods,
+    .tp_getset = Calls_getset,
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, .m_name = "distcomm.backends.mpi._mpi_calls",

@@ -123,7 +123,7 @@ class MpiCollectives(GroupCollectives):
             if staged is None:
                 self.native(ch, lambda: self.comm.Iallreduce(MPI.IN_PLACE, [buf, mtype], mop), buf)
                 return
-            staging, request = staged
+            staging, request, _ = staged
 
             def start():
                 staging[...] = buf

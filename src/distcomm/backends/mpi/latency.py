@@ -52,6 +52,7 @@ from ...transport.base import TransportError
 from ...transport.mpi import mpi_error, wait_request
 from ...types import RedOpType
 from ..engine import FastPath
+from . import library
 
 LIMIT = 64 * 1024  # bytes: past this the call's own cost is MPI's, and the general path adds nothing to it
 
@@ -178,7 +179,7 @@ def build(pg, collectives) -> FastPath:
             if staged is None:
                 req = comm.Iallreduce(IN_PLACE, [flat, mtype], mop)
             else:
-                staging, req = staged
+                staging, req, _ = staged
                 staging[...] = flat
                 req.Start()
             # recorded once MPI has the call: the record is made while the peers' calls meet this
@@ -319,7 +320,7 @@ def build(pg, collectives) -> FastPath:
             ndarray=_ndarray, redop=RedOpType, owner=collectives, profiler_flag=profiler_flag, executor=executor,
             leave=leave, next_seq=next_seq, recorder_module=fr, group=group, describe=describe,
             fallback=small_all_reduce, wait=wait, fail=fail, limit=LIMIT, t_completed=T_COMPLETED, state=STATE,
-            completed=COMPLETED).all_reduce
+            completed=COMPLETED, **dict(zip(("start", "test"), library.entry_points() or ()))).all_reduce
 
     return FastPath(all_reduce, small_barrier, allgather_into_tensor=small_all_gather_into_tensor,
                     reduce_scatter_tensor=small_reduce_scatter_tensor, broadcast=small_broadcast)

@@ -53,7 +53,8 @@ class PersistentRequests:
         return self._barrier
 
     def made(self, mtype, mop) -> dict:
-        """{count: (staging array, request)} of the requests kept for this MPI datatype and op: the
+        """{count: (staging array, request, its handle's address)} of the requests kept for this MPI
+        datatype and op (the address: library.py's): the
         group's own dict, which a caller may keep and look a count up in (``all_reduce`` adds to
         it, the eviction of the oldest removes from it)."""
         # predefined MPI datatypes and ops are mpi4py singletons: their ids stand for them
@@ -64,7 +65,7 @@ class PersistentRequests:
         return made
 
     def all_reduce(self, flat: np.ndarray, mtype, mop):
-        """(staging array, persistent request) for an in-place all_reduce of ``flat`` (a flat
+        """(staging array, persistent request, its handle's address) for an in-place all_reduce of ``flat`` (a flat
         C-contiguous array of at most LIMIT bytes, not empty), made on first use; None for a larger
         message or where MPI has no persistent collectives (the caller then runs ``Iallreduce``).
         The caller copies ``flat`` into the staging array, starts the request and, once it
@@ -82,16 +83,16 @@ class PersistentRequests:
             return None
         if len(self._order) >= CAPACITY:  # the oldest: the same on every rank
             key, old_count = self._order.pop(0)
-            _, oldest = self._made[key].pop(old_count)
+            _, oldest, _ = self._made[key].pop(old_count)
             oldest.Free()
-        staged = made[count] = (staging, request)
+        staged = made[count] = (staging, request, self._MPI._addressof(request))
         self._order.append(((id(mtype), id(mop)), count))
         return staged
 
     def free(self) -> None:
         """Free every request (each inactive: the group's calls have all completed). Called when
         the group is released, before its communicator is."""
-        requests = [request for made in self._made.values() for _, request in made.values()]
+        requests = [request for made in self._made.values() for _, request, _ in made.values()]
         if self._barrier is not None:
             requests.append(self._barrier)
         for made in self._made.values():  # a caller keeping one finds nothing there from now on
