@@ -47,7 +47,6 @@ def main():
     env = os.environ
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     attempt = int(env["TORCHELASTIC_RESTART_COUNT"])
-    record_pid("worker", os.getpid())
     print(f"stderr line of rank {rank}", file=sys.stderr, flush=True)
     if a.leave_shm:  # named as the shared-memory transport names its segments
         name = f"distcomm-{env['TORCHELASTIC_RUN_ID']}-{attempt}-rank{rank}"
@@ -64,6 +63,8 @@ def main():
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
+    # only now: a test that signals the workers once their pids are in knows they will say so
+    record_pid("worker", os.getpid())
 
     if not a.no_meet:
         store = connect()
