@@ -14,7 +14,9 @@ members' headers of that round, from their history. So:
   group fails on both, naming the peer and the earlier call's sequence number, and marks the group's
   memory unusable (root disagreements, which leave it usable: test_shm_latency_ops.py);
 * many deferred rounds in a row, more than the slots and a group's rounds wrapping the history
-  several times over, all checked and right.
+  several times over, all checked and right;
+* a rank that only writes may destroy its process group before the others have read: they still
+  get their results (the program that ends with a broadcast from rank 0).
 
 Tier: slow (multi-process worlds).
 """
@@ -201,3 +203,54 @@ def test_without_deferred_checks_a_writer_waits_for_every_member(tmp_path):
     with pytest.raises(Exception, match="no signal"):
         run_world(writers_return_first_body, 2, args=(str(tmp_path), 3.0), timeout=60,
                   env={"DISTCOMM_SHM_DEFER": "0"})
+
+
+def early_destroy_body(rank, world, op, tmp):
+    """The ranks that only write call ``op`` and destroy their process group at once; the others
+    call it only once those have destroyed theirs (signal files), and still get the right result."""
+    import numpy as np
+
+    import distcomm as dist
+
+    dist.init_process_group(None)
+    dist.barrier()
+    early = (rank == 0) if op in ("broadcast", "scatter") else (rank != 0)
+    x = np.full(3, float(rank + 1), np.float32)
+    if not early:
+        for q in ([0] if op in ("broadcast", "scatter") else range(1, world)):
+            _await(f"{tmp}/{op}-destroyed{q}")
+    if op == "broadcast":
+        dist.broadcast(x, src=0)
+        got = x.tolist()
+    elif op == "reduce":
+        dist.reduce(x, dst=0)
+        got = x.tolist()
+    elif op == "scatter":
+        out = np.zeros(3, np.float32)
+        dist.scatter(out, [np.full(3, 10.0 + q, np.float32) for q in range(world)] if rank == 0 else None, src=0)
+        got = out.tolist()
+    else:
+        outs = [np.zeros(3, np.float32) for _ in range(world)] if rank == 0 else None
+        dist.gather(x, outs, dst=0)
+        got = [v for o in outs for v in o.tolist()] if rank == 0 else x.tolist()
+    dist.destroy_process_group()
+    if early:
+        _signal(f"{tmp}/{op}-destroyed{rank}")
+    return got
+
+
+@pytest.mark.parametrize("op", ["broadcast", "reduce", "scatter", "gather"])
+def test_a_rank_that_only_writes_may_destroy_its_group_before_the_others_read(tmp_path, op):
+    world = 3
+    got = run_world(early_destroy_body, world, args=(op, str(tmp_path)), timeout=90)
+    total = float(sum(q + 1 for q in range(world)))
+    for rank, values in enumerate(got):
+        if op == "broadcast":
+            assert values == [1.0] * 3, (rank, values)
+        elif op == "reduce":
+            assert values == ([total] * 3 if rank == 0 else [float(rank + 1)] * 3), (rank, values)
+        elif op == "scatter":
+            assert values == [10.0 + rank] * 3, (rank, values)
+        else:
+            assert values == ([float(q + 1) for q in range(world) for _ in range(3)] if rank == 0
+                              else [float(rank + 1)] * 3), (rank, values)
