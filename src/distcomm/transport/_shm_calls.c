@@ -33,13 +33,13 @@
  *       back (one is due and a peer has not posted, or one differs); returns None or a
  *       LateDisagreement, which refuse_late(late, op, seq, sig) raises once the call that found it
  *       has completed. ring_posted(): a peer sleeps (a deferred round's post).
+ *   resume_all_to_all(status, k, seq, sig, channel, output, input): an all_to_all_single's first
+ *       round handed back (a peer sends another split, or more rounds, or votes for single copies):
+ *       its algorithm goes on from there.
  *
  * A rooted call (broadcast, reduce, gather, scatter) runs its round with shm_move's defer: a member
  * that does not read every peer returns without waiting for them, and its checks of their headers
  * are made by a later call, from their history (shm_settle; see _shm_round.c).
- *   resume_all_to_all(status, k, seq, sig, channel, output, input): an all_to_all_single's first
- *       round handed back (a peer sends another split, or more rounds, or votes for single copies):
- *       its algorithm goes on from there.
  *
  * What this costs and saves is in docs/performance-notes.md. The Python latency paths stay: they
  * take torch tensors, and every call where this module is not built.

@@ -51,19 +51,19 @@ static int64_t now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-/* every peer in `from` (bit q: member q; members past 63 are always in) posted round k */
-static int all_posted(Rounds *r, uint64_t k, uint64_t from) {
+/* every peer in `from` (bit q: member q; members past 63 are always in) has counter `word` >= k */
+static int all_reached(Rounds *r, int word, uint64_t k, uint64_t from) {
     for (int q = 0; q < r->size; q++)
-        if (q != r->rank && (q >= 64 || (from >> q & 1)) && load(&r->ctl[q][r->posted]) < k) return 0;
+        if (q != r->rank && (q >= 64 || (from >> q & 1)) && load(&r->ctl[q][word]) < k) return 0;
     return 1;
 }
 
 #define EVERY_PEER (~(uint64_t)0)
 
-/* Spin (or yield, with more ranks than CPUs) until every peer in `from` posted round k, at most
- * the budget. */
-static int poll_posted(Rounds *r, uint64_t k, uint64_t from) {
-    if (all_posted(r, k, from)) return 1;
+/* Spin (or yield, with more ranks than CPUs) until every peer in `from` has counter `word` >= k,
+ * at most the budget. */
+static int poll_counter(Rounds *r, int word, uint64_t k, uint64_t from) {
+    if (all_reached(r, word, k, from)) return 1;
     if (r->budget_ns <= 0) return 0; /* the policy goes straight to sleep: no yield that cannot help */
     int ready = 0;
     Py_BEGIN_ALLOW_THREADS
@@ -73,12 +73,15 @@ static int poll_posted(Rounds *r, uint64_t k, uint64_t from) {
             sched_yield();
         else
             cpu_relax();
-        if (all_posted(r, k, from)) { ready = 1; break; }
+        if (all_reached(r, word, k, from)) { ready = 1; break; }
         if ((r->yields || (i & 63) == 0) && now_ns() >= end) break;
     }
     Py_END_ALLOW_THREADS
     return ready;
 }
+
+/* every peer in `from` posted round k (within the budget) */
+static int poll_posted(Rounds *r, uint64_t k, uint64_t from) { return poll_counter(r, r->posted, k, from); }
 
 #define REDUCE_LOOP(T, EXPR)                                  \
     do {                                                      \
@@ -229,34 +232,13 @@ static PyObject *Rounds_consume(Rounds *r, PyObject *const *args, Py_ssize_t nar
     return PyLong_FromLong(shm_consume(r, k));
 }
 
-/* every peer's consumed >= k */
-static int all_consumed(Rounds *r, uint64_t k) {
-    for (int q = 0; q < r->size; q++)
-        if (q != r->rank && load(&r->ctl[q][r->consumed]) < k) return 0;
-    return 1;
-}
-
 /* poll_consumed(k) -> bool: spin (or yield) until every peer's consumed >= k, at most the budget:
  * open_round's wait for a slot's reuse, before Python's wait sleeps */
 static PyObject *Rounds_poll_consumed(Rounds *r, PyObject *const *args, Py_ssize_t nargs) {
     uint64_t k;
     if (u64_args(args, nargs, 1, &k, "poll_consumed(k)") < 0) return NULL;
     if (!ready(r)) return NULL;
-    int done = all_consumed(r, k);
-    if (!done && r->budget_ns > 0) {
-        Py_BEGIN_ALLOW_THREADS
-        int64_t end = now_ns() + r->budget_ns;
-        for (unsigned i = 1;; i++) {
-            if (r->yields)
-                sched_yield();
-            else
-                cpu_relax();
-            if (all_consumed(r, k)) { done = 1; break; }
-            if ((r->yields || (i & 63) == 0) && now_ns() >= end) break;
-        }
-        Py_END_ALLOW_THREADS
-    }
-    return PyBool_FromLong(done);
+    return PyBool_FromLong(poll_counter(r, r->consumed, k, EVERY_PEER));
 }
 
 /* plans up to this many copies live on the stack */
@@ -394,7 +376,7 @@ int shm_settle(Rounds *r) {
     for (; j && j <= last; j++) {
         const uint64_t *mine = r->hist[me] + (j % n) * HEADER_WORDS;
         if (mine[r->s_round] != j || !mine[r->h_deferred]) continue; /* not posted here, or checked in its round */
-        if (!all_posted(r, j, EVERY_PEER)) {
+        if (!all_reached(r, r->posted, j, EVERY_PEER)) {
             store(&r->ctl[me][r->deferred], j);
             return last + 2 >= j + n - (uint64_t)r->nslots ? PENDING : DONE;
         }
