@@ -165,8 +165,8 @@ class GroupShm:
        ``next_round()`` and ``acquire(k, ch)``, which does both for a round numbered earlier);
     2. **write** our slot (``slot(k)``, or typed views of every member's slot: ``views``);
     3. **post**: ``post(k, ch, nbytes, extra)`` publishes the header (round, seq, sig, nbytes,
-       one extra word, e.g. a buffer's address) and then ``posted = k``, waking a peer whose wait
-       this completes;
+       one extra word, e.g. a buffer's address; the same words into this member's header
+       history) and then ``posted = k``, waking a peer whose wait this completes;
     4. **wait** for the peers' posts of round k and check their headers: ``wait_posted(k, ch,
        nbytes, peers)``. ``exchange(k, seq, sig, nbytes, channel)`` is steps 3 and 4 for the
        common case (post, then wait for every peer), spinning or yielding first without
@@ -178,6 +178,9 @@ class GroupShm:
     6. **consume**: ``consume(k)`` says we are done reading round k (and so every round before
        it), letting peers reuse their slots of round k; ``wait_consumed(k, ch)`` waits until
        every peer has said so (a buffer they read directly may change after that).
+
+    A small rooted call in C may leave its checks of the members it did not read to a later call
+    (the module docstring): ``settle_deferred`` makes them; ``deferred`` says whether any are left.
 
     ``advance(k)``, ``posted(q)`` and ``wait_posted_counter(k, ch)`` move and watch ``posted``
     without a slot: progress within a collective whose data does not pass through slots.
