@@ -96,6 +96,27 @@ def test_started_in_c_makes_the_python_methods_record():
     assert rec.entries()[-1] is c
 
 
+@pytest.mark.skipif(not fr.STARTED_IN_C, reason="the C record is not built here (no compiler at install)")
+def test_a_record_someone_holds_survives_the_ring_wrapping():
+    # the C record refills the record its slot evicts when only the ring holds it: one kept by a
+    # caller (or a reader's copy of the ring) must never change
+    rec = fr.FlightRecorder(2)
+    kept = rec.started("g", 1, "reduce", 8, "float32", 0, 1)
+    fr.complete(kept)
+    before = list(kept)
+    for seq in range(2, 9):
+        rec.started("g", seq, "gather", 16, "int64", 1, 1)
+    assert kept == before
+    copy = rec.entries()  # a reader's copy holds the ring's records while the ring goes on
+    frozen = [list(e) for e in copy]
+    for seq in range(9, 13):
+        rec.started("g", seq, "scatter", 4, "int8", None, 1)
+    assert [list(e) for e in copy] == frozen
+    assert [e[fr.SEQ] for e in rec.entries()] == [11, 12]
+    assert [e[fr.OP] for e in rec.entries()] == ["scatter", "scatter"]
+    assert all(e[fr.STATE] == fr.STARTED and e[fr.T_COMPLETED] is None for e in rec.entries())
+
+
 def test_snapshot_and_failure():
     rec = fr.FlightRecorder(8)
     fr.complete(rec.record("a", 1, "all_reduce", 8, "float32", None))

@@ -65,8 +65,8 @@ class Members:
             C.Rounds(rank=r, size=size, nslots=NSLOTS, slot_bytes=SLOT_BYTES, ctl=bases,
                                   headers=header_addresses, slots=[h + g.SLOT_HEADER for h in header_addresses],
                                   history=[b + g.history_offset(size) for b in bases], history_len=g.HISTORY,
-                                  h_deferred=g.H_DEFERRED, posted=g.POSTED, consumed=g.CONSUMED, reusing=g.REUSING,
-                                  awaiting=g.AWAITING, deferred=g.DEFERRED, s_round=g.S_ROUND, s_seq=g.S_SEQ,
+                                  h_deferred=g.H_DEFERRED, due=g.HISTORY - NSLOTS - 2, news=None, posted=g.POSTED,
+                                  consumed=g.CONSUMED, reusing=g.REUSING, awaiting=g.AWAITING, deferred=g.DEFERRED, s_round=g.S_ROUND, s_seq=g.S_SEQ,
                                   s_sig=g.S_SIG, s_nbytes=g.S_NBYTES, s_extra=g.S_EXTRA, budget_ns=budget_ns,
                                   yields=False, keepalive=tuple(self.mem))
             for r in range(size)]
@@ -189,7 +189,7 @@ def test_a_rounds_object_without_its_layout_is_refused():
     m = Members(2)
     with pytest.raises(ValueError, match="counter index"):
         C.Rounds(rank=0, size=2, nslots=NSLOTS, slot_bytes=SLOT_BYTES, ctl=[0, 0], headers=[0] * 4, slots=[0] * 4,
-                 history=[0, 0], history_len=g.HISTORY, h_deferred=g.H_DEFERRED, posted=24, consumed=g.CONSUMED,
+                 history=[0, 0], history_len=g.HISTORY, h_deferred=g.H_DEFERRED, due=0, news=None, posted=24, consumed=g.CONSUMED,
                  reusing=g.REUSING, awaiting=g.AWAITING, deferred=g.DEFERRED, s_round=0, s_seq=1, s_sig=2,
                  s_nbytes=3, s_extra=4, budget_ns=0, yields=False, keepalive=())
     del m

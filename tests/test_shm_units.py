@@ -444,3 +444,14 @@ def test_slot_memoryviews_alias_the_slots_of_their_round():
     assert int(ctx.data(1, 2)[:8].view(np.int64)[0]) == 1002
     assert bytes(m.ctx[1].data(1, 3)[8:10]) == b"\x07\x09"  # the owner sees the same memory
     assert ctx.words(0, 1)[0] == 0  # another member's slot is untouched
+
+
+def test_slot_settings_are_checked_with_the_limits_in_the_message():
+    from distcomm.transport import shm_group
+
+    assert shm_group.slot_config(Tuning(shm_slot_bytes=8192, shm_slots=shm_group.MAX_NSLOTS)) == (
+        8192, shm_group.MAX_NSLOTS)
+    # more slots than the header history can cover would let a peer overwrite a deferred check's entry
+    for bad in (Tuning(shm_slots=1), Tuning(shm_slots=shm_group.MAX_NSLOTS + 1), Tuning(shm_slot_bytes=4000)):
+        with pytest.raises(ValueError, match=f"from 2 to {shm_group.MAX_NSLOTS} slots"):
+            shm_group.slot_config(bad)

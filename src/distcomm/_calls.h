@@ -49,9 +49,9 @@ static inline int array_of(PyTypeObject *ndarray, PyObject *o, Arr *a) {
 /* the group's side of a call (see the top of this file) */
 typedef struct {
     PyObject *owner; /* whose "broken" attribute, when not None, says the group is unusable */
-    PyObject *profiler_flag, *profiler_on, *executor, *queue, *lock, *leave, *next_seq;
+    PyObject *profiler_flag, *profiler_on, *executor, *queue, *acquire, *leave, *next_seq; /* acquire: the lock's */
     PyObject *recorder_module, *observe_module, *group;
-    PyObject *s_broken, *s_recorder, *s_started, *s_current, *s_torch, *s_completed, *two, *s_closed, *s_acquire;
+    PyObject *s_broken, *s_recorder, *s_started, *s_current, *s_torch, *s_completed, *two, *s_closed;
     Py_ssize_t t_completed, state; /* a record's fields */
 } Group;
 
@@ -70,8 +70,9 @@ static inline int group_set(Group *g, PyObject *const objects[8], Py_ssize_t t_c
         return -1;
     }
     g->queue = Py_NewRef(PyTuple_GET_ITEM(gate, 0));
-    g->lock = Py_NewRef(PyTuple_GET_ITEM(gate, 1));
+    g->acquire = PyObject_GetAttrString(PyTuple_GET_ITEM(gate, 1), "acquire");
     Py_DECREF(gate);
+    if (!g->acquire) return -1;
     g->s_completed = Py_NewRef(completed);
     g->t_completed = t_completed, g->state = state;
     g->s_broken = PyUnicode_InternFromString("broken");
@@ -81,9 +82,7 @@ static inline int group_set(Group *g, PyObject *const objects[8], Py_ssize_t t_c
     g->s_torch = PyUnicode_InternFromString("torch");
     g->two = PyLong_FromLong(2);
     g->s_closed = PyUnicode_InternFromString("closed");
-    g->s_acquire = PyUnicode_InternFromString("acquire");
-    if (!g->s_broken || !g->s_recorder || !g->s_started || !g->s_current || !g->s_torch || !g->two || !g->s_closed ||
-        !g->s_acquire)
+    if (!g->s_broken || !g->s_recorder || !g->s_started || !g->s_current || !g->s_torch || !g->two || !g->s_closed)
         return -1;
     if (t_completed < 0 || state < 0) {
         PyErr_SetString(PyExc_ValueError, "a record's fields are indexes");
@@ -98,7 +97,7 @@ static inline int group_traverse(Group *g, visitproc visit, void *arg) {
     Py_VISIT(g->profiler_on);
     Py_VISIT(g->executor);
     Py_VISIT(g->queue);
-    Py_VISIT(g->lock);
+    Py_VISIT(g->acquire);
     Py_VISIT(g->leave);
     Py_VISIT(g->next_seq);
     Py_VISIT(g->recorder_module);
@@ -113,7 +112,7 @@ static inline void group_clear(Group *g) {
     Py_CLEAR(g->profiler_on);
     Py_CLEAR(g->executor);
     Py_CLEAR(g->queue);
-    Py_CLEAR(g->lock);
+    Py_CLEAR(g->acquire);
     Py_CLEAR(g->leave);
     Py_CLEAR(g->next_seq);
     Py_CLEAR(g->recorder_module);
@@ -127,7 +126,6 @@ static inline void group_clear(Group *g) {
     Py_CLEAR(g->s_completed);
     Py_CLEAR(g->two);
     Py_CLEAR(g->s_closed);
-    Py_CLEAR(g->s_acquire);
 }
 
 /* the claim's release (a lock's): keeps an exception being raised */
@@ -170,7 +168,8 @@ static inline int group_claim(Group *g) {
     int yes = PyObject_IsTrue(closed);
     Py_DECREF(closed);
     if (yes) return yes < 0 ? -1 : DECLINED;
-    PyObject *taken = PyObject_CallMethodOneArg(g->lock, g->s_acquire, Py_False);
+    PyObject *no_wait = Py_False;
+    PyObject *taken = PyObject_Vectorcall(g->acquire, &no_wait, 1, NULL);
     if (!taken) return -1;
     yes = PyObject_IsTrue(taken);
     Py_DECREF(taken);

@@ -87,22 +87,38 @@ static PyObject *Started_call(Started *s, PyObject *const *args, size_t nargsf, 
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts); /* time.time()'s clock */
     PyObject *now = PyFloat_FromDouble((double)ts.tv_sec + ts.tv_nsec * 1e-9);
-    PyObject *entry = PyList_New(FIELDS);
-    if (!now || !entry) {
+    if (!now) {
         Py_DECREF(site);
         Py_DECREF(id);
-        Py_XDECREF(now);
-        Py_XDECREF(entry);
         return NULL;
     }
     PyObject *fields[FIELDS] = {id, args[0], args[1], args[2], args[3], args[4], args[5], site, now,
                                 Py_None, s->state, Py_None, Py_None};
+    Py_ssize_t at = i % s->capacity;
+    PyObject *old = PyList_GET_ITEM(s->slots, at);
+    if (PyList_CheckExact(old) && Py_REFCNT(old) == 1 && PyList_GET_SIZE(old) == FIELDS) {
+        /* the record this one evicts, held by the ring alone (no one can see it change): refilled,
+         * where a new list would cost an allocation and the old one's release */
+        for (int f = 0; f < FIELDS; f++) {
+            if (f != 0 && f != 7 && f != 8) Py_INCREF(fields[f]); /* id, site and now are ours already */
+            PyObject *previous = PyList_GET_ITEM(old, f);
+            PyList_SET_ITEM(old, f, fields[f]);
+            Py_XDECREF(previous);
+        }
+        return Py_NewRef(old);
+    }
+    PyObject *entry = PyList_New(FIELDS);
+    if (!entry) {
+        for (int f = 0; f < FIELDS; f++)
+            if (f == 0 || f == 7 || f == 8) Py_DECREF(fields[f]);
+        return NULL;
+    }
     for (int f = 0; f < FIELDS; f++) {
         if (f != 0 && f != 7 && f != 8) Py_INCREF(fields[f]); /* id, site and now are ours already */
         PyList_SET_ITEM(entry, f, fields[f]);
     }
     Py_INCREF(entry);
-    if (PyList_SetItem(s->slots, i % s->capacity, entry) < 0) { /* steals the reference */
+    if (PyList_SetItem(s->slots, at, entry) < 0) { /* steals the reference */
         Py_DECREF(entry);
         return NULL;
     }

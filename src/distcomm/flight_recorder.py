@@ -185,7 +185,8 @@ class FlightRecorder:
 
     # -- reading --------------------------------------------------------------------------------
     def entries(self) -> list[list]:
-        """A copy of the records, oldest first (by id: a slot is replaced whole, never edited)."""
+        """A copy of the records, oldest first (by id: a slot is replaced whole, or refilled in C
+        only while nothing but the ring holds its record)."""
         return sorted((e for e in list(self._slots) if e is not None), key=lambda e: e[ID])
 
     def recorded(self) -> int:

@@ -27,7 +27,7 @@ variable                               meaning (default)
 ``DISTCOMM_SHM_THRESHOLD_<NAME>``      a shared-memory selection threshold in bytes
                                        (the shared-memory engine's ``THRESHOLDS``)
 ``DISTCOMM_SHM_SLOT_BYTES``            bytes per slot of a group's shared memory (1 MiB)
-``DISTCOMM_SHM_SLOTS``                 slots per rank and group (4)
+``DISTCOMM_SHM_SLOTS``                 slots per rank and group (4; from 2 to 32)
 ``DISTCOMM_SHM_RING_BYTES``            point-to-point ring per pair of ranks
 ``DISTCOMM_SHM_SPIN_US``               spin before yielding while waiting (20 µs; 0 when there
                                        are more local ranks than CPUs)

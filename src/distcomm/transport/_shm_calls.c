@@ -20,7 +20,8 @@
  *       call or declines it to the general path, whose checks and errors stand.
  *   the group's side (_calls.h): its claim (profiler_flag, the executor), leave(), next_seq(),
  *       the flight recorder and the engine observer's modules;
- *   open_round(seq, sig, channel), ring_consumed(): the round's opening (its slot reuse waits)
+ *   open_round(seq, sig, channel), ring_consumed(): the round's opening where shm_open_round
+ *       leaves it to Python (its slot reuse waits that sleep, crash news, a deferred check due)
  *       and the peers to ring, as the Python paths call them.
  *   handback(status, k, seq, header_sig, channel, nbytes, extra, check, reads, kind, red, dtype,
  *            first_copies):
@@ -335,12 +336,14 @@ static PyObject *run(Calls *c, int op, PyObject *const *call_args, const Entry *
             if (late == Py_None) Py_CLEAR(late);
         }
     }
-    PyObject *opening[] = {seq, e->sig_obj, channel};
-    PyObject *opened = PyObject_Vectorcall(c->open_round, opening, 3, NULL);
-    if (!opened) goto failed;
-    k = PyLong_AsUnsignedLongLong(opened);
-    Py_DECREF(opened);
-    if (PyErr_Occurred()) goto failed;
+    if (!shm_open_round(rounds, &k)) { /* Python's opening: it checks, waits and raises */
+        PyObject *opening[] = {seq, e->sig_obj, channel};
+        PyObject *opened = PyObject_Vectorcall(c->open_round, opening, 3, NULL);
+        if (!opened) goto failed;
+        k = PyLong_AsUnsignedLongLong(opened);
+        Py_DECREF(opened);
+        if (PyErr_Occurred()) goto failed;
+    }
     /* a rooted call defers the checks it need not wait for: its number (op + 1) names it later */
     int status = shm_move(rounds, k, seq_value, e->header_sig, nbytes, extra, check, p->w, p->nw, p->r, p->nr,
                           e->kind, p->first_copies, p->e, p->ne, check && c->defer ? op + 1 : 0);

@@ -30,6 +30,8 @@
  */
 #include "_shm_round.h"
 #include <sched.h>
+#include <stddef.h>
+#include <structmember.h>
 #include <string.h>
 #include <time.h>
 
@@ -241,6 +243,15 @@ static PyObject *Rounds_poll_consumed(Rounds *r, PyObject *const *args, Py_ssize
     return PyBool_FromLong(poll_counter(r, r->consumed, k, EVERY_PEER));
 }
 
+/* open_round() -> the next round's number, or None where GroupShm.open_round must decide
+ * (shm_open_round) */
+static PyObject *Rounds_open_round(Rounds *r, PyObject *unused) {
+    uint64_t k;
+    if (!ready(r)) return NULL;
+    if (!shm_open_round(r, &k)) Py_RETURN_NONE;
+    return PyLong_FromUnsignedLongLong(k);
+}
+
 /* plans up to this many copies live on the stack */
 #define PLAN_STACK 32
 
@@ -368,7 +379,7 @@ int shm_move(Rounds *r, uint64_t k, uint64_t seq, uint64_t sig, uint64_t nbytes,
  * DONE: every deferred round checked, or the rest not posted yet by some peer and not yet due.
  * PENDING: the oldest one must be checked now and a peer has not posted it. MISMATCH: a history
  * entry differs. Either leaves the rest to Python (GroupShm.settle_deferred), which waits with a
- * deadline and says what differs. */
+ * deadline and says what differs. (`due`, from Python: hist_len - nslots - 2 rounds.) */
 int shm_settle(Rounds *r) {
     int me = r->rank;
     uint64_t j = load(&r->ctl[me][r->deferred]), last = load(&r->ctl[me][r->posted]);
@@ -378,7 +389,7 @@ int shm_settle(Rounds *r) {
         if (mine[r->s_round] != j || !mine[r->h_deferred]) continue; /* not posted here, or checked in its round */
         if (!all_reached(r, r->posted, j, EVERY_PEER)) {
             store(&r->ctl[me][r->deferred], j);
-            return last + 2 >= j + n - (uint64_t)r->nslots ? PENDING : DONE;
+            return last - j >= r->due ? PENDING : DONE;
         }
         for (int q = 0; q < r->size; q++) {
             if (q == me) continue;
@@ -392,6 +403,30 @@ int shm_settle(Rounds *r) {
     }
     store(&r->ctl[me][r->deferred], 0);
     return DONE;
+}
+
+/* GroupShm.open_round's common case: number the next round (*k) once every peer has consumed its
+ * slot's previous use, polled within the budget. 0 where Python's open_round must take the call
+ * instead, with nothing changed here: a rank of this host crashed (the news word), a deferred
+ * check is due, or a peer has not consumed in time (Python's wait sleeps, with the deadline). The
+ * round number and the consumed floor live here, shared with Python (GroupShm.round). */
+int shm_open_round(Rounds *r, uint64_t *k) {
+    if (r->news && load(r->news)) return 0;
+    uint64_t deferred = shm_deferred(r);
+    if (deferred && r->round - deferred >= r->due) return 0;
+    uint64_t next = r->round + 1, n = (uint64_t)r->nslots;
+    if (next > n && next - n > r->floor) { /* the floor only rises: most rounds read no counter at all */
+        if (!poll_counter(r, r->consumed, next - n, EVERY_PEER)) return 0;
+        uint64_t floor = UINT64_MAX;
+        for (int q = 0; q < r->size; q++)
+            if (q != r->rank) {
+                uint64_t c = load(&r->ctl[q][r->consumed]);
+                if (c < floor) floor = c;
+            }
+        r->floor = floor;
+    }
+    *k = r->round = next;
+    return 1;
 }
 
 /* move()'s plan from Python: the buffers each copy names, held while the round runs */
@@ -577,20 +612,28 @@ static void Rounds_dealloc(Rounds *r) {
 }
 
 static int Rounds_init(Rounds *r, PyObject *args, PyObject *kwds) {
-    PyObject *ctl, *hdr, *slot, *hist, *keepalive;
-    long long budget_ns;
+    PyObject *ctl, *hdr, *slot, *hist, *keepalive, *news;
+    long long budget_ns, due;
     static char *names[] = {"rank", "size", "nslots", "slot_bytes", "ctl", "headers", "slots", "history",
-                            "history_len", "h_deferred", "posted", "consumed", "reusing", "awaiting", "deferred", "s_round",
-                            "s_seq", "s_sig", "s_nbytes", "s_extra", "budget_ns", "yields", "keepalive", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iiinOOOOiiiiiiiiiiiiLpO", names, &r->rank, &r->size, &r->nslots,
-                                     &r->slot_bytes, &ctl, &hdr, &slot, &hist, &r->hist_len, &r->h_deferred, &r->posted,
-                                     &r->consumed, &r->reusing, &r->awaiting, &r->deferred, &r->s_round, &r->s_seq,
-                                     &r->s_sig, &r->s_nbytes, &r->s_extra, &budget_ns, &r->yields, &keepalive))
+                            "history_len", "h_deferred", "due", "news", "posted", "consumed", "reusing", "awaiting",
+                            "deferred", "s_round", "s_seq", "s_sig", "s_nbytes", "s_extra", "budget_ns", "yields",
+                            "keepalive", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iiinOOOOiiLOiiiiiiiiiiLpO", names, &r->rank, &r->size, &r->nslots,
+                                     &r->slot_bytes, &ctl, &hdr, &slot, &hist, &r->hist_len, &r->h_deferred, &due,
+                                     &news, &r->posted, &r->consumed, &r->reusing, &r->awaiting, &r->deferred,
+                                     &r->s_round, &r->s_seq, &r->s_sig, &r->s_nbytes, &r->s_extra, &budget_ns,
+                                     &r->yields, &keepalive))
         return -1;
-    if (r->size < 1 || r->rank < 0 || r->rank >= r->size || r->nslots < 1 || r->slot_bytes < 0 || r->hist_len < 0) {
-        PyErr_SetString(PyExc_ValueError, "need 0 <= rank < size, nslots >= 1, slot_bytes >= 0 and history_len >= 0");
+    if (r->size < 1 || r->rank < 0 || r->rank >= r->size || r->nslots < 1 || r->slot_bytes < 0 || r->hist_len < 0 ||
+        due < 0) {
+        PyErr_SetString(PyExc_ValueError,
+                        "need 0 <= rank < size, nslots >= 1, slot_bytes >= 0, history_len >= 0 and due >= 0");
         return -1;
     }
+    r->due = (uint64_t)due;
+    r->news = news == Py_None ? NULL : PyLong_AsVoidPtr(news);
+    if (PyErr_Occurred()) return -1;
+    r->round = r->floor = 0;
     int words[] = {r->posted, r->consumed, r->reusing, r->awaiting, r->deferred},
         fields[] = {r->s_round, r->s_seq, r->s_sig, r->s_nbytes, r->s_extra, r->h_deferred};
     for (int i = 0; i < 5; i++)
@@ -619,6 +662,8 @@ static int Rounds_init(Rounds *r, PyObject *args, PyObject *kwds) {
 }
 
 static PyMethodDef Rounds_methods[] = {
+    {"open_round", (PyCFunction)Rounds_open_round, METH_NOARGS,
+     "open_round() -> the next round's number, or None where Python's open_round must decide"},
     {"exchange", (PyCFunction)(void (*)(void))Rounds_exchange, METH_FASTCALL,
      "exchange(k, seq, sig, nbytes, extra) -> status bits: post round k, poll the peers' posts, check them"},
     {"poll_consumed", (PyCFunction)(void (*)(void))Rounds_poll_consumed, METH_FASTCALL,
@@ -632,6 +677,12 @@ static PyMethodDef Rounds_methods[] = {
      "a one-round collective's round k"},
     {NULL}};
 
+/* shared with GroupShm, whose round and consumed floor these are when it has a Rounds */
+static PyMemberDef Rounds_members[] = {
+    {"round", T_ULONGLONG, offsetof(Rounds, round), 0, "the last round this member opened"},
+    {"consumed_floor", T_ULONGLONG, offsetof(Rounds, floor), 0, "a lower bound of every peer's consumed counter"},
+    {NULL}};
+
 PyTypeObject ShmRoundsType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "distcomm.transport._shm_round.Rounds",
     .tp_basicsize = sizeof(Rounds),
@@ -641,6 +692,7 @@ PyTypeObject ShmRoundsType = {
     .tp_init = (initproc)Rounds_init,
     .tp_dealloc = (destructor)Rounds_dealloc,
     .tp_methods = Rounds_methods,
+    .tp_members = Rounds_members,
 };
 
 static PyObject *completed_rounds(PyObject *self, PyObject *unused) { return PyLong_FromUnsignedLongLong(completed); }

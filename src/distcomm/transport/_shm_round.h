@@ -39,6 +39,10 @@ typedef struct {
     int hist_len;                                  /* entries in a history; 0: no deferred checks */
     int h_deferred;                                /* history word: which call deferred the entry's checks */
     int s_round, s_seq, s_sig, s_nbytes, s_extra;  /* slot header word indexes */
+    uint64_t due;                                  /* rounds past a deferred one that make its check due */
+    uint64_t *news;                                /* the host's crash-news word (NULL: none) */
+    uint64_t round;                                /* the last round this member opened */
+    uint64_t floor;                                /* a lower bound of every peer's consumed */
     int64_t budget_ns;
     int yields;
     PyObject *keepalive; /* whatever owns the mappings */
@@ -78,6 +82,7 @@ int shm_move(Rounds *r, uint64_t k, uint64_t seq, uint64_t sig, uint64_t nbytes,
              const Write *w, Py_ssize_t nw, const Read *rd, Py_ssize_t nr, int kind, int first_copies, const Expect *e,
              Py_ssize_t ne, int defer);
 int shm_settle(Rounds *r);
+int shm_open_round(Rounds *r, uint64_t *k);
 
 /* this member's deferred round (see shm_move), or 0 */
 static inline uint64_t shm_deferred(const Rounds *r) {

@@ -93,6 +93,9 @@ _clock, _sched_yield = time.perf_counter, os.sched_yield
 
 DEFAULT_SLOT_BYTES = 1 << 20
 DEFAULT_NSLOTS = 4
+#: slots at most: a deferred check must come due (HISTORY - nslots - 2 rounds on) well before a peer
+#: can overwrite the history entry it reads
+MAX_NSLOTS = HISTORY // 2
 
 
 def _align(n: int, to: int) -> int:
@@ -114,10 +117,10 @@ def slot_config(tuning: Tuning = DEFAULT) -> tuple[int, int]:
     """(slot_bytes, nslots): DISTCOMM_SHM_SLOT_BYTES / DISTCOMM_SHM_SLOTS (through ``tuning``) or the defaults."""
     slot = DEFAULT_SLOT_BYTES if tuning.shm_slot_bytes is None else tuning.shm_slot_bytes
     nslots = DEFAULT_NSLOTS if tuning.shm_slots is None else tuning.shm_slots
-    if slot < 4096 or slot % 64 or nslots < 2:
+    if slot < 4096 or slot % 64 or not 2 <= nslots <= MAX_NSLOTS:
         raise ValueError(
             f"DISTCOMM_SHM_SLOT_BYTES={slot} / DISTCOMM_SHM_SLOTS={nslots}: need a multiple of 64 of "
-            "at least 4096 bytes and at least 2 slots"
+            f"at least 4096 bytes and from 2 to {MAX_NSLOTS} slots"
         )
     return slot, nslots
 
@@ -148,6 +151,16 @@ class LateDisagreement(NamedTuple):
         return (f"{self.op} (sequence number {self.seq}, an earlier call whose round this rank checked in full only "
                 f"now): this rank called it with {what}={self.root} but group rank {self.peer} with "
                 f"{what}={self.theirs}; every rank of the group must pass the same {what}")
+
+
+class _Numbering:
+    """A group's round number and consumed floor where no Rounds in C keeps them (GroupShm._numbering)."""
+
+    __slots__ = ("round", "consumed_floor")
+
+    def __init__(self) -> None:
+        self.round = 0
+        self.consumed_floor = 0
 
 
 ROUND_STEPS = ("open_round", "publish", "check_posts", "exchange", "await_posts", "collect", "consume")  # see _build_round_steps
@@ -201,6 +214,8 @@ class GroupShm:
         self.segments = segments  # by group rank; segments[rank] is ours
         self.slot_bytes = slot_bytes
         self.nslots = nslots
+        #: open no round this far past a deferred one before checking it (see settle_deferred)
+        self.deferred_due = HISTORY - nslots - 2
         first, _ = layout(self.size, slot_bytes, nslots)
         stride = _align(SLOT_HEADER + slot_bytes, 4096)
         self.ctl = [memoryview(s.buf[:_OPENED_AT]).cast("Q") for s in segments]
@@ -217,7 +232,6 @@ class GroupShm:
             [s.buf[first + k * stride + SLOT_HEADER : first + k * stride + SLOT_HEADER + slot_bytes] for k in range(nslots)]
             for s in segments
         ]
-        self.round = 0
         self.broken: str | None = None
         self._peers = [q for q in range(self.size) if q != rank]
         self._peer_bells = [transport.bell_of(ranks[q]) for q in self._peers]
@@ -229,7 +243,6 @@ class GroupShm:
         self._my_slots = self.slots[rank]
         self._raw = [[memoryview(b) for b in per] for per in self.slots]
         self._words = [[m.cast("q") for m in per] for per in self._raw]
-        self._consumed_floor = 0  # a lower bound of every peer's CONSUMED (acquire's cache)
         self._views: dict = {}
         self._views_dtype = self._views_count = self._views_last = None
         #: the round steps in C over this group's memory (None: Python's; see the module docstring)
@@ -239,6 +252,9 @@ class GroupShm:
             yields = policy.spin_s == 0  # more ranks than cores: yield while polling, as _poll_posted does
             budget = policy.yield_s if yields else policy.spin_s
             self.native = _shm_round.Rounds(**self.native_layout(), budget_ns=int(budget * 1e9), yields=yields)
+        # the last round opened and a lower bound of every peer's CONSUMED (acquire's cache): in C
+        # where the round steps are (the calls in C open rounds there too), else here
+        self._numbering = self.native if self.native is not None else _Numbering()
         self._build_round_steps()
         for q in self._peers:  # tell each owner we have mapped its segment
             segments[q].buf[_OPENED_AT + rank] = 1
@@ -253,29 +269,31 @@ class GroupShm:
         nslots = self.nslots
         mine, my_headers, headers, ctl = self._mine, self._my_headers, self.headers, self.ctl
         my_history = self.history[self.rank]
-        due = HISTORY - nslots - 2  # open no round this far past a deferred one before checking it (see settle_deferred)
+        due = self.deferred_due
         peers, peer_ctl = self._peers, self._peer_ctl
         poll_posted, wait_posts, mismatch = self._poll_posted, self._wait_posts, self._mismatch
         ring_posted, ring_consumed, reserve = self.ring_posted, self.ring_consumed, self._reserve
 
         news, check_members, members = self.transport.crash_news, self.transport.check_members, self.ranks
+        numbering = self._numbering
 
         def open_round(seq: int, sig: int, channel) -> int:
             """The next round's number, once every peer has read our slot's previous use (step 1).
             ``channel(seq, sig)`` makes the call's Channel if we must sleep. A rank of this host
-            known to have crashed (one word to read) fails the round at once if it is a member."""
+            known to have crashed (one word to read) fails the round at once if it is a member.
+            (The calls in C take the common case themselves: Rounds.open_round.)"""
             if news[0]:
                 check_members(members)
             deferred = mine[DEFERRED]
-            if deferred and self.round - deferred >= due:
+            if deferred and numbering.round - deferred >= due:
                 # due now (the calls in C and ShmCollectives check earlier, and can raise a root that
                 # differs once their call has completed; here it can only fail the round)
                 late = self.settle_deferred(seq, sig, channel)
                 if late is not None:
                     raise TransportError(late.describe(), peer=self.ranks[late.peer], reason="mismatch")
-            k = self.round = self.round + 1
+            k = numbering.round = numbering.round + 1
             need = k - nslots
-            if need > self._consumed_floor:  # the floor only rises: most rounds read no counter at all
+            if need > numbering.consumed_floor:  # the floor only rises: most rounds read no counter at all
                 reserve(need, seq, sig, channel)
             return k
 
@@ -438,14 +456,24 @@ class GroupShm:
         if self._mine[DEFERRED] == late.round:
             self._mine[DEFERRED] = late.round + 1
 
+    @property
+    def round(self) -> int:
+        """The last round this member opened (algorithms that take several rounds at once add to it)."""
+        return self._numbering.round
+
+    @round.setter
+    def round(self, k: int) -> None:
+        self._numbering.round = k
+
     def next_round(self) -> int:
-        self.round += 1
-        return self.round
+        numbering = self._numbering
+        k = numbering.round = numbering.round + 1
+        return k
 
     def acquire(self, k: int, ch) -> np.ndarray:
         """My slot for round k (uint8, slot_bytes), once every peer has read its previous use."""
         need = k - self.nslots
-        if need > self._consumed_floor:
+        if need > self._numbering.consumed_floor:
             self._reserve(need, ch.key.seq, ch.signature, lambda seq, sig: ch)
         return self._my_slots[k % self.nslots]
 
@@ -462,7 +490,7 @@ class GroupShm:
                     self.settle_deferred(seq, sig, channel)
                 self._wait_reuse(need, channel(seq, sig))
             floor = min([c[CONSUMED] for c in self._peer_ctl])
-        self._consumed_floor = floor
+        self._numbering.consumed_floor = floor
 
     def wait_consumed(self, k: int, ch) -> None:
         """Wait until every peer has finished reading round k (and so everything before it)."""
@@ -628,11 +656,13 @@ class GroupShm:
         stride = _align(SLOT_HEADER + self.slot_bytes, 4096)
         bases = [s.address for s in self.segments]
         headers = [b + first + k * stride for b in bases for k in range(self.nslots)]
+        news = self.transport.crash_news
         return dict(rank=self.rank, size=self.size, nslots=self.nslots, slot_bytes=self.slot_bytes, ctl=bases,
                     headers=headers, slots=[h + SLOT_HEADER for h in headers], posted=POSTED, consumed=CONSUMED,
                     reusing=REUSING, awaiting=AWAITING, deferred=DEFERRED, s_round=S_ROUND, s_seq=S_SEQ, s_sig=S_SIG,
                     s_nbytes=S_NBYTES, history=[b + history_offset(self.size) for b in bases], history_len=HISTORY,
-                    h_deferred=H_DEFERRED, s_extra=S_EXTRA, keepalive=tuple(s.buf for s in self.segments))
+                    h_deferred=H_DEFERRED, due=self.deferred_due, news=_shm_round.address(news), s_extra=S_EXTRA,
+                    keepalive=tuple(s.buf for s in self.segments) + (news,))
 
     def raw(self, q: int, k: int) -> memoryview:
         """Member q's slot of round k as a memoryview of bytes (cached: slicing and copying a
