@@ -59,16 +59,17 @@ class Members:
                          for k in range(NSLOTS)] for m in self.mem]
         self.slots = [[m[first + k * stride + g.SLOT_HEADER:first + k * stride + g.SLOT_HEADER + SLOT_BYTES]
                        for k in range(NSLOTS)] for m in self.mem]
+        self.news = np.zeros(1, np.uint64)  # the host's crash-news word (ShmTransport.crash_news)
         bases = [m.ctypes.data for m in self.mem]
         header_addresses = [b + first + k * stride for b in bases for k in range(NSLOTS)]
         self.rounds = [
             C.Rounds(rank=r, size=size, nslots=NSLOTS, slot_bytes=SLOT_BYTES, ctl=bases,
                                   headers=header_addresses, slots=[h + g.SLOT_HEADER for h in header_addresses],
                                   history=[b + g.history_offset(size) for b in bases], history_len=g.HISTORY,
-                                  h_deferred=g.H_DEFERRED, due=g.HISTORY - NSLOTS - 2, news=None, posted=g.POSTED,
+                                  h_deferred=g.H_DEFERRED, due=g.HISTORY - NSLOTS - 2, news=self.news.ctypes.data, posted=g.POSTED,
                                   consumed=g.CONSUMED, reusing=g.REUSING, awaiting=g.AWAITING, deferred=g.DEFERRED, s_round=g.S_ROUND, s_seq=g.S_SEQ,
                                   s_sig=g.S_SIG, s_nbytes=g.S_NBYTES, s_extra=g.S_EXTRA, budget_ns=budget_ns,
-                                  yields=False, keepalive=tuple(self.mem))
+                                  yields=False, keepalive=tuple(self.mem) + (self.news,))
             for r in range(size)]
 
     def post_as_python(self, q: int, k: int, seq: int, sig: int, data: np.ndarray) -> None:
@@ -102,6 +103,29 @@ def test_a_round_posts_what_python_posts_and_reduces_in_rank_order():
         expected += xs[q]
     assert mine.tobytes() == expected.tobytes()
     assert m.slots[1][1][:12].tobytes() == xs[1].tobytes()  # its own copy, for the peers to read
+
+
+@needs_c
+def test_a_round_opens_in_c_only_in_the_common_case():
+    """Rounds.open_round numbers rounds as GroupShm.open_round does, and leaves to Python (None,
+    nothing changed) a slot a peer has not finished reading, a host's crash news and a deferred
+    check that is due."""
+    m = Members(2)
+    mine = m.rounds[0]
+    assert [mine.open_round() for _ in range(NSLOTS)] == list(range(1, NSLOTS + 1))
+    assert mine.open_round() is None and mine.round == NSLOTS  # round 1's slot not consumed by the peer
+    m.ctl[1][g.CONSUMED] = 2
+    assert mine.open_round() == NSLOTS + 1 and mine.consumed_floor == 2
+    assert mine.open_round() == NSLOTS + 2  # the floor covers it: no counter read
+    m.news[0] = 1
+    assert mine.open_round() is None and mine.round == NSLOTS + 2
+    m.news[0] = 0
+    mine.round = 100  # Python's steps add rounds too (GroupShm.round is this number)
+    m.ctl[1][g.CONSUMED] = 100
+    m.ctl[0][g.DEFERRED] = 100 - (g.HISTORY - NSLOTS - 2)  # a deferred round's check is due
+    assert mine.open_round() is None and mine.round == 100
+    m.ctl[0][g.DEFERRED] += 1  # one round later it is not due yet
+    assert mine.open_round() == 101
 
 
 @needs_c
