@@ -52,29 +52,28 @@ typedef struct {
     int64_t words[16];
 } AnyStatus;
 
-/* the request at `handle` started and tested through the library for up to SPIN_NS, without the
- * GIL: 1 done, 0 not yet, -1 an MPI error (raised) */
-static int start_and_spin(Calls *c, void *handle) {
-    int rc = c->start(handle), flag = 0;
-    if (rc == 0) {
-        AnyStatus status;
-        Py_BEGIN_ALLOW_THREADS
-        struct timespec t0, t;
-        clock_gettime(CLOCK_MONOTONIC, &t0);
-        for (unsigned i = 1;; i++) {
-            if ((rc = c->test(handle, &flag, &status)) != 0 || flag) break;
-            if ((i & 15) == 0) {
-                clock_gettime(CLOCK_MONOTONIC, &t);
-                if ((t.tv_sec - t0.tv_sec) * 1000000000LL + (t.tv_nsec - t0.tv_nsec) > SPIN_NS) break;
-            }
+static int mpi_failed(int rc) {
+    PyErr_Format(PyExc_RuntimeError, "MPI error code %d in the all_reduce's persistent request", rc);
+    return -1;
+}
+
+/* the request at `handle` tested through the library for up to SPIN_NS, without the GIL: 1 done, 0
+ * not yet, -1 an MPI error (raised) */
+static int spin(Calls *c, void *handle) {
+    int rc, flag = 0;
+    AnyStatus status;
+    Py_BEGIN_ALLOW_THREADS
+    struct timespec t0, t;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (unsigned i = 1;; i++) {
+        if ((rc = c->test(handle, &flag, &status)) != 0 || flag) break;
+        if ((i & 15) == 0) {
+            clock_gettime(CLOCK_MONOTONIC, &t);
+            if ((t.tv_sec - t0.tv_sec) * 1000000000LL + (t.tv_nsec - t0.tv_nsec) > SPIN_NS) break;
         }
-        Py_END_ALLOW_THREADS
     }
-    if (rc != 0) {
-        PyErr_Format(PyExc_RuntimeError, "MPI error code %d in the all_reduce's persistent request", rc);
-        return -1;
-    }
-    return flag;
+    Py_END_ALLOW_THREADS
+    return rc == 0 ? flag : mpi_failed(rc);
 }
 
 static PyObject *fall_back(Calls *c, PyObject *const *args, Py_ssize_t nargs) {
@@ -164,10 +163,15 @@ static PyObject *Calls_all_reduce(Calls *c, PyObject *const *args, Py_ssize_t na
     memcpy(staging.data, x.data, (size_t)n);
     int done = 0;
     if (handle) {
-        /* the record comes after the spin here: it needs the GIL, which the spin gives away */
-        if ((done = start_and_spin(c, handle)) < 0) goto failed;
+        int rc = c->start(handle);
+        if (rc != 0) {
+            mpi_failed(rc);
+            goto failed;
+        }
+        /* recorded once MPI has the call, while the peers' calls meet it (the spin gives the GIL away) */
         record = group_started(&c->g, seq, c->name, n, dtype_name, -1);
         if (!record) goto failed;
+        if ((done = spin(c, handle)) < 0) goto failed;
     } else {
         if (call_true(req, c->s_Start) < 0) goto failed;
         /* recorded once MPI has the call, as the Python path does: while the peers' calls meet it */
