@@ -574,23 +574,29 @@ def _sync_and_async_all_reduce_works(rank, world):
     dist.all_reduce(x, op=dist._make_nccl_premul_sum(2.0))
     assert x.tolist() == [6.0] * 3, x
 
-    # a synchronous call (asyncOp False) that completed: one Work of the group, its future's value
-    # this call's tensors
+    # a synchronous call (asyncOp False) that a latency path completed returns None: torch's API
+    # functions then do not wait ("the backend has synchronized at the C++ level")
     sync = dist.AllreduceOptions()
     sync.asyncOp = False
     a, b = torch.ones(2), torch.ones(4)
-    work_a = pg.allreduce([a], sync)
-    assert work_a.wait() and work_a.get_future().wait()[0].data_ptr() == a.data_ptr()
-    work_b = pg.allreduce([b], sync)
-    assert work_b is work_a and work_b.get_future().wait()[0].data_ptr() == b.data_ptr()
+    assert pg.allreduce([a], sync) is None and pg.allreduce([b], sync) is None
     assert a.tolist() == [2.0] * 2 and b.tolist() == [2.0] * 4
+    sync_barrier = dist.BarrierOptions()
+    sync_barrier.asyncOp = False
+    assert pg.barrier(sync_barrier) is None
+    root = dist.BroadcastOptions()
+    root.rootRank, root.asyncOp = 1, False
+    c = torch.full((3,), float(rank))
+    assert pg.broadcast([c], root) is None and c.tolist() == [1.0] * 3
+    work_a = pg.allreduce([a], dist.AllreduceOptions())  # torch's default options: async
+    assert work_a.wait() and work_a.get_future().wait()[0].data_ptr() == a.data_ptr()
 
     # an asynchronous one (torch's default options, DDP, async_op=True) gets its own Work, which
     # still answers for its tensor after later calls
     c = torch.full((2,), float(rank))
     held = dist.all_reduce(c, async_op=True)
     later = pg.allreduce([torch.ones(1)], dist.AllreduceOptions())
-    assert later is not held and later is not work_a
+    assert later is not held
     later.wait()
     dist.all_reduce(torch.ones(2))
     held.wait()
@@ -607,7 +613,7 @@ def _sync_and_async_all_reduce_works(rank, world):
 
 
 @pytest.mark.slow
-def test_sync_all_reduce_reuses_the_groups_work_async_gets_its_own():
+def test_a_synchronous_call_returns_no_work_an_async_one_its_own():
     assert run_world(_sync_and_async_all_reduce_works, 2, timeout=90) == [True, True]
 
 

@@ -140,8 +140,8 @@ def _floor_rank(rank: int, send, port: int, world: int, calls: int, no_round: bo
     rows.append(('(b) torch all_reduce over "distcomm"', _cpu_per_call(lambda: tdist.all_reduce(t), calls)))
     sync = tdist.AllreduceOptions()
     sync.asyncOp = False
-    rows.append(("(b-) its allreduce([t], opts).wait(), no torch wrapper",
-                 _cpu_per_call(lambda: pg.allreduce([t], sync).wait(), calls)))
+    rows.append(("(b-) its allreduce([t], opts), synchronous, no torch wrapper",
+                 _cpu_per_call(lambda: pg.allreduce([t], sync), calls)))
     group, buf, op = pg.group, as_buffer(t), RedOpType.SUM
     rows.append(("(c) distcomm's group: latency path (else allreduce)",
                  _cpu_per_call(lambda: group.fast_all_reduce(t, op) or group.allreduce(buf, op, False), calls)))

@@ -11,8 +11,10 @@ Every call from torch looks asynchronous (torch's Python API waits on the Work i
 user asked for a synchronous call; DDP's buckets are issued async). An operation issued while the
 group is idle runs inline and returns a completed Work: a small all_reduce does not pay a thread
 hand-off. Only when earlier work is still queued does it go to the group's worker thread, behind it.
-A synchronous all_reduce (``opts.asyncOp`` False: torch's Python API waits on the Work and drops it)
-that the latency path completed returns the group's one reused Work (see ``_finished``).
+A synchronous call (``opts.asyncOp`` False: only torch's Python API sets it) that a latency path
+completed returns None, which torch's API functions take as "the backend synchronized at the C++
+level" and do not wait on: making, wrapping and waiting on a Work costs more than the rest of our part
+of an 8-byte all_reduce.
 
 torch private names used (torch's own seams for Python backends): ``torch.distributed.Work``
 subclassed (work.py), ``ProcessGroup.__init__(rank, size)``. Reduce ops are read from torch's
@@ -36,6 +38,7 @@ from .store import TorchStore
 from .work import TorchWork
 
 BACKEND_NAME = "distcomm"
+NOT_TAKEN = object()  # _fast's answer when the latency path did nothing
 DEFAULT_ENGINE = "gloo"  # distcomm's default: shared memory within a host, TCP between hosts
 
 
@@ -76,7 +79,6 @@ class DistcommProcessGroup(tdist.ProcessGroup):
         self._name = ""
         self._desc = ""
         self._coalesced: list[TorchWork] | None = None  # Works issued inside _start/_end_coalescing
-        self._done = TorchWork([])  # see _finished
 
     # -- identity -------------------------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 - torch's name (C++ virtual)
@@ -137,28 +139,24 @@ class DistcommProcessGroup(tdist.ProcessGroup):
         error = next((w.exception() for w in issued if w.exception() is not None), None)
         return TorchWork([t for w in issued for t in w.outputs], [x for w in issued for x in w.works], error)
 
-    def _finished(self, result) -> TorchWork:
-        """The Work of a synchronous call (``opts.asyncOp`` False) that has completed: one Work per
-        group, reused. Only torch's Python API sets asyncOp False, and it waits on the Work and drops
-        it; making and freeing a torch Work subclass costs more than the rest of our part of an 8-byte
-        all_reduce. Its result is this call's, so that its future's value is right too."""
-        done = self._done
-        done._result = result
-        return done
-
-    def _fast(self, path, result, opts, *args) -> TorchWork | None:
-        """The Work of a call when the engine's tensor-level latency path ``path`` (a field of
-        ``ProcessGroup.tensor_paths``) took it with ``args``: an idle group, plain CPU tensors, a
-        small message; else None and nothing was done (always under DETAIL, whose shape check only
-        the general path makes). As an inline call on the general path, a failure is delivered by
-        the Work's ``wait()``."""
+    def _fast(self, path, result, opts, *args):
+        """What a call returns when the engine's tensor-level latency path ``path`` (a field of
+        ``ProcessGroup.tensor_paths``) took it with ``args`` (an idle group, plain CPU tensors, a
+        small message): its Work, or None for a synchronous call (see the module docstring);
+        NOT_TAKEN when it did nothing (always under DETAIL, whose shape check only the general path
+        makes). As an inline call on the general path, a failure is delivered by the Work's ``wait()``."""
         try:
             if diagnostics.check_shapes or not path(*args):
-                return None
+                return NOT_TAKEN
         except Exception as exc:  # noqa: BLE001 - delivered by wait(), as _issue does
             return self._track(TorchWork(result, error=exc))
+        return self._completed(result, opts)
+
+    def _completed(self, result, opts) -> TorchWork | None:
+        """A call a latency path completed: None when synchronous (``opts.asyncOp`` False, outside a
+        coalescing block), else a completed Work."""
         if self._coalesced is None and opts is not None and not opts.asyncOp:
-            return self._finished(result)
+            return None
         return self._track(TorchWork(result))
 
     def _track(self, work: TorchWork) -> TorchWork:
@@ -174,9 +172,7 @@ class DistcommProcessGroup(tdist.ProcessGroup):
         # CPU one (it declines a sparse tensor, a PREMUL_SUM, a busy group, having done nothing);
         # never under DETAIL, whose shape check only the general path makes
         if op.__class__ is RedOpType and not diagnostics.check_shapes and self.group.fast_all_reduce(tensor, op):
-            if self._coalesced is None and opts is not None and not opts.asyncOp:
-                return self._finished(tensors)
-            return self._track(TorchWork(tensors))
+            return self._completed(tensors, opts)
         if tensor.is_sparse:
             sparse = SparseBuffer(tensor)
             return self._run(lambda a: self.group.allreduce_sparse(sparse, a, tensors), tensors)
@@ -190,7 +186,7 @@ class DistcommProcessGroup(tdist.ProcessGroup):
 
     def broadcast(self, tensors, opts):
         done = self._fast(self.group.tensor_paths.broadcast, tensors, opts, tensors[0], opts.rootRank)
-        if done is not None:
+        if done is not NOT_TAKEN:
             return done
         buf = as_buffer(tensors[0])
         return self._run(lambda a: self.group.broadcast(buf, opts.rootRank, a, tensors), tensors)
@@ -199,21 +195,21 @@ class DistcommProcessGroup(tdist.ProcessGroup):
         op = reduce_op(opts.reduceOp)
         if op.__class__ is RedOpType:  # the latency path takes plain ops only (not PREMUL_SUM)
             done = self._fast(self.group.tensor_paths.reduce, tensors, opts, tensors[0], op, opts.rootRank)
-            if done is not None:
+            if done is not NOT_TAKEN:
                 return done
         buf = as_buffer(tensors[0])
         return self._run(lambda a: self.group.reduce(buf, op, opts.rootRank, a, tensors), tensors)
 
     def allgather(self, output_lists, inputs, opts=None):
         done = self._fast(self.group.tensor_paths.all_gather, output_lists, opts, output_lists[0], inputs[0])
-        if done is not None:
+        if done is not NOT_TAKEN:
             return done
         outs, inp = as_buffers(output_lists[0]), as_buffer(inputs[0])
         return self._run(lambda a: self.group.allgather(outs, inp, a, output_lists), output_lists)
 
     def all_gather_single(self, output, input, opts=None):  # noqa: A002 - torch's names
         done = self._fast(self.group.tensor_paths.all_gather_into_tensor, [output], opts, output, input)
-        if done is not None:
+        if done is not NOT_TAKEN:
             return done
         out, inp = as_buffer(output), as_buffer(input)
         return self._run(lambda a: self.group.allgather_into_tensor(out, inp, a, [output]), [output])
@@ -233,7 +229,7 @@ class DistcommProcessGroup(tdist.ProcessGroup):
         is_root = self.group.rank() == root
         done = self._fast(self.group.tensor_paths.gather, output_lists, opts, inputs[0],
                           output_lists[0] if is_root else None, root)
-        if done is not None:
+        if done is not NOT_TAKEN:
             return done
         outs = as_buffers(output_lists[0]) if is_root else None
         inp = as_buffer(inputs[0])
@@ -244,7 +240,7 @@ class DistcommProcessGroup(tdist.ProcessGroup):
         is_root = self.group.rank() == root
         done = self._fast(self.group.tensor_paths.scatter, outputs, opts, outputs[0],
                           input_lists[0] if is_root else None, root)
-        if done is not None:
+        if done is not NOT_TAKEN:
             return done
         out = as_buffer(outputs[0])
         ins = as_buffers(input_lists[0]) if is_root else None
@@ -259,7 +255,7 @@ class DistcommProcessGroup(tdist.ProcessGroup):
         op = reduce_op(opts.reduceOp)
         if op.__class__ is RedOpType:
             done = self._fast(self.group.tensor_paths.reduce_scatter_tensor, [output], opts, output, input, op)
-            if done is not None:
+            if done is not NOT_TAKEN:
                 return done
         out, inp = as_buffer(output), as_buffer(input)
         return self._run(lambda a: self.group.reduce_scatter_tensor(out, inp, op, a, [output]), [output])
@@ -277,7 +273,7 @@ class DistcommProcessGroup(tdist.ProcessGroup):
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):  # noqa: A002
         if not output_split_sizes and not input_split_sizes:  # the latency path's even splits
             done = self._fast(self.group.tensor_paths.all_to_all_single, [output], opts, output, input)
-            if done is not None:
+            if done is not NOT_TAKEN:
                 return done
         size = self.group.size()
         out, inp = as_buffer(output), as_buffer(input)
@@ -289,7 +285,7 @@ class DistcommProcessGroup(tdist.ProcessGroup):
     def barrier(self, opts=None):
         done = [torch.empty(0)]  # torch's barrier Work carries a tensor list too
         if self.group.executor.idle() and self.group.fast_barrier():
-            return self._track(TorchWork(done))
+            return self._completed(done, opts)
         return self._run(lambda a: self.group.barrier(a, done), done)
 
     # torch 2.13 names the single-tensor collectives *_single; older callers (and the C++
