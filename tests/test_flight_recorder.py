@@ -394,3 +394,16 @@ def test_latency_paths_record_the_users_line_and_function():
         # up past it to the user's line
         assert len(records) > len(ops)
         assert all(site == dict(want, line=_line_of("# LAT-OBJECTS")) for site in sites[len(ops):])
+
+
+def test_library_files_are_distcomms_and_torch_distributeds_but_not_its_programs():
+    import distcomm
+
+    package = os.path.dirname(distcomm.__file__)
+    assert fr.is_library_file(os.path.join(package, "process_group.py"))
+    assert fr.is_library_file(os.path.join(package, "backends", "shm", "latency.py"))
+    assert fr.is_library_file(os.path.join(os.sep, "x", "torch", "distributed", "distributed_c10d.py"))
+    # the benchmark and the demo call distcomm as a user does: their lines are the call sites
+    assert not fr.is_library_file(os.path.join(package, "bench", "collectives.py"))
+    assert not fr.is_library_file(os.path.join(package, "demo", "__init__.py"))
+    assert not fr.is_library_file(__file__)

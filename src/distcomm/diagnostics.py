@@ -252,7 +252,7 @@ def _user_site(tb) -> tuple[str, int] | None:
     site = None
     for frame, line in traceback.walk_tb(tb):
         name = frame.f_code.co_filename
-        if not (name.startswith(fr._SKIPPED[0]) or fr._SKIPPED[1] in name):
+        if not fr.is_library_file(name):
             site = (name, line)
     return site
 

@@ -5,13 +5,13 @@ One record per collective or point-to-point operation, made where its sequence n
 ``ProcessGroup.run`` (every collective of the general path), ``ProcessGroup.send``/``recv``, and
 the shared-memory engine's latency path (``backends/shm/latency.py``, which takes its own sequence
 numbers). A record holds the operation, its group, sequence number, byte count, dtype, peer or root
-(group rank), the call site (file, line and function of the first frame outside distcomm and
-torch.distributed)
+(group rank), the call site (file, line and function of the first frame outside distcomm's library
+code and torch.distributed; distcomm's own programs, its benchmark and demo, are users of it)
 and its times and state: "scheduled" when issued, "started" when its body runs, then "completed" or
 "failed".
 
 Cheap by construction: a record is one small list written into a preallocated ring (no lock: a
-slot is replaced whole; a dump copies the ring), the call site is kept as the frame's code object and
+slot is replaced whole, or refilled in C while only the ring holds it; a dump copies the ring), the call site is kept as the frame's code object and
 instruction offset (file, line and function are looked up from them only when read), found by a
 walk of a few frames with one dict lookup each (which files are distcomm's is learnt once per
 file), or by one lookup where the caller knows how many frames above it are distcomm's (``started``,
@@ -52,9 +52,12 @@ DEFAULT_CAPACITY = 2000
 FILE_PATTERN = "distcomm_trace_rank_{rank}.jsonl"
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# distcomm's own programs, its benchmark and its demo, are its users: a call they make is named at
+# their line (and costs the record one lookup, where a call from library code costs a walk up)
+_PROGRAM_DIRS = tuple(os.path.join(_PACKAGE_DIR, name) + os.sep for name in ("bench", "demo"))
 # torch.distributed's own frames are not the user's either (torch's c10d calls distcomm's backend)
-_SKIPPED = (_PACKAGE_DIR, os.sep + os.path.join("torch", "distributed") + os.sep)
-_internal: dict = {}  # file name -> True when it is distcomm's (or torch.distributed's)
+_TORCH_DISTRIBUTED = os.sep + os.path.join("torch", "distributed") + os.sep
+_internal: dict = {}  # file name -> is_library_file(name)
 _now = time.time
 _getframe = sys._getframe
 
@@ -78,6 +81,16 @@ def call_site(depth: int = 2):
     return _outside(frame)
 
 
+def is_library_file(name: str) -> bool:
+    """Whether code in file ``name`` is library code, whose frames are not the user's: distcomm's
+    (but for its benchmark and demo programs) or torch.distributed's. Kept per name."""
+    inside = _internal.get(name)
+    if inside is None:
+        inside = _internal[name] = (name.startswith(_PACKAGE_DIR) and not name.startswith(_PROGRAM_DIRS)) \
+            or _TORCH_DISTRIBUTED in name
+    return inside
+
+
 def _outside(frame):
     """``call_site`` from ``frame`` up."""
     internal = _internal
@@ -87,7 +100,7 @@ def _outside(frame):
         name = code.co_filename
         inside = internal.get(name)
         if inside is None:
-            inside = internal[name] = name.startswith(_SKIPPED[0]) or _SKIPPED[1] in name
+            inside = is_library_file(name)
         if not inside:
             return (code, frame.f_lasti)
         frame = frame.f_back
