@@ -117,6 +117,23 @@ def test_a_record_someone_holds_survives_the_ring_wrapping():
     assert all(e[fr.STATE] == fr.STARTED and e[fr.T_COMPLETED] is None for e in rec.entries())
 
 
+@pytest.mark.skipif(not fr.STARTED_IN_C, reason="the C record is not built here (no compiler at install)")
+def test_started_in_c_walks_past_library_frames_to_the_users_line():
+    # a call made through library code (torch's API calling the backend, distcomm's DDP): the C
+    # record walks past the frames of files it knows are library code, as the Python walk does
+    import distcomm
+
+    rec = fr.FlightRecorder(8)
+    namespace = {"rec": rec}
+    library_file = os.path.join(os.path.dirname(distcomm.__file__), f"not_a_module_{time.time_ns()}.py")
+    exec(compile("def api(skip):\n    return rec.started('g', 3, 'all_reduce', 8, 'float32', None, skip)\n"
+                 "def library(skip):\n    return api(skip)\n", library_file, "exec"), namespace)
+    for _ in range(2):  # the first call learns the file through Python's walk, the next walks in C
+        c = namespace["library"](2)  # SITE-THROUGH-LIBRARY
+        assert fr.resolve_site(c[fr.SITE]) == (__file__, _line_of("# SITE-THROUGH-LIBRARY"))
+        assert fr.is_library_file(library_file)
+
+
 def test_snapshot_and_failure():
     rec = fr.FlightRecorder(8)
     fr.complete(rec.record("a", 1, "all_reduce", 8, "float32", None))

@@ -9,8 +9,9 @@
  * Started(slots, capacity, ids, internal, outside, state) makes a callable
  *     started(group, seq, op, nbytes, dtype, peer, skip) -> record
  * that does what FlightRecorder.started does: the call site is the frame ``skip`` levels up
- * (1: the caller) when ``internal`` says its file is not distcomm's (one dict lookup), else
- * ``outside(frame)`` (the Python walk); then the record [id, group, seq, op, nbytes, dtype, peer,
+ * (1: the caller) or the first above it whose file ``internal`` says is not library code (a dict
+ * lookup a frame), with ``outside(frame)`` (the Python walk) from the first file it does not know;
+ * then the record [id, group, seq, op, nbytes, dtype, peer,
  * site, time, None, state, None, None] goes into ``slots[id % capacity]``.
  */
 #define PY_SSIZE_T_CLEAN
@@ -42,25 +43,37 @@ static PyObject *site_of(Started *s, Py_ssize_t skip) {
         if (!back) Py_RETURN_NONE; /* a thread whose first frame is distcomm's: no user frame */
         frame = back;
     }
-    PyCodeObject *code = PyFrame_GetCode(frame);
-    PyObject *inside = PyDict_GetItemWithError(s->internal, code->co_filename);
-    PyObject *site;
-    if (inside == Py_False) {
+    /* up past the frames of files known to be library code (a torch API function calling the
+     * backend, distcomm's DDP): one lookup each; a file not classified yet goes to Python's walk */
+    for (;;) {
+        PyCodeObject *code = PyFrame_GetCode(frame);
+        PyObject *inside = PyDict_GetItemWithError(s->internal, code->co_filename);
+        if (inside == Py_True) {
+            Py_DECREF(code);
+            PyFrameObject *back = PyFrame_GetBack(frame);
+            Py_DECREF(frame);
+            if (!back) Py_RETURN_NONE;
+            frame = back;
+            continue;
+        }
+        PyObject *site;
+        if (inside == Py_False) {
 #if PY_VERSION_HEX >= 0x030B0000
-        PyObject *lasti = PyLong_FromLong(PyFrame_GetLasti(frame));
-        site = lasti ? PyTuple_Pack(2, (PyObject *)code, lasti) : NULL;
-        Py_DECREF(code);
-        Py_XDECREF(lasti);
+            PyObject *lasti = PyLong_FromLong(PyFrame_GetLasti(frame));
+            site = lasti ? PyTuple_Pack(2, (PyObject *)code, lasti) : NULL;
+            Py_DECREF(code);
+            Py_XDECREF(lasti);
 #else
-        PyObject *lasti = PyObject_GetAttrString((PyObject *)frame, "f_lasti");
-        site = lasti ? Py_BuildValue("(NN)", (PyObject *)code, lasti) : (Py_DECREF(code), NULL);
+            PyObject *lasti = PyObject_GetAttrString((PyObject *)frame, "f_lasti");
+            site = lasti ? Py_BuildValue("(NN)", (PyObject *)code, lasti) : (Py_DECREF(code), NULL);
 #endif
-    } else {
-        Py_DECREF(code);
-        site = PyErr_Occurred() ? NULL : PyObject_CallOneArg(s->outside, (PyObject *)frame);
+        } else {
+            Py_DECREF(code);
+            site = PyErr_Occurred() ? NULL : PyObject_CallOneArg(s->outside, (PyObject *)frame);
+        }
+        Py_DECREF(frame);
+        return site;
     }
-    Py_DECREF(frame);
-    return site;
 }
 
 static PyObject *Started_call(Started *s, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
