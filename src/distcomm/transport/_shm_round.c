@@ -1,10 +1,11 @@
-/* A group's shared-memory round steps in C: exchange and consume (GroupShm's), the whole round of
- * the direct all_reduce (backends/shm/native.py), and the whole round of any one-round collective
- * given as a plan of copies (move(): backends/shm/round_plan.py).
+/* A group's shared-memory round steps in C: a round's opening (its number, once the slot's previous
+ * use is consumed), exchange and consume (GroupShm's), the whole round of the direct all_reduce
+ * (backends/shm/native.py), and the whole round of any one-round collective given as a plan of
+ * copies (move(): backends/shm/round_plan.py).
  *
  * The same steps as the Python ones of transport/shm_group.py over the same memory, so a rank
  * running these and a rank running the Python steps meet in the same rounds. Python keeps
- * everything that is not the common case: numbering the round and waiting for slot reuse
+ * everything that is not the common case: waiting for slot reuse past the poll budget, crash news
  * (open_round), ringing a peer that sleeps, sleeping, peer health, timeouts and mismatch errors.
  * These functions do what a round does when every peer arrives within the wait policy's poll
  * budget, and say so when one does not.

@@ -29,9 +29,11 @@ Two groups on the same ranks have different segments, so concurrent collectives 
 work on both) never touch each other's memory.
 
 Where ``_shm_round.c`` is built (and DISTCOMM_SHM_NATIVE is not 0), ``exchange`` and ``consume`` post,
-poll, check and consume in one C call each, over the same memory; the Python steps remain the
-reference, and take over whatever the C call hands back (a sleeping peer to ring, a wait past the
-poll budget, a mismatch to report). Ranks with and without them meet in the same rounds.
+poll, check and consume in one C call each, over the same memory, and the calls in C open their
+rounds there too (``Rounds.open_round``: the round number and the consumed floor then live in the C
+object, ``GroupShm.round`` reads them); the Python steps remain the reference, and take over
+whatever the C call hands back (a sleeping peer to ring, a wait past the poll budget, a mismatch to
+report). Ranks with and without them meet in the same rounds.
 """
 
 from __future__ import annotations
