@@ -102,8 +102,11 @@ def test_scatter_single_copy_once_a_block_takes_more_than_one_round(size):
     assert choose("scatter", 64 * MiB, size, CAN, tuned(DISTCOMM_SHM_ALGO_SCATTER="slots")) == "scatter_slots"
 
 
-def test_broadcast_at_two_ranks_splits_the_copy_from_4_mib():
-    assert choose("broadcast", 4 * MiB - 1, 2, CAN, DEFAULT) == "broadcast_slots"
+def test_broadcast_at_two_ranks_splits_the_copy_past_one_slot():
+    assert choose("broadcast", SLOT, 2, CAN, DEFAULT) == "broadcast_slots"
+    assert choose("broadcast", SLOT + 1, 2, CAN, DEFAULT) == "broadcast_split"
+    assert choose("broadcast", SLOT + 1, 3, CAN, DEFAULT) == "broadcast_slots"  # more ranks: from 4 MiB
+    assert choose("broadcast", SLOT + 1, 2, CANNOT, DEFAULT) == "broadcast_slots"
     assert choose("broadcast", 4 * MiB, 2, CAN, DEFAULT) == "broadcast_split"
     assert choose("broadcast", 64 * MiB, 2, CANNOT, DEFAULT) == "broadcast_slots"  # not allowed: through slots
     assert choose("broadcast", 4 * MiB, 3, CAN, DEFAULT) == "broadcast_readv"

@@ -2,7 +2,8 @@
 
 Cost: n bytes written by the root, n read by each other rank, one round per slot. The root
 writes a chunk while the readers copy the one before (nslots rounds in flight), both at memcpy
-speed: at two ranks this beats one single-copy read at every size.
+speed. At two ranks a message of more than one slot goes to broadcast_split instead (single copy:
+measured faster from just past one slot; see choose).
 
 A message of at most one slot is one round (``one_round``), which the latency path runs too; it
 carries the root check (``root_check.exchange``: every rank posts, the root included, and waits for

@@ -14,8 +14,9 @@ measurements behind each threshold):
   from ``readv_bytes`` (4 MiB),
   where a system call and page pinning per chunk are paid back by copying once and not running in
   lockstep; below, through slots. scatter also from where a rank's block no longer fits its piece
-  of one slot (a slot / p): the slots would take two rounds or more. broadcast at p = 2 from there: "broadcast_split" (the reader
-  reads the head while the root writes the tail: both CPUs copy).
+  of one slot (a slot / p): the slots would take two rounds or more. broadcast at p = 2 as soon as
+  the message needs more than one slot: "broadcast_split" (the reader reads the head while the root
+  writes the tail: both CPUs copy), where the slots' later rounds cost 2-3x more.
 * gather: from ``readv_bytes`` "gather_writev" (every peer writes its block into the root's output,
   all at once); below, through slots. "gather_readv" (the root alone reads every block) only when
   forced: the slots' pipeline matched it at every size. barrier: through slots only.
@@ -128,7 +129,7 @@ def choose(op: str, nbytes: int, size: int, caps: Capabilities, tuning: Tuning) 
         if forced is None:
             forced = "writev" if large else "slots"
         return f"gather_{forced}" if forced != "slots" and caps.direct_reads else "gather_slots"
-    if op == "broadcast" and (forced == "split" or (forced is None and size <= 2 and large)):
+    if op == "broadcast" and (forced == "split" or (forced is None and size <= 2 and (large or nbytes > caps.slot_bytes))):
         return "broadcast_split" if caps.direct_reads else "broadcast_slots"
     readv = forced == "readv" if forced else large
     if op == "reduce":
