@@ -100,6 +100,27 @@ def test_a_peer_that_has_not_posted_leaves_the_reads_and_the_consume_to_python()
 
 
 @needs_c
+def test_copies_from_own_memory_are_made_while_the_peers_posts_come_unless_a_check_may_fail():
+    # an all_to_all's or all_gather's own block needs no peer: copied between the post and the
+    # poll; a rooted call's check that fails must find nothing read, so there every read waits
+    own, theirs = np.arange(2, dtype=np.float32) + 5, np.zeros(2, np.float32)
+    m = Members(2)
+    out = np.zeros(4, np.float32)
+    reads = ((own, 0, out, 0, 8), (1, 0, out, 8, 8))
+    assert m.rounds[0].move(1, 1, 1, 8, 0, False, (), reads, -1, ()) == C.PENDING
+    assert out.tolist() == [5.0, 6.0, 0.0, 0.0]  # the own block, not the peer's
+    checked = Members(2)
+    out[:] = 0
+    assert checked.rounds[0].move(1, 1, 1, 8, 0, True, (), reads, -1, ()) == C.PENDING
+    assert out.tolist() == [0.0] * 4
+    done = Members(2)
+    post(done, 1, 1, seq=1, sig=1, data=theirs + 9)
+    out[:] = 0
+    assert done.rounds[0].move(1, 1, 1, 8, 0, False, (), reads, -1, ()) == C.DONE
+    assert out.tolist() == [5.0, 6.0, 9.0, 9.0]
+
+
+@needs_c
 @pytest.mark.parametrize("writes, reads", [
     (((np.zeros(8, np.uint8), 0, SLOT_BYTES - 4, 8),), ()),  # past the end of the slot
     (((np.zeros(8, np.uint8), 4, 0, 8),), ()),  # past the end of the source

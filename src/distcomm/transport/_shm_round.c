@@ -302,17 +302,26 @@ static PyObject *Rounds_all_reduce(Rounds *r, PyObject *const *args, Py_ssize_t 
 
 /* the reads of a plan: a copy each (kind -1), else a fold into one destination (with first_copies
  * the first read copies and each later one reduces into it with kind's op; without, every read
- * reduces into what the destination holds) */
-static void do_reads(Rounds *r, int s, const Read *rd, Py_ssize_t nr, int kind, int first_copies) {
+ * reduces into what the destination holds); skip_own: not the copies from this member's own
+ * memory (made already: own_copies) */
+static void do_reads(Rounds *r, int s, const Read *rd, Py_ssize_t nr, int kind, int first_copies, int skip_own) {
     for (Py_ssize_t i = 0; i < nr; i++) {
         const Read *x = &rd[i];
-        if (!x->n) continue;
+        if (!x->n || (skip_own && x->peer < 0)) continue;
         const char *from = x->peer >= 0 ? r->slot[x->peer * r->nslots + s] + x->src_off : x->src + x->src_off;
         if (kind < 0 || (i == 0 && first_copies))
             memmove(x->dst, from, (size_t)x->n);
         else
             shm_reduce_into(x->dst, from, x->n, kind);
     }
+}
+
+/* a plan of plain copies: its copies from this member's own memory (an all_to_all's own block, an
+ * all_gather's), made between the post and the poll, while the peers' posts come (each copy has a
+ * destination of its own, so their order does not matter; a round handed back makes them again) */
+static void own_copies(const Read *rd, Py_ssize_t nr) {
+    for (Py_ssize_t i = 0; i < nr; i++)
+        if (rd[i].peer < 0 && rd[i].n) memmove(rd[i].dst, rd[i].src + rd[i].src_off, (size_t)rd[i].n);
 }
 
 /* shm_move: a one-round collective's whole round k. Copy the writes into this member's slot, post
@@ -349,13 +358,20 @@ int shm_move(Rounds *r, uint64_t k, uint64_t seq, uint64_t sig, uint64_t nbytes,
             for (int q = 0; ready && check && q < r->size; q++)
                 if ((from >> q & 1) && r->hdr[q * r->nslots + s][r->s_extra] != extra) ready = 0;
             if (!ready) return PENDING | (ring ? RING_POSTED : 0);
-            do_reads(r, s, rd, nr, kind, first_copies);
+            do_reads(r, s, rd, nr, kind, first_copies, 0);
             r->hist[me][(k % (uint64_t)r->hist_len) * HEADER_WORDS + r->h_deferred] = (uint64_t)defer;
             if (!load(&r->ctl[me][r->deferred])) store(&r->ctl[me][r->deferred], k);
             return shm_consume(r, k) | (ring ? RING_POSTED : 0);
         }
     }
-    int status = shm_post_and_poll(r, k, seq, sig, nbytes, extra);
+    /* a check (the root's) that fails must find nothing read: then every read waits for the poll */
+    int early = kind < 0 && !check, status;
+    if (shm_post(r, k, seq, sig, nbytes, extra)) {
+        status = PENDING | RING_POSTED; /* Python rings and waits */
+    } else {
+        if (early) own_copies(rd, nr);
+        status = !poll_posted(r, k, EVERY_PEER) ? PENDING : headers_match(r, k, seq, sig, nbytes, EVERY_PEER) ? DONE : MISMATCH;
+    }
     if (status == DONE && check) {
         for (int q = 0; q < r->size; q++)
             if (q != me && r->hdr[q * r->nslots + s][r->s_extra] != extra) status = DIFFERS;
@@ -365,7 +381,7 @@ int shm_move(Rounds *r, uint64_t k, uint64_t seq, uint64_t sig, uint64_t nbytes,
         if (__atomic_load_n(&words[e[i].word], __ATOMIC_RELAXED) != e[i].value) status = DIFFERS;
     }
     if (status != DONE) return status;
-    do_reads(r, s, rd, nr, kind, first_copies);
+    do_reads(r, s, rd, nr, kind, first_copies, early);
     return shm_consume(r, k);
 }
 
