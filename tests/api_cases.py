@@ -273,6 +273,10 @@ def scenarios(rank: int, ws: int) -> dict[str, Any]:
     out["monitored_barrier/all_arrive"] = attempt(lambda: dist.monitored_barrier(g, timeout=timedelta(seconds=20)))
     # a float timeout is seconds, as torch takes it (with a warning)
     out["monitored_barrier/float_timeout"] = attempt(lambda: dist.monitored_barrier(g, timeout=20.0))
+    # no time at all: rank 0 (alone in the call) raises before waiting for anyone, in gloo's words
+    g = _group(dist, 30)
+    if rank == 0:
+        out["monitored_barrier/zero_timeout"] = attempt(lambda: dist.monitored_barrier(g, timeout=timedelta(0)))
 
     # a peer that never calls the collective: the group's timeout, naming op, seq, rank, peer
     g = _group(dist, 1.5)

@@ -304,6 +304,14 @@ def test_monitored_barrier_wait_all_ranks_lists_every_missing_rank():
 
 
 @pytest.mark.slow
+def test_monitored_barrier_with_no_time_left_says_so_in_gloos_words():
+    raised = _outcome(0, "monitored_barrier/zero_timeout")
+    assert raised[0] == "raised" and "RuntimeError" in raised[1], raised
+    assert raised[3].startswith("Rank 0 timed out in monitoredBarrier after 0 ms.\n"
+                                "No ranks successfully processed in monitoredBarrier."), raised[3]
+
+
+@pytest.mark.slow
 def test_monitored_barrier_passes_when_everyone_arrives():
     for rank in range(WS):
         assert _outcome(rank, "monitored_barrier/all_arrive") == ("returned", "None")

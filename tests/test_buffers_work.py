@@ -102,7 +102,7 @@ def test_work_states_and_future():
     assert not failed.is_success() and isinstance(failed.exception(), DistTimeoutError)
     with pytest.raises(DistTimeoutError):
         failed.wait()
-    with pytest.raises(DistTimeoutError, match="timed out"):
+    with pytest.raises(DistTimeoutError, match="Timed out"):
         Work("x").wait(timeout=0.01)
 
 

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import secrets
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -37,17 +35,6 @@ from harness import run_world
 TIMEOUT_S = 60  # the worlds' own timeout: never what ends a test here
 PROMPT_S = 10  # a dead rank must be noticed well before TIMEOUT_S
 INIT_PROMPT_S = 20  # init includes TCPStore clients' connection retries (backoff) while the master starts
-
-
-@pytest.fixture
-def seg_dir():
-    """A private segment directory on /dev/shm's tmpfs; it must be empty at the end."""
-    path = os.path.join("/dev/shm", f"distcomm-test-{secrets.token_hex(6)}")
-    os.mkdir(path, 0o700)
-    yield path
-    leftovers = os.listdir(path)
-    shutil.rmtree(path, ignore_errors=True)
-    assert leftovers == [], f"segments left behind: {leftovers}"
 
 
 def no_children_left():

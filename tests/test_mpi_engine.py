@@ -118,7 +118,7 @@ def test_groups_on_the_mpi_engine():
 
 
 def test_collective_timeout_names_op_seq_rank_and_breaks_the_group(error_lines):
-    assert error_lines[(0, "timeout_all_reduce")].startswith("DistTimeoutError: all_reduce #1 on rank 0: timed out")
+    assert error_lines[(0, "timeout_all_reduce")].startswith("DistTimeoutError: all_reduce #1 on rank 0: Timed out")
     assert error_lines[(1, "timeout_all_reduce")] == "ok"  # the late rank completes it
     after = error_lines[(0, "after_timeout")]
     assert after.startswith("DistBackendError: all_reduce #2 on rank 0: the group cannot be used any more"), after
@@ -126,7 +126,7 @@ def test_collective_timeout_names_op_seq_rank_and_breaks_the_group(error_lines):
 
 def test_receive_timeout_names_the_peer(error_lines):
     text = error_lines[(0, "timeout_recv")]
-    assert text.startswith("DistTimeoutError: recv on rank 0 (peer rank 1) (tag 5): timed out"), text
+    assert text.startswith("DistTimeoutError: recv on rank 0 (peer rank 1) (tag 5): Timed out"), text
 
 
 def _mpi_calls_missing() -> bool:
@@ -174,7 +174,7 @@ def test_latency_paths(ws):
             assert got("timeout_record") == "all_gather_into_tensor 1 completed"
         else:
             assert got("timeout").startswith(
-                f"DistTimeoutError: all_gather_into_tensor #1 on rank {r}: timed out"), got("timeout")
+                f"DistTimeoutError: all_gather_into_tensor #1 on rank {r}: Timed out"), got("timeout")
             assert got("timeout_record") == "all_gather_into_tensor 1 failed"
     after = lines[(0, "after_timeout")]
     assert after.startswith("DistBackendError: barrier #2 on rank 0: the group cannot be used any more: "

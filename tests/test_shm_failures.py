@@ -18,23 +18,10 @@ the default engine, shared memory on one host.)
 from __future__ import annotations
 
 import os
-import secrets
-import shutil
 
 import pytest
 
 from harness import run_world
-
-
-@pytest.fixture
-def seg_dir():
-    """A private segment directory on the same tmpfs as /dev/shm, removed afterwards."""
-    path = os.path.join("/dev/shm", f"distcomm-test-{secrets.token_hex(6)}")
-    os.mkdir(path, 0o700)
-    yield path
-    leftovers = os.listdir(path)
-    shutil.rmtree(path, ignore_errors=True)
-    assert leftovers == [], f"segments left behind: {leftovers}"
 
 
 def dead_peer_body(rank, world):

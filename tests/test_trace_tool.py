@@ -33,7 +33,7 @@ def steps(n, last_state="completed"):
 
 
 def test_ranks_that_timed_out_together_are_one_line():
-    err = "DistTimeoutError: all_reduce #6 on rank {} (peer rank 2): timed out"
+    err = "DistTimeoutError: all_reduce #6 on rank {} (peer rank 2): Timed out"
     dumps = {r: (header(r), steps(5) + [rec(6, state="failed", error=err.format(r))]) for r in (0, 1)}
     dumps[2] = (header(2), steps(5))
     lines = trace.analyze(dumps)

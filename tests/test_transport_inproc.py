@@ -180,7 +180,7 @@ def test_rendezvous_send_times_out_without_receiver():
         s.wait(time.monotonic() + 0.05)
     assert info.value.reason == "timeout" and info.value.peer == 1
     # withdrawn: a later receive does not get it
-    with pytest.raises(TransportError, match="timed out"):
+    with pytest.raises(TransportError, match="Timed out"):
         b.irecv(0, np.zeros(4), K).wait(time.monotonic() + 0.05)
 
 

@@ -489,6 +489,10 @@ class ProcessGroup:
                         f" Original exception: \n{exc}"
                     ) from exc
                 return
+            if millis <= 0 < ch.size - 1:  # no time to wait for anyone: gloo's words
+                raise DistBackendError(
+                    f"Rank 0 timed out in monitoredBarrier after {millis} ms.\n"
+                    "No ranks successfully processed in monitoredBarrier.")
             pending = [(peer, ch.irecv(peer, np.empty(0, np.uint8))) for peer in range(1, ch.size)]
             missing = []
             for peer, req in pending:

@@ -120,7 +120,7 @@ class Work:
         if seconds is not None and seconds <= 0:
             seconds = None
         if not self._event.wait(seconds):
-            raise DistTimeoutError(f"{self.op}: Work.wait timed out after {seconds} s")
+            raise DistTimeoutError(f"{self.op}: Timed out in Work.wait after {seconds} s")
         if self._exc is not None:
             raise self._exc
         return True

@@ -288,6 +288,12 @@ class DistcommProcessGroup(tdist.ProcessGroup):
             return self._completed(done, opts)
         return self._run(lambda a: self.group.barrier(a, done), done)
 
+    def monitored_barrier(self, timeout=None, wait_all_ranks=False):
+        """``ProcessGroup.monitored_barrier`` (torch's C++ method looks for a per-device backend,
+        which this group does not register). ``torch.distributed.monitored_barrier`` itself still
+        refuses every backend but gloo by name."""
+        self.group.monitored_barrier(timeout, wait_all_ranks)
+
     # torch 2.13 names the single-tensor collectives *_single; older callers (and the C++
     # trampoline's fallbacks) use these names
     _allgather_base = all_gather_single

@@ -78,7 +78,7 @@ class _AnySource(Request):
                     break
                 for req, out in ((self._shm, self._shm_out), (self._tcp, self._tcp_out)):
                     self._withdraw(req, out)
-                raise TransportError("timed out waiting to receive from any rank", reason="timeout")
+                raise TransportError("Timed out waiting to receive from any rank", reason="timeout")
             time.sleep(0.0005)  # a rare path (ANY_SOURCE across hosts): poll both transports
         self._winner.wait()
 

@@ -138,7 +138,7 @@ class _World:
             peer = None if req.peer == ANY_SOURCE else req.peer
             what = "send to" if req.kind == "send" else "receive from"
             who = "any rank" if peer is None else f"rank {peer}"
-            req._complete(TransportError(f"timed out waiting to {what} {who}", peer=peer, reason="timeout"))
+            req._complete(TransportError(f"Timed out waiting to {what} {who}", peer=peer, reason="timeout"))
             return True
 
     def close(self, rank: int) -> None:

@@ -168,7 +168,7 @@ def connect_mesh(store, rank: int, size: int, timeout: float, host: str | None =
 def _remaining(deadline: float, what: str) -> float:
     left = deadline - time.monotonic()
     if left <= 0:
-        raise TimeoutError(f"timed out {what}")
+        raise TimeoutError(f"Timed out {what}")
     return left
 
 

@@ -158,7 +158,7 @@ def wait_request(MPI, req, deadline: float | None, status=None, closed=None) -> 
         if n & 63 == 0 or pause is not None:
             now = time.monotonic()
             if deadline is not None and now > deadline:
-                raise TransportError(f"timed out ({now - start:.1f}s into this wait)", reason="timeout")
+                raise TransportError(f"Timed out ({now - start:.1f}s into this wait)", reason="timeout")
             if closed is not None and closed():
                 raise TransportError("the transport was closed while the request was pending", reason="lost")
             if now > yield_until:

@@ -412,7 +412,7 @@ class ShmTransport(Transport):
 
         def on_timeout() -> TransportError:
             return TransportError(
-                f"timed out waiting for rank {g} to open its shared memory for group {gid} (it has not "
+                f"Timed out waiting for rank {g} to open its shared memory for group {gid} (it has not "
                 "reached this group's first collective)",
                 peer=g,
                 reason="timeout",
@@ -541,7 +541,7 @@ class ShmTransport(Transport):
             peer = None if req.peer == ANY_SOURCE else req.peer
             who = "any rank" if peer is None else f"rank {peer}"
             what = "send to" if req.kind == "send" else "receive from"
-            err = TransportError(f"timed out waiting to {what} {who}", peer=peer, reason="timeout")
+            err = TransportError(f"Timed out waiting to {what} {who}", peer=peer, reason="timeout")
             self._withdraw(req)
             self._fail(req, err)
             return err

@@ -703,7 +703,7 @@ class GroupShm:
             q = laggard()
             what = "post its data" if counter == POSTED else "finish reading earlier data"
             return TransportError(
-                f"timed out waiting for rank {self.ranks[q]} to {what} (round {value})",
+                f"Timed out waiting for rank {self.ranks[q]} to {what} (round {value})",
                 peer=self.ranks[q],
                 reason="timeout",
             )
@@ -722,7 +722,7 @@ class GroupShm:
         def on_timeout() -> TransportError:
             q = next((q for q in peers if not buf[_OPENED_AT + q]), peers[0])
             return TransportError(
-                f"timed out waiting for rank {self.ranks[q]} to map this group's shared memory",
+                f"Timed out waiting for rank {self.ranks[q]} to map this group's shared memory",
                 peer=self.ranks[q],
                 reason="timeout",
             )

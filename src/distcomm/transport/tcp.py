@@ -523,7 +523,7 @@ class TcpTransport(Transport):
             return
         who = "any rank" if req.peer == ANY_SOURCE else f"rank {req.peer}"
         self._finish(req, TransportError(
-            f"rank {self.rank} timed out waiting to {what} {who} ({describe_key(req.key)}); the request was "
+            f"Timed out on rank {self.rank} waiting to {what} {who} ({describe_key(req.key)}); the request was "
             "withdrawn", peer=None if req.peer == ANY_SOURCE else req.peer, reason="timeout"))
 
     # -- the event loop --------------------------------------------------------------------------
