@@ -19,3 +19,17 @@ def seg_dir():
     leftovers = os.listdir(path)
     shutil.rmtree(path, ignore_errors=True)
     assert leftovers == [], f"segments left behind: {leftovers}"
+
+
+# Files that take minutes on one worker: started first, so that the other worker takes the rest of
+# the suite meanwhile and both finish together (the suite's files go to the workers in collection
+# order, and these sort near the end).
+LONGEST_FIRST = ("test_torch_suite_gloo.py", "test_torch_suite_mpi.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item) -> int:
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: every file keeps its own order
