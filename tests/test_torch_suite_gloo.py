@@ -2,7 +2,7 @@
 
 The suite sees backend "gloo" and runs what torch runs for gloo, and every group the tests make is
 a "distcomm" group, at world size 3. Everything passes except the tests below, each for the reason
-given. (tests/test_torch_suite_mpi.py runs MPI's tests: the suite runs all_to_all and its subgroup
+given; a part of the tests again on distcomm's TCP engine. (tests/test_torch_suite_mpi.py runs MPI's tests: the suite runs all_to_all and its subgroup
 tests only for MPI below 8 ranks.)
 """
 
@@ -50,3 +50,20 @@ def test_gloos_tests_pass_over_distcomm_at_three_ranks(tmp_path, seg_dir):
                  "test_batch_isend_irecv_gloo", "test_send_recv_any_source", "test_sparse_all_reduce_sum",
                  "test_monitored_barrier_gloo_rank_0_timeout"):
         assert outcomes.get(name) == "passed", f"{name}: {outcomes.get(name)}"
+
+
+# collectives, coalesced and sparse all_reduce, p2p and DDP: the tests gloo's engine most depends on
+TCP_SUBSET = ("test_all_reduce_sum", "test_all_reduce_coalesced_sum", "test_sparse_all_reduce_sum", "test_all_gather",
+              "test_broadcast", "test_reduce_sum", "test_gather", "test_scatter", "test_barrier", "test_send_recv",
+              "test_batch_isend_irecv_gloo", "test_DistributedDataParallelCPU")
+
+
+def test_gloos_tests_pass_on_the_tcp_engine(tmp_path, seg_dir):
+    """The same tests on distcomm's TCP engine (the one between hosts), chosen through
+    init_process_group's ``pg_options``: a part of them, to keep the suite short."""
+    patterns = [arg for name in TCP_SUBSET for arg in ("-k", name)]
+    outcomes = run(tmp_path, seg_dir, "--as", "gloo", "--engine", "tcp", "--world", "3", *patterns, timeout=600)
+    failed = {name: o for name, o in outcomes.items() if o.startswith("failed")}
+    assert not failed, failed
+    passed = {name for name, o in outcomes.items() if o == "passed"}
+    assert len(passed) >= 40 and set(TCP_SUBSET) <= passed, sorted(set(TCP_SUBSET) - passed)

@@ -45,6 +45,9 @@ def _parse(argv):
     parser.add_argument("--as", dest="name", choices=("gloo", "mpi", "distcomm"), default="gloo",
                         help="the backend name the suite sees (default: gloo's tests, run over distcomm)")
     parser.add_argument("--reference", action="store_true", help="run torch's gloo itself (with --as gloo)")
+    parser.add_argument("--engine", choices=("gloo", "shm", "tcp"),
+                        help="the distcomm engine of every group (default: distcomm's default, \"gloo\": shared "
+                             "memory within a host, TCP between hosts)")
     parser.add_argument("--world", type=int, default=2, help="processes per test (default 2)")
     parser.add_argument("--timeout", type=int, default=120, help="seconds before a test's processes are killed")
     parser.add_argument("-k", dest="patterns", action="append", default=[],
@@ -53,15 +56,26 @@ def _parse(argv):
     return parser.parse_args(argv)
 
 
-def _distcomm_instead_of(name: str, fn):
-    """``fn`` (init_process_group or new_group) with backend ``name`` replaced by "distcomm"."""
+class _EngineOption:
+    """init_process_group's ``pg_options`` for "distcomm": which distcomm engine runs the group."""
+
+    def __init__(self, engine: str):
+        self.engine = engine
+
+
+def _distcomm_instead_of(name: str, engine: str | None, fn):
+    """``fn`` (init_process_group or new_group) with backend ``name`` replaced by "distcomm", on
+    ``engine`` (None: the default)."""
     signature = inspect.signature(fn)
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
         bound = signature.bind_partial(*args, **kwargs)
-        if str(bound.arguments.get("backend", "")).lower() == name:
-            bound.arguments["backend"] = "distcomm"
+        backend = str(bound.arguments.get("backend", "")).lower()
+        if backend == name:
+            bound.arguments["backend"] = backend = "distcomm"
+        if engine is not None and (backend == "distcomm" or (fn.__name__ == "new_group" and not backend)):
+            bound.arguments["pg_options"] = _EngineOption(engine)
         return fn(*bound.args, **bound.kwargs)
 
     return wrapped
@@ -81,9 +95,9 @@ def _load_suite(args):
     if args.name == "distcomm":
         for feature in ("plugin", "ddp", "subgroup"):
             DistTestCases.backend_feature[feature].add("distcomm")
-    elif not args.reference:
-        dist.init_process_group = _distcomm_instead_of(args.name, dist.init_process_group)
-        dist.new_group = _distcomm_instead_of(args.name, dist.new_group)
+    if not args.reference:
+        dist.init_process_group = _distcomm_instead_of(args.name, args.engine, dist.init_process_group)
+        dist.new_group = _distcomm_instead_of(args.name, args.engine, dist.new_group)
     from torch.testing._internal.distributed.distributed_test import DistributedTest, TestDistBackend
 
     fork = torch.multiprocessing.get_context("fork").Process
@@ -161,7 +175,7 @@ def main(argv=None) -> int:
     result = runner.run(suite)
     outcomes = result.outcomes
     counts = {kind: sum(o.startswith(kind) for o in outcomes.values()) for kind in ("passed", "failed", "skipped")}
-    mode = "gloo itself" if args.reference else f"as {args.name}"
+    mode = "gloo itself" if args.reference else f"as {args.name}" + (f", engine {args.engine}" if args.engine else "")
     print(f"torch's DistributedTest ({mode}, world {args.world}): {counts['passed']} passed, "
           f"{counts['failed']} failed, {counts['skipped']} skipped in {time.monotonic() - start:.0f} s")
     for name, outcome in sorted(outcomes.items()):
