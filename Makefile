@@ -11,11 +11,13 @@ demo:
 	$(PYTHON) -m distcomm.demo
 
 # Two workers (pytest-xdist), a test file each at a time: much of the suite waits (timeouts it
-# provokes, processes starting), and the other worker uses that time.
+# provokes, processes starting), and the other worker uses that time. Files go to the workers in
+# collection order (--no-loadscope-reorder: not by test count), which tests/conftest.py starts with
+# the files that take minutes.
 PYTEST_WORKERS ?= 2
 
 test: install
-	$(PYTHON) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile tests
+	$(PYTHON) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 # The fast tier: every test not marked slow (a representative case of every collective, engine and
 # feature), under a minute on 2 cores; `make test` runs the whole suite.

@@ -22,8 +22,8 @@ def seg_dir():
 
 
 # Files that take minutes on one worker: started first, so that the other worker takes the rest of
-# the suite meanwhile and both finish together (the suite's files go to the workers in collection
-# order, and these sort near the end).
+# the suite meanwhile and both finish together (`make test` gives files to the workers in collection
+# order, --no-loadscope-reorder; these would sort near the end).
 LONGEST_FIRST = ("test_torch_suite_gloo.py", "test_torch_suite_mpi.py")
 
 
