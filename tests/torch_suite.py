@@ -6,24 +6,27 @@ DDP, SyncBatchNorm, Join, ...), shipped in torch's wheel. Each test starts ``--w
 that rendezvous through a FileStore and call ``init_process_group(backend=BACKEND)``.
 
 Which tests run depends on the backend name the suite sees (``BACKEND``): most are gated on
-``BACKEND == "gloo"`` (or "nccl"). So there are three ways to run it:
+``BACKEND == "gloo"`` (or "nccl", or "mpi"). So it runs in these ways:
 
 * ``--as gloo`` (the default): the suite sees BACKEND "gloo" and runs gloo's tests, and every
   process group they create with backend "gloo" is created with "distcomm" instead (this script
   wraps torch.distributed's ``init_process_group`` and ``new_group`` in the test processes). The
   tests then check distcomm's answers with gloo's expectations.
+* ``--as mpi``: MPI's tests the same way (below 8 ranks the suite runs all_to_all and its subgroup
+  tests only for MPI).
 * ``--as distcomm``: the suite sees BACKEND "distcomm", registered as a plugin backend with DDP and
   subgroup support (``DistTestCases.backend_feature``), and runs what it runs for such a backend.
 * ``--reference``: torch's gloo itself, unchanged, for comparison.
 
-Processes are forked (torch's harness spawns them: a fresh interpreter importing torch per rank and
-test costs ~4 s, forking ~0.1 s). Outcomes go to ``--json`` as {test name: "passed" | "failed:
-<the error raised>" | "skipped: <reason>"}; tests/test_torch_suite_gloo.py and
-tests/test_torch_suite_mpi.py compare them with the failures they expect. A test whose processes hang is killed after ``--timeout`` seconds (torch's
-harness does it) and counts as failed.
+``--engine`` runs every distcomm group on that engine (``pg_options`` of init_process_group and
+new_group). Processes are forked (torch's harness spawns them: a fresh interpreter importing torch
+per rank and test costs ~4 s, forking ~0.1 s). Outcomes go to ``--json`` as {test name: "passed" |
+"failed: <the error raised>" | "skipped: <reason>"}; tests/test_torch_suite_gloo.py and
+tests/test_torch_suite_mpi.py compare them with the failures they expect. A test whose processes
+hang is killed after ``--timeout`` seconds (torch's harness does it) and counts as failed.
 
     python tests/torch_suite.py --world 3 --json /tmp/outcomes.json
-    python tests/torch_suite.py --as distcomm -k test_all_reduce
+    python tests/torch_suite.py --as mpi --engine tcp -k test_all_to_all
 """
 
 from __future__ import annotations
@@ -147,19 +150,30 @@ class _Outcomes(unittest.TextTestResult):
 def run(tmp_path, seg_dir: str, *args: str, timeout: float) -> dict[str, str]:
     """For the tests: this script in a subprocess with ``args``, ranks' segments in ``seg_dir``;
     returns {test: outcome}. A run past ``timeout`` seconds fails the calling test."""
+    import signal
     import subprocess
 
     import pytest
 
     out = tmp_path / "outcomes.json"
     env = dict(os.environ, DISTCOMM_SHM_DIR=seg_dir, PYTORCH_PRINT_REPRO_ON_FAILURE="0")
+    # its own session: past the deadline the script and every rank it forked go at once
+    proc = subprocess.Popen([sys.executable, __file__, "--json", str(out), *args], env=env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        proc = subprocess.run([sys.executable, __file__, "--json", str(out), *args], env=env, cwd=tmp_path,
-                              capture_output=True, text=True, timeout=timeout, start_new_session=True)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"torch's suite ran past {timeout} s; its output so far:\n{exc.stdout}\n{exc.stderr}")
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"torch's suite ran past {timeout} s; its output:\n{stdout}\n{stderr[-5000:]}")
+    try:  # torch's harness joins every rank it starts: nothing of the session may be left
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    else:
+        pytest.fail("torch's suite left processes behind (killed now)")
     if not out.exists():
-        pytest.fail(f"the suite wrote no outcomes (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr[-5000:]}")
+        pytest.fail(f"the suite wrote no outcomes (exit {proc.returncode}):\n{stdout}\n{stderr[-5000:]}")
     return json.loads(out.read_text())
 
 
