@@ -1,9 +1,9 @@
 """Unit tests of the shared-memory engine's parts, in one process (no world needed).
 
-Rings (wrap-around, partial pushes, discards, record headers), segments (mode 0600, unpredictable
-names, unlink on close / garbage collection, the launcher's cleanup hook), doorbells and futex
-waits, the waiting policy's deadline and health checks, peer health through pidfds, host ids,
-and single-copy reads. Multi-process behaviour is in the other test_shm_* files.
+Rings (wrap-around, partial pushes, discards, record headers), segments (mode 0600, unnamed or
+unpredictably named, let go of on close, garbage collection or any death, the launcher's cleanup
+hook), doorbells and futex waits, the waiting policy's deadline and health checks, peer health
+through pidfds, host ids, and single-copy reads. Multi-process behaviour is in the other test_shm_* files.
 """
 
 from __future__ import annotations
@@ -88,8 +88,27 @@ def test_record_round_trip():
 
 
 # -- segments -------------------------------------------------------------------------------------
-def test_segment_is_private_and_unpredictable(shm_dir):
-    a, b = Segment.create(8192), Segment.create(8192)
+def test_segment_is_private_and_never_named(shm_dir):
+    a = Segment.create(8192)
+    try:
+        assert os.listdir(shm_dir) == []  # nothing to leave behind, even now
+        assert stat.S_IMODE(os.stat(a.path).st_mode) == 0o600
+        assert a.name.startswith(f"distcomm@{os.getpid()}.")
+        code = ("import sys; from distcomm.transport.shm_segment import Segment; "
+                "s = Segment.open(sys.argv[1]); s.buf[:4] = [1, 2, 3, 4]; s.close()")
+        subprocess.run([sys.executable, "-c", code, a.name], check=True, timeout=60,
+                       env={**os.environ, "DISTCOMM_SHM_DIR": str(shm_dir)})
+        assert list(a.buf[:4]) == [1, 2, 3, 4]  # another process wrote the same memory
+        a.unlink()
+        with pytest.raises(FileNotFoundError):
+            Segment.open(a.name)  # once let go of, nobody can open it
+        a.buf[4] = 5  # and the mapping lives on
+    finally:
+        a.close()
+
+
+def test_named_segment_is_private_and_unpredictable(shm_dir):
+    a, b = Segment.create(8192, anonymous=False), Segment.create(8192, anonymous=False)
     try:
         for seg in (a, b):
             st = os.stat(seg.path)
@@ -107,8 +126,9 @@ def test_segment_is_private_and_unpredictable(shm_dir):
     assert os.listdir(shm_dir) == []
 
 
-def test_segment_open_refuses_foreign_modes(shm_dir):
-    seg = Segment.create(4096)
+@pytest.mark.parametrize("anonymous", [True, False])
+def test_segment_open_refuses_foreign_modes(shm_dir, anonymous):
+    seg = Segment.create(4096, anonymous=anonymous)
     try:
         os.chmod(seg.path, 0o644)
         with pytest.raises(PermissionError, match="not a private segment"):
@@ -119,32 +139,58 @@ def test_segment_open_refuses_foreign_modes(shm_dir):
         seg.close()
 
 
-def test_segment_unlinked_by_unlink_close_and_gc(shm_dir):
+def test_segment_open_refuses_another_file_at_the_same_descriptor(shm_dir):
     seg = Segment.create(4096)
-    seg.unlink()
-    assert os.listdir(shm_dir) == []
-    seg.buf[0] = 1  # still mapped
-    seg.close()
-    seg = Segment.create(4096)
-    del seg
-    gc.collect()
-    assert os.listdir(shm_dir) == []
+    try:
+        pid, fd, inode = seg.name.removeprefix("distcomm@").split(".")
+        with pytest.raises(FileNotFoundError, match="no longer holds"):
+            Segment.open(f"distcomm@{pid}.{fd}.{int(inode) + 1}")  # a recycled descriptor
+    finally:
+        seg.close()
 
 
-def test_segment_unlinked_at_interpreter_exit(shm_dir):
-    code = "from distcomm.transport.shm_segment import Segment; s = Segment.create(4096); print(s.name)"
+def test_segment_let_go_of_by_unlink_close_and_gc(shm_dir):
+    for anonymous in (True, False):
+        seg = Segment.create(4096, anonymous=anonymous)
+        seg.unlink()
+        assert not os.path.exists(seg.path) and os.listdir(shm_dir) == []
+        seg.buf[0] = 1  # still mapped
+        seg.close()
+        seg = Segment.create(4096, anonymous=anonymous)
+        path = seg.path
+        del seg
+        gc.collect()
+        assert not os.path.exists(path) and os.listdir(shm_dir) == []
+
+
+def test_named_segment_unlinked_at_interpreter_exit(shm_dir):
+    code = ("from distcomm.transport.shm_segment import Segment; "
+            "s = Segment.create(4096, anonymous=False); print(s.name)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "DISTCOMM_SHM_DIR": str(shm_dir)})
     assert out.stdout.strip().startswith("distcomm-")
     assert os.listdir(shm_dir) == []
 
 
+@pytest.mark.parametrize("death", ["SIGKILL", "SIGTERM", "os._exit"])
+def test_nothing_left_by_a_process_that_dies_holding_a_segment(shm_dir, death):
+    """Deaths that run no finalizer (torch's test harness SIGTERMs the ranks left when one fails;
+    multiprocessing's forked children end in os._exit) leave nothing in the directory."""
+    end = "os._exit(0)" if death == "os._exit" else f"os.kill(os.getpid(), signal.{death})"
+    code = ("import os, signal; from distcomm.transport.shm_segment import Segment; "
+            f"s = Segment.create(1 << 20); assert os.listdir({str(shm_dir)!r}) == []; {end}")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "DISTCOMM_SHM_DIR": str(shm_dir)})
+    assert proc.returncode in (0, -9, -15), proc.stderr
+    assert os.listdir(shm_dir) == []
+
+
 def test_cleanup_hook_removes_a_runs_segments(shm_dir, monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job/42")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
-    seg = Segment.create(4096)
+    seg = Segment.create(4096, anonymous=False)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "other")
-    other = Segment.create(4096)
+    other = Segment.create(4096, anonymous=False)
     assert seg.name.startswith("distcomm-job_42-3-")
     shm_segment.cleanup("job/42", 2)  # another attempt: untouched
     assert len(os.listdir(shm_dir)) == 2

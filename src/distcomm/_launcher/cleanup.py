@@ -3,12 +3,14 @@
 The launcher calls ``run_cleanup_hooks(run_id, attempt)`` after every round's workers have exited
 or been killed: on success, on failure, before a restart, and when the launcher itself is
 signalled (SIGINT/SIGTERM/SIGHUP/SIGQUIT). Workers killed by SIGKILL cannot unlink their own
-shared-memory segments; this is where the launcher does it for them.
+shared-memory segments; this is where the launcher does it for them. (The shared-memory
+transport's segments are unnamed files where the filesystem allows, which no death leaves behind;
+the hook is for the named ones of filesystems without ``O_TMPFILE``.)
 
 The shared-memory transport's hook is ``distcomm.transport.shm_segment:cleanup`` (listed in
 ``HOOK_SPECS``). The contract it follows:
 
-- every segment is named so that the run can be recognised: ``distcomm-<run_id>-<attempt>-...``
+- every named segment is named so that the run can be recognised: ``distcomm-<run_id>-<attempt>-...``
   (each worker finds the run id in TORCHELASTIC_RUN_ID and the attempt in
   TORCHELASTIC_RESTART_COUNT);
 - ``cleanup(run_id: str, attempt: int) -> None`` unlinks the segments of that run and attempt.

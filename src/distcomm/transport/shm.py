@@ -19,8 +19,9 @@ Collectives do not use the rings: the shared-memory engine (backends/shm/) reduc
 straight through per-group segments (shm_group.GroupShm), created at a group's first collective.
 
 Setup goes through the store: each rank publishes its segment's name, pid and address, maps its
-peers', tests single-copy reads, and waits until all have mapped its segment; then it unlinks the
-name, so nothing is left in /dev/shm even if the process is killed later (see shm_segment).
+peers', tests single-copy reads, and waits until all have mapped its segment; then it lets go of the
+name. Segments are unnamed files (shm_segment), so nothing is ever left in /dev/shm, whenever and
+however a process dies.
 
 A peer is lost when its process has exited (pidfd) or its transport is closed (its closed flag);
 waiters notice within ~0.1 s and fail with reason "lost" naming it.
@@ -164,7 +165,7 @@ class ShmTransport(Transport):
     @classmethod
     def connect(cls, store, rank: int, size: int, timeout: float, local: list[int] | None = None,
                 tuning: Tuning = DEFAULT) -> "ShmTransport":
-        """Create this rank's segment, map every local peer's, and unlink ours once all have it.
+        """Create this rank's segment, map every local peer's, and let go of ours once all have it.
 
         ``local`` lists the global ranks on this host (default: all ``size`` ranks); ``tuning``
         gives the ring size, the wait policy, the group slots and whether to read peers directly.
@@ -328,7 +329,7 @@ class ShmTransport(Transport):
 
     def release_group(self, gid: int) -> None:
         """Let go of group ``gid``'s shared memory (destroy_process_group of that group). Peers keep
-        their own mappings of our segment until they release the group too; the names were unlinked
+        their own mappings of our segment until they release the group too; the names were let go of
         at setup, so the memory goes when the last member has let go."""
         with self._groups_lock:
             ctx = self._groups.pop(gid, None)

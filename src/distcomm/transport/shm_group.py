@@ -711,8 +711,8 @@ class GroupShm:
         self.transport.wait_for(ready, ch.deadline, globals_, on_timeout, arm, polled)
 
     def unlink_when_mapped(self, deadline: float | None) -> None:
-        """Wait until every member has mapped our segment, then unlink its name (setup's last step:
-        from here on nothing of this group is left in /dev/shm, even if the process is killed)."""
+        """Wait until every member has mapped our segment, then let go of its name (setup's last
+        step: from here on no process can open it; the memory goes with the last mapping)."""
         buf = self.segments[self.rank].buf
         peers = self._peers
 

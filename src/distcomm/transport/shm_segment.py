@@ -1,22 +1,25 @@
-"""Shared-memory segments: files in /dev/shm, private to the user, named unpredictably, never left behind.
+"""Shared-memory segments: files on /dev/shm's tmpfs, private to the user, never left behind.
 
 Why files opened by hand instead of ``multiprocessing.shared_memory``: that module registers every
 segment with the resource tracker, which warns and double-unlinks when another process unlinks it;
-and it cannot create a segment with mode 0600 atomically. Here a segment is ``os.open(O_CREAT |
-O_EXCL | O_NOFOLLOW, 0o600)`` + ``ftruncate`` + ``posix_fallocate`` + ``mmap``.
+and it cannot create a segment with mode 0600 atomically. Here a segment is an ``O_TMPFILE`` file
+(mode 0600) + ``ftruncate`` + ``posix_fallocate`` + ``mmap``.
+
+Never named. An ``O_TMPFILE`` file has no name in /dev/shm at any moment: it lives while some
+process holds it open or mapped, so no death (SIGKILL, SIGTERM from a launcher or a test harness,
+``os._exit`` in a forked child, which runs no finalizer) can leave it behind. Peers on the host
+open it through the creator's descriptor, ``/proc/<pid>/fd/<fd>`` (same user, same pid namespace:
+the host id guarantees both), and check its owner, mode and inode. The creator closes that
+descriptor once every peer has mapped the segment (``unlink()``); from then on nothing more can
+open it, and the memory goes with the last mapping. A filesystem without ``O_TMPFILE`` gets a
+named file instead (``distcomm-<run>-<attempt>-<token>``), unlinked by ``unlink()``, ``close()``,
+a ``weakref.finalize`` and, for killed workers, the launcher's cleanup hook, which finds a run's
+names by their prefix.
 
 Reserved at creation. ``ftruncate`` alone makes a sparse file: its pages are allocated when first
 touched, and on a full tmpfs (Docker's default 64 MiB /dev/shm) that touch kills the process with
 SIGBUS, far from any Python code. ``posix_fallocate`` allocates every page now, so a full directory
 is an error at creation that says how much was needed, where, and what to do.
-
-Lifetime. The creator unlinks its segment as soon as every peer has mapped it (the mapping keeps
-the memory alive, the name is no longer needed), so a segment normally exists in /dev/shm only for
-the few milliseconds of connection setup. Until then it is unlinked by ``Segment.close()``
-(transport close / destroy_process_group), by a ``weakref.finalize`` (garbage collection and
-interpreter exit), and, for a SIGKILLed worker, by the launcher's cleanup hook: names carry the
-launcher's run id and attempt (``distcomm-<run>-<attempt>-<token>``) so ``cleanup(run_id,
-attempt)`` can find them.
 """
 
 from __future__ import annotations
@@ -87,33 +90,71 @@ def _reserve(fd: int, nbytes: int, directory: str) -> None:
                 "point DISTCOMM_SHM_DIR at a bigger tmpfs, or use backend=\"tcp\"", reason="error") from None
 
 
-class Segment:
-    """One mapped shared-memory file. ``buf`` is the whole mapping as uint8; ``owner`` created it."""
+# A segment that has no name is handed to peers as ``distcomm@<pid>.<fd>.<inode>``: where its creator
+# holds it open, and which file it must be (a recycled pid or descriptor cannot pass for it).
+_ANONYMOUS = re.compile(r"distcomm@(\d+)\.(\d+)\.(\d+)")
 
-    def __init__(self, name: str, mm: mmap.mmap, owner: bool):
+
+def _create_anonymous(directory: str) -> int | None:
+    """An unnamed file in ``directory`` (O_TMPFILE), or None where the filesystem cannot make one."""
+    flag = getattr(os, "O_TMPFILE", 0)
+    if not flag:
+        return None
+    try:
+        return os.open(directory, flag | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            return None
+        raise
+
+
+def _create_named(directory: str) -> tuple[int, str]:
+    while True:
+        name = f"{PREFIX}{_run_tag()}{secrets.token_hex(16)}"
+        try:
+            fd = os.open(os.path.join(directory, name),
+                         os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except FileExistsError:
+            continue
+        return fd, name
+
+
+class Segment:
+    """One mapped shared-memory file. ``buf`` is the whole mapping as uint8; ``owner`` created it;
+    ``name`` is what a peer gives ``Segment.open`` (until the owner calls ``unlink()``)."""
+
+    def __init__(self, name: str, path: str, mm: mmap.mmap, owner: bool, fd: int | None = None):
         self.name = name
-        self.path = os.path.join(shm_dir(), name)
+        self.path = path
         self.size = len(mm)
         self._mm = mm
         self.buf = np.frombuffer(mm, dtype=np.uint8)
         self.owner = owner
         self.address = self.buf.ctypes.data  # where it is mapped in this process
-        self._finalizer = weakref.finalize(self, _unlink, self.path) if owner else None
+        # The owner's way of letting go of the name: close the descriptor peers open it through, or
+        # unlink the named file. Also run at garbage collection and interpreter exit.
+        if not owner:
+            self._finalizer = None
+        elif fd is not None:
+            self._finalizer = weakref.finalize(self, os.close, fd)
+        else:
+            self._finalizer = weakref.finalize(self, _unlink, path)
 
     @classmethod
-    def create(cls, nbytes: int) -> "Segment":
-        """A new zero-filled segment of ``nbytes`` (mode 0600, a fresh random name)."""
+    def create(cls, nbytes: int, anonymous: bool = True) -> "Segment":
+        """A new zero-filled segment of ``nbytes``, mode 0600: unnamed where the filesystem allows
+        (see the module docstring), else, or with ``anonymous=False``, a file with a fresh random name."""
         directory = shm_dir()
         if not os.path.isdir(directory):
             raise OSError(f"shared memory needs {directory} (a tmpfs); it does not exist here")
-        while True:
-            name = f"{PREFIX}{_run_tag()}{secrets.token_hex(16)}"
+        fd = _create_anonymous(directory) if anonymous else None
+        named = fd is None
+        if named:
+            fd, name = _create_named(directory)
             path = os.path.join(directory, name)
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            except FileExistsError:
-                continue
-            break
+        else:
+            name = f"distcomm@{os.getpid()}.{fd}.{os.fstat(fd).st_ino}"
+            path = f"/proc/{os.getpid()}/fd/{fd}"
         try:
             os.fchmod(fd, 0o600)  # O_CREAT's mode is already 0600 minus the umask; make it exact
             os.ftruncate(fd, nbytes)
@@ -121,35 +162,45 @@ class Segment:
             mm = mmap.mmap(fd, nbytes)
         except BaseException:
             os.close(fd)
-            _unlink(path)
+            if named:
+                _unlink(path)
             raise
-        os.close(fd)
+        if named:
+            os.close(fd)  # the name is how peers open it
         try:
-            return cls(name, mm, owner=True)
+            return cls(name, path, mm, owner=True, fd=None if named else fd)
         except BaseException:
-            _unlink(path)
+            _unlink(path) if named else os.close(fd)
             raise
 
     @classmethod
     def open(cls, name: str) -> "Segment":
         """Map a peer's segment; refuse one that is not ours or that others may read."""
-        if os.sep in name or not name.startswith(PREFIX):
+        anonymous = _ANONYMOUS.fullmatch(name)
+        if anonymous:
+            pid, fd, inode = (int(x) for x in anonymous.groups())
+            path = f"/proc/{pid}/fd/{fd}"
+        elif os.sep in name or not name.startswith(PREFIX):
             raise ValueError(f"not a distcomm segment name: {name!r}")
-        path = os.path.join(shm_dir(), name)
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        else:
+            path = os.path.join(shm_dir(), name)
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | (0 if anonymous else os.O_NOFOLLOW))
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
                 raise PermissionError(f"{path} is not a private segment of this user (mode {st.st_mode:o})")
+            if anonymous and st.st_ino != inode:
+                raise FileNotFoundError(f"{name}: the process no longer holds that segment at {path}")
             mm = mmap.mmap(fd, st.st_size)
         finally:
             os.close(fd)
-        return cls(name, mm, owner=False)
+        return cls(name, path, mm, owner=False)
 
     def unlink(self) -> None:
-        """Remove the name (the memory lives on while mapped). Only the creator does this."""
+        """Let go of the name (the memory lives on while mapped): no peer can open the segment from
+        now on. Only the creator does this."""
         if self._finalizer is not None:
-            self._finalizer()  # runs _unlink once and detaches
+            self._finalizer()  # runs once and detaches
 
     def close(self) -> None:
         """Unlink (if ours) and unmap when no array still points into the mapping."""
