@@ -17,7 +17,7 @@ pytest.importorskip("torch.distributed")
 
 
 @pytest.mark.slow
-def test_store_bench_measures_every_row_including_distcomm_server_behind_torch_clients():
+def test_store_bench_measures_every_row_including_each_server_behind_the_others_clients():
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     done = subprocess.run(
         [sys.executable, "-m", "distcomm.bench", "store", "--iters", "20", "--workers", "3", "--adds", "30",
@@ -26,7 +26,7 @@ def test_store_bench_measures_every_row_including_distcomm_server_behind_torch_c
     )
     assert done.returncode == 0, done.stderr[-2000:]
     results = json.loads(done.stdout)
-    assert set(results) == {"distcomm", "distcomm-tcp", "distcomm-server", "torch"}
+    assert set(results) == {"distcomm", "distcomm-tcp", "distcomm-server", "torch-server", "torch"}
     for impl, row in results.items():
         assert row["adds_per_s"] > 0, impl
         assert row["client"]["p50_us"] > 0 and row["master"]["p50_us"] > 0, impl

@@ -35,13 +35,19 @@ from datetime import timedelta
 # distcomm-server: distcomm's server with torch's C++ clients (it speaks their protocol,
 # torch_wire.py): on a machine with few CPUs the 32 client processes' CPU caps the add() rate as
 # much as the server's, so this row compares the two servers behind the same clients.
-IMPLEMENTATIONS = ("distcomm", "distcomm-tcp", "distcomm-server", "torch")
+# torch-server: the other way round, torch's C++ server behind distcomm's clients (they speak its
+# protocol, torch_client.py): with the row above it tells which side of distcomm's caps the rate.
+IMPLEMENTATIONS = ("distcomm", "distcomm-tcp", "distcomm-server", "torch-server", "torch")
 _NO_LOCAL_SOCKET = {"DISTCOMM_STORE_LOCAL_SOCKET": "0"}
 _TIMEOUT = timedelta(seconds=120)
 
 
+def _server_library(impl: str) -> str:
+    return "torch" if impl in ("torch", "torch-server") else "distcomm"
+
+
 def _tcp_store(impl: str, port: int, is_master: bool):
-    if impl == "torch" or (impl == "distcomm-server" and not is_master):
+    if impl == "torch" or (impl == "distcomm-server" and not is_master) or (impl == "torch-server" and is_master):
         import torch.distributed as backend
     else:
         import distcomm.store as backend
@@ -85,7 +91,7 @@ def serve(impl: str) -> None:
 class _Server:
     def __init__(self, impl: str):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "distcomm.bench.store", "--serve", "torch" if impl == "torch" else "distcomm"],
+            [sys.executable, "-m", "distcomm.bench.store", "--serve", _server_library(impl)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,  # torch's store logs warnings there
@@ -239,7 +245,8 @@ def format_table(results: dict, args) -> str:
     ]
     labels = {
         "distcomm": "distcomm TCPStore", "distcomm-tcp": "distcomm, TCP only",
-        "distcomm-server": "distcomm, torch clients", "torch": "torch TCPStore",
+        "distcomm-server": "distcomm, torch clients", "torch-server": "torch, distcomm clients",
+        "torch": "torch TCPStore",
     }
     for impl, r in results.items():
         lines.append(
@@ -253,7 +260,8 @@ def format_table(results: dict, args) -> str:
     lines.append("  Unix socket; 'TCP only' keeps them on loopback TCP, as torch's are. server/client CPU: CPU time")
     lines.append("  (user + system) per add() of the server process and of the client processes, during the add() run.")
     lines.append("  'torch clients': distcomm's server behind torch's C++ clients, through its torch-protocol translation")
-    lines.append("  (torch_wire.py); the other rows use each store's own clients.")
+    lines.append("  (torch_wire.py); 'distcomm clients': torch's C++ server behind distcomm's clients, which speak its")
+    lines.append("  protocol (torch_client.py); the other rows use each store's own clients.")
     return "\n".join(lines)
 
 
