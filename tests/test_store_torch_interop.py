@@ -516,3 +516,38 @@ def test_distcomm_run_runs_a_torch_gloo_script(tmp_path):
     code, out = _launch(launcher, tmp_path, TORCH_SCRIPT)
     assert code == 0, out[-3000:]
     assert "torch rank 0 sum 3.0" in out and "torch rank 1 sum 3.0" in out
+
+
+def _torch_then_silent(conn):
+    """Answers the client's probe as torch's servers do (it echoes the PING), then never again."""
+    from distcomm.store.tcp.torch_wire import PROBE_NONCE, PROBE_SIZE
+
+    probe = b""
+    while len(probe) < PROBE_SIZE:
+        probe += conn.recv(PROBE_SIZE - len(probe))
+    conn.sendall(PROBE_NONCE)
+    try:
+        while conn.recv(4096):
+            pass
+    except OSError:
+        pass  # the test closed it
+
+
+@pytest.mark.parametrize("request_kind", ["add", "get"])
+def test_a_torch_server_that_stops_answering_is_an_error_after_the_reply_timeout(no_key, request_kind):
+    """The client waits for a torch server's reply the store timeout plus a grace period (a get's
+    WAIT the timeout, then its CANCEL_WAIT's answer the rest), then fails naming the server."""
+    listener, held = _one_shot_server(_torch_then_silent)
+    try:
+        s = TCPStore("127.0.0.1", listener.getsockname()[1], None, False, timedelta(seconds=0.3),
+                     wait_for_workers=False)
+        start = time.monotonic()
+        with pytest.raises(DistNetworkError, match=r"torch's TCPStore server at 127\.0\.0\.1:\d+ did not answer within"):
+            s.add("k", 1) if request_kind == "add" else s.get("k")
+        assert time.monotonic() - start < 10  # not the 30 minutes of a default timeout
+        with pytest.raises(DistNetworkError, match="cannot be used any more|is closed"):
+            s.set("k", b"1")
+    finally:
+        listener.close()
+        for conn in held:
+            conn.close()

@@ -61,7 +61,8 @@ def reply_grace(timeout: float) -> float:
     return min(max(1.0, 0.1 * timeout), 30.0)
 
 
-def _timeval(seconds: float) -> bytes:
+def timeval(seconds: float) -> bytes:
+    """``seconds`` as the struct timeval that SO_RCVTIMEO and SO_SNDTIMEO take (at least 1 ms)."""
     seconds = min(max(seconds, 0.001), 1e8)
     whole = int(seconds)
     return struct.pack("ll", whole, int((seconds - whole) * 1e6))
@@ -349,7 +350,7 @@ class TCPStoreClient:
         self._next_id = 0
         self._rcvtimeo = -1.0
         self.set_timeout(timeout)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(self.reply_timeout))
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval(self.reply_timeout))
 
     def close(self) -> None:
         with self._lock:
@@ -391,8 +392,8 @@ class TCPStoreClient:
         if sock is None:
             raise DistNetworkError(f"{operation}: this TCPStore client's connection to {self.where} is closed")
         if wait != self._rcvtimeo:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(wait))
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(wait))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval(wait))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval(wait))
             self._rcvtimeo = wait
         try:
             sock.sendall(frame)

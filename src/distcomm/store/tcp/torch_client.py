@@ -25,6 +25,7 @@ import threading
 from ...errors import DistNetworkError, DistStoreError
 from .. import rules
 from . import torch_wire as wire
+from .client import timeval
 from .frames import DEFAULT_MAX_FRAME_SIZE, ProtocolError
 
 _RECV_SIZE = 1 << 16
@@ -47,7 +48,11 @@ class TorchWireClient:
         self._buffer = leftover
         self._max = max_frame_size
         self._lock = threading.Lock()
-        self._timeout_now = None
+        # Blocking mode, deadlines kept by the kernel (SO_RCVTIMEO/SO_SNDTIMEO, re-set only when they
+        # change), as TCPStoreClient does: Python's socket timeouts would cost an ioctl per change and
+        # a failed recv plus a poll() per reply.
+        sock.settimeout(None)
+        self._deadline = -1.0
         self.set_timeout(timeout)
 
     # -- plumbing -----------------------------------------------------------------------------------
@@ -92,20 +97,30 @@ class TorchWireClient:
             f"closes the connection on queue requests); this store cannot be used any more."
         ) from None
 
+    def _set_deadline(self, sock: socket.socket, seconds: float) -> None:
+        if seconds != self._deadline:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval(seconds))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval(seconds))
+            self._deadline = seconds
+
     def _send(self, operation: str, data: bytes) -> None:
         sock = self._socket(operation)
         try:
-            sock.settimeout(self.reply_timeout)
+            if self._deadline < 0:
+                self._set_deadline(sock, self.timeout)
             sock.sendall(data)
         except OSError as exc:
             self._broken(operation, str(exc) or type(exc).__name__)
 
     def _read(self, operation: str, shape: str, timeout: float | None = None):
-        """The reply of ``shape``; None if ``timeout`` passed first (None: the reply timeout, then an error)."""
+        """The reply of ``shape``; None if ``timeout`` passed first (None: the reply timeout, then an error).
+
+        The kernel's deadline stays at the store's timeout, which a get()'s WAIT uses too, so a get
+        sets none; a reply that has not come by then gets the rest of the reply timeout."""
         sock = self._socket(operation)
-        wait = self.reply_timeout if timeout is None else timeout
+        grace = timeout is None
         try:
-            sock.settimeout(max(wait, 0.001))
+            self._set_deadline(sock, self.timeout if grace else timeout)
             while True:
                 parsed = wire.parse_reply(shape, self._buffer, self._max)
                 if parsed is not None:
@@ -114,12 +129,20 @@ class TorchWireClient:
                     return value
                 try:
                     data = sock.recv(_RECV_SIZE)
-                except socket.timeout:
+                except BlockingIOError:  # SO_RCVTIMEO: no byte for that long
+                    if grace:
+                        grace = False
+                        self._set_deadline(sock, self.reply_timeout - self.timeout)
+                        continue
                     if timeout is not None:
                         return None
+                    # torch's replies carry no request id: a late one would answer the next request
+                    self._sock = None
+                    sock.close()
                     raise DistNetworkError(
                         f"{operation}: torch's TCPStore server at {self.where} did not answer within "
-                        f"{rules.format_seconds(wait)}; it may be hung or overloaded"
+                        f"{rules.format_seconds(self.reply_timeout)}; it may be hung or overloaded. This "
+                        f"connection is closed (a late answer could not be told from the next one's)"
                     ) from None
                 if not data:
                     raise ConnectionResetError(errno.ECONNRESET, "the server closed the connection")
