@@ -225,6 +225,33 @@ def test_torch_client_in_this_process(distcomm_master):
     assert t.num_keys() == distcomm_master.num_keys()
 
 
+def test_torch_clients_one_request_a_read_wake_waiters_and_keep_add_errors(distcomm_master):
+    """One SET, GET or ADD in a read takes the server's fast lane (handlers.TORCH_FAST_HANDLERS): a
+    distcomm client waiting on the keys wakes, and an add() on a value that is not a number still
+    ends the torch connection, as torch's servers do."""
+    t = tdist.TCPStore("127.0.0.1", distcomm_master.port, is_master=False, wait_for_workers=False, timeout=T)
+    waiter = TCPStore("127.0.0.1", distcomm_master.port, None, False, T)
+    try:
+        for key, write in (("set by torch", lambda: t.set("set by torch", b"1")),
+                           ("added by torch", lambda: t.add("added by torch", 7))):
+            woke = []
+            thread = threading.Thread(target=lambda: woke.append(waiter.wait([key], T)))
+            thread.start()
+            time.sleep(0.2)  # the wait is parked on the server
+            write()
+            thread.join(3)  # well before the wait's own timeout (T), which would answer it too
+            assert woke == [None], f"a wait for {key!r} did not wake"
+        assert t.add("added by torch", -2) == 5 and distcomm_master.get("added by torch") == b"5"
+        assert t.get("set by torch") == b"1"
+        distcomm_master.set("words", b"not a number")
+        with pytest.raises(RuntimeError):
+            t.add("words", 1)
+        fresh = tdist.TCPStore("127.0.0.1", distcomm_master.port, is_master=False, wait_for_workers=False, timeout=T)
+        assert fresh.add("added by torch", 1) == 6 and distcomm_master.get("words") == b"not a number"
+    finally:
+        waiter.close()
+
+
 TORCH_CHILD = r"""
 import json, sys, time, threading
 from datetime import timedelta

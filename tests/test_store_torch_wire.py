@@ -228,3 +228,46 @@ def test_several_replies_in_one_batch_keep_their_order():
     events = conn.receive_events(w.VALIDATE_QUERY + w.encode_add(b"/a", 1) + w.encode_num_keys())
     batch = f.encode_integer(events[1].request_id, 1) + f.encode_integer(events[2].request_id, 7)
     assert conn.reply(batch) == struct.pack("<qq", 1, 7)
+
+
+def test_a_read_that_is_one_set_get_wait_or_add_is_cut_without_events():
+    """The server's fast lane: exactly one SET, GET, WAIT (one key) or ADD, from torch's client's own bytes."""
+    conn = w.TorchServerConnection()
+    assert conn.single_query(w.encode_add(b"/c", 5)) is None  # not validated yet
+    conn.receive_events(w.VALIDATE_QUERY)
+    for call, expected in (('set("k", b"v")', (w.SET, b"k", b"v")), ('get("k") after the wait', (w.GET, b"k", None)),
+                           ('wait(["k"]) (get\'s first query)', (w.WAIT, b"k", None)), ('add("c", 5)', (w.ADD, b"c", 5))):
+        assert conn.single_query(bytes.fromhex(TORCH_CLIENT_BYTES[call])) == expected, call
+    assert conn.single_query(w.encode_add(b"/c", -(1 << 63))) == (w.ADD, b"c", -(1 << 63))
+    assert conn.single_query(w.encode_set(b"/k", b"")) == (w.SET, b"k", b"")
+
+
+@pytest.mark.parametrize("data", [
+    w.encode_add(w.INIT_KEY, 1),  # torch's wait_for_workers counter: a JOIN
+    w.encode_add(b"/c", 1) + w.encode_add(b"/c", 1),  # two queries
+    w.encode_set(b"/k", b"v")[:-1],  # a part of one
+    w.encode_get(b"/k") + b"\x00",  # one and a part of the next
+    w.encode_set(b"/k", b"vv")[:-2] + b"v",  # a value shorter than its length says
+    w.encode_compare_set(b"/k", b"v", b"w"),  # another query
+    w.encode_wait([b"/k", b"/j"]),  # a WAIT for more than one key
+    w.encode_wait([b"/k"])[:-1],
+    w.encode_wait([]),
+    b"\x02\xff\xff\xff\xff\xff\xff\xff\xff",  # a key longer than anything sent
+    b"\x04",
+])
+def test_anything_but_one_whole_set_get_wait_or_add_takes_the_usual_path(data):
+    conn = w.TorchServerConnection()
+    conn.receive_events(w.VALIDATE_QUERY)
+    assert conn.single_query(data) is None
+
+
+def test_no_single_query_while_earlier_bytes_are_buffered():
+    conn = w.TorchServerConnection()
+    conn.receive_events(w.VALIDATE_QUERY + w.encode_set(b"/k", b"v")[:5])
+    assert conn.single_query(w.encode_add(b"/c", 1)) is None  # it would be read out of order
+
+
+def test_fast_replies_are_torchs_shapes():
+    assert w.reply_integer(-3) == struct.pack("<q", -3)
+    assert w.reply_string(b"abc") == struct.pack("<Q", 3) + b"abc"
+    assert w.STOPPED_WAITING == bytes([w.STOP_WAITING])

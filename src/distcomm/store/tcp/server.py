@@ -59,7 +59,7 @@ import warnings
 from ..table import KeyTable
 from .connection import ServerConnection
 from .frames import DEFAULT_MAX_FRAME_SIZE, REQUEST_PARSERS, ProtocolError
-from .handlers import FAST_HANDLERS, HANDLERS, deadline_reply
+from .handlers import FAST_HANDLERS, HANDLERS, TORCH_FAST_HANDLERS, deadline_reply
 from .handshake import AUTH_HELLO_SIZE
 from .listeners import DEFAULT_BACKLOG, Listeners, accept_pending, raise_open_file_limit
 from .local import LocalSocket
@@ -483,12 +483,23 @@ class TCPStoreServer:
         return b""
 
     def _process_torch(self, peer: Peer, data: bytes) -> None:
-        """``_process`` for a torch client: its queries become distcomm's requests, for the same handlers."""
+        """``_process`` for a torch client: its queries become distcomm's requests, for the same handlers
+        (one SET, GET, WAIT or ADD in a read takes handlers.TORCH_FAST_HANDLERS instead)."""
         connection = peer.connection
         handlers = HANDLERS
         self._replying_to, self._replies = peer, []
         replies = self._replies
         try:
+            single = connection.single_query(data) if peer.partial_deadline is None else None
+            if single is not None:
+                query, key, rest = single
+                answer = TORCH_FAST_HANDLERS[query](self, key, rest)
+                if answer is not None:
+                    if answer:
+                        replies.append(answer)
+                    if replies:
+                        self._send(peer, replies[0] if len(replies) == 1 else b"".join(replies))
+                    return
             for event in connection.receive_events(data):
                 kind = event.__class__
                 if kind is Ping:

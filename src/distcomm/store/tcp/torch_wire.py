@@ -349,6 +349,47 @@ def server_key(key: bytes) -> bytes:
     return key[1:] if key[:1] == KEY_PREFIX else key
 
 
+def reply_integer(value: int) -> bytes:
+    """torch's reply to ADD (and the other I64 queries)."""
+    return _I64.pack(value)
+
+
+STOPPED_WAITING = _U8.pack(STOP_WAITING)  # torch's reply to a WAIT whose keys all exist
+
+
+def reply_string(value: bytes) -> bytes:
+    """torch's reply to GET."""
+    return _U64.pack(len(value)) + value
+
+
+def single_query(data: bytes):
+    """``(query, key, rest)`` if ``data`` is exactly one SET (rest: the value), GET or WAIT for one
+    key (rest: None) or ADD (rest: the amount) of an ordinary key, with the key as distcomm's
+    clients name it; None for anything else (more or fewer bytes, another query, torch's "init/"
+    counter). The server's fast lane: one query per read is what a busy client sends, and a get()
+    is a WAIT then a GET."""
+    size = len(data)
+    if size < 9:
+        return None
+    query = data[0]
+    if query == WAIT:
+        if size < 17 or _U64.unpack_from(data, 1)[0] != 1 or 17 + _U64.unpack_from(data, 9)[0] != size:
+            return None
+        return WAIT, server_key(data[17:]), None
+    if query not in (SET, GET, ADD):
+        return None
+    key_end = 9 + _U64.unpack_from(data, 1)[0]
+    if query == GET:
+        return (GET, server_key(data[9:key_end]), None) if key_end == size else None
+    if query == ADD:
+        if key_end + 8 != size or data[9:key_end] == INIT_KEY:
+            return None
+        return ADD, server_key(data[9:key_end]), _I64.unpack_from(data, key_end)[0]
+    if key_end + 8 > size or key_end + 8 + _U64.unpack_from(data, key_end)[0] != size:
+        return None
+    return SET, server_key(data[9:key_end]), data[key_end + 8 :]
+
+
 class TorchServerConnection:
     """The server's side of one connection from a torch TCPStore client, with no I/O.
 
@@ -378,6 +419,13 @@ class TorchServerConnection:
     @property
     def has_partial_data(self) -> bool:
         return bool(self._buffer) or not self.validated
+
+    def single_query(self, data: bytes):
+        """``single_query(data)`` on a validated connection holding no earlier bytes; else None.
+        The caller answers it itself (SET: nothing; GET and ADD: reply_string, reply_integer)."""
+        if not self.validated or self._buffer:
+            return None
+        return single_query(data)
 
     def receive_events(self, data: bytes) -> list:
         """Every complete query in the bytes received so far, as events; ProtocolError for bytes that
