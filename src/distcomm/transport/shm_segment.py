@@ -170,7 +170,10 @@ class Segment:
         try:
             return cls(name, path, mm, owner=True, fd=None if named else fd)
         except BaseException:
-            _unlink(path) if named else os.close(fd)
+            if named:
+                _unlink(path)
+            else:
+                os.close(fd)
             raise
 
     @classmethod
