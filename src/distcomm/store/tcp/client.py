@@ -36,7 +36,6 @@ from __future__ import annotations
 import errno
 import random
 import socket
-import struct
 import threading
 import time
 
@@ -45,6 +44,7 @@ from .. import rules
 from . import frames, handshake, torch_wire
 from .auth import AUTH_KEY_ENV, AUTH_KEY_FILE_ENV, DistStoreAuthError
 from .connection import NEED_DATA, ClientConnection
+from .deadlines import set_deadlines, timeval
 from .listeners import local_socket_enabled
 
 _RECV_SIZE = 1 << 16
@@ -59,13 +59,6 @@ _MAX_RETRY_DELAY = 1.0
 def reply_grace(timeout: float) -> float:
     """How long past its timeout a client waits for the server's own TIMED_OUT answer."""
     return min(max(1.0, 0.1 * timeout), 30.0)
-
-
-def timeval(seconds: float) -> bytes:
-    """``seconds`` as the struct timeval that SO_RCVTIMEO and SO_SNDTIMEO take (at least 1 ms)."""
-    seconds = min(max(seconds, 0.001), 1e8)
-    whole = int(seconds)
-    return struct.pack("ll", whole, int((seconds - whole) * 1e6))
 
 
 def _address(address: tuple) -> str:
@@ -392,8 +385,7 @@ class TCPStoreClient:
         if sock is None:
             raise DistNetworkError(f"{operation}: this TCPStore client's connection to {self.where} is closed")
         if wait != self._rcvtimeo:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval(wait))
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval(wait))
+            set_deadlines(sock, wait)
             self._rcvtimeo = wait
         try:
             sock.sendall(frame)

@@ -25,7 +25,7 @@ import threading
 from ...errors import DistNetworkError, DistStoreError
 from .. import rules
 from . import torch_wire as wire
-from .client import timeval
+from .deadlines import set_deadlines
 from .frames import DEFAULT_MAX_FRAME_SIZE, ProtocolError
 
 _RECV_SIZE = 1 << 16
@@ -48,9 +48,8 @@ class TorchWireClient:
         self._buffer = leftover
         self._max = max_frame_size
         self._lock = threading.Lock()
-        # Blocking mode, deadlines kept by the kernel (SO_RCVTIMEO/SO_SNDTIMEO, re-set only when they
-        # change), as TCPStoreClient does: Python's socket timeouts would cost an ioctl per change and
-        # a failed recv plus a poll() per reply.
+        # Blocking mode, deadlines kept by the kernel (deadlines.py), re-set only when they change,
+        # as TCPStoreClient does.
         sock.settimeout(None)
         self._deadline = -1.0
         self.set_timeout(timeout)
@@ -99,8 +98,7 @@ class TorchWireClient:
 
     def _set_deadline(self, sock: socket.socket, seconds: float) -> None:
         if seconds != self._deadline:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval(seconds))
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval(seconds))
+            set_deadlines(sock, seconds)
             self._deadline = seconds
 
     def _send(self, operation: str, data: bytes) -> None:
