@@ -160,6 +160,41 @@ def test_dump_round_trips_and_needs_a_directory(tmp_path, monkeypatch):
     assert records[0]["op"] == "all_reduce" and records[0]["site"]["file"] == __file__
 
 
+def test_dumps_from_two_threads_at_once_never_make_a_broken_file(tmp_path):
+    """A rank that times out dumps from its own thread while its answer thread dumps at another
+    rank's request: each dump is written aside under a name of its own, so the file is always one
+    whole dump (one shared temporary name once left NUL bytes where a reader expected JSON)."""
+    import threading
+
+    rec = fr.FlightRecorder(512)
+    rec.rank = 1
+    for seq in range(512):
+        fr.complete(rec.record("g", seq, "all_reduce", 8, "float32", None))
+    errors = []
+
+    def dump_many():
+        try:
+            for _ in range(40):
+                rec.dump(str(tmp_path), reason="race")
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=dump_many) for _ in range(3)]
+    for t in threads:
+        t.start()
+    reads = 0
+    while any(t.is_alive() for t in threads) or reads == 0:
+        path = tmp_path / "distcomm_trace_rank_1.jsonl"
+        if path.exists():
+            header, records = fr.read_dump(str(path))
+            assert header["rank"] == 1 and len(records) == 512
+            reads += 1
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert sorted(os.listdir(tmp_path)) == ["distcomm_trace_rank_1.jsonl"]  # no temporary file left
+
+
 def _env_capacity(value: str) -> subprocess.CompletedProcess:
     code = "from distcomm import flight_recorder as fr; print(None if fr.recorder is None else fr.recorder.capacity)"
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,

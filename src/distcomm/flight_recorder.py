@@ -33,11 +33,13 @@ reads the files of every rank.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
 import socket
 import sys
+import tempfile
 import time
 from typing import Any, Iterable
 
@@ -249,12 +251,19 @@ class FlightRecorder:
         os.makedirs(directory, exist_ok=True)
         rank = self.rank if self.rank is not None else os.environ.get("RANK", os.getpid())
         path = os.path.join(directory, FILE_PATTERN.format(rank=rank))
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:  # written aside and renamed: a reader never sees half a dump
-            f.write(json.dumps(self.header(reason)) + "\n")
-            for entry in self.entries():
-                f.write(json.dumps(to_dict(entry)) + "\n")
-        os.replace(tmp, path)
+        # Written aside and renamed, so a reader never sees half a dump; aside under a name of its
+        # own, as two threads of a rank may dump at once (its own timeout, another rank's request).
+        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+        try:
+            with open(fd, "w") as f:
+                f.write(json.dumps(self.header(reason)) + "\n")
+                for entry in self.entries():
+                    f.write(json.dumps(to_dict(entry)) + "\n")
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         return path
 
 
