@@ -104,8 +104,7 @@ class TorchWireClient:
     def _send(self, operation: str, data: bytes) -> None:
         sock = self._socket(operation)
         try:
-            if self._deadline < 0:
-                self._set_deadline(sock, self.timeout)
+            self._set_deadline(sock, self.timeout)  # a system call only after a wait's own timeout or a grace
             sock.sendall(data)
         except OSError as exc:
             self._broken(operation, str(exc) or type(exc).__name__)
