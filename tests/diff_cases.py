@@ -815,9 +815,14 @@ def _kind(exc: BaseException) -> str:
 
 
 def run_cases(rank: int, ws: int, framework: str, backend: str = "gloo", only: list[str] | None = None,
-              numpy: bool = True) -> dict[str, Any]:
+              numpy: bool = True, *, between: Callable[[], Any]) -> dict[str, Any]:
     """Run every case (or those in ``only``) on this rank with ``framework``; return the outputs.
-    ``numpy=False``: no "@np" runs.
+    ``numpy=False``: no "@np" runs. ``between`` is called on every rank after every case, whatever
+    its outcome: a barrier outside both frameworks (a multiprocessing Barrier of the world's ranks,
+    or ``store_barrier``), so that neither framework's state can leave the ranks out of step. gloo's
+    own barrier could: it first waits for the calls still listed in flight and raises their error
+    instead of running, so after a failed call (BAND on a float) one rank's barrier could return
+    at once while the others waited in theirs, and every later case of torch's run timed out.
 
     On distcomm, ``results["__algos__"]`` counts the calls of each shared-memory algorithm
     (``_AlgoCounter``), so the parent can check that a forced variant ran what it claims."""
@@ -829,7 +834,7 @@ def run_cases(rank: int, ws: int, framework: str, backend: str = "gloo", only: l
     if counter is not None:
         counter.install()
     try:
-        results = _run_cases(dist, rank, ws, framework, backend, only, numpy)
+        results = _run_cases(dist, rank, ws, framework, backend, only, numpy, between)
     finally:
         if counter is not None:
             counter.remove()
@@ -839,7 +844,7 @@ def run_cases(rank: int, ws: int, framework: str, backend: str = "gloo", only: l
 
 
 def _run_cases(dist, rank: int, ws: int, framework: str, backend: str, only: list[str] | None,
-               numpy: bool) -> dict[str, Any]:
+               numpy: bool, between: Callable[[], Any]) -> dict[str, Any]:
     dist.init_process_group(backend, timeout=timedelta(seconds=TIMEOUT_S))
     results: dict[str, Any] = {}
     times: dict[str, float] = {}
@@ -864,41 +869,27 @@ def _run_cases(dist, rank: int, ws: int, framework: str, backend: str, only: lis
             times[name] = time.monotonic() - t0
             # Keep cases apart: distcomm's small sends are buffered (eager), so without this a rank
             # could run ahead and send the next case's message into this case's any-source receive
-            # (legal; gloo's sends wait for the receiver, so torch would never show it). Only after
-            # a case that worked: gloo reports some errors (AVG on bool) again on the next call of
-            # one rank, which would leave the ranks out of step.
-            if results[name][0] != "ok":
-                continue
-            _barrier_between_cases(dist, framework, results, name)
+            # (legal; gloo's sends wait for the receiver, so torch would never show it).
+            between()
     dist.destroy_process_group()
     results["__times__"] = times
     results["__total__"] = time.monotonic() - start
     return results
 
 
-def _barrier_between_cases(dist, framework: str, results: dict[str, Any], name: str) -> None:
-    """A barrier after case ``name``; its error is recorded as ``name#barrier``.
+def store_barrier(store, ws: int, prefix: str) -> Callable[[], None]:
+    """A barrier of ``ws`` ranks on a TCPStore (torch's API), for ``run_cases``'s ``between`` where
+    the ranks share no multiprocessing Barrier (one process per namespaced host): each call is a
+    new round, under keys that start with ``prefix``."""
+    rounds = iter(range(1 << 62))
 
-    gloo's barrier first waits for the calls this rank still has in flight and raises their error
-    instead of running. Under load a call that failed can still be listed in flight when the next
-    barrier starts (seen: a barrier raising "Cannot use ReduceOp.BAND with non-integral dtype" two
-    cases after the BAND case), and that rank would run ahead into the next case while its peers
-    sat in the barrier: every later case of torch's run timed out. So on torch's side only, a
-    barrier that raises an error this rank already reported for an earlier case is run again.
-    distcomm gets no such second chance: a stale error there is a bug.
-    """
-    earlier = {v[3] for v in results.values() if v[0] == "error"} if framework == "torch" else set()
-    for _ in range(3):
-        try:
-            dist.barrier()
-            return
-        except Exception as exc:  # noqa: BLE001
-            message = str(exc)[:400]
-            if message not in earlier:
-                results[name + "#barrier"] = ("error", _kind(exc), type(exc).__name__, message)
-                return
-            time.sleep(0.1)  # for gloo's worker thread to let go of the failed call
-    results[name + "#barrier"] = ("error", "stale", "RuntimeError", "an earlier case's error, three times")
+    def wait() -> None:
+        key = f"{prefix}/{next(rounds)}"
+        if store.add(key, 1) == ws:
+            store.set(key + "/all", b"1")
+        store.wait([key + "/all"])
+
+    return wait
 
 
 # Engine variants: a backend name, plus environment variables set while it runs. The "tcp/..."
@@ -990,31 +981,37 @@ def reduced_cases(ws: int) -> list[str]:
 LARGE_WORLD_DTYPES = ("bool", "int32", "bfloat16", "complex64")
 
 
-def run_worlds(rank: int, nprocs: int, worlds: list[tuple[int, list[tuple[str, str, int]], bool]], barrier,
+def run_worlds(rank: int, nprocs: int, worlds: list[tuple[int, list[tuple[str, str, int]], bool, Any]], barrier,
                wait_s: float) -> dict[int, Any]:
     """Several worlds, one after the other, in the same ``nprocs`` processes (torch is imported
-    once, not once per world). For each (world size, plans, reduced) the ranks below the world
-    size run ``run_plans`` — with ``reduced``, on ``reduced_cases`` and without the "@np" runs
-    (numpy buffers do not depend on the world size) — while the others wait; then all meet at
-    ``barrier`` (a multiprocessing Barrier of ``nprocs``; a rank that fails breaks it, so the
-    others stop too) before the next world. Returns {world size: run_plans' result}."""
+    once, not once per world). For each (world size, plans, reduced, case barrier) the ranks below
+    the world size run ``run_plans`` — with ``reduced``, on ``reduced_cases`` and without the "@np"
+    runs (numpy buffers do not depend on the world size), meeting at the case barrier (a
+    multiprocessing Barrier of the world's size) after every case — while the others wait; then
+    all meet at ``barrier`` (a multiprocessing Barrier of ``nprocs``; a rank that fails breaks it,
+    so the others stop too) before the next world. Returns {world size: run_plans' result}."""
     out: dict[int, Any] = {}
     try:
-        for ws, plans, reduced in worlds:
+        for ws, plans, reduced, case_barrier in worlds:
             if rank < ws:
                 os.environ["WORLD_SIZE"] = os.environ["LOCAL_WORLD_SIZE"] = str(ws)
-                out[ws] = run_plans(rank, ws, plans, reduced_cases(ws) if reduced else None, numpy=not reduced)
+                out[ws] = run_plans(rank, ws, plans, reduced_cases(ws) if reduced else None, numpy=not reduced,
+                                    between=lambda b=case_barrier: b.wait(wait_s))
             barrier.wait(wait_s)
     except BaseException:
         barrier.abort()
+        for *_, case_barrier in worlds:
+            case_barrier.abort()
         raise
     return out
 
 
 def run_plans(rank: int, ws: int, plans: list[tuple[str, str, int]], only: list[str] | None = None,
-              numpy: bool = True):
+              numpy: bool = True, *, between: Callable[[], Any]):
     """One world, several runs: ``plans`` is [(framework, engine variant, master port)], run in
-    order in the same processes (torch is imported once). A plan whose init fails is recorded."""
+    order in the same processes (torch is imported once). A plan that fails (its init, or a case
+    barrier another rank broke) ends the world: its ranks would no longer meet case by case.
+    ``between``: as for ``run_cases``."""
     out = {}
     intern = _Interner()
     for framework, variant, port in plans:
@@ -1025,9 +1022,7 @@ def run_plans(rank: int, ws: int, plans: list[tuple[str, str, int]], only: list[
         if framework == "distcomm" and variant in VARIANT_CASES:
             names = [c.name for c in cases(ws) if (only is None or c.name in only) and variant_runs(variant, c.name)]
         try:
-            out[f"{framework}:{variant}"] = intern(run_cases(rank, ws, framework, backend, names, numpy))
-        except Exception as exc:  # noqa: BLE001
-            out[f"{framework}:{variant}"] = f"{type(exc).__name__}: {exc}"
+            out[f"{framework}:{variant}"] = intern(run_cases(rank, ws, framework, backend, names, numpy, between=between))
         finally:
             for key in env:
                 os.environ.pop(key, None)

@@ -66,11 +66,16 @@ def main() -> None:
     if mode == "diff":
         import diff_cases as dc
 
+        from distcomm.store import TCPStore
+
         port, only = sys.argv[3], sys.argv[4].split(",")
+        # the cases are kept apart by a barrier on distcomm-run's store, outside both frameworks
+        launcher_store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False, TIMEOUT)
         saved = {k: os.environ.get(k) for k in ("MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")}
         os.environ["MASTER_PORT"] = port
         os.environ.pop("TORCHELASTIC_USE_AGENT_STORE")  # torch's rank 0 hosts its own store
-        expected = dc.run_cases(rank, size, "torch", "gloo", only, numpy=False)
+        expected = dc.run_cases(rank, size, "torch", "gloo", only, numpy=False,
+                                between=dc.store_barrier(launcher_store, size, "diff/torch"))
         for k, v in saved.items():
             os.environ[k] = v
     import distcomm as dist
@@ -81,7 +86,8 @@ def main() -> None:
     elif mode == "diff":
         describe(dist, out)
         dist.destroy_process_group()
-        got = dc.run_cases(rank, size, "distcomm", "gloo", only, numpy=False)
+        got = dc.run_cases(rank, size, "distcomm", "gloo", only, numpy=False,
+                           between=dc.store_barrier(launcher_store, size, "diff/distcomm"))
         with open(os.path.join(out, f"diff{rank}.pkl"), "wb") as f:
             pickle.dump({"torch": expected, "distcomm": got}, f)
         return

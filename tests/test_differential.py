@@ -144,13 +144,13 @@ def all_world_results(wanted: dict[int, set[str]]):
             continue
         engines = [e for e in (ENGINES if ws in WORLD_SIZES else LARGE_ENGINES) if e in wanted[ws]]
         plans = [("torch", "gloo", plan_port())] + [("distcomm", e, plan_port()) for e in engines]
-        worlds.append((ws, plans, ws in LARGE_WORLD_SIZES))
+        worlds.append((ws, plans, ws in LARGE_WORLD_SIZES, CONTEXT.Barrier(ws)))
     barrier = CONTEXT.Barrier(nprocs)  # the ranks' start method (harness.py)
     try:
         per_rank = run_world(dc.run_worlds, nprocs, args=(worlds, barrier, WORLD_TIMEOUT), timeout=TOTAL_TIMEOUT)
     except Exception as exc:  # noqa: BLE001 - every case reports it
         return exc
-    results = {ws: [per_rank[rank][ws] for rank in range(ws)] for ws, _, _ in worlds}
+    results = {ws: [per_rank[rank][ws] for rank in range(ws)] for ws, *_ in worlds}
     if os.environ.get("DIFF_DUMP"):  # for a post-mortem: DIFF_DUMP=/tmp/dir pytest ...
         for ws, per in results.items():
             with open(os.path.join(os.environ["DIFF_DUMP"], f"world{ws}.pkl"), "wb") as f:
@@ -192,10 +192,6 @@ def test_differential(results_by_world, ws, engine, names, case):
         for rank in range(ws):
             torch_side = results[rank]["torch:gloo"]
             ours_side = results[rank][f"distcomm:{engine}"]
-            if isinstance(torch_side, str):
-                raise AssertionError(f"torch's run failed on rank {rank}: {torch_side}")
-            if isinstance(ours_side, str):
-                raise AssertionError(f"distcomm's run ({engine}) failed on rank {rank}: {ours_side}")
             expected = torch_side[case.name]
             got = ours_side[name]
             problem = compare(case, ws, rank, expected, got)
@@ -213,7 +209,6 @@ def test_oracle_stayed_in_step(results_by_world, ws):
         raise AssertionError(f"the world of {ws} failed: {results}")
     for rank in range(ws):
         side = results[rank]["torch:gloo"]
-        assert not isinstance(side, str), side
         broken = [(name, v[3]) for name, v in side.items() if not name.startswith("__") and v[0] == "error"
                   and re.search(r"[Tt]imeout|[Tt]imed out|[Cc]losed|closure|#barrier", v[3] + name)]
         assert not broken, f"rank {rank}: torch's run went out of step at {broken[0]}"
@@ -256,8 +251,6 @@ def test_shm_variants_ran(results_by_world, ws, engine):
         raise AssertionError(f"the world of {ws} failed: {results}")
     for rank in range(ws):
         side = results[rank][f"distcomm:{engine}"]
-        if isinstance(side, str):
-            raise AssertionError(f"distcomm's run ({engine}) failed on rank {rank}: {side}")
         ran = set(side["__algos__"])
         # a latency path runs its algorithm's rounds (latency.ROUNDS): count that algorithm as run
         # (but latency_all_reduce stays itself: the variants say whether it may run)
