@@ -1,9 +1,9 @@
-"""distcomm where torch is not installed: a numpy user's job, launched with distcomm-run, and the
-benchmark, with every process unable to import torch.
+"""distcomm where an optional package is not installed: a numpy user's job launched with
+distcomm-run, and the benchmark, with no torch; backend "mpi" with no mpi4py.
 
 Every process these tests start (the launcher, its workers, the benchmark's ranks) runs a
-``sitecustomize`` that sets ``sys.modules["torch"] = None``: ``import torch`` then raises
-ModuleNotFoundError and ``importlib.util.find_spec("torch")`` returns None, as when torch is
+``sitecustomize`` that sets ``sys.modules[name] = None`` for each hidden package: ``import name``
+then raises ModuleNotFoundError and ``importlib.util.find_spec(name)`` returns None, as when it is
 absent. The rest of the suite imports torch everywhere (its oracle), so without this file a stray
 ``import torch`` on a numpy path would break only the users who do not have it.
 """
@@ -21,7 +21,6 @@ import pytest
 
 DEADLINE = 90  # seconds for each command, its whole process group killed past it
 
-NO_TORCH = 'import sys\nsys.modules["torch"] = None  # as if torch were not installed\n'
 
 WORKER = '''
 import json
@@ -86,18 +85,23 @@ dist.destroy_process_group()
 '''
 
 
-@pytest.fixture
-def no_torch_env(tmp_path):
-    """The environment of a process that cannot import torch (see the module docstring)."""
-    site = tmp_path / "no_torch_site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(NO_TORCH)
+def _hiding(tmp_path, *packages: str) -> dict[str, str]:
+    """The environment of a process that cannot import ``packages`` (see the module docstring)."""
+    site = tmp_path / "hiding_site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(
+        "import sys\n" + "".join(f"sys.modules[{p!r}] = None  # as if it were not installed\n" for p in packages))
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("DISTCOMM_", "PET_", "TORCHELASTIC_"))
            and k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PYTHONPATH"] = os.pathsep.join([str(site)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     env["OMP_NUM_THREADS"] = "1"
     return env
+
+
+@pytest.fixture
+def no_torch_env(tmp_path):
+    return _hiding(tmp_path, "torch")
 
 
 def _run(args, env, cwd) -> subprocess.CompletedProcess:
@@ -162,3 +166,13 @@ def test_the_benchmark_runs_without_torch(no_torch_env, tmp_path):
     assert r.returncode == 0, f"{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
     assert "wrong elements: 0 OK" in r.stdout, r.stdout
     assert "Traceback" not in r.stderr, r.stderr
+
+
+def test_backend_mpi_without_mpi4py_says_what_to_install(tmp_path):
+    probe = ("import distcomm as dist\n"
+             "try:\n    dist.init_process_group('mpi', init_method='tcp://127.0.0.1:1', rank=0, world_size=1)\n"
+             "except RuntimeError as exc:\n    print(type(exc).__name__, exc)\n")
+    r = _run([sys.executable, "-c", probe], _hiding(tmp_path, "mpi4py"), tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("DistBackendError backend 'mpi' needs mpi4py"), r.stdout
+    assert "pip install 'distcomm[mpi]'" in r.stdout, r.stdout
