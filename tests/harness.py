@@ -21,7 +21,9 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import socket
+import subprocess
 import time
 import traceback
 from typing import Any, Callable, Sequence
@@ -42,6 +44,34 @@ def free_port() -> int:
 
 class RankFailed(AssertionError):
     pass
+
+
+class SessionTimeout(AssertionError):
+    """A command ``run_in_session`` killed at its deadline; ``stdout`` and ``stderr``: what it wrote."""
+
+    def __init__(self, message: str, stdout: str, stderr: str):
+        super().__init__(message)
+        self.stdout, self.stderr = stdout, stderr
+
+
+def run_in_session(cmd: Sequence[str], timeout: float, **popen: Any) -> subprocess.CompletedProcess:
+    """Run ``cmd`` to completion in a session of its own, with text output captured; past
+    ``timeout`` seconds kill the whole session (the command and every process it started: a
+    launcher's workers, mpiexec's ranks) and raise SessionTimeout. ``popen``: more Popen arguments
+    (env, cwd)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            **popen)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise SessionTimeout(f"{' '.join(map(str, cmd))} killed at its {timeout} s deadline", stdout, stderr) from None
+    finally:
+        if proc.poll() is None:  # interrupted (KeyboardInterrupt): nothing of the session stays
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def _child(fn, rank, world_size, args, env, conn):

@@ -18,10 +18,11 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
+
+from harness import SessionTimeout, run_in_session
 
 SRC = str(Path(__file__).resolve().parent.parent / "src")
 SCRIPTS = Path(__file__).resolve().parent / "mpi_scripts"
@@ -68,17 +69,8 @@ def run_mpiexec(nprocs: int, script: str, args: list[str] = (), timeout: float =
     if shm_listing is not None:
         child_env["LISTING"] = shm_listing
         cmd = ["unshare", "--mount", "--", "sh", "-c", _PRIVATE_SHM, "sh", *cmd]
-    proc = subprocess.Popen(cmd, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+        return run_in_session(cmd, timeout, env=child_env)
+    except SessionTimeout as exc:
         raise MpiexecTimeout(f"mpiexec -n {nprocs} {script} killed after its {timeout}s deadline\n"
-                             f"stdout:\n{out[-4000:]}\nstderr:\n{err[-4000:]}") from None
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+                             f"stdout:\n{exc.stdout[-4000:]}\nstderr:\n{exc.stderr[-4000:]}") from None

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+
+from harness import SessionTimeout, run_in_session
 
 DEADLINE = 90  # seconds for each command, its whole process group killed past it
 
@@ -106,15 +107,10 @@ def no_torch_env(tmp_path):
 
 def _run(args, env, cwd) -> subprocess.CompletedProcess:
     """``args`` in a session of its own, killed whole (launcher and workers) past DEADLINE."""
-    proc = subprocess.Popen(args, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
     try:
-        stdout, stderr = proc.communicate(timeout=DEADLINE)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"{args} ran past {DEADLINE} s:\n{stdout[-2000:]}\n{stderr[-3000:]}")
-    return subprocess.CompletedProcess(args, proc.returncode, stdout, stderr)
+        return run_in_session(args, DEADLINE, env=env, cwd=cwd)
+    except SessionTimeout as exc:
+        pytest.fail(f"{exc}:\n{exc.stdout[-2000:]}\n{exc.stderr[-3000:]}")
 
 
 def test_the_sitecustomize_hides_torch(no_torch_env, tmp_path):
