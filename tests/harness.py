@@ -9,6 +9,10 @@ finished. A hang is a failure, never a stuck CI.
 
 ``fn`` must be a module-level function of an importable module (it is pickled by name).
 
+``run_in_session(cmd, timeout)`` is the same promise for a command (a launcher, mpiexec): it runs
+in a session of its own, and at the deadline the whole session is killed, the command's output
+kept in the SessionTimeout it raises.
+
 Ranks start from a fork server that has imported numpy and torch once: a spawned interpreter pays
 for ``import torch`` in every rank of every world (seconds of CPU each, most of the suite's time on
 two cores). distcomm itself is not preloaded, so each rank reads its DISTCOMM_* variables afresh;
