@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from distcomm.bench import collectives, report
+from distcomm.bench import collectives, measure, report
 from distcomm.bench.worlds import WorldFailed, run_world
 
 TINY = ["--world", "2", "-b", "8", "-e", "4K", "-f", "16", "--timeout", "60"]
@@ -62,7 +62,7 @@ def test_world_of_two_prints_a_checked_table_per_op(tmp_path):
     assert data["meta"]["world_size"] == 2 and data["meta"]["sync_each"]
     (rows_json,) = data["runs"].values()
     assert len(rows_json) == len(rows) and all(r["wrong"] == 0 and len(r["ranks"]) == 2 for r in rows_json)
-    assert all(collectives.MIN_ITERS <= r["iters"] <= collectives.MAX_ITERS and r["warmup"] >= 1 for r in rows_json)
+    assert all(measure.MIN_ITERS <= r["iters"] <= measure.MAX_ITERS and r["warmup"] >= 1 for r in rows_json)
 
 
 @pytest.mark.slow
@@ -163,15 +163,14 @@ def test_plan_rounds_sizes_to_the_world_and_bounds_iterations():
     assert [e["size"] for e in plan if e["op"] == "all_reduce"] == [8, 16, 32]
     assert [e["count"] for e in plan if e["op"] == "barrier"] == [0]
     for seconds in (1e-9, 20e-6, 0.06, 10.0):
-        warmup, iters = collectives.auto_counts(seconds, 0.2)
-        assert collectives.MIN_ITERS <= iters <= collectives.MAX_ITERS and 0 <= warmup <= collectives.MAX_WARMUP
+        warmup, iters = measure.auto_counts(seconds, 0.2)
+        assert measure.MIN_ITERS <= iters <= measure.MAX_ITERS and 0 <= warmup <= measure.MAX_WARMUP
 
 
 def test_counts_come_from_the_quickest_probe_not_a_descheduled_first_call():
     """Rank 0 picks a row's counts from the quickest of ``PROBES`` warmups: one call that happened
     to be descheduled (here the first, 50 ms) must not turn a row of microsecond calls into a handful
     of timed iterations. Every rank runs the same probes and then rank 0's counts."""
-    from distcomm.bench import measure
 
     calls = []
 

@@ -116,7 +116,7 @@ def test_dead_rank_is_known_to_every_rank_of_its_group(backend, nbytes, seg_dir,
     for rank in (0, 1):
         (op1, kind1, msg1, _, since1), (op2, kind2, msg2, took2, _) = results[rank]
         assert kind1 == "PeerLostError", (rank, kind1, msg1)
-        assert f"all_reduce #" in msg1 and f"on rank {rank}" in msg1 and "rank 2" in msg1, msg1
+        assert "all_reduce #" in msg1 and f"on rank {rank}" in msg1 and "rank 2" in msg1, msg1
         assert since1 < PROMPT_S, (rank, since1, msg1)  # about 1 s, not the 60 s timeout
         # the next operation on the same group fails at once, naming the same dead rank
         assert kind2 == "PeerLostError", (rank, kind2, msg2)
@@ -163,7 +163,6 @@ def test_a_rank_that_exits_without_destroy_is_not_taken_for_a_crash():
 
 # -- a rank SIGKILLed during a 64 MiB shared-memory all_reduce ----------------------------------------
 def killed_during_large_shm_body(rank, world, stamp, delay):
-    import time
     from datetime import timedelta
 
     import numpy as np

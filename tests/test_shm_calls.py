@@ -147,7 +147,6 @@ def declined_body(rank, world):
     check("strided all_reduce", strided, sum(value(q, np.float32) for q in range(world)))
     frozen = value(rank, np.float32)
     frozen.flags.writeable = False
-    out = np.zeros(4, np.float32)
     dist.all_gather_into_tensor(np.zeros(4 * world, np.float32), frozen)
     try:  # the other byte order: the general path's error, on every rank
         dist.broadcast(value(rank, ">f4"), src=0)

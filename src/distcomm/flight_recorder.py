@@ -41,7 +41,7 @@ import socket
 import sys
 import tempfile
 import time
-from typing import Any, Iterable
+from typing import Iterable
 
 # Field positions in a record (a list, so the hot path fills it with one literal).
 ID, GROUP, SEQ, OP, NBYTES, DTYPE, PEER, SITE, T_CREATED, T_COMPLETED, STATE, ERROR, TAG = range(13)

@@ -53,8 +53,7 @@ from typing import Callable
 import numpy as np
 
 from . import report
-from .measure import (MAX_ITERS, MAX_WARMUP, MIN_ITERS, Tensors, auto_counts, case, rank_stats,  # noqa: F401
-                      sum_of_ramps, timed, warm_up)
+from .measure import Tensors, case, rank_stats, sum_of_ramps, timed, warm_up
 from .worlds import WorldFailed, connect_store, host_store, run_world
 
 OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "gather", "scatter", "barrier")

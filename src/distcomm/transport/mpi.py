@@ -284,7 +284,6 @@ class MpiTransport(Transport):
         """A communicator for group ``group_id`` of these engine ranks (group rank i = ranks[i]).
         Collective over the members; every member calls it for the same groups in the same order."""
         ranks = list(ranks)
-        MPI = self.MPI
         with self._lock:
             if self._closed:
                 raise DistBackendError("backend 'mpi': the engine is closed")
