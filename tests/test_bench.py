@@ -142,10 +142,44 @@ def test_compare_table_has_a_speedup_column_per_other_engine():
     assert "# broadcast vs mpi/mpich: speedup geometric mean 0.50x" in text
 
 
+def test_repeated_runs_report_each_row_from_its_median_run():
+    def row(op, size, us, iters, wrong=0):
+        return {"op": op, "size": size, "time_us": us, "iters": iters, "wrong": wrong}
+
+    runs = [[row("all_reduce", 8, 3.0, iters=1), row("barrier", 0, 9.0, iters=1)],
+            [row("all_reduce", 8, 1.0, iters=2, wrong=2)],  # this run's world failed before the barrier row
+            [row("all_reduce", 8, 2.0, iters=3), row("barrier", 0, 7.0, iters=3, wrong=1)]]
+    all_reduce, barrier = report.median_run(runs)
+    # the whole row is the median run's (its counts too), with every run's time in run order
+    assert (all_reduce["time_us"], all_reduce["iters"], all_reduce["run_times_us"]) == (2.0, 3, [3.0, 1.0, 2.0])
+    assert all_reduce["wrong"] == 2  # a wrong element in any run counts
+    # of two runs, the lower middle: a real run, not their mean
+    assert (barrier["time_us"], barrier["iters"], barrier["run_times_us"], barrier["wrong"]) == (7.0, 3, [9.0, 7.0], 1)
+
+
+@pytest.mark.slow
+def test_repeat_takes_turns_between_engines_and_reports_the_median_run(tmp_path):
+    pytest.importorskip("torch")
+    out = tmp_path / "r.json"
+    result = _bench(*TINY, *FEW, "--ops", "all_reduce,barrier", "--compare", "torch", "--repeat", "3",
+                    "--json", str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    titles = [line[3:-1] for line in result.stderr.splitlines() if line.startswith("# [")]
+    assert titles == [f"{label}, run {run} of 3" for run in (1, 2, 3) for label in ("distcomm/gloo", "torch/gloo")]
+    assert len(_rows(result.stdout)) == 3 + 1 and "--repeat 3" in result.stdout  # 8 B, 128 B, 2 KiB; a barrier
+    data = json.loads(out.read_text())
+    assert data["meta"]["repeat"] == 3
+    for rows in data["runs"].values():
+        assert len(rows) == 3 + 1
+        for r in rows:
+            assert len(r["run_times_us"]) == 3 and r["time_us"] == sorted(r["run_times_us"])[1] and r["wrong"] == 0
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--ops", "all_reduce", "--algo", "nosuch"], "recursive_doubling"),  # lists the valid ones
     (["--ops", "allreduce"], "unknown op"),
     (["-e", "1G"], "256M"),
+    (["--repeat", "0"], "--repeat must be at least 1"),
 ])
 def test_bad_options_are_refused_before_starting_anything(argv, message, capsys):
     with pytest.raises(SystemExit) as info:

@@ -5,6 +5,7 @@ Usage::
     distcomm-bench                                   # every op, 8 B .. 64 MiB, world 2, backend gloo
     distcomm-bench --world 4 --compare torch --plot bench.png --json bench.json
     distcomm-bench --world 2 --compare torch,mpi -e 1M      # also MPICH through mpi4py (the 'mpi' extra)
+    distcomm-bench --compare mpi -e 64K -f 8192 --repeat 5  # five turns each; per row, the median run
     distcomm-bench --ops all_reduce -b 1M -e 256M --algo ring --backend tcp
 
 The tool starts its own world: it hosts a TCPStore on a free loopback port and spawns ``--world``
@@ -12,7 +13,10 @@ processes, which rendezvous through it. With ``--compare torch`` it then does th
 torch.distributed's gloo backend — separate worlds, one after the other, the same plan — and prints
 the two side by side with the speedup (gloo time / distcomm time) on each row. ``--compare mpi``
 runs the plan through mpi4py's buffer calls in a world started by ``mpiexec`` (mpi_world.py);
-``--compare torch,mpi`` runs both, with a speedup column against each.
+``--compare torch,mpi`` runs both, with a speedup column against each. ``--repeat N`` runs every
+engine N times, taking turns, and reports each row from the run with the median time: a few-µs
+row moves by up to 2x between runs minutes apart on a shared machine, and taking turns puts the
+engines under the same load.
 
 How each row is measured, on every rank, with the same buffers throughout:
 
@@ -338,6 +342,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also run the same plan on torch.distributed's gloo backend (torch), on MPI through mpi4py "
                              "under mpiexec (mpi), or both (torch,mpi), and print them side by side with distcomm's "
                              "speedup over each")
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="run every engine N times, taking turns (distcomm, torch, mpi, distcomm, ...), and report "
+                             "per row the run with the median time: on a shared machine the engines then meet the "
+                             "same load, and one slow run does not decide a row (default 1)")
     parser.add_argument("--sync-each", action="store_true",
                         help="untimed barrier before every timed iteration: one-way ops (broadcast, reduce) then report "
                              "an isolated latency instead of a back-to-back throughput")
@@ -354,6 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.world < 1:
         parser.error("--world must be at least 1")
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
     if args.max_bytes > MAX_BYTES:
         parser.error(f"--max-bytes is at most {MAX_BYTES >> 20}M")
     if args.min_bytes > args.max_bytes:
@@ -438,33 +448,39 @@ def main(argv: list[str] | None = None) -> int:
               "backend with DISTCOMM_SHM_COLLECTIVES=0); the shared-memory collectives have their own knobs")
     sys.stdout.flush()
 
-    live = sys.stderr if len(engines) > 1 else sys.stdout
-    runs: dict[str, list[dict]] = {}
+    if args.repeat > 1:
+        print(f"# --repeat {args.repeat}: every engine ran {args.repeat} times, taking turns; each row is the run "
+              f"with the median time (the lower middle one of an even count)")
+    live = sys.stderr if len(engines) > 1 or args.repeat > 1 else sys.stdout
+    measured: dict[str, list[list[dict]]] = {label: [] for _, label, *_ in engines}
     failures: list[str] = []
-    for library, label, backend, kind, extra in engines:
-        current = {"op": None}
+    for run in range(1, args.repeat + 1):
+        for library, label, backend, kind, extra in engines:
+            current = {"op": None}
+            title = f"{label}, run {run} of {args.repeat}" if args.repeat > 1 else label
 
-        def on_row(row: dict, label=label, current=current) -> None:
-            if row["op"] != current["op"]:
-                engine = f"\n# [{label}]" if current["op"] is None else ""
-                current["op"] = row["op"]
-                print(f"{engine}\n{report.table_header(row['op'])}", file=live)
-            print(report.table_row(row), file=live, flush=True)
+            def on_row(row: dict, title=title, current=current) -> None:
+                if row["op"] != current["op"]:
+                    engine = f"\n# [{title}]" if current["op"] is None else ""
+                    current["op"] = row["op"]
+                    print(f"{engine}\n{report.table_header(row['op'])}", file=live)
+                print(report.table_row(row), file=live, flush=True)
 
-        job = {"library": library, "backend": backend, "world": args.world, "dtype": args.dtype,
-               "tensor": kind, "plan": plan, "timeout": args.timeout, "budget": args.budget, "env": extra,
-               "sync_each": args.sync_each}
-        try:
-            if library == "mpi":
-                from .mpi_world import run_mpi
+            job = {"library": library, "backend": backend, "world": args.world, "dtype": args.dtype,
+                   "tensor": kind, "plan": plan, "timeout": args.timeout, "budget": args.budget, "env": extra,
+                   "sync_each": args.sync_each}
+            try:
+                if library == "mpi":
+                    from .mpi_world import run_mpi
 
-                runs[label] = run_mpi(job, args.stat, on_row)
-            else:
-                runs[label] = run_engine(job, args.stat, on_row)
-        except WorldFailed as exc:
-            runs[label] = exc.rows
-            failures.append(f"{label}: {exc}")
-            print(f"\n# {label} FAILED: {exc}", file=sys.stderr, flush=True)
+                    measured[label].append(run_mpi(job, args.stat, on_row))
+                else:
+                    measured[label].append(run_engine(job, args.stat, on_row))
+            except WorldFailed as exc:
+                measured[label].append(exc.rows)
+                failures.append(f"{title}: {exc}")
+                print(f"\n# {title} FAILED: {exc}", file=sys.stderr, flush=True)
+    runs = {label: rows[0] if args.repeat == 1 else report.median_run(rows) for label, rows in measured.items()}
 
     labels = [label for _, label, *_ in engines]
     if len(engines) > 1:
@@ -474,6 +490,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{labels[0]} time (above 1: {labels[0]} is faster)")
         theirs = runs[labels[1]] if len(labels) == 2 else [runs[label] for label in labels[1:]]
         print(report.compare_tables(args.ops, runs[labels[0]], theirs, labels))
+    elif args.repeat > 1:
+        print()
+        print(report.engine_tables(args.ops, runs[labels[0]]))
     print()
     wrong = 0
     for label in labels:
@@ -484,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# FAILED {failure.splitlines()[0]}")
 
     meta = {"world_size": args.world, "backend": args.backend, "dtype": args.dtype, "stat": args.stat,
-            "tensor": args.tensor, "sync_each": args.sync_each, "algo_env": env, "distcomm_env": inherited, "machine": info, "engines": labels,
+            "tensor": args.tensor, "sync_each": args.sync_each, "repeat": args.repeat, "algo_env": env, "distcomm_env": inherited, "machine": info, "engines": labels,
             "argv": sys.argv[1:] if argv is None else list(argv)}
     if args.json:
         report.write_json(args.json, meta, runs)

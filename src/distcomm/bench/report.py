@@ -54,6 +54,25 @@ def make_row(entry: dict, per_rank: Sequence[dict], world_size: int, stat: str) 
     }
 
 
+def median_run(runs: Sequence[Sequence[dict]]) -> list[dict]:
+    """One engine's rows from several runs of the same plan (``--repeat``): per (op, size), the row
+    of the run whose time is the median, the lower middle one for an even count, so every figure
+    of the row (counts, per-rank statistics, bandwidths) comes from one real run. The row also
+    carries ``run_times_us``, every run's time in run order, and ``wrong`` sums every run's check.
+    Rows keep the order of the run that measured them first; a row some runs missed (a world that
+    failed) is the median of the runs that have it."""
+    measured: dict[tuple, list[dict]] = {}
+    for rows in runs:
+        for row in rows:
+            measured.setdefault((row["op"], row["size"]), []).append(row)
+    combined = []
+    for rows in measured.values():
+        middle = sorted(rows, key=lambda r: r["time_us"])[(len(rows) - 1) // 2]
+        combined.append({**middle, "wrong": sum(r["wrong"] for r in rows),
+                         "run_times_us": [r["time_us"] for r in rows]})
+    return combined
+
+
 def format_bytes(size: float) -> str:
     """8 B, 4 KiB, 64 MiB: the size as a person reads it (powers of two)."""
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
@@ -108,6 +127,16 @@ def table_header(op: str) -> str:
 
 def table_row(row: dict) -> str:
     return f"{_key(row)} {_measure(row)}"
+
+
+def engine_tables(ops: Sequence[str], rows: Sequence[dict]) -> str:
+    """One engine's rows as the tables it prints live: per op, its header and its rows by size."""
+    out = []
+    for op in ops:
+        mine = sorted((r for r in rows if r["op"] == op), key=lambda r: r["size"])
+        if mine:
+            out += [table_header(op), *(table_row(r) for r in mine), ""]
+    return "\n".join(out)
 
 
 def compare_header(op: str, labels: Sequence[str]) -> str:
