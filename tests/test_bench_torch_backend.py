@@ -6,6 +6,7 @@ checked with 0 wrong elements, and the DDP variants ended with the same weights.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -22,9 +23,10 @@ def _bench(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_torch_backend_bench_compares_torch_over_distcomm_with_gloo():
+def test_torch_backend_bench_compares_torch_over_distcomm_with_gloo(tmp_path):
+    out = tmp_path / "r.json"
     result = _bench("torch-backend", "--world", "2", "--ops", "all_reduce,all_gather", "--budget", "0.01",
-                    "--timeout", "60")
+                    "--timeout", "60", "--repeat", "2", "--json", str(out))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "torch/distcomm" in result.stdout and "torch/gloo" in result.stdout
     rows = [line.split() for line in result.stdout.splitlines() if line.strip() and not line.startswith("#")]
@@ -33,6 +35,8 @@ def test_torch_backend_bench_compares_torch_over_distcomm_with_gloo():
         assert len(fields) == 12 and fields[6] == "0" and fields[10] == "0", fields
         assert float(fields[11]) > 0
     assert result.stdout.count("wrong elements: 0 OK") == 2
+    runs = json.loads(out.read_text())["runs"]  # --repeat 2: each row is the lower of its two runs
+    assert all(r["time_us"] == min(r["run_times_us"]) and len(r["run_times_us"]) == 2 for rows in runs.values() for r in rows)
 
 
 @pytest.mark.slow

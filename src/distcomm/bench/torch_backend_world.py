@@ -13,6 +13,8 @@ Rows are measured as in ``distcomm-bench`` (see collectives.py: checked results,
 rank's median iteration time); the speedup column is gloo's time over distcomm's.
 
 Without ``-b``/``-e`` the rows are the issue's two sizes, 8 B and 1 MiB; with them, the usual sweep.
+``--repeat N`` runs the two worlds N times, taking turns, and reports each row's median run (as
+``distcomm-bench --repeat``).
 
 ``--floor`` measures instead what an 8-byte all_reduce costs in CPU per call (``time.thread_time``
 over many calls, each rank) at each layer, in one world with backend "distcomm": torch's API over a
@@ -49,6 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", "-d", default="float32", help="element type (default float32)")
     p.add_argument("--budget", type=float, default=0.2, help="seconds of timed iterations per row (default 0.2)")
     p.add_argument("--stat", choices=("median", "mean"), default="median")
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="run both worlds N times, taking turns, and report per row the run with the median time "
+                        "(default 1)")
     p.add_argument("--json", metavar="FILE", help="write the raw results")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a world may take per row (default 300)")
     p.add_argument("--floor", action="store_true",
@@ -168,6 +173,8 @@ def main(argv=None) -> int:
         parser.error("needs torch: pip install 'distcomm[torch]'")
     if args.world < 1:
         parser.error("--world must be at least 1")
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
     if args.floor:
         print(f"# distcomm-bench torch-backend --floor: world {args.world}, all_reduce 8 B, {args.calls} calls a row; "
               "µs of CPU per call (time.thread_time), each rank"
@@ -194,16 +201,21 @@ def main(argv=None) -> int:
           f"torch.distributed's API on both, backend \"distcomm\" vs \"gloo\"")
     print(f"# machine: {report.machine_line(info)}")
     sys.stdout.flush()
-    runs: dict[str, list[dict]] = {}
+    if args.repeat > 1:
+        print(f"# --repeat {args.repeat}: both worlds ran {args.repeat} times, taking turns; each row is the run with "
+              f"the median time (the lower middle one of an even count)")
+    measured: dict[str, list[list[dict]]] = {label: [] for label, _ in ENGINES}
     failures = []
-    for label, backend in ENGINES:
-        job = {"library": "torch", "backend": backend, "world": args.world, "dtype": args.dtype, "tensor": "torch",
-               "plan": plan, "timeout": args.timeout, "budget": args.budget, "env": {}}
-        try:
-            runs[label] = run_engine(job, args.stat, lambda row: None)
-        except WorldFailed as exc:
-            runs[label] = exc.rows
-            failures.append(f"{label}: {exc}")
+    for run in range(1, args.repeat + 1):
+        for label, backend in ENGINES:
+            job = {"library": "torch", "backend": backend, "world": args.world, "dtype": args.dtype,
+                   "tensor": "torch", "plan": plan, "timeout": args.timeout, "budget": args.budget, "env": {}}
+            try:
+                measured[label].append(run_engine(job, args.stat, lambda row: None))
+            except WorldFailed as exc:
+                measured[label].append(exc.rows)
+                failures.append(f"{label}, run {run}: {exc}")
+    runs = {label: rows[0] if args.repeat == 1 else report.median_run(rows) for label, rows in measured.items()}
     labels = [label for label, _ in ENGINES]
     print(f"\n# speedup = {labels[1]} time / {labels[0]} time (above 1: {labels[0]} is faster)")
     print(report.compare_tables(args.ops, runs[labels[0]], runs[labels[1]], labels))
@@ -215,7 +227,8 @@ def main(argv=None) -> int:
     for failure in failures:
         print(f"# FAILED {failure.splitlines()[0]}")
     if args.json:
-        meta = {"world_size": args.world, "dtype": args.dtype, "stat": args.stat, "machine": info, "engines": labels,
+        meta = {"world_size": args.world, "dtype": args.dtype, "stat": args.stat, "repeat": args.repeat, "machine": info,
+                "engines": labels,
                 "argv": sys.argv[1:] if argv is None else list(argv)}
         report.write_json(args.json, meta, runs)
         print(f"# results written to {args.json}")
