@@ -61,10 +61,11 @@ check_shapes = False
 class Monitor:
     """This process's side of the sharing: a watchdog thread and the store it talks through."""
 
-    def __init__(self, store: Any, rank: int, world_size: int):
+    def __init__(self, store: Any, rank: int, world_size: int, answer_on_leave: bool = True):
         self.store = store
         self.rank = rank
         self.world_size = world_size
+        self.answer_on_leave = answer_on_leave
         self.pid = os.getpid()
         self.store_lost = False
         self._seen_alert = self._counter("trace/alert")
@@ -217,13 +218,18 @@ monitor: Monitor | None = None
 _previous_excepthook = None
 
 
-def install(store: Any, rank: int, world_size: int) -> None:
-    """Called by init_process_group: start the watchdog and hook uncaught exceptions."""
+def install(store: Any, rank: int, world_size: int, answer_on_leave: bool = True) -> None:
+    """Called by init_process_group: start the watchdog and hook uncaught exceptions.
+
+    ``answer_on_leave``: look at the store once more when leaving (uninstall), for a dump request
+    made since the watchdog's last tick. False for a store whose host commonly leaves first and
+    whose client prints a backtrace for the call that finds it gone: torch's TCPStore, hosted by
+    rank 0 of an env:// job, under the torch backend."""
     global monitor, _previous_excepthook
     uninstall()
     if fr.recorder is not None:
         fr.recorder.rank, fr.recorder.world_size = rank, world_size
-    monitor = Monitor(store, rank, world_size)
+    monitor = Monitor(store, rank, world_size, answer_on_leave)
     if _previous_excepthook is None:
         _previous_excepthook = sys.excepthook
         sys.excepthook = _excepthook
@@ -238,6 +244,8 @@ def uninstall() -> None:
         if mon.pid != os.getpid():
             return  # a forked child: the thread and the rank are its parent's
         mon.close()
+        if not mon.answer_on_leave:
+            return
         answering = threading.Thread(target=mon.answer_dump_request, name="distcomm-dump-answer", daemon=True)
         answering.start()
         answering.join(LEAVE_ANSWER_SECONDS)

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as tdist
 
 from .. import backends, diagnostics
+from .._api import rollcall
 from ..buffers import SparseBuffer, as_buffer, as_buffers
 from ..process_group import ProcessGroup
 from ..transport.base import ANY_SOURCE
@@ -73,9 +74,10 @@ def _timeout(value) -> timedelta:
 class DistcommProcessGroup(tdist.ProcessGroup):
     """A torch ProcessGroup over a distcomm ProcessGroup (``self.group``) of the same ranks."""
 
-    def __init__(self, group: ProcessGroup):
+    def __init__(self, group: ProcessGroup, watches_the_world: bool = False):
         super().__init__(group.rank(), group.size())
         self.group = group
+        self._watches_the_world = watches_the_world  # it installed the diagnostics' watchdog (create())
         self._name = ""
         self._desc = ""
         self._coalesced: list[TorchWork] | None = None  # Works issued inside _start/_end_coalescing
@@ -325,8 +327,12 @@ class DistcommProcessGroup(tdist.ProcessGroup):
         return self._track(TorchWork(result, works, error))
 
     def shutdown(self) -> None:
+        """torch's destroy_process_group calls this on every group it destroys."""
         self.group.close()
         self.group.engine.close()
+        if self._watches_the_world:  # the watchdog polls the store, which may go once this rank leaves
+            self._watches_the_world = False
+            diagnostics.uninstall()
 
     def abort(self) -> None:
         self.shutdown()
@@ -349,13 +355,20 @@ def create(common_opts, backend_options=None) -> DistcommProcessGroup:
     rank, size = common_opts.group_rank, common_opts.group_size
     timeout = _timeout(common_opts.timeout)
     engine_name = getattr(backend_options, "engine", None) or DEFAULT_ENGINE
-    store = TorchStore(common_opts.store)
+    # the group's keys are numbered per init (as distcomm's own init_process_group numbers them): a
+    # store that outlives destroy_process_group (one passed to init_process_group, torchrun's) holds
+    # the earlier init's keys under the same group name, and an engine reading those would connect
+    # to segments and ports that are gone
+    generation = rollcall.take_generation(TorchStore(common_opts.store), rank, size, timeout)
+    store = TorchStore(tdist.PrefixStore(f"distcomm/{generation}", common_opts.store))
     engine = backends.connect(engine_name, store, rank, size, timeout.total_seconds())
     global_ranks = list(common_opts.global_ranks_in_group) or list(range(size))
     group = ProcessGroup(
         0, str(common_opts.group_id), global_ranks, global_ranks[rank], engine, BACKEND_NAME, timeout,
         engine_name=engine_name, store=store, engine_ranks=range(size),
     )
-    if not common_opts.global_ranks_in_group:  # torch's default group: the whole world, its store
-        diagnostics.install(store, rank, size)  # hang reports, failure causes, dumps on every rank
-    return DistcommProcessGroup(group)
+    world = not common_opts.global_ranks_in_group  # torch's default group: the whole world, its store
+    if world:
+        # hang reports, failure causes, dumps on every rank
+        diagnostics.install(store, rank, size, answer_on_leave=False)
+    return DistcommProcessGroup(group, watches_the_world=world)
