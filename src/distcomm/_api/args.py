@@ -158,6 +158,60 @@ def same_dtype(bufs: Sequence[Buffer], op: str) -> None:
             raise ArgumentError(f"{op}: Invalid usage of tensors with different dtypes: found {names}")
 
 
+def rank_in_group(rank: Any, size: int, op: str, role: str) -> int:
+    """A group rank given as such (a root, a peer), checked against the group's size."""
+    if rank.__class__ is not int or not 0 <= rank < size:
+        raise ArgumentError(f"{op}: invalid {role} rank {rank!r}: this group has ranks 0..{size - 1}")
+    return rank
+
+
+def gathered_into(out: Buffer, inp: Buffer, size: int, op: str) -> None:
+    """all_gather_into_tensor's buffers: one dtype, the output ``size`` times the input."""
+    same_dtype([out, inp], op)
+    if out.count != inp.count * size:
+        raise ArgumentError(
+            f"{op}: output tensor has {out.count} elements, expected {inp.count * size} "
+            f"(input size {inp.count} x world size {size})"
+        )
+
+
+def gathered_lists(output_tensor_lists: Any, ins: list[Buffer], size: int, op: str) -> list[list[Buffer]]:
+    """all_gather_coalesced's outputs as buffers: a list per rank, each shaped as the inputs."""
+    out_lists = []
+    for r, outs in enumerate(output_tensor_lists):
+        out_lists.append(tensor_list(outs, op, f"output_tensor_lists[{r}]", len(ins), like=None, writes=True))
+    if len(out_lists) != size:
+        raise ArgumentError(
+            f"{op}: output_tensor_lists must have one list per rank: expected length {size}, got {len(out_lists)}"
+        )
+    same_dtype(ins + [b for outs in out_lists for b in outs], op)
+    for r, outs in enumerate(out_lists):
+        for i, (out, inp) in enumerate(zip(outs, ins)):
+            if out.count != inp.count:
+                raise ArgumentError(
+                    f"{op}: output_tensor_lists[{r}][{i}] has {out.count} elements, expected "
+                    f"{inp.count} (the size of input_tensor_list[{i}])"
+                )
+    return out_lists
+
+
+def scattered_from(out: Buffer, inp: Buffer, size: int, op: str) -> None:
+    """reduce_scatter_tensor's buffers: one dtype, the input ``size`` times the output."""
+    same_dtype([out, inp], op)
+    if inp.count != out.count * size:
+        raise ArgumentError(
+            f"{op}: input tensor has {inp.count} elements, expected {out.count * size} "
+            f"(output size {out.count} x world size {size})"
+        )
+
+
+def reduce_scatter_list(out: Buffer, ins: Sequence[Buffer], rank: int, op: str) -> None:
+    """reduce_scatter's buffers: one dtype, and this rank's input block the output's size."""
+    same_dtype(list(ins) + [out], op)
+    if ins[rank].count != out.count:
+        raise ArgumentError(f"{op}: input_list[{rank}] has {ins[rank].count} elements but output has {out.count}")
+
+
 def split_sizes(sizes: Sequence[int] | None, dim0: int, size: int, op: str, name: str) -> list[int]:
     if sizes is None or len(sizes) == 0:
         if dim0 % size:

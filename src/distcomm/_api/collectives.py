@@ -135,23 +135,7 @@ def all_gather_coalesced(output_tensor_lists, input_tensor_list, group=None, asy
         raise TypeError("Invalid function argument: output_tensor_lists should be a list")
     if not ins:
         raise args.ArgumentError("all_gather_coalesced: input_tensor_list must not be empty")
-    out_lists = []
-    for r, outs in enumerate(output_tensor_lists):
-        out_lists.append(args.tensor_list(outs, "all_gather_coalesced", f"output_tensor_lists[{r}]", len(ins),
-                                          like=None, writes=True))
-    if len(out_lists) != pg.size():
-        raise args.ArgumentError(
-            f"all_gather_coalesced: output_tensor_lists must have one list per rank: expected length {pg.size()}, "
-            f"got {len(out_lists)}"
-        )
-    args.same_dtype(ins + [b for outs in out_lists for b in outs], "all_gather_coalesced")
-    for r, outs in enumerate(out_lists):
-        for i, (out, inp) in enumerate(zip(outs, ins)):
-            if out.count != inp.count:
-                raise args.ArgumentError(
-                    f"all_gather_coalesced: output_tensor_lists[{r}][{i}] has {out.count} elements, expected "
-                    f"{inp.count} (the size of input_tensor_list[{i}])"
-                )
+    out_lists = args.gathered_lists(output_tensor_lists, ins, pg.size(), "all_gather_coalesced")
     # torch's future: output_tensor_lists itself (a list per rank)
     return _future_of(pg.allgather_coalesced(out_lists, ins, async_op, output_tensor_lists))
 
@@ -210,12 +194,7 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bo
         return None
     out = args.tensor(output_tensor, "all_gather_into_tensor", "output_tensor", writes=True)
     inp = args.tensor(input_tensor, "all_gather_into_tensor", "input_tensor")
-    args.same_dtype([out, inp], "all_gather_into_tensor")
-    if out.count != inp.count * pg.size():
-        raise args.ArgumentError(
-            f"all_gather_into_tensor: output tensor has {out.count} elements, expected "
-            f"{inp.count * pg.size()} (input size {inp.count} x world size {pg.size()})"
-        )
+    args.gathered_into(out, inp, pg.size(), "all_gather_into_tensor")
     # torch's future holds the output split into one view per rank; a synchronous call has no
     # future, and splitting a torch tensor costs about 3 µs of CPU: split only for a Work
     views = _per_rank_views(output_tensor, pg.size()) if async_op else None
@@ -280,11 +259,7 @@ def reduce_scatter(output, input_list, op=RedOpType.SUM, group=None, async_op: b
         return None
     out = args.tensor(output, "reduce_scatter", "output", writes=True)
     ins = args.tensor_list(input_list, "reduce_scatter", "input_list", pg.size())
-    args.same_dtype(ins + [out], "reduce_scatter")
-    if ins[pg.rank()].count != out.count:
-        raise args.ArgumentError(
-            f"reduce_scatter: input_list[{pg.rank()}] has {ins[pg.rank()].count} elements but output has {out.count}"
-        )
+    args.reduce_scatter_list(out, ins, pg.rank(), "reduce_scatter")
     op = _check_op(op, out.dtype, "reduce_scatter")
     return pg.reduce_scatter(out, ins, op, async_op, [output])
 
@@ -302,12 +277,7 @@ def reduce_scatter_tensor(output, input, op=RedOpType.SUM, group=None, async_op:
         return None
     out = args.tensor(output, "reduce_scatter_tensor", "output", writes=True)
     inp = args.tensor(input, "reduce_scatter_tensor", "input")
-    args.same_dtype([out, inp], "reduce_scatter_tensor")
-    if inp.count != out.count * pg.size():
-        raise args.ArgumentError(
-            f"reduce_scatter_tensor: input tensor has {inp.count} elements, expected "
-            f"{out.count * pg.size()} (output size {out.count} x world size {pg.size()})"
-        )
+    args.scattered_from(out, inp, pg.size(), "reduce_scatter_tensor")
     op = _check_op(op, out.dtype, "reduce_scatter_tensor")
     return pg.reduce_scatter_tensor(out, inp, op, async_op, [output])
 

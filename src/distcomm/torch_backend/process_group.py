@@ -30,7 +30,7 @@ import torch
 import torch.distributed as tdist
 
 from .. import backends, diagnostics
-from .._api import rollcall
+from .._api import args, rollcall
 from ..buffers import SparseBuffer, as_buffer, as_buffers
 from ..process_group import ProcessGroup
 from ..transport.base import ANY_SOURCE
@@ -187,6 +187,7 @@ class DistcommProcessGroup(tdist.ProcessGroup):
         return self._run(lambda a: self.group.allreduce_coalesced(bufs, op, a, tensors), tensors)
 
     def broadcast(self, tensors, opts):
+        args.rank_in_group(opts.rootRank, self.group.size(), "broadcast", "root")
         done = self._fast(self.group.tensor_paths.broadcast, tensors, opts, tensors[0], opts.rootRank)
         if done is not NOT_TAKEN:
             return done
@@ -194,6 +195,7 @@ class DistcommProcessGroup(tdist.ProcessGroup):
         return self._run(lambda a: self.group.broadcast(buf, opts.rootRank, a, tensors), tensors)
 
     def reduce(self, tensors, opts):
+        args.rank_in_group(opts.rootRank, self.group.size(), "reduce", "root")
         op = reduce_op(opts.reduceOp)
         if op.__class__ is RedOpType:  # the latency path takes plain ops only (not PREMUL_SUM)
             done = self._fast(self.group.tensor_paths.reduce, tensors, opts, tensors[0], op, opts.rootRank)
@@ -206,7 +208,8 @@ class DistcommProcessGroup(tdist.ProcessGroup):
         done = self._fast(self.group.tensor_paths.all_gather, output_lists, opts, output_lists[0], inputs[0])
         if done is not NOT_TAKEN:
             return done
-        outs, inp = as_buffers(output_lists[0]), as_buffer(inputs[0])
+        inp = as_buffer(inputs[0])
+        outs = args.tensor_list(output_lists[0], "all_gather", "tensor_list", self.group.size(), like=inp)
         return self._run(lambda a: self.group.allgather(outs, inp, a, output_lists), output_lists)
 
     def all_gather_single(self, output, input, opts=None):  # noqa: A002 - torch's names
@@ -214,43 +217,48 @@ class DistcommProcessGroup(tdist.ProcessGroup):
         if done is not NOT_TAKEN:
             return done
         out, inp = as_buffer(output), as_buffer(input)
+        args.gathered_into(out, inp, self.group.size(), "all_gather_into_tensor")
         return self._run(lambda a: self.group.allgather_into_tensor(out, inp, a, [output]), [output])
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         pairs = [(as_buffer(o), as_buffer(i)) for o, i in zip(outputs, inputs)]
+        for o, i in pairs:
+            args.gathered_into(o, i, self.group.size(), "all_gather_into_tensor")
         return self._run_each(
             [lambda a, o=o, i=i: self.group.allgather_into_tensor(o, i, a) for o, i in pairs], outputs)
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):
-        outs = [as_buffers(lst) for lst in output_lists]
         ins = as_buffers(inputs)
+        outs = args.gathered_lists(output_lists, ins, self.group.size(), "all_gather_coalesced")
         return self._run(lambda a: self.group.allgather_coalesced(outs, ins, a, output_lists), output_lists)
 
     def gather(self, output_lists, inputs, opts):
-        root = opts.rootRank
+        root = args.rank_in_group(opts.rootRank, self.group.size(), "gather", "root")
         is_root = self.group.rank() == root
         done = self._fast(self.group.tensor_paths.gather, output_lists, opts, inputs[0],
                           output_lists[0] if is_root else None, root)
         if done is not NOT_TAKEN:
             return done
-        outs = as_buffers(output_lists[0]) if is_root else None
         inp = as_buffer(inputs[0])
+        outs = args.tensor_list(output_lists[0], "gather", "gather_list", self.group.size(), like=inp) if is_root else None
         return self._run(lambda a: self.group.gather(outs, inp, root, a, output_lists), output_lists)
 
     def scatter(self, outputs, input_lists, opts):
-        root = opts.rootRank
+        root = args.rank_in_group(opts.rootRank, self.group.size(), "scatter", "root")
         is_root = self.group.rank() == root
         done = self._fast(self.group.tensor_paths.scatter, outputs, opts, outputs[0],
                           input_lists[0] if is_root else None, root)
         if done is not NOT_TAKEN:
             return done
         out = as_buffer(outputs[0])
-        ins = as_buffers(input_lists[0]) if is_root else None
+        ins = args.tensor_list(input_lists[0], "scatter", "scatter_list", self.group.size(), like=out) if is_root else None
         return self._run(lambda a: self.group.scatter(out, ins, root, a, outputs), outputs)
 
     def reduce_scatter(self, outputs, input_lists, opts):
         op = reduce_op(opts.reduceOp)
-        out, ins = as_buffer(outputs[0]), as_buffers(input_lists[0])
+        out = as_buffer(outputs[0])
+        ins = args.tensor_list(input_lists[0], "reduce_scatter", "input_list", self.group.size())
+        args.reduce_scatter_list(out, ins, self.group.rank(), "reduce_scatter")
         return self._run(lambda a: self.group.reduce_scatter(out, ins, op, a, outputs), outputs)
 
     def reduce_scatter_single(self, output, input, opts):  # noqa: A002 - torch's name
@@ -260,16 +268,22 @@ class DistcommProcessGroup(tdist.ProcessGroup):
             if done is not NOT_TAKEN:
                 return done
         out, inp = as_buffer(output), as_buffer(input)
+        args.scattered_from(out, inp, self.group.size(), "reduce_scatter_tensor")
         return self._run(lambda a: self.group.reduce_scatter_tensor(out, inp, op, a, [output]), [output])
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
         op = reduce_op(opts.reduceOp)
         pairs = [(as_buffer(o), as_buffer(i)) for o, i in zip(outputs, inputs)]
+        for o, i in pairs:
+            args.scattered_from(o, i, self.group.size(), "reduce_scatter_tensor")
         return self._run_each(
             [lambda a, o=o, i=i: self.group.reduce_scatter_tensor(o, i, op, a) for o, i in pairs], outputs)
 
     def alltoall(self, outputs, inputs, opts=None):
-        outs, ins = as_buffers(outputs), as_buffers(inputs)
+        size = self.group.size()
+        outs = args.tensor_list(outputs, "all_to_all", "output_tensor_list", size)
+        ins = args.tensor_list(inputs, "all_to_all", "input_tensor_list", size)
+        args.same_dtype(outs + ins, "all_to_all")
         return self._run(lambda a: self.group.alltoall(outs, ins, a, outputs), outputs)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):  # noqa: A002
@@ -279,8 +293,9 @@ class DistcommProcessGroup(tdist.ProcessGroup):
                 return done
         size = self.group.size()
         out, inp = as_buffer(output), as_buffer(input)
-        recv_counts = _counts(output, output_split_sizes, size)
-        send_counts = _counts(input, input_split_sizes, size)
+        args.same_dtype([out, inp], "all_to_all_single")
+        recv_counts = _counts(output, output_split_sizes, size, "output")
+        send_counts = _counts(input, input_split_sizes, size, "input")
         return self._run(
             lambda a: self.group.alltoall_base(out, inp, recv_counts, send_counts, a, [output]), [output])
 
@@ -306,9 +321,11 @@ class DistcommProcessGroup(tdist.ProcessGroup):
 
     # -- point-to-point ---------------------------------------------------------------------------
     def send(self, tensors, dst, tag=0):
+        args.rank_in_group(dst, self.group.size(), "send", "destination")
         return self._track(TorchWork(tensors, [self.group.send(as_buffer(tensors[0]), dst, tag)]))
 
     def recv(self, tensors, src, tag=0):
+        args.rank_in_group(src, self.group.size(), "recv", "source")
         return self._track(TorchWork(tensors, [self.group.recv(as_buffer(tensors[0]), src, tag)]))
 
     def recv_anysource(self, tensors, tag=0):
@@ -338,12 +355,16 @@ class DistcommProcessGroup(tdist.ProcessGroup):
         self.shutdown()
 
 
-def _counts(tensor, split_sizes, size: int) -> list[int]:
-    """Per-rank element counts of torch's split sizes (rows of dim 0; none given: equal blocks)."""
+def _counts(tensor, split_sizes, size: int, name: str) -> list[int]:
+    """Per-rank element counts of torch's split sizes (rows of dim 0), checked as gloo checks them:
+    one per rank, summing to dim 0. None given: equal blocks of the elements (gloo does not ask
+    dim 0 to divide by the group size here; distcomm's own all_to_all_single does)."""
     if not split_sizes:
         return [tensor.numel() // size] * size
-    row = tensor.numel() // tensor.shape[0] if tensor.dim() and tensor.shape[0] else 1
-    return [s * row for s in split_sizes]
+    dim0 = tensor.shape[0] if tensor.dim() else 1
+    rows = args.split_sizes(split_sizes, dim0, size, "all_to_all_single", name)
+    row = tensor.numel() // dim0 if dim0 else 0
+    return [s * row for s in rows]
 
 
 def create(common_opts, backend_options=None) -> DistcommProcessGroup:
