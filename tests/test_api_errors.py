@@ -252,9 +252,15 @@ def test_register_backend_third_party_engine_world_of_one():
         np.testing.assert_array_equal(t, np.arange(5.0))
         assert dist.GroupMember.WORLD is not None and dist.group.WORLD is dist.GroupMember.WORLD
         assert dist.get_rank() == 0 and dist.get_world_size() == 1
+        # torch's private helpers that libraries call
+        assert dist.distributed_c10d._get_default_group() is dist.group.WORLD
+        assert not dist._rank_not_in_group(None) and not dist._rank_not_in_group(dist.new_group([0]))
+        assert dist._rank_not_in_group(dist.GroupMember.NON_GROUP_MEMBER)
     finally:
         dist.destroy_process_group()
     assert not dist.is_initialized()
+    with pytest.raises(ValueError, match="Default process group has not been initialized"):
+        dist.distributed_c10d._get_default_group()
     with pytest.raises(ValueError):
         dist.Backend.register_backend("counting_inproc", engine)  # twice: refused, as torch
 

@@ -16,6 +16,7 @@ from ._api.multigpu import (
 )
 from .distributed_c10d import *  # noqa: F403 - torch.distributed takes these the same way
 from .distributed_c10d import __all__ as _c10d_all
+from .distributed_c10d import _rank_not_in_group  # noqa: F401 - torch.distributed has it too
 from .errors import (
     CollectiveMismatchError,
     DistBackendError,

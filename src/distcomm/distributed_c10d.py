@@ -58,6 +58,7 @@ from ._api.objects import (
     scatter_object_list,
     send_object_list,
 )
+from ._api.args import default_group
 from ._api.p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
 from .backends import Backend
 from .process_group import ProcessGroup
@@ -69,6 +70,17 @@ from .world import GroupMember, group
 # torch 2.13's newer names for the tensor forms
 all_gather_single = all_gather_into_tensor
 reduce_scatter_single = reduce_scatter_tensor
+
+
+# Private in torch, but called by libraries written against it (as torch.distributed.distributed_c10d's).
+def _get_default_group() -> ProcessGroup:
+    """The default process group; ValueError (torch's text) before init_process_group."""
+    return default_group()
+
+
+def _rank_not_in_group(group) -> bool:
+    """Whether this process is outside ``group`` (None: the default group, which every rank is in)."""
+    return group is GroupMember.NON_GROUP_MEMBER
 
 # torch's distributed_c10d.__all__, less what distcomm does not provide (see docs/torch-differences.md)
 __all__ = [

@@ -58,4 +58,7 @@ def from_name(name: str) -> DType:
     try:
         return BY_NAME[name]
     except KeyError:
-        raise TypeError(f"dtype {name} is not supported by distcomm") from None
+        raise TypeError(
+            f"dtype {name} is not supported by distcomm; convert the tensor to one of "
+            f"{', '.join(sorted(BY_NAME))} (e.g. tensor.to(torch.bfloat16)), and back after the call"
+        ) from None
