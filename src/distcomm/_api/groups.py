@@ -9,7 +9,7 @@ from typing import Any, Sequence
 from .. import diagnostics, launcher_env, world
 from ..backends import Backend, connect
 from ..process_group import ProcessGroup
-from ..errors import DistBackendError
+from ..errors import CollectiveMismatchError, DistBackendError, DistStoreError
 from .args import NOT_INITIALIZED, default_group, resolve_group
 
 default_pg_timeout = timedelta(minutes=30)
@@ -193,6 +193,8 @@ def new_group(
         name = group_desc if (group_desc and group_desc not in world.groups) else str(gid)
         if world.global_rank not in ranks:
             return world.GroupMember.NON_GROUP_MEMBER
+        if world.store is not None and len(ranks) > 1:
+            _agree_on_members(world.store, gid, ranks, timeout)
         world_engine = world.engines.get(engine)
         if world_engine is None or engine != world_pg.engine_name:
             # A different engine: connect just the members, through a namespace of this group. Its
@@ -209,6 +211,40 @@ def new_group(
                               world.store)
         world.groups[name] = pg
         return pg
+
+
+def _agree_on_members(store, gid: int, ranks: list[int], timeout: timedelta) -> None:
+    """Every member of group ``gid`` publishes the ranks it was given and checks the others'.
+
+    Members that were given different lists would otherwise meet in collectives of different
+    shapes: an engine whose messages match by group and sequence number (TCP) then mixes them and
+    returns wrong results without an error. The check costs a store round trip per member, as
+    torch's own new_group waits at a store barrier.
+    """
+    me = world.global_rank
+    text = ",".join(map(str, ranks))
+    store.set(f"group/{gid}/members/{me}", text)
+    keys = [f"group/{gid}/members/{r}" for r in ranks]
+    try:
+        store.wait(keys, timeout)
+    except DistStoreError:
+        missing = [r for r in ranks if not store.check([f"group/{gid}/members/{r}"])]
+        raise DistBackendError(
+            f"new_group on rank {me}: rank(s) {missing} of the new group {ranks} did not call new_group within "
+            f"{timeout.total_seconds():g} s; every rank must call new_group for every group, in the same order"
+        ) from None
+    values = [v.decode() if isinstance(v, bytes) else str(v) for v in store.multi_get(keys)]
+    if all(v == text for v in values):
+        return
+    given: dict[str, list[int]] = {}
+    for r, v in zip(ranks, values):
+        given.setdefault(v, []).append(r)
+    said = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} gave [{v}]"
+                     for v, rs in given.items())
+    raise CollectiveMismatchError(
+        f"new_group on rank {me}: the ranks disagree on the members of the new group (group {gid}): {said}. "
+        "Call new_group with the same ranks on every process"
+    )
 
 
 def new_subgroups(
