@@ -212,9 +212,9 @@ def test_a_killed_host_fails_the_others_promptly(hosts, tmp_path, victim):
     net.hosts[victim].kill_all()  # launcher and workers at once: the host is gone
     survivors = [k for k in range(3) if k != victim]
     # Node 0's launcher, when it survives, reports the failure, stops its workers, then waits in its
-    # exit barrier (coordination.EXIT_BARRIER_TIMEOUT, 30 s; torchrun's is 300 s) for the dead
-    # host's launcher, which never comes: its workers are what must go promptly. The other
-    # launchers exit.
+    # exit barrier for the dead host's launcher until it has missed its heartbeats (15 s by default;
+    # at most coordination.EXIT_BARRIER_TIMEOUT, 30 s; torchrun's is 300 s): its workers are what
+    # must go promptly. The other launchers exit.
     leaving = [k for k in survivors if k != 0]
     assert job.wait(leaving) == [1] * len(leaving), job.outputs()
     # ... and that launcher's watchdog (_launcher/watchdog.py), which lives exactly as long as it does

@@ -39,6 +39,13 @@ What the launcher does
   every node, then prints a summary with that worker's rank, exit code or signal, pid, host, time
   and the tail of its Python traceback (read from its stderr; no decorator needed). With
   ``--max-restarts k`` the whole group is restarted (a new round, new key prefix) up to k times.
+- A lost launcher ends the job, whether or not a worker noticed: the other nodes' launchers
+  notice that node rank 0's is gone when its job store is; every other launcher sends node rank
+  0's a heartbeat every ``keep_alive_interval`` s (``--rdzv-conf``, default 5), and once one has
+  missed ``keep_alive_max_attempt`` (default 3) in a row, node rank 0's launcher names that node,
+  stops the workers on every node and exits 1, without restarting (its workers may have finished:
+  the job did not). Node rank 0's launcher then keeps the store up for the launchers still alive,
+  at most 30 s.
 - Exit code: 0 when every worker of every node exited 0; 1 when the job failed or could not start
   (the reason is printed); 128+N when the launcher was stopped by signal N. SIGINT, SIGTERM,
   SIGHUP and SIGQUIT sent to the launcher are forwarded to the workers (each runs in its own
@@ -165,7 +172,9 @@ def get_args_parser(prog: str = "distcomm-run") -> argparse.ArgumentParser:
     p.add_argument(*_both("rdzv-id"), action=_Env, type=str, default=None,
                    help="Run id (TORCHELASTIC_RUN_ID). Default: made up by node rank 0 and shared.")
     p.add_argument(*_both("rdzv-conf"), action=_Env, type=str, default="",
-                   help="KEY=VALUE,...; join_timeout=<seconds> is how long launchers wait for each other.")
+                   help="KEY=VALUE,...; join_timeout=<seconds> is how long launchers wait for each other; "
+                        "keep_alive_interval=<seconds> (default 5) and keep_alive_max_attempt=<n> (default 3): "
+                        "node rank 0's launcher gives up on another launcher that missed n heartbeats in a row.")
     p.add_argument("--standalone", action=_EnvFlag,
                    help="Single-node job with its store on a free local port: ignores --master-addr/"
                         "--master-port/--rdzv-endpoint.")
@@ -254,6 +263,18 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         join_timeout = float(conf.get("join_timeout", 600))
     except ValueError:
         raise LaunchError(f"--rdzv-conf join_timeout={conf['join_timeout']!r}: expected seconds") from None
+    try:
+        keep_alive_interval = float(conf.get("keep_alive_interval", 5))
+    except ValueError:
+        raise LaunchError(
+            f"--rdzv-conf keep_alive_interval={conf['keep_alive_interval']!r}: expected seconds"
+        ) from None
+    try:
+        keep_alive_max_attempt = int(conf.get("keep_alive_max_attempt", 3))
+    except ValueError:
+        raise LaunchError(
+            f"--rdzv-conf keep_alive_max_attempt={conf['keep_alive_max_attempt']!r}: expected an int"
+        ) from None
     return LaunchConfig(
         entrypoint=entrypoint,
         args=list(args.training_script_args),
@@ -268,6 +289,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         monitor_interval=args.monitor_interval,
         shutdown_timeout=args.shutdown_timeout,
         join_timeout=join_timeout,
+        keep_alive_interval=keep_alive_interval,
+        keep_alive_max_attempt=keep_alive_max_attempt,
         redirects=parse_std_spec(args.redirects, nproc, "--redirects"),
         tee=parse_std_spec(args.tee, nproc, "--tee"),
         log_dir=args.log_dir,

@@ -9,7 +9,7 @@ One module per concern, so each can be read (and tested) alone:
 - ``failure``  what failed and why: exit descriptions, traceback tails, the summary text
 - ``cleanup``  hook point run after every round's workers are gone (shared-memory segments)
 - ``coordination``  what the launchers of a job agree through the store: rendezvous per round,
-               the root cause of a failure, abort, the exit barrier
+               the root cause of a failure, abort, heartbeats, the exit barrier
 - ``agent``    one node's launcher: rounds of workers, restarts, the summary, signal forwarding
 - ``watchdog`` the process that cleans up after a SIGKILLed launcher (worker sessions, temp dir, segments)
 

@@ -183,6 +183,10 @@ class LaunchConfig:
     monitor_interval: float = 0.1
     shutdown_timeout: float = 30.0      # SIGTERM -> SIGKILL grace period
     join_timeout: float = 600.0         # how long launchers wait for each other at a rendezvous
+    # torchrun's keep-alive settings: every launcher but node rank 0's beats this often, and node
+    # rank 0's gives up on one after this many beats in a row are missing
+    keep_alive_interval: float = 5.0
+    keep_alive_max_attempt: int = 3
     redirects: dict[int, int] = field(default_factory=dict)
     tee: dict[int, int] = field(default_factory=dict)
     log_dir: str | None = None
@@ -212,3 +216,9 @@ class LaunchConfig:
             )
         if self.monitor_interval <= 0:
             raise LaunchError(f"--monitor-interval={self.monitor_interval}: expected a positive number")
+        if not 0 < self.keep_alive_interval < float("inf"):
+            raise LaunchError(
+                f"--rdzv-conf keep_alive_interval={self.keep_alive_interval}: expected a positive number of seconds"
+            )
+        if self.keep_alive_max_attempt < 1:
+            raise LaunchError(f"--rdzv-conf keep_alive_max_attempt={self.keep_alive_max_attempt}: expected 1 or more")

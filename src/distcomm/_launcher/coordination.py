@@ -12,15 +12,27 @@ poll. Keys (``R`` = ``/distcomm-run/round<attempt>``):
 - ``R/failed``, ``R/root`` (+ ``root_set``): the first node to see a worker fail publishes it as
   the round's root cause; every node stops its workers, then all restart or all give up
 - ``R/succeeded``: nodes whose workers all exited 0; the round succeeds when every node is in
-- ``/distcomm-run/abort`` (+ ``abort_reason``): a launcher was signalled or misconfigured; everyone
-  stops without restarting
-- ``/distcomm-run/exit``: node rank 0 keeps the store up until every launcher has left
+- ``/distcomm-run/abort`` (+ ``abort_reason``): a launcher was signalled or misconfigured, or node
+  rank 0's lost one; everyone stops without restarting
+- ``/distcomm-run/alive/<node_rank>``: the heartbeat of every launcher but node rank 0's, a counter
+  a thread of that launcher bumps every ``keep_alive_interval`` s until it leaves
+- ``/distcomm-run/exit`` (+ ``exit/<node_rank>``): node rank 0 keeps the store up until every
+  launcher has left, or is lost
+
+Liveness: the other launchers notice that node rank 0's launcher is gone when its store is (their
+next poll fails).
+Node rank 0's launcher reads the others' heartbeats in every wait of its own (a rendezvous, the
+running round, the wait for the other nodes' success, the exit barrier), and judges them on its own
+clock: a counter that has not moved for ``keep_alive_interval * keep_alive_max_attempt`` seconds
+(torchrun's keep-alive settings and defaults) belongs to a launcher that was killed, crashed or lost
+its host. It then aborts the job naming that node: its workers are gone, so the job cannot complete.
 
 Workers never see these keys: theirs live under ``/worker/attempt_<k>`` (DISTCOMM_STORE_PREFIX).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 
@@ -32,6 +44,44 @@ AGENT = "/distcomm-run"
 POLL = 0.05                 # seconds between store polls while launchers wait for each other
 EXIT_BARRIER_TIMEOUT = 30.0
 ROOT_WAIT = 5.0             # how long to wait for another node's root-cause record
+HEARTBEAT_STOP_WAIT = 1.0   # how long leaving waits for a heartbeat stuck in a store call
+
+
+def _heartbeat_key(node_rank: int) -> str:
+    return f"{AGENT}/alive/{node_rank}"
+
+
+class _Heartbeat:
+    """A launcher's keep-alive: a daemon thread bumps its counter every ``interval`` seconds, so
+    the launcher beats whatever its main thread is doing (stopping workers takes up to
+    --shutdown-timeout). It beats through a connection of its own when it can open one, so a beat
+    never queues behind the main thread's request. A failed beat ends the thread quietly: the store
+    is gone, and the main thread finds out on its next poll."""
+
+    def __init__(self, store, key: str, interval: float):
+        try:
+            self._store, self._owned = store.clone(), True
+        except Exception:  # noqa: BLE001 - the shared client is thread-safe, only slower to share
+            self._store, self._owned = store, False
+        self._key, self._interval = key, min(interval, threading.TIMEOUT_MAX)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="distcomm-run-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self._store.add(self._key, 1)
+            except Exception:  # noqa: BLE001
+                return
+            if self._stop.wait(self._interval):
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(HEARTBEAT_STOP_WAIT)
+        if self._owned and not self._thread.is_alive():  # never close a connection a beat is using
+            self._store.close()
 
 
 def worker_store_prefix(attempt: int) -> str:
@@ -40,7 +90,8 @@ def worker_store_prefix(attempt: int) -> str:
 
 
 class JobAborted(Exception):
-    """Another launcher aborted the job, or the store (node rank 0's launcher) went away."""
+    """Another launcher aborted the job, the store (node rank 0's launcher) went away, or node rank
+    0's launcher lost another launcher."""
 
 
 class Coordinator:
@@ -53,6 +104,15 @@ class Coordinator:
         self.store = None
         self.port = config.master_port
         self.run_id = config.run_id or ""
+        self._heartbeat: _Heartbeat | None = None
+        self._nprocs: list[int] = []    # every node's worker count, from the last rendezvous
+        # node rank 0's view of the others' heartbeats: node -> (counter, when it was first seen at
+        # that value, on this launcher's monotonic clock)
+        self._beats: dict[int, tuple[int, float]] = {}
+        self._lost: list[int] = []
+        self._next_beat_poll = 0.0
+        self._lost_after = config.keep_alive_interval * config.keep_alive_max_attempt
+        self._beat_poll = max(POLL, min(1.0, config.keep_alive_interval / 2))
 
     # -- the store ------------------------------------------------------------------------------
     def open(self) -> None:
@@ -69,6 +129,8 @@ class Coordinator:
             self._poll_until(lambda: self._count(f"{AGENT}/run_id_set") > 0, c.join_timeout,
                              "the run id from node rank 0")
             self.run_id = self.store.get(f"{AGENT}/run_id").decode()
+            if self.multi_node:
+                self._heartbeat = _Heartbeat(self.store, _heartbeat_key(c.node_rank), c.keep_alive_interval)
 
     def store_lost(self, exc: BaseException) -> str:
         return (
@@ -85,9 +147,68 @@ class Coordinator:
             raise JobAborted(self.store_lost(exc)) from exc
 
     def check_abort(self) -> None:
+        """Raise JobAborted if another launcher aborted the job, or (node rank 0) one is lost."""
+        self._check_abort_key()
+        self._check_peers()
+
+    def _check_abort_key(self) -> None:
         if self._count(f"{AGENT}/abort") > 0:
             reason = self.store.get(f"{AGENT}/abort_reason").decode()
             raise JobAborted(f"job aborted: {reason}")
+
+    # -- liveness (node rank 0 judges the others) ------------------------------------------------
+    def _lost_nodes(self) -> list[int]:
+        """The other nodes whose launcher's heartbeat stopped (see the module docstring). Node rank
+        0 only; a node that never beat (not started yet) is not judged. Read from the store at most
+        every ``_beat_poll`` seconds."""
+        if not (self.is_host and self.multi_node):
+            return []
+        now = time.monotonic()
+        if now < self._next_beat_poll:
+            return self._lost
+        self._next_beat_poll = now + self._beat_poll
+        lost = []
+        for node in range(1, self.config.nnodes):
+            beats = self._count(_heartbeat_key(node))
+            seen = self._beats.get(node)
+            if seen is None or seen[0] != beats:
+                self._beats[node] = (beats, now)
+            elif beats > 0 and now - seen[1] >= self._lost_after:
+                lost.append(node)
+        self._lost = lost
+        return lost
+
+    def _left(self, node: int) -> bool:
+        return self._count(f"{AGENT}/exit/{node}") > 0
+
+    def _check_peers(self) -> None:
+        lost = self._lost_nodes()
+        if lost:
+            self._give_up_on(lost)
+
+    def _give_up_on(self, lost: list[int]) -> None:
+        """Abort the job for the other launchers, then raise JobAborted, naming the lost nodes."""
+        c = self.config
+        parts = []
+        for node in lost:
+            if self._left(node):
+                why = "its launcher exited before the job ended (its output says why)"
+            else:
+                why = (
+                    f"its launcher sent no heartbeat for {self._lost_after:g} s (--rdzv-conf keep_alive_interval="
+                    f"{c.keep_alive_interval:g} x keep_alive_max_attempt={c.keep_alive_max_attempt}): it was "
+                    "killed or crashed, or its host is down or unreachable"
+                )
+            parts.append(f"lost node {node}{self._ranks_of(node)}: {why}")
+        reason = "; ".join(parts) + f"; the job cannot complete without {'it' if len(lost) == 1 else 'them'}"
+        self.abort(reason)
+        raise JobAborted(reason)
+
+    def _ranks_of(self, node: int) -> str:
+        if node >= len(self._nprocs):
+            return ""
+        first, count = sum(self._nprocs[:node]), self._nprocs[node]
+        return f" (rank {first})" if count == 1 else f" (ranks {first}-{first + count - 1})"
 
     def _poll_until(self, done, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
@@ -112,13 +233,24 @@ class Coordinator:
         if self.store is None:
             return
         try:
+            self.store.add(f"{AGENT}/exit/{self.config.node_rank}", 1)
             self.store.add(f"{AGENT}/exit", 1)
             if self.is_host and self.multi_node:
+                # a lost launcher never leaves: wait only for the live ones
                 deadline = time.monotonic() + EXIT_BARRIER_TIMEOUT
-                while self._count(f"{AGENT}/exit") < self.config.nnodes and time.monotonic() < deadline:
+                while time.monotonic() < deadline:
+                    left = self._count(f"{AGENT}/exit")
+                    if left >= self.config.nnodes:
+                        break
+                    gone = [n for n in self._lost_nodes() if not self._left(n)]
+                    if left + len(gone) >= self.config.nnodes:
+                        break
                     time.sleep(POLL)
         except BaseException:  # noqa: BLE001 - leaving must not hide the job's result
             pass
+        if self._heartbeat is not None:  # after "exit": a launcher that left is never taken for lost
+            self._heartbeat.stop()
+            self._heartbeat = None
         store, self.store = self.store, None
         store.close()  # on node rank 0 this stops the server
 
@@ -139,7 +271,7 @@ class Coordinator:
             c.join_timeout,
             f"all {c.nnodes} launchers (--nnodes) to join the job at {c.master_addr}:{self.port}",
         )
-        nprocs = [int(self.store.get(f"{r}/nproc/{n}")) for n in range(c.nnodes)]
+        nprocs = self._nprocs = [int(self.store.get(f"{r}/nproc/{n}")) for n in range(c.nnodes)]
         return sum(nprocs[: c.node_rank]), sum(nprocs)
 
     def publish_failure(self, attempt: int, failure: Failure) -> Failure:
@@ -152,19 +284,28 @@ class Coordinator:
         return self._root(r)
 
     def remote_failure(self, attempt: int) -> Failure | None:
-        """Another node's root cause for this round, if there is one yet (raises if aborted)."""
-        self.check_abort()
+        """Another node's root cause for this round, if there is one yet (raises if aborted, or if
+        another node's launcher is lost)."""
+        self._check_abort_key()
         r = f"{AGENT}/round{attempt}"
-        return self._root(r) if self._count(f"{r}/failed") > 0 else None
+        if self._count(f"{r}/failed") > 0:  # a launcher that reported a failure is not lost: it left
+            return self._root(r)
+        self._check_peers()
+        return None
 
     def finish_round(self, attempt: int, interval: float) -> Failure | None:
-        """Every local worker succeeded: wait for the other nodes; their root cause if one failed."""
+        """Every local worker succeeded: wait for the other nodes; their root cause if one failed.
+        Raises JobAborted if the job was aborted or (node rank 0) another node's launcher is lost."""
         r = f"{AGENT}/round{attempt}"
         self.store.add(f"{r}/succeeded", 1)
         while self._count(f"{r}/succeeded") < self.config.nnodes:
-            failure = self.remote_failure(attempt)
-            if failure is not None:
-                return failure
+            self._check_abort_key()
+            if self._count(f"{r}/failed") > 0:
+                return self._root(r)
+            lost = self._lost_nodes()
+            # read again: a node may have succeeded, seen the round done and left since the first read
+            if lost and self._count(f"{r}/succeeded") < self.config.nnodes:
+                self._give_up_on(lost)
             time.sleep(interval)
         return None
 
