@@ -21,6 +21,10 @@ under ``trace/`` in its namespace for this init:
     escapes a rank's program: its type, message, call site and the last lines of its traceback.
     A rank whose collective then fails (its peer closed the connection, or time ran out) reads it
     into its error: "rank 2 failed: ValueError: bad batch (train.py:57)".
+``trace/left/<rank>`` and ``trace/left_seen/<rank>``
+    In an MPI job (mpiexec), written at exit by a rank whose program ended without
+    destroy_process_group: once its output is flushed, and once it is done with the store
+    (``wait_for_leavers``; _api/leaving.py says why).
 
 Every store call here is guarded: a store that is gone (the rank hosting it died) costs the report,
 never the error it decorates.
@@ -216,6 +220,7 @@ class Monitor:
 
 monitor: Monitor | None = None
 _previous_excepthook = None
+_failed = False  # this process published its failure (report_failure): read when it leaves an MPI job
 
 
 def install(store: Any, rank: int, world_size: int, answer_on_leave: bool = True) -> None:
@@ -282,9 +287,12 @@ def failure_summary(exc: BaseException) -> dict:
 def report_failure(exc: BaseException) -> None:
     """Publish ``exc`` as this rank's cause of failure, for its peers' errors (the excepthook does
     this for exceptions that end the program; call it where a framework catches them first)."""
+    global _failed
     mon = monitor
     if mon is None:
         return
+    if mon.pid == os.getpid():
+        _failed = True
     mon.publish_failure(failure_summary(exc))
     reason = f"rank {mon.rank} failed: {type(exc).__name__}"
     if fr.recorder is not None:
@@ -299,6 +307,61 @@ def _excepthook(tp, value, tb) -> None:
             report_failure(value)
     finally:
         (_previous_excepthook or sys.__excepthook__)(tp, value, tb)
+
+
+# -- leaving a job whose processes outlive their program (MPI) -----------------------------------
+# The store side of _api/leaving.py (which says why): every rank that leaves writes
+# ``trace/left/<rank>``; a failed one waits for every rank's, and rank 0, whose process hosts the
+# store under mpiexec, waits for ``trace/left_seen/<rank>`` of every rank that left before taking
+# the store away.
+def failed() -> bool:
+    """Whether this process published its failure (report_failure: its excepthook did)."""
+    return _failed
+
+
+def wait_for_leavers(grace: float, wait: bool) -> list[int] | None:
+    """Write this rank's ``trace/left`` key and, if ``wait`` (or on rank 0), wait up to ``grace``
+    seconds for every rank's: the ranks still missing then, or None if the store stopped answering
+    (or ``wait`` is False, or nothing is installed). Then this rank writes ``trace/left_seen/<rank>``
+    (done with the store), and rank 0 waits (as long again at most) for that key of every rank that
+    left. Store calls run on a thread of their own: a store whose host is stuck in MPI_Finalize may
+    never answer."""
+    mon = monitor
+    if mon is None:
+        return None
+    left = [f"trace/left/{r}" for r in range(mon.world_size)]
+    seen = [f"trace/left_seen/{r}" for r in range(mon.world_size)]
+    found: list = [None]
+
+    def wait_for(keys: list[str], deadline: float) -> list[int] | None:
+        while True:
+            try:
+                if mon.store.check(keys):
+                    return []
+            except Exception:  # noqa: BLE001 - the store is gone
+                mon.store_lost = True
+                return None
+            if time.monotonic() >= deadline:
+                missing = [r for r, key in enumerate(keys) if mon._get_if_set(key) is None]
+                return None if mon.store_lost else missing
+            time.sleep(0.05)
+
+    def run() -> None:
+        mon._set(left[mon.rank], "1")
+        if not (wait or mon.rank == 0):
+            mon._set(seen[mon.rank], "1")  # done with the store
+            return
+        found[0] = missing = wait_for(left, time.monotonic() + grace)
+        if missing is None:
+            return
+        mon._set(seen[mon.rank], "1")
+        if mon.rank == 0 and not mon.store_lost:
+            wait_for([key for r, key in enumerate(seen) if r not in missing], time.monotonic() + grace)
+
+    waiter = threading.Thread(target=run, name="distcomm-leaving", daemon=True)
+    waiter.start()
+    waiter.join(2 * grace + LEAVE_ANSWER_SECONDS)
+    return found[0] if wait else None
 
 
 def describe_failure(rank: int, summary: dict) -> str:

@@ -10,6 +10,7 @@ from .. import diagnostics, launcher_env, world
 from ..backends import Backend, connect
 from ..process_group import ProcessGroup
 from ..errors import CollectiveMismatchError, DistBackendError, DistStoreError
+from . import leaving
 from .args import NOT_INITIALIZED, default_group, resolve_group
 
 default_pg_timeout = timedelta(minutes=30)
@@ -131,6 +132,7 @@ def init_process_group(
         world.groups[name] = pg
         world.set_world(pg)
         diagnostics.install(prefixed, rank, world_size)  # hang reports, failure causes, dumps on every rank
+        leaving.register()  # an MPI job's rank that exits without destroy_process_group
 
 
 def destroy_process_group(group: Any = None) -> None:

@@ -288,3 +288,11 @@ class Engine(ABC):
     def close(self) -> None:
         """Release everything: the transport, memory, threads. Pending requests fail as lost."""
         self.transport.close()
+
+    def leave(self, failed: bool) -> None:
+        """This process leaves its job without destroy_process_group while its process lives on (in
+        an MPI job, whose exit waits in MPI_Finalize for every rank): make the peers' waits on it end
+        as its death would, then close. ``failed``: it leaves because of an uncaught exception. The
+        default is ``close``: the shared-memory engine's closed flag and TCP's goodbye already say
+        it to the peers."""
+        self.close()

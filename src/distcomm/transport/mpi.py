@@ -30,6 +30,19 @@ mpirun (by default) and ``srun --kill-on-bad-exit=1``, a process that dies makes
 the whole job, so a peer's death ends this process too rather than raising here; under a launcher
 that lets the job go on, the survivors' requests time out (README "MPI and Slurm").
 
+A rank whose program ends without destroy_process_group (an uncaught exception, ``sys.exit``) does
+not die at once: its exit waits in MPI_Finalize for every other rank's, so the others would wait
+for it until their timeout. Such a rank says so instead (``announce_departure``, called at exit
+through ``MpiEngine.leave``: _api/leaving.py), and so does a rank that closes its transport (destroy_process_group), as the
+shared-memory transport's closed flag does: one small message to every other rank on a
+communicator of the transport's own, on which every rank keeps a receive posted. A wait on a
+request among ranks that left ends (reason "lost", naming the rank) ``DEPARTED_GRACE_S`` after the
+notice is seen, time for what the rank sent before leaving to land. Waits look for notices only
+once they have spun (``wait_request``'s ``check``, at most every ``NOTICE_POLL_S``): a call that
+completes at once never does. A notice carries its transport's number (drawn by rank 0, told to
+all when the transport is made): one that arrives after its receiver closed is never read by a
+later transport whose communicator MPI gave the same context.
+
 **Initialisation.** ``load_mpi`` imports ``mpi4py.MPI``, which initialises MPI at thread level
 MULTIPLE (mpi4py's default; distcomm runs each group's work on its own thread) unless the program
 already did; it refuses a lower level. distcomm never finalises MPI: mpi4py does at exit, after the
@@ -55,6 +68,20 @@ from .base import ANY_SOURCE, KIND_P2P, MessageKey, Request, Transport, Transpor
 SPIN_S = 0.0001
 YIELD_S = 1.0
 POLL_SLEEP_S = 0.0002
+# Departures (see "Lost peers" in the module doc): how often a wait tests for a notice; how long a
+# wait on a rank that left goes on after its notice (its last messages may still be in flight);
+# how long a leaving rank waits for its notices to go.
+NOTICE_POLL_S = 0.01
+DEPARTED_GRACE_S = 0.5
+NOTICE_SEND_S = 1.0
+#: why a rank left, in its notice
+DEPARTED_FAILED, DEPARTED_EXITED, DEPARTED_CLOSED = 1, 2, 3
+_NOTICE_TAG = 1
+_DEPARTURES = {
+    DEPARTED_FAILED: "failed (an uncaught exception ended its program) and left the MPI job",
+    DEPARTED_EXITED: "ended its program without destroy_process_group and left the MPI job",
+    DEPARTED_CLOSED: "closed its transport (destroy_process_group or an error)",
+}
 
 
 def load_mpi(multiple: bool = True):
@@ -117,14 +144,17 @@ class TagLayout:
 
 
 class GroupComm:
-    """One process group's communicator: ``ranks`` maps comm rank -> engine rank."""
+    """One process group's communicator: ``ranks`` maps comm rank -> engine rank; ``check``: the
+    transport's health for waits on the group's requests (``MpiTransport.check``)."""
 
-    __slots__ = ("comm", "ranks", "rank_of")
+    __slots__ = ("comm", "ranks", "rank_of", "check")
 
-    def __init__(self, comm, ranks):
+    def __init__(self, comm, ranks, transport: "MpiTransport | None" = None):
         self.comm = comm
         self.ranks = list(ranks)
         self.rank_of = {r: i for i, r in enumerate(self.ranks)}
+        members = tuple(self.ranks)
+        self.check = None if transport is None else (lambda: transport.check(members))
 
 
 def mpi_error(MPI, exc, peer: int | None, what: str) -> TransportError:
@@ -139,9 +169,10 @@ def mpi_error(MPI, exc, peer: int | None, what: str) -> TransportError:
     return TransportError(f"{what}: MPI error: {exc}", peer=peer, reason="error")
 
 
-def wait_request(MPI, req, deadline: float | None, status=None, closed=None) -> None:
-    """Test ``req`` until it completes; TransportError(timeout) past ``deadline`` (time.monotonic),
-    TransportError(lost) once ``closed()`` says the transport closed. MPI errors propagate."""
+def wait_request(MPI, req, deadline: float | None, status=None, check=None) -> None:
+    """Test ``req`` until it completes; TransportError(timeout) past ``deadline`` (time.monotonic);
+    ``check()`` (a GroupComm's ``check``: the transport closed, a member left), called once the wait
+    has spun, returns the TransportError that ends the wait, or None. MPI errors propagate."""
     if req.Test(status):
         return
     start = time.monotonic()
@@ -159,8 +190,10 @@ def wait_request(MPI, req, deadline: float | None, status=None, closed=None) -> 
             now = time.monotonic()
             if deadline is not None and now > deadline:
                 raise TransportError(f"Timed out ({now - start:.1f}s into this wait)", reason="timeout")
-            if closed is not None and closed():
-                raise TransportError("the transport was closed while the request was pending", reason="lost")
+            if check is not None:
+                problem = check()
+                if problem is not None:
+                    raise problem
             if now > yield_until:
                 pause = _poll_sleep
             elif now > spin_until:
@@ -216,10 +249,10 @@ class MpiRequest(Request):
                 MPI = self.transport.MPI
                 peer = None if self.peer == ANY_SOURCE else self.peer
                 try:
-                    wait_request(MPI, self.req, deadline, self.status, self.transport.is_closed)
+                    wait_request(MPI, self.req, deadline, self.status, self._check)
                 except TransportError as exc:
-                    exc.peer = peer
-                    if exc.reason == "timeout" and self.receiving:
+                    exc.peer = exc.peer if exc.peer is not None else peer
+                    if exc.reason in ("timeout", "lost") and self.receiving:
                         self._cancel()
                     if exc.reason != "timeout" or self.receiving:
                         self._fail(exc)  # a timed-out send is still MPI's: wait() may be called again
@@ -230,6 +263,11 @@ class MpiRequest(Request):
                     self._finish()
         if self.error is not None:
             raise self.error
+
+    def _check(self) -> TransportError | None:
+        """Why the wait must end (the transport closed, the peer left), or None; for a receive from
+        any rank, any member of the group leaving ends it."""
+        return self.transport.check(self.group.ranks if self.peer == ANY_SOURCE else (self.peer,))
 
     def _cancel(self) -> None:
         try:
@@ -272,12 +310,83 @@ class MpiTransport(Transport):
         self._groups: dict[int, GroupComm] = {}
         self._lock = threading.Lock()
         self._closed = False
+        # departures (module doc): engine rank -> (why, time.monotonic() its notice was seen)
+        self.departed: dict[int, tuple[int, float]] = {}
+        self._announced = False
+        self._notice_lock = threading.Lock()  # one thread at a time tests the notice receive
+        self._next_poll = 0.0
+        self._notices = comm.Dup()  # collective: every rank makes its transport at the same point
+        number = np.array([int.from_bytes(os.urandom(7), "little") if self.rank == 0 else 0], np.int64)
+        self._notices.Bcast([number, MPI.INT64_T], root=0)
+        self._number = int(number[0])
+        self._notice_in = np.zeros(2, np.int64)  # (transport number, why)
+        self._notice_status = MPI.Status()
+        self._notice_req = self._post_notice_receive()
+        self._notice_out: tuple = ()  # (payload, requests) of this rank's own notices, kept for MPI
 
     def __repr__(self) -> str:
         return f"MpiTransport(rank={self.rank}, size={self.size})"
 
     def is_closed(self) -> bool:
         return self._closed
+
+    # -- departures ----------------------------------------------------------------------------
+    def _post_notice_receive(self):
+        return self._notices.Irecv([self._notice_in, self.MPI.INT64_T], self.MPI.ANY_SOURCE, _NOTICE_TAG)
+
+    def poll_notices(self) -> None:
+        """Record the departure notices that have arrived (a Test of the posted receive)."""
+        if not self._notice_lock.acquire(blocking=False):
+            return  # another thread is testing it
+        try:
+            self._next_poll = time.monotonic() + NOTICE_POLL_S
+            req = self._notice_req
+            while req is not None and not self._closed and req.Test(self._notice_status):
+                number, why = (int(x) for x in self._notice_in)
+                if number == self._number:
+                    self.departed.setdefault(self._notice_status.Get_source(), (why, time.monotonic()))
+                req = self._notice_req = self._post_notice_receive()
+        except self.MPI.Exception:
+            pass  # MPI is being torn down: the waits' own deadlines still hold
+        finally:
+            self._notice_lock.release()
+
+    def check(self, members) -> TransportError | None:
+        """Why a wait on a request among ``members`` (engine ranks) must end, or None: this
+        transport closed, or a member left (announce_departure) ``DEPARTED_GRACE_S`` ago."""
+        if self._closed:
+            return TransportError("the transport was closed while the request was pending", reason="lost")
+        if time.monotonic() >= self._next_poll:
+            self.poll_notices()
+        departed = self.departed
+        if departed:
+            now = time.monotonic()
+            for r in members:
+                if r in departed and r != self.rank and now - departed[r][1] >= DEPARTED_GRACE_S:
+                    why = _DEPARTURES.get(departed[r][0], "left")
+                    return TransportError(f"rank {r} {why}; no collective of a group with rank {r} can complete",
+                                          peer=r, reason="lost")
+        return None
+
+    def announce_departure(self, why: int = DEPARTED_EXITED) -> None:
+        """Tell every other rank that this one is leaving (``why``: a DEPARTED_* number): their
+        waits on it end (``check``). Waits up to NOTICE_SEND_S for the notices to go (small
+        messages: at once, in practice). Once per transport; ``close`` calls it too."""
+        with self._lock:
+            if self._closed or self._announced:
+                return
+            self._announced = True
+        MPI = self.MPI
+        payload = np.array([self._number, why], np.int64)
+        try:
+            requests = [self._notices.Isend([payload, MPI.INT64_T], r, _NOTICE_TAG)
+                        for r in range(self.size) if r != self.rank]
+            self._notice_out = (payload, requests)
+            deadline = time.monotonic() + NOTICE_SEND_S
+            while not MPI.Request.Testall(requests) and time.monotonic() < deadline:
+                time.sleep(POLL_SLEEP_S)
+        except MPI.Exception:
+            pass  # leaving anyway: the others' timeouts still hold
 
     # -- groups --------------------------------------------------------------------------------
     def open_group(self, group_id: int, ranks) -> GroupComm:
@@ -298,7 +407,7 @@ class MpiTransport(Transport):
                 comm = self.comm.Create_group(members, tag=group_id % (self.layout.kind_bit))
             finally:
                 members.Free()
-        group = GroupComm(comm, ranks)
+        group = GroupComm(comm, ranks, self)
         with self._lock:
             self._groups[group_id] = group
         return group
@@ -334,6 +443,8 @@ class MpiTransport(Transport):
         return MpiRequest(self, req, src, out, True, group)
 
     def close(self) -> None:
+        if not self.MPI.Is_finalized():
+            self.announce_departure(DEPARTED_CLOSED)
         with self._lock:
             if self._closed:
                 return
@@ -342,6 +453,15 @@ class MpiTransport(Transport):
             self._groups.clear()
         if self.MPI.Is_finalized():
             return
+        with self._notice_lock:
+            req, self._notice_req = self._notice_req, None
+            if req is not None:
+                try:
+                    req.Cancel()
+                    req.Wait()
+                except self.MPI.Exception:
+                    pass  # the receive matched meanwhile: it is done either way
         for group in groups:
             group.comm.Free()
+        self._notices.Free()
         self.comm.Free()

@@ -14,8 +14,14 @@ a mismatch. Every rank must therefore make the same MPI call for the same distco
 between native and distcomm's algorithms depends only on what all ranks share (op, dtype, the split
 of reduce_scatter), never on one rank's own counts (all_to_all is always ``Ialltoallv``).
 
-A native call that times out cannot be cancelled (MPI has no cancel for collectives): MPI may still
-write into its buffers, so they are kept alive, and the group is marked broken; every later call on
+MPI forbids a send buffer that overlaps the receive buffer of the same call (MPI_IN_PLACE aside).
+Where a caller's input and output can be one memory (``all_to_all_single(t, t)``), the call sends
+a copy of the input, or receives into a temporary, whichever is smaller; MPI_IN_PLACE is no
+answer there, as MPI requires it of every rank or none, and each rank sees only its own buffers.
+
+A native call that times out, or whose wait ends because a member left the job (transport/mpi.py,
+"Lost peers"), cannot be cancelled (MPI has no cancel for collectives): MPI may still write into its
+buffers, so they are kept alive, and the group is marked broken; every later call on
 it raises at once (as torch's NCCL aborts a communicator after a timeout). Destroy the group, or
 end the job.
 """
@@ -43,6 +49,12 @@ def _bytes(a: np.ndarray) -> np.ndarray:
     return a.reshape(-1).view(np.uint8)
 
 
+def _overlap(a: np.ndarray, b: np.ndarray | None) -> bool:
+    """Whether ``a`` and ``b`` may share memory (bounds only: a cheap test, never wrong in the
+    direction that matters: a copy too many, never one too few)."""
+    return b is not None and np.may_share_memory(a, b)
+
+
 def _offsets(counts) -> list[int]:
     out, at = [], 0
     for c in counts:
@@ -58,6 +70,7 @@ class MpiCollectives(GroupCollectives):
         self.MPI = transport.MPI
         self.transport = transport
         self.comm = group.comm
+        self.check = group.check  # for waits: the transport closed, a member left the job
         self.size = len(spec.ranks)
         self.generic = GenericCollectives(tuning)
         self.broken: str | None = None  # why the group can no longer be used
@@ -90,6 +103,12 @@ class MpiCollectives(GroupCollectives):
             raise DistBackendError(f"{describe_op(ch.op, ch.key.seq, ch.rank)}: the group cannot be used any "
                                    f"more: {self.broken}; destroy it (or end the job)")
 
+    def give_up(self, call: str, exc: TransportError, req, buffers) -> None:
+        """A native call's wait ended with ``exc`` while MPI still has it (a timeout, a member that
+        left): the group is broken, the request and its buffers are MPI's (module docstring)."""
+        self.broken = f"{call} timed out inside MPI" if exc.reason == "timeout" else f"{call} failed: {exc}"
+        self.abandoned.append((req, buffers))
+
     def native(self, ch: Channel, start: Callable[[], Any], *buffers: np.ndarray) -> None:
         """Start one nonblocking MPI collective and test it to the call's deadline."""
         self.check_usable(ch)
@@ -97,12 +116,12 @@ class MpiCollectives(GroupCollectives):
         req = None
         try:
             req = start()
-            wait_request(MPI, req, ch.deadline, None, self.transport.is_closed)
+            wait_request(MPI, req, ch.deadline, None, self.check)
         except TransportError as exc:
             if exc.reason == "timeout":
                 exc = TransportError(f"{exc} in MPI (MPI does not say which rank has not joined)", reason="timeout")
-                self.broken = f"{ch.op} #{ch.key.seq} timed out inside MPI"
-                self.abandoned.append((req, buffers))
+            if req is not None:
+                self.give_up(f"{ch.op} #{ch.key.seq}", exc, req, buffers)
             raise ch.translate(exc, None) from None
         except MPI.Exception as exc:
             raise ch.translate(mpi_error(MPI, exc, None, "MPI collective"), None) from None
@@ -169,16 +188,22 @@ class MpiCollectives(GroupCollectives):
             return self.generic.gather(ch, send, out, root)
         BYTE = self.MPI.BYTE
         s = _bytes(send)
+        if ch.rank == root and _overlap(s, out):
+            s = s.copy()  # the smaller side (module docstring)
         r = [_bytes(out)[: s.nbytes * ch.size], BYTE] if ch.rank == root else None
-        self.native(ch, lambda: self.comm.Igather([s, BYTE], r, root), send, out)
+        self.native(ch, lambda: self.comm.Igather([s, BYTE], r, root), s, out)
 
     def scatter(self, ch: Channel, chunks: np.ndarray | None, out: np.ndarray, root: int) -> None:
         if ch.size == 1 or not out.size:
             return self.generic.scatter(ch, chunks, out, root)
         BYTE = self.MPI.BYTE
-        r = _bytes(out)
+        r = target = _bytes(out)
+        if ch.rank == root and _overlap(r, chunks):
+            r = np.empty_like(target)  # the smaller side (module docstring)
         s = [_bytes(chunks)[: r.nbytes * ch.size], BYTE] if ch.rank == root else None
-        self.native(ch, lambda: self.comm.Iscatter(s, [r, BYTE], root), chunks, out)
+        self.native(ch, lambda: self.comm.Iscatter(s, [r, BYTE], root), chunks, r)
+        if r is not target:
+            target[...] = r
 
     def reduce_scatter(self, ch: Channel, scratch: np.ndarray, out: np.ndarray, counts, dtype: DType, op) -> None:
         plan = self.reduction(op, dtype) if ch.size > 1 and equal(counts) else None
@@ -191,7 +216,10 @@ class MpiCollectives(GroupCollectives):
         def run(buf: np.ndarray) -> None:
             if n:
                 send = buf[: n * ch.size]
-                self.native(ch, lambda: self.comm.Ireduce_scatter_block([send, mtype], [out, mtype], mop), buf, out)
+                recv = np.empty_like(out) if _overlap(send, out) else out  # the smaller side
+                self.native(ch, lambda: self.comm.Ireduce_scatter_block([send, mtype], [recv, mtype], mop), buf, recv)
+                if recv is not out:
+                    out[...] = recv
 
         reduction.with_op_arithmetic(op, dtype, ch.size, scratch, run, result=out)
 
@@ -205,9 +233,11 @@ class MpiCollectives(GroupCollectives):
         BYTE = self.MPI.BYTE
         item = send.itemsize
         s, r = _bytes(send), _bytes(recv)
+        if _overlap(s, r):  # all_to_all_single(t, t)
+            s = s.copy()
         sc, rc = [c * item for c in send_counts], [c * item for c in recv_counts]
         sd, rd = _offsets(sc), _offsets(rc)
-        self.native(ch, lambda: self.comm.Ialltoallv([s, (sc, sd), BYTE], [r, (rc, rd), BYTE]), send, recv)
+        self.native(ch, lambda: self.comm.Ialltoallv([s, (sc, sd), BYTE], [r, (rc, rd), BYTE]), s, recv)
 
     def barrier(self, ch: Channel) -> None:
         if ch.size > 1:

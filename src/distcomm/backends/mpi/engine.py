@@ -17,7 +17,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from ...errors import DistBackendError
-from ...transport.mpi import MpiTransport, load_mpi
+from ...transport.mpi import DEPARTED_EXITED, DEPARTED_FAILED, MpiTransport, load_mpi
 from ...tuning import DEFAULT, Tuning
 from ..engine import Engine, FastPath, GroupCollectives, GroupSpec
 from . import latency
@@ -49,6 +49,12 @@ class MpiEngine(Engine):
         if coll is not None:
             coll.release()
         self.transport.release_group(group_id)
+
+    def leave(self, failed: bool) -> None:
+        """Engine.leave: MPI's waits do not see a peer that stays alive in MPI_Finalize, so every
+        other rank gets a notice first (transport/mpi.py, "Lost peers")."""
+        self.transport.announce_departure(DEPARTED_FAILED if failed else DEPARTED_EXITED)
+        self.close()
 
     def close(self) -> None:
         groups, self._groups = list(self._groups.values()), {}

@@ -23,7 +23,8 @@ False having done nothing, and the general path runs it (or raises its error). A
 group, and torch's profiler recording (the general path records the call), go the general way too.
 Once a path has taken a sequence number it completes the call or raises as the general path does:
 the error names the operation, sequence number and rank, is told to the flight recorder and
-``diagnostics.on_fault``, and a timeout inside MPI marks the group broken (``MpiCollectives``).
+``diagnostics.on_fault``, and a timeout inside MPI (or a member leaving the job) marks the group
+broken (``MpiCollectives.give_up``).
 
 * broadcast: the general path's root check (``GroupCollectives.check_root``: two messages over
   ``MpiTransport`` on a Channel) then ``Ibcast``.
@@ -74,7 +75,7 @@ def build(pg, collectives) -> FastPath:
     comm = collectives.comm
     persistent = collectives.persistent.all_reduce
     start_barrier = collectives.start_barrier
-    closed = collectives.transport.is_closed
+    closed = collectives.check  # the transport closed, a member left the job
     executor = pg.executor
     enter, leave = executor.enter_inline, executor.leave_inline
     next_seq = pg.next_seq
@@ -131,15 +132,16 @@ def build(pg, collectives) -> FastPath:
     def fail(exc, op: str, seq: int, sig: int, req, buffers, record):
         """Raise the failure of a claimed call as the general path would (``MpiCollectives.native``
         and ``ProcessGroup.run``): in the operation's words, told to the flight recorder and to
-        ``diagnostics.on_fault``; a timeout inside MPI breaks the group."""
+        ``diagnostics.on_fault``; a timeout inside MPI, or a member leaving, breaks the group."""
         translated = isinstance(exc, (TransportError, mpi_exception))
         if translated:
             if not isinstance(exc, TransportError):
                 exc = mpi_error(MPI, exc, None, "MPI collective")
-            elif exc.reason == "timeout":
-                exc = TransportError(f"{exc} in MPI (MPI does not say which rank has not joined)", reason="timeout")
-                collectives.broken = f"{op} #{seq} timed out inside MPI"
-                collectives.abandoned.append((req, buffers))
+            else:
+                if exc.reason == "timeout":
+                    exc = TransportError(f"{exc} in MPI (MPI does not say which rank has not joined)", reason="timeout")
+                if req is not None and exc.reason in ("timeout", "lost"):
+                    collectives.give_up(f"{op} #{seq}", exc, req, buffers)
             exc = pg.channel(op, seq, sig).translate(exc, None)
         diagnostics.record_fault(pg, exc, op, seq, record)
         if translated:
@@ -263,7 +265,10 @@ def build(pg, collectives) -> FastPath:
             return False
         try:  # what ProcessGroup._gather_into does before MpiCollectives.all_gather
             block = flat_out[rank * count:(rank + 1) * count]
-            if not np.shares_memory(block, send):
+            # in place (the input is this rank's block) skips the copy; an input that overlaps the
+            # block at another offset is copied (numpy copies overlapping memory correctly)
+            if not np.shares_memory(block, send) or \
+                    block.__array_interface__["data"][0] != send.__array_interface__["data"][0]:
                 block[...] = send
             b = flat_out.reshape(-1).view(np.uint8)
         except BaseException:

@@ -1,0 +1,98 @@
+"""Leaving an MPI job at exit without destroy_process_group.
+
+In an MPI job a process's exit waits in MPI_Finalize (which mpi4py calls at exit, after atexit's
+functions) until every rank of the job calls it. A rank whose program ends in the middle of the job
+(an uncaught exception, sys.exit) therefore stays alive there, and its peers, which learn of a death
+from the process ending (shared memory) or its connections closing (TCP), would wait for it until
+their timeout. So at exit, before MPI_Finalize, a rank whose world is still initialised does what
+its death would do: each of its engines ``leave``s (the MPI engine first sends every peer a notice),
+which ends its peers' waits on it within about a second, with an error naming it and the cause its
+excepthook published.
+
+Then, its output flushed, it says so in the store (``diagnostics.wait_for_leavers``). A rank that
+failed waits up to DISTCOMM_MPI_EXIT_GRACE seconds (default 10) for every rank to have done so, and
+if some have not, calls MPI_Abort, as mpi4py does for an uncaught exception (``python -m mpi4py``):
+the job ends instead of waiting in MPI_Finalize for ranks that are busy elsewhere, or that caught
+their error and went on. Every other rank goes on to MPI_Finalize. None of this runs outside an MPI
+job, after destroy_process_group, or in a forked child.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+
+from .. import diagnostics, world
+
+MPI_EXIT_GRACE = 10.0  # seconds; DISTCOMM_MPI_EXIT_GRACE overrides it
+
+_registered = False
+
+
+def register() -> None:
+    """Called by init_process_group: run ``leave_mpi_job`` at exit (once per process). Registered
+    after diagnostics' own exit hook (at its import), so atexit runs it first, with the watchdog
+    still up."""
+    global _registered
+    if not _registered:
+        _registered = True
+        atexit.register(leave_mpi_job)
+
+
+def _mpi_job():
+    """The mpi4py.MPI module if this process is one of several of an MPI job that MPI will
+    finalize at exit, else None."""
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is None:
+        return None
+    try:
+        if not MPI.Is_initialized() or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() < 2:
+            return None
+    except Exception:  # noqa: BLE001 - an MPI in a state we cannot ask about: leave it alone
+        return None
+    return MPI
+
+
+def _exit_grace() -> float:
+    try:
+        return max(0.0, float(os.environ.get("DISTCOMM_MPI_EXIT_GRACE", MPI_EXIT_GRACE)))
+    except ValueError:
+        return MPI_EXIT_GRACE
+
+
+def leave_mpi_job() -> None:
+    """atexit: leave an MPI job whose world is still initialised (see the module docstring)."""
+    mon = diagnostics.monitor
+    if world.default_pg is None or mon is None or mon.pid != os.getpid():  # a forked child: its parent's world
+        return
+    MPI = _mpi_job()
+    if MPI is None:
+        return
+    failed = diagnostics.failed()
+    engines = {id(e): e for e in list(world.engines.values()) + [pg.engine for pg in list(world.groups.values())]}
+    for engine in engines.values():
+        try:
+            engine.leave(failed)
+        except Exception:  # noqa: BLE001 - leaving anyway; the peers' timeouts still hold
+            pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    grace = _exit_grace()
+    missing = diagnostics.wait_for_leavers(grace, wait=failed)
+    if not failed or missing == []:
+        return
+    if missing is None:
+        who = "the store stopped answering before every rank had left"
+    else:
+        who = (f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} had not left "
+               f"{grace:g} s later (DISTCOMM_MPI_EXIT_GRACE)")
+    try:
+        sys.stderr.write(f"distcomm: rank {world.global_rank} failed, and {who}: ending the MPI job with MPI_Abort\n")
+        sys.stderr.flush()
+    except Exception:  # noqa: BLE001
+        pass
+    MPI.COMM_WORLD.Abort(1)
