@@ -341,7 +341,10 @@ class ProcessGroup:
     def _gather_into(self, ch: Channel, flat_out: np.ndarray, send: np.ndarray) -> None:
         count = send.size
         block = flat_out[ch.rank * count:(ch.rank + 1) * count]
-        if not np.shares_memory(block, send):
+        # in place (the input is this rank's block) needs no copy; an input elsewhere, even one
+        # overlapping the block at another offset, is copied (numpy copies overlapping memory right)
+        if not (block.__array_interface__["data"][0] == send.__array_interface__["data"][0]
+                and block.strides == send.strides):
             block[...] = send
         self.collectives.all_gather(ch, flat_out, count)
 
@@ -456,7 +459,10 @@ class ProcessGroup:
         coll = self.collectives
 
         def body(ch: Channel) -> None:
-            coll.all_to_all(ch, inp.flat, send_counts, out.flat, recv_counts)
+            send = inp.flat
+            if np.may_share_memory(send, out.flat):  # all_to_all_single(t, t): blocks arrive over unsent ones
+                send = send.copy()
+            coll.all_to_all(ch, send, send_counts, out.flat, recv_counts)
             out.commit()
 
         sig = signature("all_to_all_single", out.dtype.code)

@@ -683,6 +683,10 @@ static PyObject *Calls_all_to_all_single(Calls *c, PyObject *const *args, Py_ssi
     PyArrayObject *ao = (PyArrayObject *)args[0], *ai = (PyArrayObject *)args[1];
     if (PyArray_NDIM(ao) < 1 || PyArray_NDIM(ai) < 1 || PyArray_DIMS(ao)[0] % p || PyArray_DIMS(ai)[0] % p)
         goto python;
+    /* the output over part of the input (not all of it): pieces would land over unsent ones */
+    const char *o0 = PyArray_DATA(ao), *i0 = PyArray_DATA(ai);
+    if (o0 != i0 && o0 < i0 + PyArray_NBYTES(ai) && i0 < o0 + PyArray_NBYTES(ao))
+        goto python;
     Py_ssize_t total = 0; /* what this member sends, in all */
     int takes = described(c, C_ALL_TO_ALL_SINGLE, &inp, -1, -1, &e, &total);
     if (takes < 0) return NULL;
