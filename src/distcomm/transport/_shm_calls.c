@@ -683,15 +683,15 @@ static PyObject *Calls_all_to_all_single(Calls *c, PyObject *const *args, Py_ssi
     PyArrayObject *ao = (PyArrayObject *)args[0], *ai = (PyArrayObject *)args[1];
     if (PyArray_NDIM(ao) < 1 || PyArray_NDIM(ai) < 1 || PyArray_DIMS(ao)[0] % p || PyArray_DIMS(ai)[0] % p)
         goto python;
-    /* the output over part of the input (not all of it): pieces would land over unsent ones */
-    const char *o0 = PyArray_DATA(ao), *i0 = PyArray_DATA(ai);
-    if (o0 != i0 && o0 < i0 + PyArray_NBYTES(ai) && i0 < o0 + PyArray_NBYTES(ao))
-        goto python;
     Py_ssize_t total = 0; /* what this member sends, in all */
     int takes = described(c, C_ALL_TO_ALL_SINGLE, &inp, -1, -1, &e, &total);
     if (takes < 0) return NULL;
     if (!takes) goto python;
     Py_ssize_t count = inp.count / p, item = e.itemsize, nb = count * item, per = e.stride / item;
+    /* the output over part of the input (not all of it): pieces would land over unsent ones */
+    Py_ssize_t span = inp.count * item; /* the output's too: same type, same count */
+    if (out.data != inp.data && out.data < inp.data + span && inp.data < out.data + span)
+        goto python;
     if (count <= 0 || count > per || e.head < (Py_ssize_t)sizeof(int64_t) * (3 * p + 3) ||
         e.head + (p - 1) * e.stride > r->slot_bytes)
         goto python;
