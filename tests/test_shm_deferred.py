@@ -159,8 +159,13 @@ def test_a_mismatch_between_members_that_only_write_fails_their_next_call():
     for rank, ((kind, msg), after) in enumerate(results):
         assert kind == "CollectiveMismatchError", (rank, kind, msg)
         assert msg.startswith(f"barrier #3 on rank {rank}"), msg  # the call that found it
-        assert "expected sequence number 2" in msg, msg  # the earlier call: its own sequence number
-        assert "running another collective" in msg, msg
+        # the earlier call, by its own sequence number, and both ranks' collectives by name
+        if rank == 0:
+            assert "at call #2 of this group this rank called broadcast (float32) but rank 1 called reduce " \
+                   "(float32, op=SUM)" in msg, msg
+        else:
+            assert "at call #2 of this group this rank called reduce (float32, op=SUM) but rank 0 called " \
+                   "broadcast (float32)" in msg, msg
         assert "unusable" in after, after  # the group's memory is marked broken, as for any mismatch
 
 

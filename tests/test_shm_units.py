@@ -472,11 +472,15 @@ def test_slot_reuse_waits_for_every_reader_and_the_last_one_rings():
 
 
 def test_a_mismatched_header_is_still_noticed():
+    from distcomm.signatures import signature
+
     m = _Members(2)
+    m.ch[0].signature = signature("all_reduce", 9, 0)  # float32, SUM
     m.post(0, 1)
-    m.ch[1].signature = 100
+    m.ch[1].signature = signature("all_reduce", 9, 4)  # float32, MAX
     m.post(1, 1)
-    with pytest.raises(TransportError, match="rank 0 is running another collective"):
+    with pytest.raises(TransportError, match=r"^in all_reduce #1 this rank passed op=MAX but rank 0 passed op=SUM; "
+                                             r"every rank of the group must pass the same reduce op$"):
         m.ctx[1].wait_posted(1, m.ch[1], 8)
 
 

@@ -5,7 +5,8 @@ Each rank creates one *world segment* at connect time and maps every local peer'
     header   magic, pid, closed flag                              (u64 words)
     bell     the rank's doorbell and its sleeper count           (shm_wait.Bell)
     rings    one SPSC ring per local destination (shm_ring.Ring)  this rank produces into them
-    directory  (group id, segment name) of each group this rank has opened collectives on
+    directory  (group id, members, state, segment name) of each group this rank has opened
+               collectives on
 
 Point-to-point (the Transport contract: MessageKey matching in arrival order, signature and size
 checks, deadlines, loss) runs over the rings. A message is a record header plus its payload
@@ -24,19 +25,26 @@ name. Segments are unnamed files (shm_segment), so nothing is ever left in /dev/
 however a process dies.
 
 A peer is lost when its process has exited (pidfd) or its transport is closed (its closed flag);
-waiters notice within ~0.1 s and fail with reason "lost" naming it.
+waiters notice within ~0.1 s and fail with reason "lost" naming it. The same test decides why a
+peer's segment cannot be opened (``_unopenable``): a peer that vanished between publishing its
+segment and our opening it is lost; one that is alive but set up the group with other members
+(its directory entry says which) or gave up setting it up (its entry's state says why) is the
+matching mismatch or timeout.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import threading
+import time
 from collections import deque
 from datetime import timedelta
 
 import numpy as np
 
+from ..errors import DistBackendError, PeerLostError, describe_op
 from ..tuning import DEFAULT, Tuning
 from . import shm_direct
 from .base import ANY_SOURCE, MessageKey, Request, Transport, TransportError
@@ -46,7 +54,7 @@ from .shm_group import MAGIC as GROUP_MAGIC
 from .shm_group import GroupShm, init_segment, layout, slot_config
 from .shm_ring import ACKED, MODE_DIRECT, MODE_INLINE, PVM_OK, RECORD, Ring, decode, encode
 from .shm_segment import Segment
-from .shm_wait import Bell, PeerHealth, WaitPolicy, current_cpu, wait_until
+from .shm_wait import Bell, PeerHealth, WaitPolicy, current_cpu, process_alive, wait_until
 
 WORLD_MAGIC = 0x64636F6D6D73686D  # "dcommshm"
 _W_MAGIC, _W_PID, _W_CLOSED, _W_CPU = 0, 1, 2, 3  # _W_CPU: 1 + the CPU of the last wait
@@ -56,11 +64,49 @@ _W_MAGIC, _W_PID, _W_CLOSED, _W_CPU = 0, 1, 2, 3  # _W_CPU: 1 + the CPU of the l
 _W_CRASHED, _W_NEWS = 4, 5
 _BELL_U32 = 16  # u32 index of the bell (byte 64); its sleeper count follows
 _RINGS_AT = 128
-_DIR_ENTRY = 128  # u64 (group id + 1), then the segment name (NUL-padded)
+# A directory entry: u64 words (group id + 1, published last; member count; digest of the members;
+# state), then the segment name (NUL-padded). Peers compare the members before opening the segment,
+# and read the state when it cannot be opened.
+_DIR_ENTRY = 128
+_D_GID, _D_COUNT, _D_DIGEST, _D_STATE = 0, 1, 2, 3
+_D_NAME = 32
 DIR_ENTRIES = 1024
+# _D_STATE: 0 while the owner sets the group up or uses it; else why it gave up setting it up (the
+# reason of its error), set before it lets go of the segment
+_GAVE_UP = {"mismatch": 1, "timeout": 2, "lost": 3, "error": 4}
+_GAVE_UP_REASON = {code: reason for reason, code in _GAVE_UP.items()}
+# how long a peer whose segment is gone may take to be seen as exited: a killed process loses its
+# descriptors before its pidfd says it exited
+_DYING_GRACE_S = 1.0
 
 DEFAULT_RING_BYTES = 256 * 1024
 DIRECT_MIN_BYTES = 64 * 1024  # below this a copy through the ring is cheaper than a system call
+
+
+def members_digest(ranks) -> int:
+    """A 64-bit digest of a group's member list (global ranks in group order), for the directory."""
+    raw = b"".join(int(g).to_bytes(8, "little", signed=True) for g in ranks)
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
+
+
+def _open_world_segment(rank: int, g: int, name: str, pid: int) -> Segment:
+    """Map rank g's world segment at connect time, or raise the distcomm error saying why it
+    cannot be: its process exited (PeerLostError), or gave up setting up and let go of it."""
+    try:
+        return Segment.open(name)
+    except OSError as exc:
+        give_up = time.monotonic() + _DYING_GRACE_S
+        while process_alive(pid) and time.monotonic() < give_up:
+            time.sleep(0.01)
+        where = describe_op("init_process_group", None, rank, g)
+        if not process_alive(pid):
+            raise PeerLostError(
+                f"{where}: rank {g} exited (pid {pid} is gone) before this rank could map its shared memory; "
+                f"find why it died (its output or exit code), then restart the job") from None
+        raise DistBackendError(
+            f"{where}: rank {g}'s shared memory can no longer be opened ({exc}) although its process (pid {pid}) "
+            f"is alive: it gave up setting up the shared-memory engine; its own error says why. Fix that, then "
+            "restart the job") from None
 
 
 def _ring_bytes(tuning: Tuning) -> int:
@@ -193,7 +239,7 @@ class ShmTransport(Transport):
                         f"rank {g} uses DISTCOMM_SHM_RING_BYTES={peer['ring_bytes']}, this rank {ring_bytes}: "
                         "set the same value on every rank"
                     )
-                seg = Segment.open(peer["name"])
+                seg = _open_world_segment(rank, g, peer["name"], peer["pid"])
                 segments[g] = seg
                 if memoryview(seg.buf[:64]).cast("Q")[_W_MAGIC] != WORLD_MAGIC:
                     raise RuntimeError(f"rank {g}'s shared-memory segment {peer['name']} is not initialized")
@@ -280,10 +326,11 @@ class ShmTransport(Transport):
             f"rank {g} exited (pid {self._pids[g]} is gone){what}; no collective of a group with rank {g} can "
             "complete: find why it died (its output or exit code), then restart the job", peer=g, reason="lost")
 
-    def wait_for(self, ready, deadline, peers, on_timeout, arm=None, polled: bool = False) -> None:
+    def wait_for(self, ready, deadline, peers, on_timeout, arm=None, polled: bool = False, also=None) -> None:
         """Wait for a shared-memory condition involving ``peers`` (global ranks); see shm_wait
         (``arm``: wait_until's, run before the first sleep; ``polled``: the caller has just spun
-        for the policy's spin time, so the wait does not spin again)."""
+        for the policy's spin time, so the wait does not spin again; ``also()``: one more check,
+        run with the peers' health checks, that raises when the wait can no longer end well)."""
 
         def check() -> None:
             if self._closed:
@@ -291,6 +338,8 @@ class ShmTransport(Transport):
             lost = self.lost_peers(peers)
             if lost and not ready():
                 raise self.lost_error(lost)
+            if also is not None and not ready():
+                also()
 
         wait_until(ready, deadline, self.bell, self.policy, check, on_timeout, self._spin_worthwhile(peers), arm,
                    polled)
@@ -344,36 +393,129 @@ class ShmTransport(Transport):
         mine = Segment.create(total)
         segments = [None] * len(ranks)
         segments[rank] = mine
+        digest = members_digest(ranks)
+        entry = None
         try:
             init_segment(mine.buf, gid, len(ranks), slot_bytes, nslots)
-            self._publish_group(gid, mine.name)
+            entry = self._publish_group(gid, mine.name, len(ranks), digest)
             for q, g in enumerate(ranks):
                 if q == rank:
                     continue
-                name = self._find_group(g, gid, deadline)
-                seg = Segment.open(name)
+                name, count, theirs, state = self._find_group(g, gid, deadline)
+                if (count, theirs) != (len(ranks), digest):
+                    raise self._other_members(g, gid, ranks, count)
+                if state:  # its segment is going or gone: mapping it would only lead to waiting for g
+                    raise self._unopenable(g, gid, ranks, None)
+                try:
+                    seg = Segment.open(name)
+                except OSError as exc:
+                    raise self._unopenable(g, gid, ranks, exc) from None
                 segments[q] = seg
                 words = memoryview(seg.buf[:64]).cast("Q")
-                if (words[0], words[1], words[2], words[3], words[4]) != (GROUP_MAGIC, gid, len(ranks), slot_bytes, nslots):
+                if (words[0], words[1]) != (GROUP_MAGIC, gid):
+                    raise TransportError(f"rank {g}'s directory names {name} for group {gid}, which is not that "
+                                         "group's shared memory", peer=g, reason="error")
+                if words[2] != len(ranks):
+                    raise self._other_members(g, gid, ranks, words[2])
+                if (words[3], words[4]) != (slot_bytes, nslots):
                     raise TransportError(
-                        f"rank {g}'s segment for group {gid} has {words[2]} members, {words[4]} slots of "
-                        f"{words[3]} bytes; this rank expected {len(ranks)} members, {nslots} slots of "
-                        f"{slot_bytes} bytes (set DISTCOMM_SHM_SLOT_BYTES/DISTCOMM_SHM_SLOTS alike on every rank)",
+                        f"rank {g}'s shared memory for group {gid} has {words[4]} slots of {words[3]} bytes, this "
+                        f"rank's {nslots} slots of {slot_bytes} bytes: set DISTCOMM_SHM_SLOT_BYTES and "
+                        "DISTCOMM_SHM_SLOTS alike on every rank",
                         peer=g,
                         reason="mismatch",
                     )
             ctx = GroupShm(self, gid, ranks, rank, segments, slot_bytes, nslots)
-            ctx.unlink_when_mapped(deadline)
+
+            def gave_up(waiting: list[int]) -> None:  # a member we wait for gave up: it never maps ours
+                for q in waiting:
+                    entry = self._lookup_group(ranks[q], gid)
+                    if entry is not None and entry[3]:
+                        raise self._unopenable(ranks[q], gid, ranks, None)
+
+            ctx.unlink_when_mapped(deadline, gave_up)
             return ctx
-        except BaseException:
+        except BaseException as exc:
+            if entry is not None:  # before the segment goes: a peer that cannot open it then learns why
+                reason = exc.reason if isinstance(exc, TransportError) else "error"
+                self._gave_up(entry, reason)
             for seg in segments:
                 if seg is not None:
                     seg.close()
             raise
 
-    def _publish_group(self, gid: int, name: str) -> None:
+    def _other_members(self, g: int, gid: int, ranks: list[int], count: int) -> TransportError:
+        """The mismatch of a member whose group ``gid`` has other members than ours."""
+        if count != len(ranks):
+            theirs = f"with {count} members, this rank with {len(ranks)} ({list(ranks)})"
+        else:
+            theirs = f"with other members than this rank's {list(ranks)}"
+        return TransportError(
+            f"rank {g} set up process group {gid} {theirs}: the ranks passed different ranks to new_group, or "
+            "created their groups in a different order; every rank must create the same groups, with the same "
+            "ranks, in the same order",
+            peer=g,
+            reason="mismatch",
+        )
+
+    def _unopenable(self, g: int, gid: int, ranks: list[int], exc: OSError | None) -> TransportError:
+        """Why rank g's segment for group ``gid``, which its directory entry names, cannot be opened
+        or will never be mapped (``exc``: Segment.open's error; None: g's entry says it gave up), as
+        the error to raise. A member whose process exited (the test every wait makes) is the cause,
+        g or another one; else g's entry says why it gave up (a member that closed its transport,
+        when that is why); else a member that closed its transport; else the segment is gone, or its
+        path leads to another file (never mapped: Segment.open checks), while g lives on."""
+        give_up = time.monotonic() + _DYING_GRACE_S
+        what = f" before this rank could map its shared memory for group {gid}"
+        while True:
+            lost = self.lost_peers(ranks)
+            crashed = [x for x in lost if not self._ctl[x][_W_CLOSED]]
+            if crashed:
+                return self.lost_error(crashed, what)
+            found = self._lookup_group(g, gid)
+            state = found[3] if found is not None else 0
+            if state:
+                reason = _GAVE_UP_REASON.get(state, "error")
+                if reason == "lost" and lost:
+                    return self.lost_error(lost, what)
+                return self._gave_up_error(g, gid, reason)
+            if lost:
+                return self.lost_error(lost, what)
+            if time.monotonic() >= give_up:
+                break
+            time.sleep(0.01)
+        return TransportError(
+            f"rank {g} published its shared memory for group {gid}, but this rank cannot open it ({exc}) although "
+            f"rank {g} is alive and has not given up on the group; only the segment it named is ever mapped. "
+            f"Something closed rank {g}'s descriptors behind its back (os.closerange, a library that closes file "
+            "descriptors): destroy the process group and create it again, or restart the job",
+            peer=g,
+            reason="error",
+        )
+
+    @staticmethod
+    def _gave_up_error(g: int, gid: int, reason: str) -> TransportError:
+        why = {
+            "mismatch": "it found a member whose group differs from its own (its CollectiveMismatchError names the "
+                        "member): every rank must create the same groups, with the same ranks, in the same order",
+            "timeout": "it timed out waiting for a member (its DistTimeoutError names the member): every member "
+                       "must reach the group's first collective within the group's timeout",
+            "lost": "a member it needed was lost (its PeerLostError names the member)",
+        }.get(reason, "it failed there (its own error says why)")
+        return TransportError(
+            f"rank {g} gave up setting up the shared memory of group {gid}, so this group's first collective "
+            f"cannot complete: {why}",
+            peer=g,
+            reason=reason if reason in ("mismatch", "timeout") else "error",
+        )
+
+    def _publish_group(self, gid: int, name: str, count: int, digest: int) -> int:
+        """Add group ``gid``'s entry to our directory; returns where it is (``_gave_up``'s argument)."""
         buf = self._segments[self.rank].buf
         raw = name.encode()
+        if len(raw) > _DIR_ENTRY - _D_NAME:
+            raise TransportError(f"segment name {name!r} is longer than {_DIR_ENTRY - _D_NAME} bytes: shorten "
+                                 "TORCHELASTIC_RUN_ID", reason="error")
         with self._groups_lock:  # one writer per directory: this process's threads take turns
             if self._dir_count >= DIR_ENTRIES:
                 raise TransportError(
@@ -382,33 +524,50 @@ class ShmTransport(Transport):
                     reason="error",
                 )
             at = self._dir_at + self._dir_count * _DIR_ENTRY
-            buf[at + 8 : at + 8 + len(raw)] = np.frombuffer(raw, np.uint8)
-            memoryview(buf[at : at + 8]).cast("Q")[0] = gid + 1  # publish after the name
+            buf[at + _D_NAME : at + _D_NAME + len(raw)] = np.frombuffer(raw, np.uint8)
+            words = memoryview(buf[at : at + _D_NAME]).cast("Q")
+            words[_D_COUNT] = count
+            words[_D_DIGEST] = digest
+            words[_D_STATE] = 0
+            words[_D_GID] = gid + 1  # publish after the rest
             self._dir_count += 1
         for g in self.local:
             if g != self.rank:
                 self._bells[g].ring()
+        return at
 
-    def _lookup_group(self, g: int, gid: int) -> str | None:
+    def _gave_up(self, at: int, reason: str) -> None:
+        """Mark our directory entry at ``at``: we gave up setting its group up, for ``reason``."""
+        memoryview(self._segments[self.rank].buf[at : at + _D_NAME]).cast("Q")[_D_STATE] = _GAVE_UP.get(reason, 4)
+
+    def _lookup_group(self, g: int, gid: int) -> tuple[str, int, int, int] | None:
+        """Rank g's latest directory entry for group ``gid`` (a rank that gave up setting a group up
+        publishes a new entry when it tries again): (segment name, member count, members' digest,
+        state), or None if it has not published one."""
         buf = self._segments[g].buf
         words = memoryview(buf[self._dir_at :]).cast("Q")
         step = _DIR_ENTRY // 8
+        last = None
         for i in range(DIR_ENTRIES):
             v = words[i * step]
             if v == 0:
-                return None
+                break
             if v == gid + 1:
-                at = self._dir_at + i * _DIR_ENTRY + 8
-                return bytes(buf[at : at + _DIR_ENTRY - 8]).rstrip(b"\0").decode()
-        return None
+                last = i
+        if last is None:
+            return None
+        at = self._dir_at + last * _DIR_ENTRY
+        name = bytes(buf[at + _D_NAME : at + _DIR_ENTRY]).rstrip(b"\0").decode()
+        e = last * step
+        return name, words[e + _D_COUNT], words[e + _D_DIGEST], words[e + _D_STATE]
 
-    def _find_group(self, g: int, gid: int, deadline: float | None) -> str:
-        found: list[str] = []
+    def _find_group(self, g: int, gid: int, deadline: float | None) -> tuple[str, int, int, int]:
+        found: list = []
 
         def ready() -> bool:
-            name = self._lookup_group(g, gid)
-            if name:
-                found.append(name)
+            entry = self._lookup_group(g, gid)
+            if entry:
+                found.append(entry)
             return bool(found)
 
         def on_timeout() -> TransportError:

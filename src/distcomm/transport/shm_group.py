@@ -13,7 +13,8 @@ documented on ``GroupShm``).
 
 Each slot starts with a header (round, sequence number, signature, byte count, one extra word) that
 readers check, so members running different collectives, or the same one with different sizes,
-fail with a mismatch naming the peer instead of exchanging the wrong bytes.
+fail with a mismatch naming the peer and saying what differs (``describe_mismatch``) instead of
+exchanging the wrong bytes.
 
 Every post also goes into the member's header history (its last HISTORY posts' headers, after the
 counters), which outlives the slot's reuse. A member that reads only some peers' slots in a round
@@ -44,6 +45,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..signatures import decode, differences
 from ..tuning import DEFAULT, Tuning
 from .base import TransportError
 from .shm_wait import fence
@@ -90,6 +92,10 @@ S_ROUND, S_SEQ, S_SIG, S_NBYTES, S_EXTRA = 0, 1, 2, 3, 4
 #: start: what deferred checks read once the slots may have been reused (settle_deferred)
 HISTORY = 64
 H_DEFERRED = 5  # in a member's own history entry: the call (Calls.OPS index + 1) that deferred its checks
+#: in a header's byte count, with the call's size: a rooted collective's root check in a round of its
+#: own (backends/shm/root_check.one_round). A member running the call's one-round form posts the size
+#: alone, so ranks that chose different forms for one call still differ.
+ROOT_ROUND = 1 << 62
 
 _clock, _sched_yield = time.perf_counter, os.sched_yield
 
@@ -618,17 +624,10 @@ class GroupShm:
             mine[AWAITING] = 0
 
     def _mismatch(self, q: int, k: int, h, seq: int, sig: int, nbytes: int | None) -> TransportError:
-        return TransportError(
-            f"rank {self.ranks[q]} is running another collective: its shared-memory slot holds "
-            f"sequence number {h[S_SEQ]}, signature {h[S_SIG]:#x}, {h[S_NBYTES]} bytes (round "
-            f"{h[S_ROUND]}); this rank expected sequence number {seq}, signature "
-            f"{sig:#x}"
-            + (f", {nbytes} bytes" if nbytes is not None else "")
-            + f" (round {k}): the ranks called different collectives, or the same one with "
-            "different sizes, dtypes or ops",
-            peer=self.ranks[q],
-            reason="mismatch",
-        )
+        peer = self.ranks[q]
+        # read once: the peer may be writing its next post
+        theirs = (int(h[S_ROUND]), int(h[S_SEQ]), int(h[S_SIG]), int(h[S_NBYTES]))
+        return TransportError(describe_mismatch(peer, k, seq, sig, nbytes, *theirs), peer=peer, reason="mismatch")
 
     def views(self, k: int, dtype: np.dtype, count: int) -> list[np.ndarray]:
         """Every member's slot of round k as ``count`` elements of ``dtype`` (cached: the latency
@@ -710,9 +709,11 @@ class GroupShm:
 
         self.transport.wait_for(ready, ch.deadline, globals_, on_timeout, arm, polled)
 
-    def unlink_when_mapped(self, deadline: float | None) -> None:
+    def unlink_when_mapped(self, deadline: float | None, gave_up=None) -> None:
         """Wait until every member has mapped our segment, then let go of its name (setup's last
-        step: from here on no process can open it; the memory goes with the last mapping)."""
+        step: from here on no process can open it; the memory goes with the last mapping).
+        ``gave_up(members)``, run with the peers' health checks, raises if one of ``members`` (group
+        ranks that have not mapped it yet) gave up setting the group up: it never will."""
         buf = self.segments[self.rank].buf
         peers = self._peers
 
@@ -727,7 +728,8 @@ class GroupShm:
                 reason="timeout",
             )
 
-        self.transport.wait_for(ready, deadline, [self.ranks[q] for q in peers], on_timeout)
+        also = None if gave_up is None else (lambda: gave_up([q for q in peers if not buf[_OPENED_AT + q]]))
+        self.transport.wait_for(ready, deadline, [self.ranks[q] for q in peers], on_timeout, also=also)
         self.segments[self.rank].unlink()
 
     def close(self) -> None:
@@ -740,3 +742,49 @@ class GroupShm:
             self.__dict__.pop(step, None)
         for seg in self.segments:
             seg.close()
+
+
+_SAME_CALLS = "every rank of the group must make the same collective calls, in the same order"
+_FIELD_WORDS = {"dtype": "dtype", "reduce_op": "reduce op", "size": "size"}
+
+
+def describe_mismatch(peer: int, k: int, seq: int, sig: int, nbytes: int | None, their_round: int, their_seq: int,
+                      their_sig: int, their_nbytes: int) -> str:
+    """What differs between this rank's round k (call ``seq``, ``sig``, ``nbytes``; None: any size)
+    and global rank ``peer``'s header for it, in words: which call, which collective, which dtype,
+    reduce op, root or size, each with both ranks' values, and what to do."""
+    mine, theirs = decode(sig), decode(their_sig)
+    if their_round != k:
+        return (f"rank {peer} is out of step with this rank on this group's shared memory: its slot of round {k} "
+                f"holds round {their_round} (call #{their_seq}, {theirs.describe()}) where this rank is in call "
+                f"#{seq}, {mine.describe()}; an earlier call took a different number of rounds on the two ranks "
+                f"(they called different collectives, or one with different sizes): {_SAME_CALLS}, with the "
+                "same sizes")
+    if their_seq != seq:
+        return (f"rank {peer} is at call #{their_seq} of this group ({theirs.describe()}) where this rank is at "
+                f"call #{seq} ({mine.describe()}): one of them skipped a collective call or made an extra one; "
+                f"{_SAME_CALLS}")
+    fields = differences(sig, their_sig)
+    if fields == ["op"]:
+        return (f"at call #{seq} of this group this rank called {mine.describe()} but rank {peer} called "
+                f"{theirs.describe()}; {_SAME_CALLS}")
+    if nbytes is not None:
+        size, their_size = nbytes & ~ROOT_ROUND, their_nbytes & ~ROOT_ROUND
+        if size != their_size:
+            fields.append("size")
+        elif not fields and nbytes != their_nbytes:
+            own, other = ("this rank", f"rank {peer}") if nbytes & ROOT_ROUND else (f"rank {peer}", "this rank")
+            return (f"in {mine.op} #{seq} ({mine.describe()}, {size} bytes) {own} checked the root in a round of "
+                    f"its own and {other} in the call's only round: the ranks chose different algorithms for the "
+                    "same call; set the DISTCOMM_SHM_* variables alike on every rank")
+    if not fields:  # nothing in the header differs now: it changed while we read it
+        return (f"rank {peer}'s header of round {k} changed while this rank checked it (call #{their_seq}, "
+                f"{theirs.describe()}, {their_nbytes & ~ROOT_ROUND} bytes; this rank: call #{seq}, "
+                f"{mine.describe()}): {_SAME_CALLS}")
+
+    def values(d, n: int) -> str:
+        return " and ".join(f"{n & ~ROOT_ROUND} bytes" if f == "size" else d.argument(f) for f in fields)
+
+    what = " and ".join(_FIELD_WORDS.get(f) or mine.argument(f).split("=")[0] for f in fields)
+    return (f"in {mine.op} #{seq} this rank passed {values(mine, nbytes or 0)} but rank {peer} passed "
+            f"{values(theirs, their_nbytes)}; every rank of the group must pass the same {what}")

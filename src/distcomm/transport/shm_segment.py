@@ -119,6 +119,15 @@ def _create_named(directory: str) -> tuple[int, str]:
         return fd, name
 
 
+def _check_private(st: os.stat_result, path: str, name: str, inode: int | None) -> None:
+    """Refuse a file that is not a regular file of this user with mode 0600, or (``inode`` given:
+    an unnamed segment) not the file the name says."""
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(f"{path} is not a private segment of this user (mode {st.st_mode:o})")
+    if inode is not None and st.st_ino != inode:
+        raise FileNotFoundError(f"{name}: the process no longer holds that segment at {path}")
+
+
 class Segment:
     """One mapped shared-memory file. ``buf`` is the whole mapping as uint8; ``owner`` created it;
     ``name`` is what a peer gives ``Segment.open`` (until the owner calls ``unlink()``)."""
@@ -178,7 +187,15 @@ class Segment:
 
     @classmethod
     def open(cls, name: str) -> "Segment":
-        """Map a peer's segment; refuse one that is not ours or that others may read."""
+        """Map a peer's segment; refuse one that is not ours or that others may read.
+
+        An unnamed segment's path is its creator's descriptor, whose number the creator may have
+        closed and reused for any other file: what the path leads to is checked before it is opened
+        (opening a device or a pipe can have effects of its own) and again once open (the descriptor
+        may change in between), and only the file the name says, private to this user, is mapped.
+        Raises FileNotFoundError when the segment is gone (or the path now leads to another file of
+        ours) and PermissionError when it leads to a file that is not a private segment; the
+        transport turns these into distcomm errors (it knows the peer and the operation)."""
         anonymous = _ANONYMOUS.fullmatch(name)
         if anonymous:
             pid, fd, inode = (int(x) for x in anonymous.groups())
@@ -187,13 +204,15 @@ class Segment:
             raise ValueError(f"not a distcomm segment name: {name!r}")
         else:
             path = os.path.join(shm_dir(), name)
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | (0 if anonymous else os.O_NOFOLLOW))
+            inode = None
+        before = os.stat(path, follow_symlinks=bool(anonymous))
+        _check_private(before, path, name, inode)
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK | (0 if anonymous else os.O_NOFOLLOW))
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-                raise PermissionError(f"{path} is not a private segment of this user (mode {st.st_mode:o})")
-            if anonymous and st.st_ino != inode:
-                raise FileNotFoundError(f"{name}: the process no longer holds that segment at {path}")
+            _check_private(st, path, name, inode)
+            if (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino):
+                raise FileNotFoundError(f"{name}: {path} changed to another file while this process opened it")
             mm = mmap.mmap(fd, st.st_size)
         finally:
             os.close(fd)

@@ -86,10 +86,10 @@ def _direct_read_failure(ctx, ch: Channel, exc: "shm_direct.DirectReadError") ->
     return TransportError(text, peer=peer, reason=exc.reason)
 
 
-def _root_round(ctx, ch: Channel, root: int) -> tuple[int, int] | None:
-    """The root check's round of its own on this call's Channel: the first (peer, its root) that
-    differs, or None."""
-    return root_check.one_round(ctx, ch.key.seq, ch.signature, same_channel(ch), root)
+def _root_round(ctx, ch: Channel, root: int, nbytes: int) -> tuple[int, int] | None:
+    """The root check's round of its own on this call's Channel (its header carrying the call's size
+    ``nbytes``): the first (peer, its root) that differs, or None."""
+    return root_check.one_round(ctx, ch.key.seq, ch.signature, same_channel(ch), root, nbytes)
 
 
 #: per rooted op: its argument's name in a root mismatch's words
@@ -274,10 +274,11 @@ class ShmCollectives(GroupCollectives):
 
     # -- rooted collectives: the root check runs inside a collective of one round (the latency
     # paths' rounds, so both paths meet in the same rounds), in a round of its own before a longer one
-    def _check_root_first(self, ctx, ch: Channel, one_round: bool, root: int) -> None:
-        """Before a rooted collective of several rounds (``one_round`` False): the root check's round."""
+    def _check_root_first(self, ctx, ch: Channel, one_round: bool, root: int, nbytes: int) -> None:
+        """Before a rooted collective of several rounds (``one_round`` False): the root check's round,
+        carrying ``nbytes``, the byte count the one-round form's header would carry."""
         if not one_round:
-            self._raise_disagreement(ch, root, self._guarded(ctx, ch, _root_round, root))
+            self._raise_disagreement(ch, root, self._guarded(ctx, ch, _root_round, root, nbytes))
 
     @staticmethod
     def _raise_disagreement(ch: Channel, root: int, disagreeing) -> None:
@@ -290,7 +291,7 @@ class ShmCollectives(GroupCollectives):
         if ctx is None:
             return self.generic.reduce(ch, flat, dtype, op, root)
         name = self._choose("reduce", flat.nbytes, ctx, ch)
-        self._check_root_first(ctx, ch, name == "reduce_direct" and flat.nbytes <= ctx.slot_bytes, root)
+        self._check_root_first(ctx, ch, name == "reduce_direct" and flat.nbytes <= ctx.slot_bytes, root, flat.nbytes)
         red = self._reducer(op, dtype)
 
         def run(buf):
@@ -303,7 +304,7 @@ class ShmCollectives(GroupCollectives):
         if ctx is None:
             return self.generic.broadcast(ch, flat, root)
         name = self._choose("broadcast", flat.nbytes, ctx, ch)
-        self._check_root_first(ctx, ch, name == "broadcast_slots" and flat.nbytes <= ctx.slot_bytes, root)
+        self._check_root_first(ctx, ch, name == "broadcast_slots" and flat.nbytes <= ctx.slot_bytes, root, flat.nbytes)
         self._raise_disagreement(ch, root, self._run(ctx, ch, name, flat, root))
 
     def all_gather(self, ch: Channel, out: np.ndarray, count: int) -> None:
@@ -335,7 +336,7 @@ class ShmCollectives(GroupCollectives):
         if ctx is None:
             return self.generic.gather_list(ch, send, outs, root)
         name = self._choose("gather", send.nbytes * ch.size, ctx, ch)
-        self._check_root_first(ctx, ch, name == "gather_slots" and send.nbytes <= ctx.slot_bytes, root)
+        self._check_root_first(ctx, ch, name == "gather_slots" and send.nbytes <= ctx.slot_bytes, root, send.nbytes)
         self._raise_disagreement(ch, root, self._run(ctx, ch, name, send, outs, root))
 
     def scatter(self, ch: Channel, chunks: np.ndarray | None, out: np.ndarray, root: int) -> None:
@@ -351,7 +352,7 @@ class ShmCollectives(GroupCollectives):
             return self.generic.scatter_list(ch, ins, out, root)
         name = self._choose("scatter", out.nbytes * ch.size, ctx, ch)
         one_round = name == "scatter_slots" and out.nbytes <= piece_bytes(ctx.slot_bytes, ch.size)
-        self._check_root_first(ctx, ch, one_round, root)
+        self._check_root_first(ctx, ch, one_round, root, out.nbytes)
         self._raise_disagreement(ch, root, self._run(ctx, ch, name, ins, out, root))
 
     def reduce_scatter(self, ch: Channel, scratch: np.ndarray, out: np.ndarray, counts, dtype, op) -> None:

@@ -8,7 +8,10 @@ every peer's: every rank sees any disagreement (``GroupCollectives.check_root``)
 * A collective of one round (the one-slot rounds of broadcast_slots, reduce_direct, gather_slots
   and scatter_slots: what the latency paths run) carries the check in that round: ``exchange``,
   in place of the round's post or wait, costs no round of its own.
-* A longer one runs ``one_round`` first: a round of its own, a barrier's cost.
+* A longer one runs ``one_round`` first: a round of its own, a barrier's cost. Its header carries
+  the call's size (what the one-round form's header holds, the byte count each rank passed) marked
+  ``ROOT_ROUND``, so a rank whose size sends it down the other form meets a mismatch that names
+  both sizes, and the two forms of one size never pass for each other.
 
 Either way the headers carry the signature without its root bits, so ranks that disagree on the
 root alone reach the comparison that says so (a CollectiveMismatchError naming the root on every
@@ -18,6 +21,7 @@ rank, raised by the caller once the round is complete: the group's memory stays 
 from __future__ import annotations
 
 from ...signatures import without_root
+from ...transport.shm_group import ROOT_ROUND
 
 
 def exchange(ctx, k: int, seq: int, sig: int, nbytes: int, channel, root: int) -> tuple[int, int] | None:
@@ -34,10 +38,11 @@ def exchange(ctx, k: int, seq: int, sig: int, nbytes: int, channel, root: int) -
     return None
 
 
-def one_round(ctx, seq: int, sig: int, channel, root: int) -> tuple[int, int] | None:
+def one_round(ctx, seq: int, sig: int, channel, root: int, nbytes: int) -> tuple[int, int] | None:
     """The check as a round of its own, before a collective of several rounds: ``exchange`` with
-    nothing in the slot."""
+    nothing in the slot, its header carrying the call's size ``nbytes`` (as its one-round form's
+    does: the bytes this rank passed)."""
     k = ctx.open_round(seq, sig, channel)
-    disagreeing = exchange(ctx, k, seq, sig, 0, channel, root)
+    disagreeing = exchange(ctx, k, seq, sig, nbytes | ROOT_ROUND, channel, root)
     ctx.consume(k)
     return disagreeing
