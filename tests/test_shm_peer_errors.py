@@ -9,7 +9,7 @@ the operation, its sequence number, this rank, the peer and what to do, never a 
   (the same test of a peer's life every wait makes);
 * the peer is alive but set the group up with other members: CollectiveMismatchError on every rank,
   whoever comes first or last (new_group checks its members through the store before any engine
-  sees them; the engine's own check, beneath it, is tested here with that one switched off);
+  sees them; the engine's own check, beneath it, is tested here on a group built without new_group);
 * the peer is alive but gave up setting the group up (it timed out waiting for a late member): the
   late member gets DistTimeoutError naming it;
 * the path the peer published leads to another file (its descriptor number reused): that file is
@@ -62,6 +62,41 @@ def _outcome(call):
     return "no error", "", True, time.monotonic() - start
 
 
+def when_a_segment_appears(seg_dir: str, then, settle: float = 0.5) -> None:
+    """Start a thread that waits for this process to open a new file in ``seg_dir`` (its own
+    segment of the group whose first collective comes next, made before it opens any peer's),
+    waits ``settle`` seconds more (the segment is published right after it is made) and calls
+    ``then(fd)``: a fault injected at that point from outside distcomm, through what the OS shows
+    of the process."""
+    import threading
+    import time
+
+    def segments() -> dict[int, str]:
+        found = {}
+        for name in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{name}")
+            except OSError:
+                continue
+            if target.startswith(seg_dir.rstrip("/") + "/"):  # a file in it, not the directory itself
+                found[int(name)] = target
+        return found
+
+    before = segments()
+
+    def watch() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            new = [fd for fd, target in segments().items() if before.get(fd) != target]
+            if new:  # the first one seen: this process makes its own segment before it opens its peers'
+                time.sleep(settle)
+                then(min(new))
+                return
+            time.sleep(0.001)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 # -- a peer SIGKILLed between publishing its group segment and this rank's opening it ---------------
 def killed_after_publishing_body(rank, world):
     """Rank 1 is SIGKILLed right after publishing its segment for group [1, 2]; rank 2 comes once
@@ -72,7 +107,6 @@ def killed_after_publishing_body(rank, world):
     import numpy as np
 
     import distcomm as dist
-    from distcomm.transport import shm
     from distcomm.transport.shm_wait import process_alive
 
     dist.init_process_group("gloo")  # the default engine: shared memory on one host
@@ -82,14 +116,7 @@ def killed_after_publishing_body(rank, world):
     done = dist.new_group([0, 2])
     dist.barrier()  # every rank is past new_group's store checks before rank 1 dies
     if rank == 1:
-        publish = shm.ShmTransport._publish_group
-
-        def publish_then_die(self, *args):
-            at = publish(self, *args)
-            os.kill(os.getpid(), signal.SIGKILL)
-            return at
-
-        shm.ShmTransport._publish_group = publish_then_die
+        when_a_segment_appears(os.environ["DISTCOMM_SHM_DIR"], lambda fd: os.kill(os.getpid(), signal.SIGKILL))
         dist.all_reduce(np.ones(4, np.float32), group=group)
         return "rank 1 survived"
     out = None
@@ -122,11 +149,16 @@ def different_members_body(rank, world):
     import numpy as np
 
     import distcomm as dist
-    from distcomm._api import groups
+    from datetime import timedelta
+
+    from distcomm.process_group import ProcessGroup
 
     dist.init_process_group("gloo")
-    groups._agree_on_members = lambda *args: None  # the engine meets the disagreement itself
-    group = dist.new_group([0, 1] if rank == 0 else [0, 1, 2])
+    # the group built on the world's engine directly: new_group would refuse the disagreement
+    # through the store first (tests/test_new_group_agreement.py), and the engine must meet it too
+    world_pg = dist.group.WORLD
+    group = ProcessGroup(1, "disagreeing", [0, 1] if rank == 0 else [0, 1, 2], rank, world_pg.engine,
+                         world_pg.backend_name, timedelta(seconds=30), world_pg.engine_name, world_pg.store)
     x = np.ones(4, np.float32)
     if rank == 2:
         dist.barrier()  # after ranks 0 and 1 have failed: rank 0 has let go of its segment by now
@@ -195,10 +227,11 @@ def test_a_member_later_than_the_groups_timeout_hears_who_gave_up(seg_dir):
 
 # -- the published path leads to another file: never mapped -----------------------------------------
 def reused_descriptor_body(rank, world, decoy_mode):
+    import time
+
     import numpy as np
 
     import distcomm as dist
-    from distcomm.transport import shm
     from distcomm.transport.shm_segment import shm_dir
 
     dist.init_process_group("gloo")
@@ -206,14 +239,11 @@ def reused_descriptor_body(rank, world, decoy_mode):
     group = dist.new_group([0, 1])  # the default timeout (30 minutes): nobody waits for it
     x = np.ones(4, np.float32)
     decoy = None
+    ready = os.environ["DISTCOMM_SHM_DIR"] + ".decoy-in-place"  # beside the segment directory, not in it
     if rank == 0:
-        publish = shm.ShmTransport._publish_group
         made = []
 
-        def publish_then_reuse(self, gid, name, *args):
-            shm.ShmTransport._publish_group = publish  # this group's segment only
-            at = publish(self, gid, name, *args)
-            fd = int(name.split("@")[1].split(".")[1])
+        def reuse(fd):
             # another file of this process takes the segment's descriptor number, as a close and an
             # open would: the directory still names the segment, the path leads to the decoy
             other = os.open(shm_dir(), os.O_TMPFILE | os.O_RDWR, 0o600)
@@ -222,18 +252,22 @@ def reused_descriptor_body(rank, world, decoy_mode):
             os.dup2(other, fd)
             os.close(other)
             made.append(os.fstat(fd).st_ino)
-            return at
+            os.close(os.open(ready, os.O_CREAT | os.O_WRONLY, 0o600))
 
-        shm.ShmTransport._publish_group = publish_then_reuse
+        when_a_segment_appears(shm_dir(), reuse)
         out = _outcome(lambda: dist.all_reduce(x, group=group))
         decoy = made[0]
         maps = None
     else:
+        while not os.path.exists(ready):  # rank 0's segment is published and its path leads to the decoy
+            time.sleep(0.01)
         out = _outcome(lambda: dist.all_reduce(x, group=group))
         with open("/proc/self/maps") as f:  # every file this process has mapped, right after the error
             maps = {int(line.split()[4]) for line in f if len(line.split()) >= 5}
     inodes = [None] * world
     dist.all_gather_object(inodes, decoy)
+    if rank == 0:
+        os.unlink(ready)
     dist.destroy_process_group()
     return out, None if maps is None else inodes[0] in maps
 
@@ -264,22 +298,17 @@ def test_a_segment_path_leading_to_another_file_is_refused_and_never_mapped(seg_
 
 # -- init: a peer killed after publishing its world segment -----------------------------------------
 def killed_during_init_body(rank, world, store_file):
-    import json
     import re
     import signal
     import time
-    import types
 
     import distcomm as dist
     from distcomm.transport import shm
     from distcomm.transport.shm_wait import process_alive
 
-    if rank == 1:  # dies once it has published its segment and read the others'
-        def loads_then_die(text):
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        shm.json = types.SimpleNamespace(dumps=json.dumps, loads=loads_then_die)
-    else:  # opens each peer's segment only once that peer is gone
+    if rank == 1:  # dies once it has published its segment
+        when_a_segment_appears(os.environ["DISTCOMM_SHM_DIR"], lambda fd: os.kill(os.getpid(), signal.SIGKILL))
+    else:  # opens each peer's segment (Segment.open, wrapped) only once that peer is gone
         open_segment = shm.Segment.open.__func__
 
         def open_when_gone(cls, name):
