@@ -126,9 +126,9 @@ def _init_twice(rank, world, backend, port):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["gloo", "distcomm"])
-def test_init_destroy_init_on_a_store_that_outlives_them(backend):
-    results = run_world(_init_twice, 2, args=(backend, free_port()), timeout=120)
+def test_init_destroy_init_on_a_store_that_outlives_them():
+    # (torch's gloo is no oracle here: its second init on the same store hung past 120 s under load)
+    results = run_world(_init_twice, 2, args=("distcomm", free_port()), timeout=120)
     assert results == [[[3.0] * 3] * 2] * 2
 
 
