@@ -133,6 +133,7 @@ def init_process_group(
         world.set_world(pg)
         diagnostics.install(prefixed, rank, world_size)  # hang reports, failure causes, dumps on every rank
         leaving.register()  # an MPI job's rank that exits without destroy_process_group
+        rollcall.finish(prefixed, rank, world_size)  # rank 0, the store's host, leaves init last
 
 
 def destroy_process_group(group: Any = None) -> None:

@@ -108,6 +108,29 @@ def roll_call(store, rank: int, world_size: int, timeout: timedelta) -> None:
     _fail(store, rank, list(sizes), text)
 
 
+FINISH_WAIT_S = 10.0  # how long rank 0 waits at the end of init for the others' last store call
+
+
+def finish(store, rank: int, world_size: int, wait: float = FINISH_WAIT_S) -> None:
+    """The last store call of every rank's init (``store``: the init's namespace).
+
+    Under env:// rank 0's process hosts the store, and a program whose rank 0 is quick (send one
+    tensor, print, exit) can end it while another rank, descheduled between two store calls of
+    its init, has yet to send the last one: that rank then fails with a lost store. So every other
+    rank says it is done, and rank 0 returns once they all have (their earlier requests answered;
+    this one needs no answer), or after ``wait`` seconds: a rank that failed meanwhile raises its own
+    error, and rank 0's first collective reports it."""
+    if world_size < 2:
+        return
+    if rank != 0:
+        store.set(f"done/{rank}", "1")
+        return
+    try:
+        store.wait([f"done/{q}" for q in range(1, world_size)], timedelta(seconds=wait))
+    except DistError:
+        pass
+
+
 def _fail(store, rank: int, present: list[int], text: str) -> None:
     """Raise DistError(text). Rank 0 first gives the others (``present``: the ranks that joined) a
     moment to read what they need: under env:// and tcp:// it hosts the store, and its exit would
