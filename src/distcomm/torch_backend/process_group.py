@@ -392,4 +392,5 @@ def create(common_opts, backend_options=None) -> DistcommProcessGroup:
     if world:
         # hang reports, failure causes, dumps on every rank
         diagnostics.install(store, rank, size, answer_on_leave=False)
+        rollcall.finish(store, rank, size)  # rank 0, the store's host under env://, leaves init last
     return DistcommProcessGroup(group, watches_the_world=world)
