@@ -11,7 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from distcomm import dtypes
+from distcomm.signatures import signature
 from distcomm.transport.base import ANY_SOURCE, KIND_COLLECTIVE, KIND_P2P, MessageKey
+from distcomm.types import RedOpType
 from distcomm.transport.matching import Matcher, Unexpected
 
 K = MessageKey(1, KIND_COLLECTIVE, 7)
@@ -137,14 +140,19 @@ def test_non_overtaking_per_source(events):
 # -- checks -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("nbytes,signature,text", [
-    (100, 5, "rank 1 expects 80 bytes but rank 0 sent 100 bytes"),
-    (80, 0x11, "rank 1 expects signature 0x00000005 but rank 0 sent 0x00000011"),
+ALL_REDUCE_SUM = signature("all_reduce", dtypes.BY_NAME["float32"].code, int(RedOpType.SUM))
+BROADCAST_FROM_0 = signature("broadcast", dtypes.BY_NAME["float32"].code, root=0)
+
+
+@pytest.mark.parametrize("nbytes,sig,text", [
+    (100, ALL_REDUCE_SUM, "rank 1 expects 80 bytes but rank 0 sent 100 bytes"),
+    (80, BROADCAST_FROM_0, "rank 1 is in all_reduce (float32, op=SUM) but rank 0 sent a message of broadcast "
+                           f"(float32, src=0) (signatures {ALL_REDUCE_SUM:#010x} and {BROADCAST_FROM_0:#010x})"),
 ])
-def test_mismatch_names_both_ranks_and_what_differs(nbytes, signature, text):
+def test_mismatch_names_both_ranks_and_what_differs(nbytes, sig, text):
     m = Matcher(1, 2)
-    assert m.mismatch(K, 0, 5, 80, 5, 80) is None
-    err = m.mismatch(K, 0, signature, nbytes, 5, 80)
+    assert m.mismatch(K, 0, ALL_REDUCE_SUM, 80, ALL_REDUCE_SUM, 80) is None
+    err = m.mismatch(K, 0, sig, nbytes, ALL_REDUCE_SUM, 80)
     assert err.reason == "mismatch" and err.peer == 0
     assert text in str(err) and "does not match the receive posted on rank 1" in str(err)
     assert "group 1 collective #7" in str(err)
@@ -152,7 +160,7 @@ def test_mismatch_names_both_ranks_and_what_differs(nbytes, signature, text):
 
 def test_mismatch_reports_both_differences():
     err = Matcher(1, 2).mismatch(MessageKey(0, KIND_P2P, 3), 0, 1, 8, 2, 16)
-    assert "16 bytes" in str(err) and "8 bytes" in str(err) and "signature" in str(err) and "tag 3" in str(err)
+    assert "16 bytes" in str(err) and "8 bytes" in str(err) and "signatures" in str(err) and "tag 3" in str(err)
 
 
 # -- withdraw, loss, close --------------------------------------------------------------------------

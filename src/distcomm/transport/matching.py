@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from ..signatures import decode
 from .base import ANY_SOURCE, TransportError, describe_key
 
 
@@ -221,8 +222,9 @@ class Matcher:
         if nbytes != want_nbytes:
             problems.append(f"rank {self.rank} expects {want_nbytes} bytes but rank {src} sent {nbytes} bytes")
         if signature != want_signature:
-            problems.append(f"rank {self.rank} expects signature {want_signature:#010x} but rank {src} "
-                            f"sent {signature:#010x}")
+            problems.append(f"rank {self.rank} is in {decode(want_signature).describe()} but rank {src} sent a "
+                            f"message of {decode(signature).describe()} (signatures {want_signature:#010x} and "
+                            f"{signature:#010x})")
         if not problems:
             return None
         return TransportError(
