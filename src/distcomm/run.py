@@ -234,6 +234,14 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "distcomm-run") ->
     return get_args_parser(prog).parse_args(argv)
 
 
+def _rdzv_conf_value(conf: dict, key: str, default, kind, what: str):
+    """``--rdzv-conf key=value`` as ``kind`` (``default`` when absent); LaunchError naming it if not one."""
+    try:
+        return kind(conf.get(key, default))
+    except ValueError:
+        raise LaunchError(f"--rdzv-conf {key}={conf[key]!r}: expected {what}") from None
+
+
 def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     """Resolve the parsed options into a LaunchConfig (LaunchError on a bad combination)."""
     nproc = parse_nproc_per_node(args.nproc_per_node)
@@ -259,22 +267,9 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     else:
         python = os.environ.get("PYTHON_EXEC", sys.executable)
         entrypoint = [python, "-u"] + (["-m"] if args.module else []) + [args.training_script]
-    try:
-        join_timeout = float(conf.get("join_timeout", 600))
-    except ValueError:
-        raise LaunchError(f"--rdzv-conf join_timeout={conf['join_timeout']!r}: expected seconds") from None
-    try:
-        keep_alive_interval = float(conf.get("keep_alive_interval", 5))
-    except ValueError:
-        raise LaunchError(
-            f"--rdzv-conf keep_alive_interval={conf['keep_alive_interval']!r}: expected seconds"
-        ) from None
-    try:
-        keep_alive_max_attempt = int(conf.get("keep_alive_max_attempt", 3))
-    except ValueError:
-        raise LaunchError(
-            f"--rdzv-conf keep_alive_max_attempt={conf['keep_alive_max_attempt']!r}: expected an int"
-        ) from None
+    join_timeout = _rdzv_conf_value(conf, "join_timeout", 600.0, float, "seconds")
+    keep_alive_interval = _rdzv_conf_value(conf, "keep_alive_interval", 5.0, float, "seconds")
+    keep_alive_max_attempt = _rdzv_conf_value(conf, "keep_alive_max_attempt", 3, int, "an int")
     return LaunchConfig(
         entrypoint=entrypoint,
         args=list(args.training_script_args),
