@@ -120,18 +120,18 @@ def _coalescing_world(rank, world):
     _compare(_batch_p2p(group, rank, world), _batch_p2p(None, rank, world), f"rank {rank}")
     _bracketed_p2p(group, rank, world)
 
-    # issued async on an idle group, an operation runs inline: its Work is complete when returned
-    # (all_reduce: the engine's fast path when it has one; all_gather: the group's general path)
+    # issued async, an operation goes to the group's thread (it must not wait for the peers before
+    # returning: tests/test_torch_backend_async.py); its Work completes with the result in place
+    # (all_reduce at a latency path's size and at a large one; all_gather_into_tensor)
     small = torch.ones(2) * (rank + 1)  # 8 bytes
     large = torch.ones(1 << 18) * (rank + 1)  # 1 MiB
     for x in (small, large):
         work = dist.all_reduce(x, async_op=True, group=group)
-        assert work.is_completed(), f"rank {rank}: an async all_reduce of {x.nbytes} B on an idle group was queued"
-        assert torch.all(x == world * (world + 1) / 2)
-        work.wait()
+        assert work.wait() and work.is_completed()
+        assert torch.all(x == world * (world + 1) / 2), f"rank {rank}: async all_reduce of {x.nbytes} B"
     out = torch.empty(2 * world)
     work = dist.all_gather_into_tensor(out, torch.ones(2) * rank, async_op=True, group=group)
-    assert work.is_completed()
+    assert work.wait() and work.is_completed()
     assert out.tolist() == [float(r) for r in range(world) for _ in range(2)]
     _close(dist_)
     return True
@@ -139,7 +139,7 @@ def _coalescing_world(rank, world):
 
 @pytest.mark.slow  # torch with gloo and distcomm groups in each rank
 @pytest.mark.parametrize("world", [2, 3])
-def test_coalescing_manager_batch_p2p_and_inline_async(world):
+def test_coalescing_manager_batch_p2p_and_async(world):
     assert run_world(_coalescing_world, world, timeout=120) == [True] * world
 
 

@@ -7,14 +7,15 @@ why this is a ProcessGroup and not a Backend; ``_new_process_group_helper`` then
 the group itself. Each method takes torch's arguments (lists of tensors and an options object),
 turns them into distcomm Buffers and calls distcomm's ProcessGroup, whose ranks are this group's.
 
-Every call from torch looks asynchronous (torch's Python API waits on the Work itself when the
-user asked for a synchronous call; DDP's buckets are issued async). An operation issued while the
-group is idle runs inline and returns a completed Work: a small all_reduce does not pay a thread
-hand-off. Only when earlier work is still queued does it go to the group's worker thread, behind it.
-A synchronous call (``opts.asyncOp`` False: only torch's Python API sets it) that a latency path
-completed returns None, which torch's API functions take as "the backend synchronized at the C++
-level" and do not wait on: making, wrapping and waiting on a Work costs more than the rest of our part
-of an 8-byte all_reduce.
+torch's Python API says in ``opts.asyncOp`` whether the user asked for a Work (``async_op=True``)
+or will wait at once; C++ callers (DDP's buckets, functional collectives) leave it at its default,
+True. A synchronous call issued while the group is idle runs inline: a small all_reduce does not pay
+a thread hand-off, and one a latency path completed returns None, which torch's API functions take as
+"the backend synchronized at the C++ level" and do not wait on (making, wrapping and waiting on a
+Work costs more than the rest of our part of an 8-byte all_reduce). An asynchronous call, and any
+call issued while earlier work is still queued, goes to the group's worker thread, as gloo's do: run
+inline, it would wait for the peers before returning, and a program that issues it, then a send or a
+collective on another group its peers need first, would deadlock (torch's gloo returns at once).
 
 torch private names used (torch's own seams for Python backends): ``torch.distributed.Work``
 subclassed (work.py), ``ProcessGroup.__init__(rank, size)``. Reduce ops are read from torch's
@@ -111,13 +112,14 @@ class DistcommProcessGroup(tdist.ProcessGroup):
         return f"<distcomm torch ProcessGroup rank={self.group.rank()} size={self.group.size()}>"
 
     # -- running ----------------------------------------------------------------------------------
-    def _run(self, call, result) -> TorchWork:
-        return self._track(self._issue(call, result))
+    def _run(self, call, result, opts) -> TorchWork:
+        return self._track(self._issue(call, result, _asynchronous(opts)))
 
-    def _issue(self, call, result) -> TorchWork:
-        """``call(async_op)`` issues the operation: inline when the group is idle (then the Work is
-        complete, or holds the error), else queued behind the group's earlier work."""
-        if self.group.executor.idle():
+    def _issue(self, call, result, asynchronous: bool) -> TorchWork:
+        """``call(async_op)`` issues the operation: a synchronous one inline when the group is idle
+        (then the Work is complete, or holds the error), else queued behind the group's earlier work
+        (see the module docstring)."""
+        if not asynchronous and self.group.executor.idle():
             try:
                 call(False)
             except Exception as exc:  # noqa: BLE001 - delivered by wait(), as an async failure is
@@ -144,20 +146,20 @@ class DistcommProcessGroup(tdist.ProcessGroup):
     def _fast(self, path, result, opts, *args):
         """What a call returns when the engine's tensor-level latency path ``path`` (a field of
         ``ProcessGroup.tensor_paths``) took it with ``args`` (an idle group, plain CPU tensors, a
-        small message): its Work, or None for a synchronous call (see the module docstring);
-        NOT_TAKEN when it did nothing (always under DETAIL, whose shape check only the general path
-        makes). As an inline call on the general path, a failure is delivered by the Work's ``wait()``."""
+        small message): None (see the module docstring), or a completed Work inside a coalescing
+        block; NOT_TAKEN when it did nothing (always for an asynchronous call, which must not wait
+        for the peers here, and under DETAIL, whose shape check only the general path makes). As an inline call on the general path, a failure is delivered by the Work's ``wait()``."""
         try:
-            if diagnostics.check_shapes or not path(*args):
+            if diagnostics.check_shapes or _asynchronous(opts) or not path(*args):
                 return NOT_TAKEN
         except Exception as exc:  # noqa: BLE001 - delivered by wait(), as _issue does
             return self._track(TorchWork(result, error=exc))
-        return self._completed(result, opts)
+        return self._completed(result)
 
-    def _completed(self, result, opts) -> TorchWork | None:
-        """A call a latency path completed: None when synchronous (``opts.asyncOp`` False, outside a
-        coalescing block), else a completed Work."""
-        if self._coalesced is None and opts is not None and not opts.asyncOp:
+    def _completed(self, result) -> TorchWork | None:
+        """A synchronous call a latency path completed: None, or a completed Work inside a
+        coalescing block (whose end's Work stands for it)."""
+        if self._coalesced is None:
             return None
         return self._track(TorchWork(result))
 
@@ -170,21 +172,22 @@ class DistcommProcessGroup(tdist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         op = _allreduce_op(opts)
         tensor = tensors[0]
-        # the latency path takes the call only when the group is idle and the tensor a plain dense
-        # CPU one (it declines a sparse tensor, a PREMUL_SUM, a busy group, having done nothing);
+        # the latency path takes a synchronous call only when the group is idle and the tensor a plain
+        # dense CPU one (it declines a sparse tensor, a PREMUL_SUM, a busy group, having done nothing);
         # never under DETAIL, whose shape check only the general path makes
-        if op.__class__ is RedOpType and not diagnostics.check_shapes and self.group.fast_all_reduce(tensor, op):
-            return self._completed(tensors, opts)
+        if op.__class__ is RedOpType and not diagnostics.check_shapes and not _asynchronous(opts) \
+                and self.group.fast_all_reduce(tensor, op):
+            return self._completed(tensors)
         if tensor.is_sparse:
             sparse = SparseBuffer(tensor)
-            return self._run(lambda a: self.group.allreduce_sparse(sparse, a, tensors), tensors)
+            return self._run(lambda a: self.group.allreduce_sparse(sparse, a, tensors), tensors, opts)
         buf = as_buffer(tensor)
-        return self._run(lambda a: self.group.allreduce(buf, op, a, tensors), tensors)
+        return self._run(lambda a: self.group.allreduce(buf, op, a, tensors), tensors, opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
         op = reduce_op(opts.reduceOp) if opts is not None else RedOpType.SUM
         bufs = as_buffers(tensors)
-        return self._run(lambda a: self.group.allreduce_coalesced(bufs, op, a, tensors), tensors)
+        return self._run(lambda a: self.group.allreduce_coalesced(bufs, op, a, tensors), tensors, opts)
 
     def broadcast(self, tensors, opts):
         args.rank_in_group(opts.rootRank, self.group.size(), "broadcast", "root")
@@ -192,7 +195,7 @@ class DistcommProcessGroup(tdist.ProcessGroup):
         if done is not NOT_TAKEN:
             return done
         buf = as_buffer(tensors[0])
-        return self._run(lambda a: self.group.broadcast(buf, opts.rootRank, a, tensors), tensors)
+        return self._run(lambda a: self.group.broadcast(buf, opts.rootRank, a, tensors), tensors, opts)
 
     def reduce(self, tensors, opts):
         args.rank_in_group(opts.rootRank, self.group.size(), "reduce", "root")
@@ -202,7 +205,7 @@ class DistcommProcessGroup(tdist.ProcessGroup):
             if done is not NOT_TAKEN:
                 return done
         buf = as_buffer(tensors[0])
-        return self._run(lambda a: self.group.reduce(buf, op, opts.rootRank, a, tensors), tensors)
+        return self._run(lambda a: self.group.reduce(buf, op, opts.rootRank, a, tensors), tensors, opts)
 
     def allgather(self, output_lists, inputs, opts=None):
         done = self._fast(self.group.tensor_paths.all_gather, output_lists, opts, output_lists[0], inputs[0])
@@ -210,7 +213,7 @@ class DistcommProcessGroup(tdist.ProcessGroup):
             return done
         inp = as_buffer(inputs[0])
         outs = args.tensor_list(output_lists[0], "all_gather", "tensor_list", self.group.size(), like=inp)
-        return self._run(lambda a: self.group.allgather(outs, inp, a, output_lists), output_lists)
+        return self._run(lambda a: self.group.allgather(outs, inp, a, output_lists), output_lists, opts)
 
     def all_gather_single(self, output, input, opts=None):  # noqa: A002 - torch's names
         done = self._fast(self.group.tensor_paths.all_gather_into_tensor, [output], opts, output, input)
@@ -218,19 +221,19 @@ class DistcommProcessGroup(tdist.ProcessGroup):
             return done
         out, inp = as_buffer(output), as_buffer(input)
         args.gathered_into(out, inp, self.group.size(), "all_gather_into_tensor")
-        return self._run(lambda a: self.group.allgather_into_tensor(out, inp, a, [output]), [output])
+        return self._run(lambda a: self.group.allgather_into_tensor(out, inp, a, [output]), [output], opts)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         pairs = [(as_buffer(o), as_buffer(i)) for o, i in zip(outputs, inputs)]
         for o, i in pairs:
             args.gathered_into(o, i, self.group.size(), "all_gather_into_tensor")
         return self._run_each(
-            [lambda a, o=o, i=i: self.group.allgather_into_tensor(o, i, a) for o, i in pairs], outputs)
+            [lambda a, o=o, i=i: self.group.allgather_into_tensor(o, i, a) for o, i in pairs], outputs, opts)
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):
         ins = as_buffers(inputs)
         outs = args.gathered_lists(output_lists, ins, self.group.size(), "all_gather_coalesced")
-        return self._run(lambda a: self.group.allgather_coalesced(outs, ins, a, output_lists), output_lists)
+        return self._run(lambda a: self.group.allgather_coalesced(outs, ins, a, output_lists), output_lists, opts)
 
     def gather(self, output_lists, inputs, opts):
         root = args.rank_in_group(opts.rootRank, self.group.size(), "gather", "root")
@@ -241,7 +244,7 @@ class DistcommProcessGroup(tdist.ProcessGroup):
             return done
         inp = as_buffer(inputs[0])
         outs = args.tensor_list(output_lists[0], "gather", "gather_list", self.group.size(), like=inp) if is_root else None
-        return self._run(lambda a: self.group.gather(outs, inp, root, a, output_lists), output_lists)
+        return self._run(lambda a: self.group.gather(outs, inp, root, a, output_lists), output_lists, opts)
 
     def scatter(self, outputs, input_lists, opts):
         root = args.rank_in_group(opts.rootRank, self.group.size(), "scatter", "root")
@@ -252,14 +255,14 @@ class DistcommProcessGroup(tdist.ProcessGroup):
             return done
         out = as_buffer(outputs[0])
         ins = args.tensor_list(input_lists[0], "scatter", "scatter_list", self.group.size(), like=out) if is_root else None
-        return self._run(lambda a: self.group.scatter(out, ins, root, a, outputs), outputs)
+        return self._run(lambda a: self.group.scatter(out, ins, root, a, outputs), outputs, opts)
 
     def reduce_scatter(self, outputs, input_lists, opts):
         op = reduce_op(opts.reduceOp)
         out = as_buffer(outputs[0])
         ins = args.tensor_list(input_lists[0], "reduce_scatter", "input_list", self.group.size())
         args.reduce_scatter_list(out, ins, self.group.rank(), "reduce_scatter")
-        return self._run(lambda a: self.group.reduce_scatter(out, ins, op, a, outputs), outputs)
+        return self._run(lambda a: self.group.reduce_scatter(out, ins, op, a, outputs), outputs, opts)
 
     def reduce_scatter_single(self, output, input, opts):  # noqa: A002 - torch's name
         op = reduce_op(opts.reduceOp)
@@ -269,7 +272,7 @@ class DistcommProcessGroup(tdist.ProcessGroup):
                 return done
         out, inp = as_buffer(output), as_buffer(input)
         args.scattered_from(out, inp, self.group.size(), "reduce_scatter_tensor")
-        return self._run(lambda a: self.group.reduce_scatter_tensor(out, inp, op, a, [output]), [output])
+        return self._run(lambda a: self.group.reduce_scatter_tensor(out, inp, op, a, [output]), [output], opts)
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
         op = reduce_op(opts.reduceOp)
@@ -277,14 +280,14 @@ class DistcommProcessGroup(tdist.ProcessGroup):
         for o, i in pairs:
             args.scattered_from(o, i, self.group.size(), "reduce_scatter_tensor")
         return self._run_each(
-            [lambda a, o=o, i=i: self.group.reduce_scatter_tensor(o, i, op, a) for o, i in pairs], outputs)
+            [lambda a, o=o, i=i: self.group.reduce_scatter_tensor(o, i, op, a) for o, i in pairs], outputs, opts)
 
     def alltoall(self, outputs, inputs, opts=None):
         size = self.group.size()
         outs = args.tensor_list(outputs, "all_to_all", "output_tensor_list", size)
         ins = args.tensor_list(inputs, "all_to_all", "input_tensor_list", size)
         args.same_dtype(outs + ins, "all_to_all")
-        return self._run(lambda a: self.group.alltoall(outs, ins, a, outputs), outputs)
+        return self._run(lambda a: self.group.alltoall(outs, ins, a, outputs), outputs, opts)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):  # noqa: A002
         if not output_split_sizes and not input_split_sizes:  # the latency path's even splits
@@ -297,13 +300,13 @@ class DistcommProcessGroup(tdist.ProcessGroup):
         recv_counts = _counts(output, output_split_sizes, size, "output")
         send_counts = _counts(input, input_split_sizes, size, "input")
         return self._run(
-            lambda a: self.group.alltoall_base(out, inp, recv_counts, send_counts, a, [output]), [output])
+            lambda a: self.group.alltoall_base(out, inp, recv_counts, send_counts, a, [output]), [output], opts)
 
     def barrier(self, opts=None):
         done = [torch.empty(0)]  # torch's barrier Work carries a tensor list too
-        if self.group.executor.idle() and self.group.fast_barrier():
-            return self._completed(done, opts)
-        return self._run(lambda a: self.group.barrier(a, done), done)
+        if not _asynchronous(opts) and self.group.executor.idle() and self.group.fast_barrier():
+            return self._completed(done)
+        return self._run(lambda a: self.group.barrier(a, done), done, opts)
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
         """``ProcessGroup.monitored_barrier`` (torch's C++ method looks for a per-device backend,
@@ -332,11 +335,11 @@ class DistcommProcessGroup(tdist.ProcessGroup):
         return self._track(TorchWork(tensors, [self.group.recv(as_buffer(tensors[0]), ANY_SOURCE, tag)]))
 
     # -- helpers and lifetime ---------------------------------------------------------------------
-    def _run_each(self, calls, result) -> TorchWork:
+    def _run_each(self, calls, result, opts) -> TorchWork:
         """Several operations issued in order (a coalesced call), as one Work."""
-        works, error = [], None
+        works, error, asynchronous = [], None, _asynchronous(opts)
         for call in calls:
-            work = self._issue(call, result)
+            work = self._issue(call, result, asynchronous)
             if work.exception() is not None:
                 error = work.exception()
                 break
@@ -353,6 +356,12 @@ class DistcommProcessGroup(tdist.ProcessGroup):
 
     def abort(self) -> None:
         self.shutdown()
+
+
+def _asynchronous(opts) -> bool:
+    """Whether the caller may go on before the operation completes: torch's Python API sets
+    ``asyncOp`` from ``async_op``; C++ callers leave it at True (as an absent options object means)."""
+    return opts is None or opts.asyncOp
 
 
 def _counts(tensor, split_sizes, size: int, name: str) -> list[int]:
