@@ -44,7 +44,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import flight_recorder as fr
-from .errors import CollectiveMismatchError, DistError, DistTimeoutError
+from .errors import CollectiveMismatchError, DistError, DistTimeoutError, PeerFailedError
 
 ALERT_FRACTION = 0.25  # a wait this fraction of its timeout long makes the rank raise the alert
 PUBLISH_WINDOW = 5.0  # seconds past the largest group timeout that ranks keep publishing after an alert
@@ -428,7 +428,7 @@ def on_fault(pg: Any, exc: DistError, op: str, seq: int | None) -> None:
         failed = mon.failures(others)
         for r, summary in sorted(failed.items()):
             extra.append(describe_failure(r, summary))
-        if isinstance(exc, DistTimeoutError):
+        if isinstance(exc, (DistTimeoutError, PeerFailedError)):  # what the peer at fault was doing says why
             states = mon.states(others, settle=min(1.0, 2 * mon.interval()))
             now = time.time()
             stale_after = 3 * mon.interval() + 0.5

@@ -56,6 +56,11 @@ class CollectiveMismatchError(DistBackendError):
     """Ranks called different collectives, or the same one with different sizes, dtypes or ops."""
 
 
+class PeerFailedError(DistBackendError):
+    """A peer gave up on the group after an error of its own (a timeout, a lost rank) while this rank
+    needed it: the operation cannot complete here either. The message names the peer and its call."""
+
+
 class PeerLostError(DistNetworkError):
     """A peer process died or closed its connection while an operation needed it."""
 

@@ -32,6 +32,7 @@ from ..errors import (
     CollectiveMismatchError,
     DistBackendError,
     DistTimeoutError,
+    PeerFailedError,
     PeerLostError,
     describe_op,
 )
@@ -56,7 +57,7 @@ class TransportError(DistBackendError):
     """Raised by a Transport with what it knows; the Channel re-raises it with the op's context.
 
     ``peer`` is the global rank at fault (or None), ``reason`` one of "timeout", "lost",
-    "mismatch", "error".
+    "mismatch", "gave up" (the peer's own call failed), "error".
     """
 
     def __init__(self, message: str, peer: int | None = None, reason: str = "error"):
@@ -220,6 +221,7 @@ class Channel:
             "timeout": DistTimeoutError,
             "lost": PeerLostError,
             "mismatch": CollectiveMismatchError,
+            "gave up": PeerFailedError,
         }.get(exc.reason, DistBackendError)
         return cls(f"{where}: {exc}")
 

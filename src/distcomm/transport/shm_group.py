@@ -78,6 +78,7 @@ MAGIC = 0x64636F6D6D677270  # "dcommgrp"
 # u64 indexes into a group segment's header
 _H_MAGIC, _H_GID, _H_SIZE, _H_SLOT_BYTES, _H_NSLOTS = 0, 1, 2, 3, 4
 POSTED = 8  # byte 64: own cache line
+GAVE_UP = 12  # byte 96: 1 + the sequence number of the call in which this member gave up on the group (else 0)
 CONSUMED = 16  # byte 128
 REUSING = 20  # byte 160: k while this member waits for every peer's CONSUMED >= k (else 0)
 AWAITING = 21  # byte 168: k while this member waits for peers' POSTED >= k (else 0)
@@ -210,7 +211,8 @@ class GroupShm:
     take ``channel(seq, sig) -> Channel`` instead, called only if they must sleep, so the latency
     path builds no Channel on its way (its deadline then counts from the start of that sleep).
     A TransportError from any of them (a timeout, a lost peer, a mismatch) leaves the group's
-    memory unusable: the caller sets ``broken``.
+    memory unusable: the caller calls ``give_up``, which sets ``broken`` and tells the peers: a wait
+    held up only by members that gave up fails at its next health check, not at its timeout.
     """
 
     def __init__(self, transport, gid: int, ranks: list[int], rank: int, segments: list, slot_bytes: int, nslots: int):
@@ -690,13 +692,49 @@ class GroupShm:
             if need and all(ctl[x][CONSUMED] >= need for x in self._others[q]):
                 bell.ring()
 
+    # -- giving up ----------------------------------------------------------------------------
+    def give_up(self, reason: str, seq: int, withdraw: bool = True) -> None:
+        """This member's call ``seq`` failed mid-collective (``reason``): the group's memory is
+        unusable. Say so in this member's header (peers waiting only for members that gave up fail
+        at their next health check, naming one), and, with ``withdraw``, take back the post of the round it did not
+        finish (``posted`` back to ``consumed``): a late peer must not complete the call with this
+        member's data (or read its buffer) while this member reports the call failed. A peer that
+        read the round before this point completes it: the failure came at the deadline's edge.
+        A mismatch keeps its post (``withdraw`` False), so the peer reads the header and reports
+        what differs, as this member did."""
+        self.broken = reason
+        mine = self._mine
+        if not mine[GAVE_UP]:
+            mine[GAVE_UP] = seq + 1
+        if withdraw and mine[POSTED] > mine[CONSUMED]:
+            mine[POSTED] = mine[CONSUMED]
+        fence()
+        for bell in self._peer_bells:  # a peer asleep on this member wakes, and checks sooner
+            bell.ring()
+
+    def _gave_up(self, peers, counter: int, value: int) -> None:
+        """Raise if every member of ``peers`` whose ``counter`` is still below ``value`` gave up on
+        the group (``give_up``): what this member waits for never comes. While one of them has not,
+        the wait goes on, and its timeout names that one: the rank that is late, not the one that
+        gave up on it first."""
+        ctl = self.ctl
+        pending = [q for q in peers if ctl[q][counter] < value]
+        if pending and all(ctl[q][GAVE_UP] for q in pending):
+            q = pending[0]
+            raise TransportError(
+                f"rank {self.ranks[q]} gave up on this group after an error in its call "
+                f"#{int(ctl[q][GAVE_UP]) - 1} (its error and output say why), so this call cannot complete; "
+                "destroy the process group and create it again", peer=self.ranks[q], reason="gave up")
+
     # -- waiting and health -------------------------------------------------------------------
     def _wait(self, ready, ch, counter: int, value: int, peers=None, arm=None, polled: bool = False) -> None:
         peers = self._peers if peers is None else peers
         globals_ = [self.ranks[q] for q in self._peers]
 
-        def laggard() -> int:
-            return next((q for q in peers if self.ctl[q][counter] < value), peers[0])
+        def laggard() -> int:  # a member that is late, before one that gave up on the late one
+            ctl = self.ctl
+            pending = [q for q in peers if ctl[q][counter] < value] or list(peers)
+            return next((q for q in pending if not ctl[q][GAVE_UP]), pending[0])
 
         def on_timeout() -> TransportError:
             q = laggard()
@@ -707,7 +745,8 @@ class GroupShm:
                 reason="timeout",
             )
 
-        self.transport.wait_for(ready, ch.deadline, globals_, on_timeout, arm, polled)
+        self.transport.wait_for(ready, ch.deadline, globals_, on_timeout, arm, polled,
+                                also=lambda: self._gave_up(peers, counter, value))
 
     def unlink_when_mapped(self, deadline: float | None, gave_up=None) -> None:
         """Wait until every member has mapped our segment, then let go of its name (setup's last

@@ -225,10 +225,10 @@ class ShmCollectives(GroupCollectives):
         except TransportError as exc:
             if isinstance(exc, shm_direct.DirectReadError):
                 exc = _direct_read_failure(ctx, ch, exc)
-            ctx.broken = str(exc)
+            ctx.give_up(str(exc), ch.key.seq, withdraw=exc.reason != "mismatch")
             raise ch.translate(exc, None) from None
         except BaseException as exc:
-            ctx.broken = f"{type(exc).__name__}: {exc}"
+            ctx.give_up(f"{type(exc).__name__}: {exc}", ch.key.seq)
             raise
         if late is not None:
             ctx.reported(late)

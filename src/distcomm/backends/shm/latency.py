@@ -201,10 +201,10 @@ def build(pg, ctx, limit: int, tuning, direct_reads: bool) -> FastPath:
         flight recorder and the other ranks as the general path tells its errors."""
         translated = isinstance(exc, TransportError)
         if translated:
-            ctx.broken = str(exc)
+            ctx.give_up(str(exc), seq, withdraw=exc.reason != "mismatch")
             exc = pg.channel(op, seq, sig).translate(exc, None)
         else:
-            ctx.broken = f"{type(exc).__name__}: {exc}"
+            ctx.give_up(f"{type(exc).__name__}: {exc}", seq)
         diagnostics.record_fault(pg, exc, op, seq, entry)
         if translated:
             raise exc from None
