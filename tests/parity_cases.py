@@ -179,11 +179,17 @@ def _profiled(dist) -> list[str]:
     t = torch.ones(8)
     for _ in range(3):  # the engine's fast path (if any) is installed by now
         dist.all_reduce(t)
+    rank, ws = dist.get_rank(), dist.get_world_size()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(3):
             dist.all_reduce(t)
         dist.barrier()
-    return sorted(e.name for e in prof.events() if ":" in e.name and ("all_reduce" in e.name or "barrier" in e.name))
+        if ws > 1:  # point-to-point: a ring
+            work = dist.isend(t, (rank + 1) % ws)
+            dist.recv(torch.empty(8), (rank - 1) % ws)
+            work.wait()
+    return sorted(e.name for e in prof.events() if ":" in e.name and any(
+        op in e.name for op in ("all_reduce", "barrier", "send", "recv")))
 
 
 def run(rank: int, ws: int, plans: list[tuple[str, str, int]]) -> dict[str, Any]:

@@ -530,7 +530,11 @@ class ProcessGroup:
         key = MessageKey(self.group_id, KIND_P2P, tag)
         entry = None if fr.recorder is None else fr.recorder.record(
             self.group_name, None, op, buf.nbytes, buf.dtype.name, dst, fr.STARTED, tag, 3)
-        request = self.transport.isend(self.spec.ranks[dst], buf.flat, key, signature("send", buf.dtype.code))
+        if profiling() is None:
+            request = self.transport.isend(self.spec.ranks[dst], buf.flat, key, signature("send", buf.dtype.code))
+        else:  # the event covers the posting; torch's gloo names it "gloo:send" for isend too
+            with profiler_scope(f"{self.backend_name}:send"):
+                request = self.transport.isend(self.spec.ranks[dst], buf.flat, key, signature("send", buf.dtype.code))
         return P2PWork(op, self, request, buf, dst, tag, receiving=False, entry=entry)
 
     def recv(self, buf: Buffer, src: int, tag: int = 0, op: str = "recv") -> "P2PWork":
@@ -540,7 +544,11 @@ class ProcessGroup:
         peer = ANY_SOURCE if src == ANY_SOURCE else self.spec.ranks[src]
         entry = None if fr.recorder is None else fr.recorder.record(
             self.group_name, None, op, buf.nbytes, buf.dtype.name, src, fr.STARTED, tag, 3)
-        request = self.transport.irecv(peer, buf.flat, key, signature("send", buf.dtype.code))
+        if profiling() is None:
+            request = self.transport.irecv(peer, buf.flat, key, signature("send", buf.dtype.code))
+        else:
+            with profiler_scope(f"{self.backend_name}:recv"):
+                request = self.transport.irecv(peer, buf.flat, key, signature("send", buf.dtype.code))
         return P2PWork(op, self, request, buf, src, tag, receiving=True, entry=entry)
 
     def recv_anysource(self, buf: Buffer, tag: int = 0, op: str = "recv") -> "P2PWork":
