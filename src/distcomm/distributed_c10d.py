@@ -58,7 +58,7 @@ from ._api.objects import (
     scatter_object_list,
     send_object_list,
 )
-from ._api.args import default_group
+from ._api.args import default_group, is_non_member
 from ._api.p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
 from .backends import Backend
 from .process_group import ProcessGroup
@@ -79,8 +79,9 @@ def _get_default_group() -> ProcessGroup:
 
 
 def _rank_not_in_group(group) -> bool:
-    """Whether this process is outside ``group`` (None: the default group, which every rank is in)."""
-    return group is GroupMember.NON_GROUP_MEMBER
+    """Whether this process is outside ``group`` (None: the default group, which every rank is in):
+    ``group == GroupMember.NON_GROUP_MEMBER``, as torch's."""
+    return is_non_member(group)
 
 # torch's distributed_c10d.__all__, less what distcomm does not provide (see docs/torch-differences.md)
 __all__ = [

@@ -18,6 +18,10 @@ class RedOpType(enum.IntEnum):
     PREMUL_SUM = 8
     UNUSED = 9
 
+    # torch's RedOpType prints as "RedOpType.AVG" (str, format, %s); an IntEnum prints its number
+    __str__ = enum.Enum.__str__
+    __format__ = enum.Enum.__format__
+
     def __call__(self, factor):
         """``ReduceOp.PREMUL_SUM(factor)``: multiply each input by ``factor``, then sum."""
         if self is not RedOpType.PREMUL_SUM:
@@ -66,7 +70,8 @@ class ReduceOp(metaclass=_ReduceOpMeta):
     BAND, BOR and BXOR are defined for bool and integer dtypes only; MIN, MAX and PRODUCT are not
     defined for complex dtypes. AVG divides the sum by the group's size (integer dtypes truncate, as
     NCCL does). ``ReduceOp.PREMUL_SUM(factor)`` multiplies every input by ``factor`` before summing.
-    Unlike torch's gloo backend, distcomm supports AVG and PREMUL_SUM on CPU.
+    Unlike torch's gloo backend, distcomm supports AVG on integer dtypes (gloo computes it on floating
+    and complex dtypes only; neither does on bool) and PREMUL_SUM.
     """
 
     SUM = RedOpType.SUM

@@ -2,7 +2,10 @@
 
 torch requires every process of the world to call new_group() in the same order (members or not),
 so a counter kept here numbers groups alike on every rank without any communication; the number is
-the group id stamped on every message, which is what keeps groups from exchanging messages.
+the group id stamped on every message, which is what keeps groups from exchanging messages. A group
+made with ``use_local_synchronization=True`` is made by its members only, so it takes no number
+from this counter (torch's neither): its members agree on an id through the store
+(_api/groups.py), from a range the counter never reaches.
 """
 
 from __future__ import annotations
@@ -11,19 +14,13 @@ import threading
 from typing import Any
 
 
-class _NonGroupMember:
-    """What a process that is not in a group holds instead of the group (torch's -100)."""
-
-    def __repr__(self) -> str:
-        return "GroupMember.NON_GROUP_MEMBER"
-
-
 class GroupMember:
     """``GroupMember.WORLD`` is the default group once initialized; ``NON_GROUP_MEMBER`` marks
-    a process outside a group."""
+    a process outside a group: torch's -100, an int, which programs compare with ``==`` as torch
+    does (distcomm's own checks compare by value too)."""
 
     WORLD: Any = None
-    NON_GROUP_MEMBER = _NonGroupMember()
+    NON_GROUP_MEMBER = -100
 
 
 class group:  # noqa: N801 - torch's name (dist.group.WORLD)
@@ -36,6 +33,10 @@ store = None  # the world's store (prefixed for this init)
 global_rank = -1
 world_size = -1
 groups: dict[str, Any] = {}  # group name -> ProcessGroup (members only)
+backends: dict[Any, str] = {}  # ProcessGroup -> the backend its creator named, "undefined" for none (torch's pg_map)
+# The global ranks of the last group this process was made a non-member of: torch keeps one entry
+# under NON_GROUP_MEMBER (its pg_group_ranks[-100]), which its rank queries read
+non_member_ranks: list[int] | None = None
 engines: dict[str, Any] = {}  # engine name -> the world's Engine of that name
 next_group_id = 0
 backend_name = None
@@ -57,14 +58,16 @@ def allocate_group_id() -> int:
 
 
 def reset() -> None:
-    global default_pg, store, global_rank, world_size, next_group_id, backend_name
+    global default_pg, store, global_rank, world_size, next_group_id, backend_name, non_member_ranks
     default_pg = None
     store = None
     global_rank = -1
     world_size = -1
     next_group_id = 0
     backend_name = None
+    non_member_ranks = None
     groups.clear()
+    backends.clear()
     engines.clear()
     GroupMember.WORLD = None
     group.WORLD = None

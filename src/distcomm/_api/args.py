@@ -45,11 +45,17 @@ def resolve_group(group: Any, op: str):
         return group
     if group is None or group is world.GroupMember.WORLD:
         return default_group()
-    if group is world.GroupMember.NON_GROUP_MEMBER:
+    if is_non_member(group):
         warnings.warn(f"Running {op} on global rank {world.global_rank} which does not belong to the given group.")
         return None
     default_group()  # not initialized: say so before complaining about the argument
     raise TypeError(f"{op}: group must be a distcomm process group (from new_group), got {type(group).__name__}")
+
+
+def is_non_member(group: Any) -> bool:
+    """Whether ``group`` is GroupMember.NON_GROUP_MEMBER: torch's int -100, which torch's
+    ``_rank_not_in_group`` compares by value (a program may hold its own -100)."""
+    return group.__class__ is int and group == world.GroupMember.NON_GROUP_MEMBER
 
 
 def group_root(pg, op: str, global_rank: int | None, group_rank: int | None, role: str) -> int:

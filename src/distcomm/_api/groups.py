@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from datetime import timedelta
 from typing import Any, Sequence
@@ -11,7 +12,7 @@ from ..backends import Backend, connect
 from ..process_group import ProcessGroup
 from ..errors import CollectiveMismatchError, DistBackendError, DistStoreError
 from . import leaving
-from .args import NOT_INITIALIZED, default_group, resolve_group
+from .args import NOT_INITIALIZED, default_group, is_non_member
 
 default_pg_timeout = timedelta(minutes=30)
 
@@ -87,9 +88,10 @@ def init_process_group(
 
     Either give ``init_method`` (a URL: ``env://`` (default), ``tcp://host:port``,
     ``file:///path``) or an explicit ``store`` with ``rank`` and ``world_size``. ``backend`` is
-    "gloo" (distcomm's default CPU engine, also chosen when None), "tcp" or "mpi" (under mpiexec or
-    srun); ``timeout`` bounds every collective on the group (default 30 minutes). Under mpiexec or
-    srun, env:// needs none of torch's variables (see distcomm.launcher_env).
+    "gloo" (distcomm's default CPU engine, also run when None: get_backend then says "undefined", as
+    torch's), "tcp" or "mpi" (under mpiexec or srun); ``timeout`` bounds every collective on the group (default 30 minutes). Under mpiexec or
+    srun, env:// needs none of torch's variables (see distcomm.launcher_env). ``group_name`` is
+    ignored, as torch ignores it: the default group is named "0" and described "default_pg".
     """
     from ..rendezvous import rendezvous
     from ..store import PrefixStore
@@ -124,12 +126,13 @@ def init_process_group(
         world.store = prefixed
         world.global_rank = rank
         world.world_size = world_size
-        world.backend_name = user_name
+        # torch's default group without a backend says "undefined" (get_backend) and runs gloo
+        world.backend_name = "undefined" if backend is None else user_name
         world.engines[engine] = world_engine
         gid = world.allocate_group_id()
-        name = group_name or str(gid)
-        pg = ProcessGroup(gid, name, range(world_size), rank, world_engine, user_name, timeout, engine, prefixed)
-        world.groups[name] = pg
+        # torch ignores group_name ("not visible to users"): the default group is named "0"
+        pg = ProcessGroup(gid, str(gid), range(world_size), rank, world_engine, user_name, timeout, engine, prefixed)
+        _register(pg, world.backend_name, "default_pg")
         world.set_world(pg)
         diagnostics.install(prefixed, rank, world_size)  # hang reports, failure causes, dumps on every rank
         leaving.register()  # an MPI job's rank that exits without destroy_process_group
@@ -149,14 +152,40 @@ def destroy_process_group(group: Any = None) -> None:
             diagnostics.uninstall()
             world.reset()
             return
-        if group is world.GroupMember.NON_GROUP_MEMBER:
+        if is_non_member(group):
             return
+        if not _is_registered(group):  # destroyed already, or not a group (torch's text)
+            raise ValueError("Invalid process group specified")
         group.close()
-        world.groups.pop(group.group_name, None)
+        if world.groups.get(group.group_name) is group:
+            del world.groups[group.group_name]
+        world.backends.pop(group, None)
         if group.engine is not world.engines.get(group.engine_name):
             group.engine.close()  # an engine connected for this group alone
         else:  # the world's engine stays; what it keeps for this group can go now
             group.engine.release_group(group.group_id)
+
+
+def _register(pg: ProcessGroup, backend: str, group_desc: str | None) -> None:
+    """Enter a new group of this process in the registry, as torch's ``_world`` does: by name
+    (what get_rank and friends accept), with the backend its creator named (what get_backend says)
+    and its description (``pg.group_desc``, "undefined" when none was given)."""
+    # ProcessGroup's constructor takes no description (it is the public API's, not the engine's)
+    pg.group_desc = "undefined" if group_desc is None else group_desc
+    world.groups[pg.group_name] = pg
+    world.backends[pg] = backend
+
+
+def _is_registered(group: Any) -> bool:
+    """Whether ``group`` is a process group not destroyed (torch's registry holds it). A
+    ProcessGroup built around its own engine, without the world, counts until it is closed."""
+    return isinstance(group, ProcessGroup) and not group.executor.closed
+
+
+# Ids of groups made with use_local_synchronization=True: from here up, past any id the world's
+# counter gives (one per new_group call of every rank), and within the 32 bits a TCP frame header
+# carries (transport/framing.py)
+LOCAL_GROUP_IDS = 1 << 31
 
 
 def new_group(
@@ -175,30 +204,43 @@ def new_group(
     ``ranks`` are global ranks, sorted into group-rank order unless ``sort_ranks=False`` (then group
     rank i is ``ranks[i]``); None means all.
     ``backend`` defaults to the world's; a different engine connects the members anew.
+    ``use_local_synchronization=True``: only the members call it (and a non-member that does gets
+    None, as in torch); the group is named by a hash of its ranks, not numbered, so the groups that
+    every rank creates stay numbered alike. Members that create several groups of the same ranks
+    this way must create them in the same order.
+    ``group_desc`` describes the group (``group.group_desc``).
     """
     world_pg = default_group()
     with world.lock:
         size = world.world_size
-        if ranks is None:
-            ranks = list(range(size))
-        ranks = [int(r) for r in ranks]
-        if sort_ranks:
-            ranks.sort()
-        for r in ranks:
-            if not 0 <= r < size:
-                raise ValueError(f"Invalid rank {r} in new_group: ranks must be in 0..{size - 1}")
-        if len(set(ranks)) != len(ranks):
-            raise ValueError(f"new_group: ranks {ranks} contain duplicates")
         timeout = world_pg.timeout if timeout is None else timeout
         _timeout_seconds(timeout)
-        user_name, engine = _engine_name(backend) if backend is not None else (world_pg.backend_name, world_pg.engine_name)
-        gid = world.allocate_group_id()
-        name = group_desc if (group_desc and group_desc not in world.groups) else str(gid)
+        if backend is None:
+            user_name, engine = world.backends.get(world_pg, world_pg.backend_name), world_pg.engine_name
+        else:
+            user_name, engine = _engine_name(backend)
+        if use_local_synchronization:
+            if engine == "mpi":  # torch's check: MPI has no way to create a group among its members only
+                raise ValueError("MPI backend doesn't support use_local_synchronization=True")
+            if ranks is not None and world.global_rank not in ranks:
+                return None  # torch's: the non-members need not call, and one that does gets None
+        ranks = _new_group_ranks(ranks, size, sort_ranks)
+        if use_local_synchronization:
+            gid, name = None, _hashed_group_name(ranks)
+        else:
+            gid = world.allocate_group_id()
+            name = str(gid)
         if world.global_rank not in ranks:
+            world.non_member_ranks = ranks  # what torch's rank queries answer about NON_GROUP_MEMBER
             return world.GroupMember.NON_GROUP_MEMBER
+        if gid is None:
+            gid = _local_group_id(world.store, ranks, timeout)
         if world.store is not None and len(ranks) > 1:
-            _agree_on_members(world.store, gid, ranks, timeout)
+            _agree_on_members(world.store, gid, ranks, timeout, use_local_synchronization)
         world_engine = world.engines.get(engine)
+        # what the ProcessGroup calls its backend (its name(), the profiler's "gloo:all_reduce"): the
+        # world's, where get_backend may say "undefined" (torch's default group runs gloo then)
+        backend_name = world_pg.backend_name if backend is None else user_name
         if world_engine is None or engine != world_pg.engine_name:
             # A different engine: connect just the members, through a namespace of this group. Its
             # ranks are the members' group ranks.
@@ -207,34 +249,104 @@ def new_group(
             rank = ranks.index(world.global_rank)
             own = connect(engine, PrefixStore(f"group/{gid}/", world.store), rank, len(ranks),
                           timeout.total_seconds(), pg_options)
-            pg = ProcessGroup(gid, name, ranks, world.global_rank, own, user_name, timeout, engine, world.store,
+            pg = ProcessGroup(gid, name, ranks, world.global_rank, own, backend_name, timeout, engine, world.store,
                               engine_ranks=range(len(ranks)))
         else:
-            pg = ProcessGroup(gid, name, ranks, world.global_rank, world_engine, user_name, timeout, engine,
+            pg = ProcessGroup(gid, name, ranks, world.global_rank, world_engine, backend_name, timeout, engine,
                               world.store)
-        world.groups[name] = pg
+        _register(pg, user_name, group_desc)
         return pg
 
 
-def _agree_on_members(store, gid: int, ranks: list[int], timeout: timedelta) -> None:
+def _new_group_ranks(ranks: Sequence[int] | None, size: int, sort_ranks: bool) -> list[int]:
+    """new_group's ``ranks`` checked as torch checks them, with torch's texts: every rank if None."""
+    if ranks is None:
+        return list(range(size))
+    ranks = [int(r) for r in ranks]
+    if sort_ranks:
+        ranks.sort()
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"ranks list must not contain duplicate entries, got {ranks}")
+    if len(ranks) > size:
+        raise ValueError(
+            "the new group's world size should be less or equal to the world size set by init_process_group")
+    for r in ranks:
+        if not 0 <= r < size:
+            raise ValueError(f"Rank {r} is out of range. Valid ranks are 0 to {size - 1} (world_size={size})")
+    return ranks
+
+
+def _hashed_group_name(ranks: list[int]) -> str:
+    """The name torch gives a group made with use_local_synchronization=True (its
+    ``_process_group_name(ranks, use_hashed_name=True)``): the SHA-1 of the ranks and the number
+    of groups this process holds. Where that name is taken (a group of the same ranks made when
+    this process held as many groups, before some were destroyed), torch raises; distcomm hashes
+    again with "_" appended until the name is free (only the name differs: the members agree on
+    the group itself through the store, _local_group_id)."""
+    unique = "_".join(map(str, ranks)) + "_" + str(len(world.groups))
+    name = hashlib.sha1(unique.encode(), usedforsecurity=False).hexdigest()
+    while name in world.groups:
+        unique += "_"
+        name = hashlib.sha1(unique.encode(), usedforsecurity=False).hexdigest()
+    return name
+
+
+def _local_group_id(store, ranks: list[int], timeout: timedelta) -> int:
+    """The id the members of a group made with use_local_synchronization=True agree on, without
+    the non-members: a number no other group of this init has, ordinary or local.
+
+    torch's hashed name cannot be the id: it counts the groups this process holds, which differ
+    between members that belong to different other groups (torch's gloo then waits for peers
+    under another name until the timeout). Instead each member counts, in the store, its calls
+    for this set of members, so the n-th such call of each member is the same group; the lowest
+    member draws the group a number from the store's counter of local groups and publishes it
+    under that count, and the others read it there.
+    """
+    me = world.global_rank
+    members = hashlib.sha1(",".join(map(str, sorted(ranks))).encode(), usedforsecurity=False).hexdigest()
+    nth = store.add(f"local_group/{members}/calls/{me}", 1)
+    key = f"local_group/{members}/{nth}/id"
+    leader = min(ranks)
+    if me == leader:
+        number = store.add("local_group/count", 1)
+        store.set(key, str(number))
+    else:
+        try:
+            store.wait([key], timeout)
+        except DistStoreError:
+            raise DistBackendError(
+                f"new_group on rank {me}: rank {leader} of the new group {ranks} did not call new_group(..., "
+                f"use_local_synchronization=True) within {timeout.total_seconds():g} s; every member must call it "
+                "for every group it is in, and members of several groups of the same ranks in the same order"
+            ) from None
+        value = store.get(key)
+        number = int(value.decode() if isinstance(value, bytes) else value)
+    return LOCAL_GROUP_IDS + number
+
+
+def _agree_on_members(store, gid: int, ranks: list[int], timeout: timedelta, local: bool = False) -> None:
     """Every member of group ``gid`` publishes the ranks it was given and checks the others'.
 
     Members that were given different lists would otherwise meet in collectives of different
     shapes: an engine whose messages match by group and sequence number (TCP) then mixes them and
     returns wrong results without an error. The check costs a store round trip per member, as
-    torch's own new_group waits at a store barrier.
+    torch's own new_group waits at a store barrier. ``local``: the group is made with
+    use_local_synchronization=True (its id is from _local_group_id, so its keys are its own too).
     """
     me = world.global_rank
     text = ",".join(map(str, ranks))
     store.set(f"group/{gid}/members/{me}", text)
     keys = [f"group/{gid}/members/{r}" for r in ranks]
+    call = "new_group(..., use_local_synchronization=True)" if local else "new_group"
     try:
         store.wait(keys, timeout)
     except DistStoreError:
         missing = [r for r in ranks if not store.check([f"group/{gid}/members/{r}"])]
+        who = "every member must call it for every group it is in" if local else \
+            "every rank must call new_group for every group, in the same order"
         raise DistBackendError(
-            f"new_group on rank {me}: rank(s) {missing} of the new group {ranks} did not call new_group within "
-            f"{timeout.total_seconds():g} s; every rank must call new_group for every group, in the same order"
+            f"new_group on rank {me}: rank(s) {missing} of the new group {ranks} did not call {call} within "
+            f"{timeout.total_seconds():g} s; {who}"
         ) from None
     values = [v.decode() if isinstance(v, bytes) else str(v) for v in store.multi_get(keys)]
     if all(v == text for v in values):
@@ -244,9 +356,10 @@ def _agree_on_members(store, gid: int, ranks: list[int], timeout: timedelta) -> 
         given.setdefault(v, []).append(r)
     said = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} gave [{v}]"
                      for v, rs in given.items())
+    which = "made with use_local_synchronization=True" if local else f"(group {gid})"
     raise CollectiveMismatchError(
-        f"new_group on rank {me}: the ranks disagree on the members of the new group (group {gid}): {said}. "
-        "Call new_group with the same ranks on every process"
+        f"new_group on rank {me}: the ranks disagree on the members of the new group {which}: {said}. "
+        f"Call {call} with the same ranks on every {'member' if local else 'process'}"
     )
 
 
@@ -274,7 +387,7 @@ def new_subgroups(
     if size % group_size != 0:
         raise ValueError(f"The world size ({size}) must be divisible by 'group_size' ({group_size})")
     ranks_per = [list(range(i, i + group_size)) for i in range(0, size, group_size)]
-    return new_subgroups_by_enumeration(ranks_per, timeout, backend, pg_options)
+    return new_subgroups_by_enumeration(ranks_per, timeout, backend, pg_options, group_desc)
 
 
 def new_subgroups_by_enumeration(
@@ -299,67 +412,128 @@ def new_subgroups_by_enumeration(
     mine = None
     subgroups = []
     for ranks in ranks_per_subgroup_list:
-        g = new_group(ranks, timeout=timeout, backend=backend, pg_options=pg_options)
+        g = new_group(ranks, timeout=timeout, backend=backend, pg_options=pg_options, group_desc=group_desc)
         subgroups.append(g)
         if world.global_rank in ranks:
             mine = g
     return mine, subgroups
 
 
+# -- rank queries ------------------------------------------------------------------------------------
+# torch answers them from its registry of groups: a destroyed group, or anything that is not a group,
+# is "not registered" (a ValueError; get_process_group_ranks's is a KeyError), and NON_GROUP_MEMBER
+# stands for the last group this process was not made a member of (world.non_member_ranks).
+
+
+class UnregisteredGroupError(ValueError, KeyError):
+    """A group torch's registry would not hold (destroyed, or not a group): torch's rank queries
+    raise ValueError, its get_process_group_ranks a KeyError (a lookup in its registry); this is
+    both, so an ``except`` written for either catches it."""
+
+    __str__ = ValueError.__str__  # the message as written (KeyError's would quote it)
+
+
+def _unregistered(group: Any) -> UnregisteredGroupError:
+    return UnregisteredGroupError(
+        f"Group {group} is not registered, please create group with torch.distributed.new_group API")
+
+
+def _registered_group(group: Any) -> ProcessGroup:
+    """``group`` if it is a live process group, else torch's "not registered" error."""
+    if not _is_registered(group):
+        raise _unregistered(group)
+    return group
+
+
+def _non_member_ranks(group: Any) -> list[int]:
+    """What torch's rank queries read for NON_GROUP_MEMBER: the ranks of the last group this
+    process is not a member of (none yet: not registered)."""
+    if world.non_member_ranks is None:
+        raise _unregistered(group)
+    return world.non_member_ranks
+
+
 def get_rank(group: Any = None) -> int:
     """This process's rank in ``group`` (default: the world); -1 if it is not a member."""
-    pg = default_group()
     if group is None or group is world.GroupMember.WORLD:
-        return pg.rank()
-    if group is world.GroupMember.NON_GROUP_MEMBER:
+        return default_group().rank()
+    if is_non_member(group):
         return -1
-    return group.rank()
+    default_group()
+    return _registered_group(group).rank()
 
 
 def get_world_size(group: Any = None) -> int:
     """The number of processes in ``group`` (default: the world); -1 if this is not a member."""
+    if is_non_member(group):
+        return -1
     pg = default_group()
     if group is None or group is world.GroupMember.WORLD:
         return pg.size()
-    if group is world.GroupMember.NON_GROUP_MEMBER:
-        return -1
-    return group.size()
+    return group.size()  # as torch's: a destroyed group still has its size
+
+
+def _named_group(group: Any) -> ProcessGroup:
+    """get_backend's and get_backend_config's group (None: the world), with torch's errors."""
+    pg = default_group() if group is None else group
+    if is_non_member(pg):
+        raise ValueError("Invalid process group specified")
+    if not _is_registered(pg):
+        raise ValueError(
+            f"Process group {pg} is not initialized in the world group map. Please initialize the group first.")
+    return pg
 
 
 def get_backend(group: Any = None) -> str:
-    """The backend name ``group`` was created with, as the user gave it."""
-    pg = resolve_group(group, "get_backend")
-    if pg is None:
-        raise ValueError("Invalid process group specified")
-    return Backend(pg.backend_name) if ":" not in pg.backend_name else pg.backend_name
-
-
-def _member_group(group: Any, op: str):
-    if group is world.GroupMember.NON_GROUP_MEMBER:
-        raise ValueError(f"{op}: this process is not a member of the group")
-    return resolve_group(group, op)
+    """The backend name ``group`` was created with, as the user gave it ("undefined" for a group
+    made without one, as torch says: it runs gloo)."""
+    pg = _named_group(group)
+    name = world.backends.get(pg, pg.backend_name)
+    return Backend(name) if ":" not in name else name
 
 
 def get_group_rank(group: Any, global_rank: int) -> int:
-    """The group rank of ``global_rank`` in ``group``; ValueError if it is not a member."""
-    pg = _member_group(group, "get_group_rank")
+    """The group rank of ``global_rank`` in ``group``; ValueError if it is not a member.
+
+    On a process outside the group (``group`` is NON_GROUP_MEMBER), torch answers about the last
+    group this process was not made a member of, and so does distcomm."""
+    if group is None:
+        default_group()  # before init: say so (torch returns its argument, None being WORLD then)
+    elif is_non_member(group):
+        ranks = _non_member_ranks(group)
+        if global_rank not in ranks:
+            raise ValueError(f"Global rank {global_rank} is not part of group {group}")
+        return ranks.index(global_rank)
+    pg = _registered_group(group)  # the default group included: its ranks are checked too
     r = pg.group_rank(global_rank)
     if r < 0:
-        raise ValueError(f"Global rank {global_rank} is not part of group {pg.group_name}")
+        raise ValueError(f"Global rank {global_rank} is not part of group {pg}")
     return r
 
 
 def get_global_rank(group: Any, group_rank: int) -> int:
-    """The global rank of ``group_rank`` in ``group``."""
-    pg = _member_group(group, "get_global_rank")
-    if not 0 <= group_rank < pg.size():
-        raise ValueError(f"Group rank {group_rank} is not part of group {pg.group_name}")
+    """The global rank of ``group_rank`` in ``group`` (NON_GROUP_MEMBER: as get_group_rank)."""
+    if group is None:
+        default_group()
+    elif is_non_member(group):
+        ranks = _non_member_ranks(group)
+        if not (group_rank.__class__ is int and 0 <= group_rank < len(ranks)):
+            raise ValueError(f"Group rank {group_rank} is not part of group {group}")
+        return ranks[group_rank]
+    pg = _registered_group(group)
+    if not (isinstance(group_rank, int) and 0 <= group_rank < pg.size()):
+        raise ValueError(f"Group rank {group_rank} is not part of group {pg}")
     return pg.ranks[group_rank]
 
 
 def get_process_group_ranks(group: Any) -> list[int]:
-    """The global ranks of ``group``, in group-rank order."""
-    return list(_member_group(group, "get_process_group_ranks").ranks)
+    """The global ranks of ``group`` (None: the world), in group-rank order (NON_GROUP_MEMBER: as
+    get_group_rank)."""
+    if group is None or group is world.GroupMember.WORLD:
+        return list(default_group().ranks)
+    if is_non_member(group):
+        return list(_non_member_ranks(group))
+    return list(_registered_group(group).ranks)
 
 
 def is_xccl_available() -> bool:
@@ -411,9 +585,7 @@ def get_default_backend_for_device(device) -> str:
 def get_backend_config(group: Any = None) -> str:
     """The device-to-backend map of ``group`` as torch spells it ("cpu:gloo"): distcomm runs CPU
     tensors only, so a plain backend maps the cpu device; a device map given at init is kept."""
-    pg = resolve_group(group, "get_backend_config")
-    if pg is None:
-        raise ValueError("Invalid process group specified")
+    pg = _named_group(group)
     if ":" in pg.backend_name:
         return ",".join(f"{d}:{b}" for d, b in _device_map(pg.backend_name).items())
     return f"cpu:{pg.backend_name}"
@@ -421,7 +593,8 @@ def get_backend_config(group: Any = None) -> str:
 
 def get_pg_count() -> int:
     """The number of process groups created since init_process_group (the default group
-    included), counted alike on every rank, members or not."""
+    included), counted alike on every rank, members or not; groups made with
+    use_local_synchronization=True are not counted (torch's neither)."""
     return world.next_group_id
 
 
@@ -484,6 +657,6 @@ def split_group(
     for ranks in split_ranks:  # every rank creates every split, in order: ids agree everywhere
         g = new_group([parent.ranks[r] for r in ranks], timeout=timeout, pg_options=pg_options,
                       group_desc=group_desc)
-        if g is not world.GroupMember.NON_GROUP_MEMBER:
+        if not is_non_member(g):
             mine = g
     return mine
