@@ -92,15 +92,43 @@ def group_peer(pg, op: str, global_rank: int | None, group_rank: int | None, rol
     return rank
 
 
-def tensor(obj: Any, op: str, name: str = "tensor", writes: bool = False) -> Buffer:
-    """``obj`` as a Buffer; ``writes``: the call writes its result into it (so it must be writable)."""
+def tensor(obj: Any, op: str, name: str = "tensor", writes: bool = False, in_place: bool = False) -> Buffer:
+    """``obj`` as a Buffer; ``writes``: the call writes its result into it (so it must be writable).
+
+    ``in_place``: the call computes each element of its result from that element of every rank's
+    ``obj`` (all_reduce, reduce, broadcast), so an expanded tensor stays consistent and is taken;
+    otherwise a tensor it writes must not have elements sharing memory (_refuse_internal_overlap).
+    """
     try:
         buf = as_buffer(obj, name)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{op}: {exc}") from None
-    if writes and isinstance(obj, _ndarray) and not obj.flags.writeable:
-        _not_writable(op, name)
+    if writes:
+        if isinstance(obj, _ndarray) and not obj.flags.writeable:
+            _not_writable(op, name)
+        if not in_place and not buf.aliases_user_memory:  # (a Buffer over the memory itself cannot overlap)
+            _refuse_internal_overlap(obj, op, name)
     return buf
+
+
+def _refuse_internal_overlap(obj: Any, op: str, name: str) -> None:
+    """An ArgumentError if several elements of ``obj`` share one memory location (a dimension of
+    more than one element with stride 0, as ``expand()`` makes: torch's ``at::has_internal_overlap``),
+    where the call would write different values into them. gloo refuses such an output with the
+    same words in all_gather(_into_tensor), gather, reduce_scatter(_tensor), all_to_all and the
+    coalesced collectives (once it has communicated), aborts in all_to_all_single and writes past
+    the tensor's memory in scatter. Whether it is refused here depends only on the arguments, so
+    every rank that passes the same call refuses it alike, before any communication."""
+    if 0 in obj.shape:  # no elements, none to share a location
+        return
+    strides = obj.strides if isinstance(obj, _ndarray) else obj.stride()
+    for n, stride in zip(obj.shape, strides):
+        if stride == 0 and n > 1:
+            raise ArgumentError(
+                f"{op}: unsupported operation: more than one element of the written-to tensor refers to a single "
+                f"memory location ({name} has a dimension of {n} elements with stride 0, as expand() makes); "
+                f"pass {name}.clone() (or a numpy copy)"
+            )
 
 
 _ndarray = np.ndarray
@@ -132,6 +160,8 @@ def tensor_list(
         for i, obj in enumerate(objs):
             if isinstance(obj, _ndarray) and not obj.flags.writeable:
                 _not_writable(op, f"{name}[{i}]")
+            if not bufs[i].aliases_user_memory:  # (a Buffer over the memory itself cannot overlap)
+                _refuse_internal_overlap(obj, op, f"{name}[{i}]")
     if length is not None and len(bufs) != length:
         raise ArgumentError(f"{op}: {name} must have one tensor per rank: expected length {length}, got {len(bufs)}")
     if bufs or like is not None:

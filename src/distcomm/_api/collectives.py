@@ -44,7 +44,7 @@ def broadcast(tensor, src: int | None = None, group=None, async_op: bool = False
     root = args.group_root(pg, "broadcast", src, group_src, "src")
     if not async_op and not diagnostics.check_shapes and pg.tensor_paths.broadcast(tensor, root):
         return None
-    buf = args.tensor(tensor, "broadcast", writes=pg.rank() != root)
+    buf = args.tensor(tensor, "broadcast", writes=pg.rank() != root, in_place=True)
     return pg.broadcast(buf, root, async_op, [tensor])
 
 
@@ -63,7 +63,7 @@ def all_reduce(tensor, op=RedOpType.SUM, group=None, async_op: bool = False):
         return None  # the engine's fast path did the whole call (it declines sparse tensors)
     if is_sparse(tensor):
         return _all_reduce_sparse(pg, tensor, op, async_op)
-    buf = args.tensor(tensor, "all_reduce", writes=True)
+    buf = args.tensor(tensor, "all_reduce", writes=True, in_place=True)
     op = _check_op(op, buf.dtype, "all_reduce")
     return pg.allreduce(buf, op, async_op, [tensor])
 
@@ -155,7 +155,7 @@ def reduce(tensor, dst: int | None = None, op=RedOpType.SUM, group=None, async_o
     if (not async_op and op.__class__ is RedOpType and not diagnostics.check_shapes
             and pg.tensor_paths.reduce(tensor, op, root)):
         return None
-    buf = args.tensor(tensor, "reduce", writes=pg.rank() == root)
+    buf = args.tensor(tensor, "reduce", writes=pg.rank() == root, in_place=True)
     op = _check_op(op, buf.dtype, "reduce")
     return pg.reduce(buf, op, root, async_op, [tensor])
 
