@@ -88,6 +88,16 @@ def decode(sig: int) -> Decoded:
     return Decoded(op, dtype, reduce_op, root_bits - 1 if root_bits else None)
 
 
+def describe_receive(sig: int) -> str:
+    """``describe()`` of the call a rank is in when its receive expects ``sig``: a point-to-point
+    receive expects the sender's signature (``send``, with the receiving buffer's dtype), so it is
+    described as the ``recv`` it is ("recv (float64)"); a collective's receive as its collective."""
+    decoded = decode(sig)
+    if decoded.op == "send":
+        decoded = decoded._replace(op="recv")
+    return decoded.describe()
+
+
 def differences(mine: int, theirs: int) -> list[str]:
     """The fields in which two signatures differ, in the order a reader should hear them:
     "op" (then nothing else counts), else some of "dtype", "reduce_op", "root"."""

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from ..signatures import decode
+from ..signatures import decode, describe_receive
 from .base import ANY_SOURCE, TransportError, describe_key
 
 
@@ -222,7 +222,7 @@ class Matcher:
         if nbytes != want_nbytes:
             problems.append(f"rank {self.rank} expects {want_nbytes} bytes but rank {src} sent {nbytes} bytes")
         if signature != want_signature:
-            problems.append(f"rank {self.rank} is in {decode(want_signature).describe()} but rank {src} sent a "
+            problems.append(f"rank {self.rank} is in {describe_receive(want_signature)} but rank {src} sent a "
                             f"message of {decode(signature).describe()} (signatures {want_signature:#010x} and "
                             f"{signature:#010x})")
         if not problems:
