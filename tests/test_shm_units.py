@@ -381,7 +381,7 @@ class _Members:
             def bell_of(self, g):
                 return members.bells[g]
 
-            def wait_for(self, ready, deadline, peers, on_timeout, arm=None, polled=False):
+            def wait_for(self, ready, deadline, peers, on_timeout, arm=None, polled=False, also=None):
                 if arm is not None:
                     arm()  # the waiter is past its spin and yield phases: asleep, it needs a ring
                 members.waits.append(self.q)
