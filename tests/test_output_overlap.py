@@ -62,6 +62,8 @@ def _run(rank: int, ws: int, plans: list) -> dict:
 
     warnings.simplefilter("ignore")
     results = {}
+    import distcomm.torch_backend  # noqa: F401 - registers torch's backend "distcomm"
+
     for framework, engine, port in plans:
         lib = importlib.import_module("torch.distributed" if framework == "torch" else "distcomm")
         os.environ["MASTER_PORT"] = str(port)
@@ -79,7 +81,8 @@ def _run(rank: int, ws: int, plans: list) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def _world():
-    plans = [("torch", "gloo", free_port())] + [("distcomm", e, free_port()) for e in ENGINES]
+    plans = [("torch", "gloo", free_port()), ("torch", "distcomm", free_port())] + [
+        ("distcomm", e, free_port()) for e in ENGINES]
     return run_world(_run, 2, args=(plans,), timeout=180)
 
 
@@ -91,6 +94,15 @@ def test_expanded_output_refused_as_gloo_refuses_it(case, engine):
         assert theirs[case][:2] == ("raised", True) and PHRASE in theirs[case][3], theirs[case]
         assert ours[case][:3] == ("raised", True, "ArgumentError"), (rank, ours[case])
         assert PHRASE in ours[case][3] and "stride 0" in ours[case][3], ours[case][3]
+        assert ours[case + "#check"] == theirs[case + "#check"] == 2.0
+
+
+@pytest.mark.parametrize("case", list(_cases(None, 0, 2)))
+def test_expanded_output_refused_through_torchs_api_on_backend_distcomm(case):
+    for rank, res in enumerate(_world()):
+        theirs, ours = res["torch:gloo"], res["torch:distcomm"]
+        assert ours[case][:3] == ("raised", True, "ArgumentError"), (rank, ours[case])
+        assert PHRASE in ours[case][3], ours[case][3]
         assert ours[case + "#check"] == theirs[case + "#check"] == 2.0
 
 

@@ -83,6 +83,9 @@ class ProcessGroup:
     differ when the group has an engine connected among its members only.
     """
 
+    #: torch's ``group_desc``; new_group and init_process_group set the one they were given
+    group_desc: str = "undefined"
+
     def __init__(
         self,
         group_id: int,

@@ -186,7 +186,7 @@ class DistcommProcessGroup(tdist.ProcessGroup):
 
     def allreduce_coalesced(self, tensors, opts=None):
         op = reduce_op(opts.reduceOp) if opts is not None else RedOpType.SUM
-        bufs = as_buffers(tensors)
+        bufs = args.tensor_list(tensors, "all_reduce_coalesced", "tensors", writes=True)
         return self._run(lambda a: self.group.allreduce_coalesced(bufs, op, a, tensors), tensors, opts)
 
     def broadcast(self, tensors, opts):
@@ -212,14 +212,14 @@ class DistcommProcessGroup(tdist.ProcessGroup):
         if done is not NOT_TAKEN:
             return done
         inp = as_buffer(inputs[0])
-        outs = args.tensor_list(output_lists[0], "all_gather", "tensor_list", self.group.size(), like=inp)
+        outs = args.tensor_list(output_lists[0], "all_gather", "tensor_list", self.group.size(), like=inp, writes=True)
         return self._run(lambda a: self.group.allgather(outs, inp, a, output_lists), output_lists, opts)
 
     def all_gather_single(self, output, input, opts=None):  # noqa: A002 - torch's names
         done = self._fast(self.group.tensor_paths.all_gather_into_tensor, [output], opts, output, input)
         if done is not NOT_TAKEN:
             return done
-        out, inp = as_buffer(output), as_buffer(input)
+        out, inp = args.tensor(output, "all_gather_into_tensor", "output_tensor", writes=True), as_buffer(input)
         args.gathered_into(out, inp, self.group.size(), "all_gather_into_tensor")
         return self._run(lambda a: self.group.allgather_into_tensor(out, inp, a, [output]), [output], opts)
 
@@ -243,7 +243,8 @@ class DistcommProcessGroup(tdist.ProcessGroup):
         if done is not NOT_TAKEN:
             return done
         inp = as_buffer(inputs[0])
-        outs = args.tensor_list(output_lists[0], "gather", "gather_list", self.group.size(), like=inp) if is_root else None
+        outs = args.tensor_list(output_lists[0], "gather", "gather_list", self.group.size(), like=inp,
+                                writes=True) if is_root else None
         return self._run(lambda a: self.group.gather(outs, inp, root, a, output_lists), output_lists, opts)
 
     def scatter(self, outputs, input_lists, opts):
@@ -253,13 +254,13 @@ class DistcommProcessGroup(tdist.ProcessGroup):
                           input_lists[0] if is_root else None, root)
         if done is not NOT_TAKEN:
             return done
-        out = as_buffer(outputs[0])
+        out = args.tensor(outputs[0], "scatter", "tensor", writes=True)
         ins = args.tensor_list(input_lists[0], "scatter", "scatter_list", self.group.size(), like=out) if is_root else None
         return self._run(lambda a: self.group.scatter(out, ins, root, a, outputs), outputs, opts)
 
     def reduce_scatter(self, outputs, input_lists, opts):
         op = reduce_op(opts.reduceOp)
-        out = as_buffer(outputs[0])
+        out = args.tensor(outputs[0], "reduce_scatter", "output", writes=True)
         ins = args.tensor_list(input_lists[0], "reduce_scatter", "input_list", self.group.size())
         args.reduce_scatter_list(out, ins, self.group.rank(), "reduce_scatter")
         return self._run(lambda a: self.group.reduce_scatter(out, ins, op, a, outputs), outputs, opts)
@@ -270,7 +271,7 @@ class DistcommProcessGroup(tdist.ProcessGroup):
             done = self._fast(self.group.tensor_paths.reduce_scatter_tensor, [output], opts, output, input, op)
             if done is not NOT_TAKEN:
                 return done
-        out, inp = as_buffer(output), as_buffer(input)
+        out, inp = args.tensor(output, "reduce_scatter_tensor", "output", writes=True), as_buffer(input)
         args.scattered_from(out, inp, self.group.size(), "reduce_scatter_tensor")
         return self._run(lambda a: self.group.reduce_scatter_tensor(out, inp, op, a, [output]), [output], opts)
 
@@ -284,7 +285,7 @@ class DistcommProcessGroup(tdist.ProcessGroup):
 
     def alltoall(self, outputs, inputs, opts=None):
         size = self.group.size()
-        outs = args.tensor_list(outputs, "all_to_all", "output_tensor_list", size)
+        outs = args.tensor_list(outputs, "all_to_all", "output_tensor_list", size, writes=True)
         ins = args.tensor_list(inputs, "all_to_all", "input_tensor_list", size)
         args.same_dtype(outs + ins, "all_to_all")
         return self._run(lambda a: self.group.alltoall(outs, ins, a, outputs), outputs, opts)
@@ -295,7 +296,7 @@ class DistcommProcessGroup(tdist.ProcessGroup):
             if done is not NOT_TAKEN:
                 return done
         size = self.group.size()
-        out, inp = as_buffer(output), as_buffer(input)
+        out, inp = args.tensor(output, "all_to_all_single", "output", writes=True), as_buffer(input)
         args.same_dtype([out, inp], "all_to_all_single")
         recv_counts = _counts(output, output_split_sizes, size, "output")
         send_counts = _counts(input, input_split_sizes, size, "input")
