@@ -288,11 +288,33 @@ def to_dict(entry: list) -> dict:
 
 
 def read_dump(path: str) -> tuple[dict, list[dict]]:
-    """One rank's dump file: (header, records oldest first)."""
-    with open(path) as f:
-        lines = [json.loads(line) for line in f if line.strip()]
+    """One rank's dump file: (header, records oldest first). A file that is not a whole dump (empty,
+    cut short, not JSON lines, lines that are not a header and records) raises ValueError saying
+    what is wrong with it and where; one that cannot be read raises OSError."""
+    lines = []
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                lines.append(json.loads(line.decode("utf-8")))  # as dump writes them (ASCII, in fact)
+            except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+                cut = "" if line.endswith(b"\n") else ", cut short (the file ends inside it)"
+                if isinstance(exc, json.JSONDecodeError):
+                    what = f"column {exc.colno}: {exc.msg}"
+                elif isinstance(exc, UnicodeDecodeError):
+                    what = f"not UTF-8 text: {exc.reason} at byte {exc.start}"
+                else:
+                    what = str(exc)
+                raise ValueError(f"line {number} is not JSON{cut} ({what})") from None
+            item = lines[-1]
+            if len(lines) == 1:  # the header: what header() writes, not a record
+                if not isinstance(item, dict) or "op" in item or not isinstance(item.get("groups", {}), dict):
+                    raise ValueError(f"line {number} is not the header of a flight recorder dump")
+            elif not isinstance(item, dict) or "op" not in item or "seq" not in item:
+                raise ValueError(f"line {number} is not a record of a flight recorder dump")
     if not lines:
-        raise ValueError(f"{path}: empty flight recorder dump")
+        raise ValueError("empty file (no header)")
     return lines[0], lines[1:]
 
 

@@ -10,7 +10,9 @@ It also reports the first divergence: the first sequence number of a group at wh
 different things (another op, size, dtype or root), with each side's call site.
 
 ``analyze`` is a pure function over parsed dumps (``{rank: (header, records)}``, as
-``flight_recorder.read_dump`` returns them); ``main`` is the command line around it.
+``flight_recorder.read_dump`` returns them); ``main`` is the command line around it. A file that is
+not a whole dump (empty, cut short, not this format) is skipped with a note naming it and what is
+wrong: a post-mortem tool reports on the dumps it has.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import argparse
 import glob
 import os
 import sys
-from typing import Sequence
+from typing import Collection, Sequence
 
 from .flight_recorder import COMPLETED, FAILED, FILE_PATTERN, SCHEDULED, STARTED, read_dump
 
@@ -81,7 +83,7 @@ def first_divergence(by_rank: dict[int, dict[int, dict]]) -> str | None:
     return None
 
 
-def analyze_group(dumps: Dumps, group: str) -> list[str]:
+def analyze_group(dumps: Dumps, group: str, unreadable: Collection[int] = ()) -> list[str]:
     members = _members(dumps, group)
     lines = [f"group {group!r} (ranks {','.join(map(str, members))}):"]
     by_rank: dict[int, dict[int, dict]] = {}
@@ -159,14 +161,19 @@ def analyze_group(dumps: Dumps, group: str) -> list[str]:
         divergence = first_divergence(by_rank)
         if divergence:
             lines.append("  " + divergence)
+    bad = [r for r in missing if r in unreadable]
+    missing = [r for r in missing if r not in unreadable]
+    if bad:
+        lines.append(f"  {_ranks(bad)}: dump unreadable (skipped)")
     if missing:
         lines.append(f"  {_ranks(missing)}: no dump (dead, stopped, or DISTCOMM_TRACE_DIR unset there)")
     lines.extend("  " + line for line in p2p_pending)
     return lines
 
 
-def analyze(dumps: Dumps) -> list[str]:
-    """Lines saying, per group, who is behind and where, and the first divergence (if any)."""
+def analyze(dumps: Dumps, unreadable: Collection[int] = ()) -> list[str]:
+    """Lines saying, per group, who is behind and where, and the first divergence (if any).
+    ``unreadable``: ranks whose dump file exists but could not be read (``load``'s ``skipped``)."""
     groups: list[str] = []
     for _, (header, records) in sorted(dumps.items()):
         for name in list(header.get("groups", {})) + [r.get("group") for r in records]:
@@ -174,22 +181,39 @@ def analyze(dumps: Dumps) -> list[str]:
                 groups.append(name)
     lines = []
     for group in groups:
-        lines.extend(analyze_group(dumps, group))
+        lines.extend(analyze_group(dumps, group, unreadable))
     reasons = {h.get("reason") for h, _ in dumps.values() if h.get("reason")}
     if reasons:
         lines.append("dumped because: " + "; ".join(sorted(reasons)))
     return lines
 
 
-def load(directory: str) -> Dumps:
-    """Every rank's dump in ``directory``."""
+def _rank_of_name(path: str) -> int | None:
+    """The rank in a dump file's name (distcomm_trace_rank_<rank>.jsonl), or None."""
+    text = os.path.basename(path)[len(FILE_PATTERN.split("{")[0]):-len(FILE_PATTERN.split("}")[1])]
+    return int(text) if text.isdigit() else None
+
+
+def load(directory: str, skipped: list[tuple[str, str, int | None]] | None = None) -> Dumps:
+    """Every rank's readable dump in ``directory``. A file that is not one is left out, and, if
+    ``skipped`` is given, listed there as (path, what is wrong, the rank its name says or None)."""
     dumps: Dumps = {}
     for path in sorted(glob.glob(os.path.join(directory, FILE_PATTERN.format(rank="*")))):
-        header, records = read_dump(path)
-        rank = header.get("rank")
-        if rank is None:
-            rank = int(os.path.basename(path).split("_")[-1].split(".")[0])
-        dumps[int(rank)] = (header, records)
+        try:
+            header, records = read_dump(path)
+            rank = header.get("rank")
+            if rank is None:
+                rank = _rank_of_name(path)
+            elif isinstance(rank, str) and rank.isdigit():
+                rank = int(rank)
+            if not isinstance(rank, int) or isinstance(rank, bool):
+                raise ValueError(f"no rank in its header or name (rank {rank!r})")
+        except (OSError, ValueError) as exc:
+            if skipped is not None:
+                why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+                skipped.append((path, why, _rank_of_name(path)))
+            continue
+        dumps[rank] = (header, records)
     return dumps
 
 
@@ -197,11 +221,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m distcomm.trace", description=__doc__.split("\n\n")[0])
     parser.add_argument("directory", help="the DISTCOMM_TRACE_DIR the ranks dumped to")
     args = parser.parse_args(argv)
-    dumps = load(args.directory)
+    skipped: list[tuple[str, str, int | None]] = []
+    dumps = load(args.directory, skipped)
+    for path, why, _ in skipped:
+        print(f"skipped {path}: {why}", file=sys.stderr)
     if not dumps:
-        print(f"no flight recorder dumps (distcomm_trace_rank_*.jsonl) in {args.directory}", file=sys.stderr)
+        if skipped:
+            print(f"none of the {len(skipped)} flight recorder dumps in {args.directory} could be read", file=sys.stderr)
+        else:
+            print(f"no flight recorder dumps (distcomm_trace_rank_*.jsonl) in {args.directory}", file=sys.stderr)
         return 1
-    print("\n".join(analyze(dumps)))
+    unreadable = {rank for _, _, rank in skipped if rank is not None and rank not in dumps}
+    print("\n".join(analyze(dumps, unreadable)))
     return 0
 
 
