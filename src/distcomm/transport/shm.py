@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import threading
 import time
 from collections import deque
@@ -53,7 +54,7 @@ from .matching import Matcher, Unexpected
 from .shm_group import MAGIC as GROUP_MAGIC
 from .shm_group import GroupShm, init_segment, layout, slot_config
 from .shm_ring import ACKED, MODE_DIRECT, MODE_INLINE, PVM_OK, RECORD, Ring, decode, encode
-from .shm_segment import Segment
+from .shm_segment import Segment, shm_dir
 from .shm_wait import Bell, PeerHealth, WaitPolicy, current_cpu, process_alive, wait_until
 
 WORLD_MAGIC = 0x64636F6D6D73686D  # "dcommshm"
@@ -107,6 +108,48 @@ def _open_world_segment(rank: int, g: int, name: str, pid: int) -> Segment:
             f"{where}: rank {g}'s shared memory can no longer be opened ({exc}) although its process (pid {pid}) "
             f"is alive: it gave up setting up the shared-memory engine; its own error says why. Fix that, then "
             "restart the job") from None
+
+
+def _unusable(directory: str) -> str | None:
+    """Why segments cannot be made in ``directory`` (DISTCOMM_SHM_DIR), or None if they can."""
+    try:
+        st = os.stat(directory)
+    except FileNotFoundError:
+        return "it does not exist"
+    except NotADirectoryError:
+        return "a part of the path before its last name is a file, not a directory"
+    except PermissionError:
+        return "this user may not look into a directory on the path (no search permission)"
+    except OSError as exc:
+        return f"it cannot be looked at ({exc.strerror or exc})"
+    if not stat.S_ISDIR(st.st_mode):
+        kind = "a regular file" if stat.S_ISREG(st.st_mode) else "a special file"
+        return f"it is {kind}, not a directory"
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return (f"this user (uid {os.getuid()}) may not create files in it (mode {stat.S_IMODE(st.st_mode):o}, "
+                f"owner uid {st.st_uid}), or it is on a read-only filesystem")
+    return None
+
+
+def _create_segment(nbytes: int, where: str) -> Segment:
+    """``Segment.create(nbytes)``, its directory checked first: a DISTCOMM_SHM_DIR that cannot hold
+    segments is a TransportError (a DistBackendError) that says why and what to do, never a bare
+    OSError. ``where``: the operation and rank, for the message ("" in a collective, whose channel
+    adds them)."""
+    directory = shm_dir()
+    problem = _unusable(directory)
+    if problem is None:
+        try:
+            return Segment.create(nbytes)
+        except TransportError:  # out of room: already says so, and what to do
+            raise
+        except OSError as exc:
+            problem = f"a {nbytes}-byte segment could not be made there ({exc.strerror or exc})"
+    named = f"DISTCOMM_SHM_DIR={directory}" if "DISTCOMM_SHM_DIR" in os.environ else directory
+    raise TransportError(
+        f"{where + ': ' if where else ''}the shared-memory engine cannot use {named}: {problem}. Shared memory needs "
+        "a writable directory on a tmpfs: point DISTCOMM_SHM_DIR at one, or unset it (the default, /dev/shm, is "
+        "one); or use backend=\"tcp\", which needs no shared memory", reason="error")
 
 
 def _ring_bytes(tuning: Tuning) -> int:
@@ -222,7 +265,7 @@ class ShmTransport(Transport):
         ring_bytes = _ring_bytes(tuning)
         _, total = _world_layout(len(local), ring_bytes)
         shm_direct.allow_peers()
-        mine = Segment.create(total)
+        mine = _create_segment(total, describe_op("init_process_group", None, rank))
         segments = {rank: mine}
         try:
             ctl = memoryview(mine.buf[:64]).cast("Q")
@@ -390,7 +433,7 @@ class ShmTransport(Transport):
             raise TransportError("the shared-memory transport is closed", reason="lost")
         slot_bytes, nslots = slot_config(self.tuning)
         _, total = layout(len(ranks), slot_bytes, nslots)
-        mine = Segment.create(total)
+        mine = _create_segment(total, "")
         segments = [None] * len(ranks)
         segments[rank] = mine
         digest = members_digest(ranks)
