@@ -14,6 +14,7 @@ import collections
 import threading
 from typing import Any, Callable
 
+from .errors import describe_op
 from .work import Work
 
 
@@ -35,8 +36,9 @@ class OrderedExecutor:
     the GIL), where a condition-guarded flag costs a lock round trip on each side.
     """
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, rank: int | None = None):
         self.name = name
+        self.rank = rank  # this process's rank in the group, when known: named by a Work's timeout
         self._queue: collections.deque[_Task] = collections.deque()
         self._running = threading.Lock()
         # Guards the queue, the worker's start and ``closed``; only the worker waits on it.
@@ -70,14 +72,22 @@ class OrderedExecutor:
         inline and queueing it (torch's C++ callers issue every call async; see torch_backend)."""
         return not (self._queue or self._running.locked())
 
-    def run(self, op: str, fn: Callable[[], Any], async_op: bool, result: Any = None) -> Work | None:
+    def describe(self, op: str, seq: int | None = None) -> str:
+        """``op`` as a Work's errors name it: "all_reduce #7 on rank 1 of group '0'" (the sequence
+        number and rank where known)."""
+        return f"{describe_op(op, seq, self.rank)} of group {self.name!r}"
+
+    def run(self, op: str, fn: Callable[[], Any], async_op: bool, result: Any = None,
+            seq: int | None = None) -> Work | None:
+        """Run ``fn``, operation ``op`` (number ``seq`` of the group), inline when it may (see the
+        module docstring), else queued: its Work when ``async_op``, else None once it is done."""
         if not async_op and self.enter_inline():
             try:
                 fn()
             finally:
                 self._running.release()
             return None
-        work = Work(op, result)
+        work = Work(op, result, self.describe(op, seq))
         with self._cv:
             if self.closed:
                 raise RuntimeError(f"{op}: the process group {self.name!r} has been destroyed")

@@ -85,10 +85,14 @@ def _new_future():
 
 
 class Work:
-    """A pending collective or point-to-point operation (torch.distributed.Work)."""
+    """A pending collective or point-to-point operation (torch.distributed.Work).
 
-    def __init__(self, op: str = "", result: Any = None):
+    ``description``: the operation as errors name it ("all_reduce #7 on rank 1 of group '0'"), for
+    the message of a ``wait(timeout)`` that times out; ``op`` when not given."""
+
+    def __init__(self, op: str = "", result: Any = None, description: str | None = None):
         self.op = op
+        self.description = description or op
         self._event = threading.Event()
         self._exc: BaseException | None = None
         self._result = result
@@ -115,12 +119,19 @@ class Work:
 
     # -- torch's Work interface ---------------------------------------------------------------
     def wait(self, timeout: timedelta | float | None = None) -> bool:
-        """Block until the operation completes; re-raise its error. Returns True."""
+        """Block until the operation completes; re-raise its error. Returns True.
+
+        ``timeout`` bounds this wait only, as torch's does: past it DistTimeoutError is raised and
+        the operation goes on (it still completes, or fails at its group's timeout)."""
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
         if seconds is not None and seconds <= 0:
             seconds = None
         if not self._event.wait(seconds):
-            raise DistTimeoutError(f"{self.op}: Timed out in Work.wait after {seconds} s")
+            raise DistTimeoutError(
+                f"{self.description}: Timed out in Work.wait after {seconds:g} s; the operation itself goes on "
+                "(it completes when every rank has joined it, or fails at its group's timeout): call wait() "
+                "again to keep waiting, or poll is_completed()"
+            )
         if self._exc is not None:
             raise self._exc
         return True
@@ -129,8 +140,8 @@ class Work:
         return self._event.is_set()
 
     def is_success(self) -> bool:
-        if not self._event.is_set():
-            raise RuntimeError("Work is not yet completed; call wait() or check is_completed() first")
+        """False once the operation has failed; True otherwise, even before it completes (torch's
+        Work::isSuccess, deprecated there: "no error yet"). ``is_completed`` says whether it is done."""
         return self._exc is None
 
     def exception(self) -> BaseException | None:
@@ -166,7 +177,7 @@ class Work:
 
     def __repr__(self) -> str:
         state = "completed" if self.is_completed() else "pending"
-        return f"<distcomm.Work {self.op} {state}>"
+        return f"<distcomm.Work {self.description} {state}>"
 
 
 def completed_work(op: str, result: Any = None, exc: BaseException | None = None) -> Work:
