@@ -24,10 +24,17 @@ under ``trace/`` in its namespace for this init:
 ``trace/left/<rank>`` and ``trace/left_seen/<rank>``
     In an MPI job (mpiexec), written at exit by a rank whose program ended without
     destroy_process_group: once its output is flushed, and once it is done with the store
-    (``wait_for_leavers``; _api/leaving.py says why).
+    (``wait_for_leavers``; _api/leaving.py says why); both at once by a rank that destroys its
+    default group (``uninstall``): it is done with the store, and a rank leaving after a failure
+    must not wait for it.
 
 Every store call here is guarded: a store that is gone (the rank hosting it died) costs the report,
-never the error it decorates.
+never the error it decorates; the report then says the store is gone rather than blame the ranks
+whose reports it could not read.
+
+A rank dumps its flight recorder on SIGTERM too (``install`` sets the handler; see "SIGTERM" below):
+a launcher stops the ranks it did not see fail with SIGTERM, and the straggler whose dump says most
+is one of them.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -72,6 +80,7 @@ class Monitor:
         self.answer_on_leave = answer_on_leave
         self.pid = os.getpid()
         self.store_lost = False
+        self.store_error: str | None = None  # the first line of the error that lost it
         self._seen_alert = self._counter("trace/alert")
         self._seen_dump = self._counter("trace/dump")
         self._alerted: set[int] = set()  # records this rank raised the alert for
@@ -88,13 +97,20 @@ class Monitor:
     # -- store helpers: never raise; after one failure, never try again ---------------------------
     # A store that failed once is gone (its host, rank 0 or the agent, has exited): trying again
     # would only repeat the error (torch's C++ store prints a backtrace for each).
+    def lost(self, exc: BaseException) -> None:
+        """The store failed with ``exc``: it is gone; the first error is kept for the report."""
+        if not self.store_lost:
+            text = str(exc).splitlines()[0] if str(exc) else ""
+            self.store_error = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+        self.store_lost = True
+
     def _counter(self, key: str, bump: int = 0) -> int:
         if self.store_lost:
             return 0
         try:
             return int(self.store.add(key, bump))
-        except Exception:  # noqa: BLE001 - the report is best effort
-            self.store_lost = True
+        except Exception as exc:  # noqa: BLE001 - the report is best effort
+            self.lost(exc)
             return 0
 
     def _get_if_set(self, key: str) -> bytes | None:
@@ -103,8 +119,8 @@ class Monitor:
         try:
             if self.store.check([key]):
                 return self.store.get(key)
-        except Exception:  # noqa: BLE001
-            self.store_lost = True
+        except Exception as exc:  # noqa: BLE001
+            self.lost(exc)
         return None
 
     def _set(self, key: str, value: str) -> None:
@@ -112,8 +128,8 @@ class Monitor:
             return
         try:
             self.store.set(key, value)
-        except Exception:  # noqa: BLE001
-            self.store_lost = True
+        except Exception as exc:  # noqa: BLE001
+            self.lost(exc)
 
     # -- the watchdog ---------------------------------------------------------------------------
     def interval(self) -> float:
@@ -221,10 +237,13 @@ class Monitor:
 monitor: Monitor | None = None
 _previous_excepthook = None
 _failed = False  # this process published its failure (report_failure): read when it leaves an MPI job
+# (pid, "DistTimeoutError in all_reduce #7") of the last operation of this process that failed with a
+# DistError (on_fault), caught or not: read when it leaves an MPI job (fault())
+_fault: tuple[int, str] | None = None
 
 
 def install(store: Any, rank: int, world_size: int, answer_on_leave: bool = True) -> None:
-    """Called by init_process_group: start the watchdog and hook uncaught exceptions.
+    """Called by init_process_group: start the watchdog, hook uncaught exceptions and SIGTERM.
 
     ``answer_on_leave``: look at the store once more when leaving (uninstall), for a dump request
     made since the watchdog's last tick. False for a store whose host commonly leaves first and
@@ -238,25 +257,99 @@ def install(store: Any, rank: int, world_size: int, answer_on_leave: bool = True
     if _previous_excepthook is None:
         _previous_excepthook = sys.excepthook
         sys.excepthook = _excepthook
+    _hook_sigterm()
 
 
 def uninstall() -> None:
     """Called by destroy_process_group (and at exit): answer a dump request the watchdog has not
-    seen yet, then stop the watchdog (the excepthook stays, and is idle)."""
+    seen yet, then stop the watchdog and give SIGTERM back to the handler it had (the excepthook
+    stays, and is idle)."""
     global monitor
     if monitor is not None:
         mon, monitor = monitor, None
         if mon.pid != os.getpid():
             return  # a forked child: the thread and the rank are its parent's
+        _unhook_sigterm()
         mon.close()
         if not mon.answer_on_leave:
             return
-        answering = threading.Thread(target=mon.answer_dump_request, name="distcomm-dump-answer", daemon=True)
+        in_mpi_job = _in_mpi_job()
+
+        def answer() -> None:
+            if in_mpi_job:  # done with the job's store: ranks leaving the MPI job need not wait for it
+                mon._set(f"trace/left/{mon.rank}", "1")
+                mon._set(f"trace/left_seen/{mon.rank}", "1")
+            mon.answer_dump_request()
+
+        answering = threading.Thread(target=answer, name="distcomm-dump-answer", daemon=True)
         answering.start()
         answering.join(LEAVE_ANSWER_SECONDS)
 
 
 atexit.register(uninstall)
+
+
+# -- SIGTERM: dump, then die as before ----------------------------------------------------------
+# A launcher stops the ranks it did not see fail with SIGTERM, and SIGKILL 30 s later (torchrun's
+# shutdown, distcomm-run's alike): when rank 0 times out waiting for a straggler, the straggler is
+# SIGTERMed before its watchdog's next tick, and its dump, the one that says why the job hung, was
+# never written. So while a process group is initialised, SIGTERM first writes this rank's flight
+# recorder (to DISTCOMM_TRACE_DIR; nothing without it), then does what it did before: the handler
+# it replaced (a user's, installed before init_process_group), or the default action, re-raised, so
+# the process still dies of SIGTERM (exit status -15 / 143). No store call: the store's host may be
+# gone, and a call could wait past the launcher's SIGKILL.
+#
+# Python runs a signal handler in the main thread, between two bytecodes: a rank waiting in a
+# distcomm collective runs it within one wait slice (every wait returns to Python at least every
+# 0.1 s); a rank inside a long C call (a big numpy operation) runs it, and dies, when the call
+# returns. Only the main thread can install it: init_process_group from another thread leaves
+# SIGTERM alone, as does a handler installed from C (signal.getsignal returns None: nothing to chain
+# to). A handler the program installs after init_process_group replaces this one: its choice.
+_sigterm_previous: Any = None  # the handler ours replaced, while ours is installed
+_sigterm_dumping = False  # a second SIGTERM during the dump goes straight on (no second dump)
+
+
+def _hook_sigterm() -> None:
+    global _sigterm_previous
+    if not hasattr(signal, "SIGTERM") or threading.current_thread() is not threading.main_thread():
+        return
+    current = signal.getsignal(signal.SIGTERM)
+    if current is _on_sigterm or current is None:
+        return
+    _sigterm_previous = current
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _unhook_sigterm() -> None:
+    """Put back the handler ours replaced, unless the program has installed one of its own since
+    (then ours, if that one chains to it, dumps nothing more: no monitor)."""
+    global _sigterm_previous
+    if threading.current_thread() is not threading.main_thread():
+        return  # stays installed and idle: it only chains while no process group is initialised
+    if signal.getsignal(signal.SIGTERM) is _on_sigterm:
+        signal.signal(signal.SIGTERM, _sigterm_previous)
+        _sigterm_previous = None
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    global _sigterm_dumping
+    mon, rec = monitor, fr.recorder
+    # not in a forked child (a data loader worker inherits the handler, not the rank), nor again in
+    # a second SIGTERM that interrupts this one's dump
+    if mon is not None and mon.pid == os.getpid() and rec is not None and not _sigterm_dumping:
+        _sigterm_dumping = True
+        try:
+            rec.dump(reason=f"rank {mon.rank} received SIGTERM")
+        except Exception:  # noqa: BLE001 - a dump that fails must not keep the process alive
+            pass
+        finally:
+            _sigterm_dumping = False
+    previous = _sigterm_previous
+    if callable(previous):
+        previous(signum, frame)
+    elif previous != signal.SIG_IGN:  # SIG_DFL: die of the signal, as without this handler
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
 
 # -- failures -----------------------------------------------------------------------------------
@@ -319,6 +412,22 @@ def failed() -> bool:
     return _failed
 
 
+def _in_mpi_job() -> bool:
+    """Whether MPI is initialised (by mpi4py) and not finalised in this process: its exit will
+    wait in MPI_Finalize. Looked up, never imported: a process without MPI pays nothing."""
+    MPI = sys.modules.get("mpi4py.MPI")
+    try:
+        return MPI is not None and bool(MPI.Is_initialized()) and not MPI.Is_finalized()
+    except Exception:  # noqa: BLE001 - an MPI in a state we cannot ask about
+        return False
+
+
+def fault() -> str | None:
+    """The last operation of this process that failed with a DistError ("DistTimeoutError in
+    all_reduce #7"), whether the program caught the error or not; None if none did."""
+    return _fault[1] if _fault is not None and _fault[0] == os.getpid() else None
+
+
 def wait_for_leavers(grace: float, wait: bool) -> list[int] | None:
     """Write this rank's ``trace/left`` key and, if ``wait`` (or on rank 0), wait up to ``grace``
     seconds for every rank's: the ranks still missing then, or None if the store stopped answering
@@ -338,8 +447,8 @@ def wait_for_leavers(grace: float, wait: bool) -> list[int] | None:
             try:
                 if mon.store.check(keys):
                     return []
-            except Exception:  # noqa: BLE001 - the store is gone
-                mon.store_lost = True
+            except Exception as exc:  # noqa: BLE001 - the store is gone
+                mon.lost(exc)
                 return None
             if time.monotonic() >= deadline:
                 missing = [r for r, key in enumerate(keys) if mon._get_if_set(key) is None]
@@ -383,9 +492,13 @@ def _site_tuple(site):
     return None if not site else (site["file"], site["line"])
 
 
-def describe_state(rank: int, state: dict | None, group: str, now: float, stale_after: float = 2.0) -> str:
-    """One line of a hang report: what ``rank`` was doing in ``group`` when it last published."""
+def describe_state(rank: int, state: dict | None, group: str, now: float, stale_after: float = 2.0,
+                   store_lost: bool = False) -> str:
+    """One line of a hang report: what ``rank`` was doing in ``group`` when it last published.
+    ``store_lost``: the store stopped answering, so a missing state says nothing about the rank."""
     if state is None:
+        if store_lost:
+            return f"rank {rank}: no report (the store is unreachable: this says nothing about rank {rank})"
         return (f"rank {rank}: no report (its watchdog did not answer: the process may be dead, stopped, "
                 "or holding the GIL)")
     g = state.get("groups", {}).get(group)
@@ -404,6 +517,16 @@ def describe_state(rank: int, state: dict | None, group: str, now: float, stale_
     return f"rank {rank}: not in an operation of this group; last completed {_describe_record(completed)}{stale}"
 
 
+def store_gone(error: str | None) -> str:
+    """The hang report's line for a store that stopped answering: whose reports are missing, and why."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        host = "the launcher's agent"
+    else:  # env:// and tcp://: rank 0's process serves the store
+        host = "rank 0's, under env:// and tcp://"
+    return (f"no report could be read: the store stopped answering ({error or 'no answer'}); the process serving "
+            f"it ({host}) has most likely exited: finished, or failed first (its own output says which)")
+
+
 def record_fault(pg: Any, exc: BaseException, op: str, seq: int | None, entry: list | None) -> None:
     """A call of ``pg`` failed with ``exc``: its flight recorder ``entry`` (if any) says so, and a
     DistError gets what the other ranks report (``on_fault``). Every path that runs a call (the
@@ -417,7 +540,10 @@ def record_fault(pg: Any, exc: BaseException, op: str, seq: int | None, entry: l
 def on_fault(pg: Any, exc: DistError, op: str, seq: int | None) -> None:
     """An operation of ``pg`` failed with ``exc``: add what the other ranks report to its message,
     dump this rank's flight recorder and ask every rank to dump theirs. Changes ``exc`` in place
-    (its type and traceback stay what they were)."""
+    (its type and traceback stay what they were). Remembers the failure (``fault``): a process that
+    caught the error and leaves an MPI job counts as failed there (_api/leaving.py)."""
+    global _fault
+    _fault = (os.getpid(), f"{type(exc).__name__} in {op}{'' if seq is None else f' #{seq}'}")
     if getattr(exc, "_distcomm_diagnosed", False):
         return
     exc._distcomm_diagnosed = True  # noqa: SLF001 - a marker on our own exception: report once
@@ -432,7 +558,10 @@ def on_fault(pg: Any, exc: DistError, op: str, seq: int | None) -> None:
             states = mon.states(others, settle=min(1.0, 2 * mon.interval()))
             now = time.time()
             stale_after = 3 * mon.interval() + 0.5
-            lines = [describe_state(r, states.get(r), pg.group_name, now, stale_after) for r in others]
+            lost = mon.store_lost
+            lines = [describe_state(r, states.get(r), pg.group_name, now, stale_after, lost) for r in others]
+            if lost and len(states) < len(others):
+                lines.append(store_gone(mon.store_error))
             extra.append(f"what the other ranks of group {pg.group_name!r} were doing:\n  " + "\n  ".join(lines))
         mon.request_dump(f"rank {pg.global_rank}: {type(exc).__name__} in {op} #{seq}")
     rec = fr.recorder
@@ -443,7 +572,9 @@ def on_fault(pg: Any, exc: DistError, op: str, seq: int | None) -> None:
         except OSError as err:
             extra.append(f"flight recorder dump failed: {err}")
     if path is not None:
-        extra.append(f"flight recorder: every rank dumps to {os.path.dirname(path)}; "
+        who = ("this rank dumped (the others could not be asked: the store is gone)"
+               if mon is not None and mon.store_lost else "every rank dumps")
+        extra.append(f"flight recorder: {who} to {os.path.dirname(path)}; "
                      f"run `python -m distcomm.trace {os.path.dirname(path)}`")
     if extra:
         exc.args = (str(exc) + "\n" + "\n".join(extra),) + exc.args[1:]

@@ -15,6 +15,15 @@ if some have not, calls MPI_Abort, as mpi4py does for an uncaught exception (``p
 the job ends instead of waiting in MPI_Finalize for ranks that are busy elsewhere, or that caught
 their error and went on. Every other rank goes on to MPI_Finalize. None of this runs outside an MPI
 job, after destroy_process_group, or in a forked child.
+
+A rank failed if an exception ended its program (its excepthook published it), or if one of its
+operations failed with a DistError (``diagnostics.fault``), even one the program caught: a program
+that catches the error, logs it and calls ``sys.exit(1)`` is as likely to leave a peer stuck for
+good (the one it timed out waiting for) as one that does not catch it. Such a rank aborts nothing
+when every rank leaves within the grace (a rank that destroyed its default group has left:
+``diagnostics.uninstall`` says so in the store), nor when the store is gone before it could tell
+(its host, rank 0, destroyed its group first): only a rank known not to have left ends the job. Its
+peers hear that it "ended its program", not that an exception did.
 """
 
 from __future__ import annotations
@@ -69,11 +78,13 @@ def leave_mpi_job() -> None:
     MPI = _mpi_job()
     if MPI is None:
         return
-    failed = diagnostics.failed()
+    uncaught = diagnostics.failed()  # what the peers' errors say: an exception ended its program
+    fault = diagnostics.fault()  # an operation of its failed, caught or not
+    failed = uncaught or fault is not None
     engines = {id(e): e for e in list(world.engines.values()) + [pg.engine for pg in list(world.groups.values())]}
     for engine in engines.values():
         try:
-            engine.leave(failed)
+            engine.leave(uncaught)
         except Exception:  # noqa: BLE001 - leaving anyway; the peers' timeouts still hold
             pass
     for stream in (sys.stdout, sys.stderr):
@@ -85,13 +96,19 @@ def leave_mpi_job() -> None:
     missing = diagnostics.wait_for_leavers(grace, wait=failed)
     if not failed or missing == []:
         return
+    if missing is None and not uncaught:
+        # The store is gone: rank 0, its host, destroyed its process group (or ended) first. Nothing
+        # then says a rank is stuck, and a job whose ranks have all ended must not end aborted: a
+        # rank whose program caught its error goes on to MPI_Finalize, as every rank did before.
+        return
     if missing is None:
         who = "the store stopped answering before every rank had left"
     else:
         who = (f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} had not left "
                f"{grace:g} s later (DISTCOMM_MPI_EXIT_GRACE)")
+    what = "failed" if uncaught else f"left after a {fault}"
     try:
-        sys.stderr.write(f"distcomm: rank {world.global_rank} failed, and {who}: ending the MPI job with MPI_Abort\n")
+        sys.stderr.write(f"distcomm: rank {world.global_rank} {what}, and {who}: ending the MPI job with MPI_Abort\n")
         sys.stderr.flush()
     except Exception:  # noqa: BLE001
         pass
