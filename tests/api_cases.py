@@ -157,6 +157,9 @@ def error_cases(dist, rank: int, ws: int) -> dict[str, Callable]:
         "readonly/all_to_all_single": lambda: dist.all_to_all_single(_read_only(ws), np.ones(ws)),
         "readonly/all_gather_list": lambda: dist.all_gather([np.ones(2)] * (ws - 1) + [_read_only(2)], np.ones(2)),
         "readonly/recv": lambda: dist.recv(_read_only(2), src=other),
+        # a rooted call writes on some ranks only: those refuse, after taking part
+        "readonly/broadcast": lambda: dist.broadcast(_read_only(2), src=0),
+        "readonly/reduce": lambda: dist.reduce(_read_only(2), dst=0),
     }
     return cases
 
@@ -190,7 +193,7 @@ TORCH_SKIPPED.update({  # numpy-only cases: torch.distributed takes no numpy arr
     name: ("ValueError", "not applicable: a read-only numpy array (torch tensors are always writable)")
     for name in ("readonly/all_reduce", "readonly/all_reduce_large", "readonly/all_gather_into_tensor",
                  "readonly/reduce_scatter_tensor", "readonly/all_to_all_single", "readonly/all_gather_list",
-                 "readonly/recv")
+                 "readonly/recv", "readonly/broadcast", "readonly/reduce")
 })
 
 

@@ -43,6 +43,14 @@ ENGINES = ["gloo", "tcp"]
 # Calls where distcomm deliberately does not do what torch does: (expected distcomm outcome per rank
 # as a function of rank, why).
 DELIBERATE = {
+    # numpy only (torch is not run): the ranks the call writes refuse a read-only array, after taking
+    # part (their peers only read, and cannot see the refusal), so the group stays in step
+    "readonly/broadcast": (
+        lambda r: ("returned", "None") if r == 0 else ("raised", "ValueError"),
+        "torch takes no numpy arrays; the source only reads its array"),
+    "readonly/reduce": (
+        lambda r: ("raised", "ValueError") if r == 0 else ("returned", "None"),
+        "torch takes no numpy arrays; only the destination writes its array"),
     "before_init/destroy_process_group": (
         lambda r: ("raised", "ValueError"),
         "torch fails an assert (AssertionError 'Process group cannot be None'); distcomm raises the "

@@ -8,7 +8,7 @@ the same way on every rank instead of leaving the others waiting.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
 import numpy as np
 
@@ -105,7 +105,7 @@ def tensor(obj: Any, op: str, name: str = "tensor", writes: bool = False, in_pla
         raise type(exc)(f"{op}: {exc}") from None
     if writes:
         if isinstance(obj, _ndarray) and not obj.flags.writeable:
-            _not_writable(op, name)
+            refuse_read_only(op, name)
         if not in_place and not buf.aliases_user_memory:  # (a Buffer over the memory itself cannot overlap)
             _refuse_internal_overlap(obj, op, name)
     return buf
@@ -134,7 +134,12 @@ def _refuse_internal_overlap(obj: Any, op: str, name: str) -> None:
 _ndarray = np.ndarray
 
 
-def _not_writable(op: str, name: str) -> None:
+def read_only(obj: Any) -> bool:
+    """Whether ``obj`` is a numpy array the call may not write (``writeable`` False)."""
+    return isinstance(obj, _ndarray) and not obj.flags.writeable
+
+
+def refuse_read_only(op: str, name: str) -> NoReturn:
     # Checked before any communication: found while writing the result, the same mistake would
     # leave the group's rounds half done.
     raise ArgumentError(
@@ -159,7 +164,7 @@ def tensor_list(
     if writes:
         for i, obj in enumerate(objs):
             if isinstance(obj, _ndarray) and not obj.flags.writeable:
-                _not_writable(op, f"{name}[{i}]")
+                refuse_read_only(op, f"{name}[{i}]")
             if not bufs[i].aliases_user_memory:  # (a Buffer over the memory itself cannot overlap)
                 _refuse_internal_overlap(obj, op, f"{name}[{i}]")
     if length is not None and len(bufs) != length:

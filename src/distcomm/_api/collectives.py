@@ -8,9 +8,9 @@ in issue order, inline or on its worker thread when ``async_op=True``.
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import warnings
+from datetime import timedelta
+from typing import NoReturn
 
 import numpy as np
 
@@ -44,6 +44,8 @@ def broadcast(tensor, src: int | None = None, group=None, async_op: bool = False
     root = args.group_root(pg, "broadcast", src, group_src, "src")
     if not async_op and not diagnostics.check_shapes and pg.tensor_paths.broadcast(tensor, root):
         return None
+    if pg.rank() != root and args.read_only(tensor):
+        _take_part_then_refuse(lambda scratch: pg.broadcast(scratch, root), tensor, "broadcast")
     buf = args.tensor(tensor, "broadcast", writes=pg.rank() != root, in_place=True)
     return pg.broadcast(buf, root, async_op, [tensor])
 
@@ -155,9 +157,21 @@ def reduce(tensor, dst: int | None = None, op=RedOpType.SUM, group=None, async_o
     if (not async_op and op.__class__ is RedOpType and not diagnostics.check_shapes
             and pg.tensor_paths.reduce(tensor, op, root)):
         return None
+    if pg.rank() == root and args.read_only(tensor):
+        op = _check_op(op, args.tensor(tensor, "reduce").dtype, "reduce")
+        _take_part_then_refuse(lambda scratch: pg.reduce(scratch, op, root), tensor, "reduce")
     buf = args.tensor(tensor, "reduce", writes=pg.rank() == root, in_place=True)
     op = _check_op(op, buf.dtype, "reduce")
     return pg.reduce(buf, op, root, async_op, [tensor])
+
+
+def _take_part_then_refuse(run, array: np.ndarray, op: str) -> NoReturn:
+    """A read-only numpy array on the rank a rooted call writes (a broadcast's receiver, a reduce's
+    root): its peers, which only read theirs, cannot see this rank refuse it, so this rank still
+    takes part, ``run(buffer)`` into a writable copy it then drops, and raises after: the group
+    stays in step, and the call's mistake is reported where it was made."""
+    run(args.tensor(np.array(array), op))
+    args.refuse_read_only(op, "tensor")
 
 
 def _per_rank_views(output, size: int) -> list:
