@@ -26,6 +26,7 @@ from .errors import (
     DistStoreError,
     DistStoreTimeoutError,
     DistTimeoutError,
+    PeerFailedError,
     PeerLostError,
     QueueEmptyError,
 )
@@ -43,7 +44,7 @@ _stacks.install_from_env()  # dumps its stacks on SIGUSR1 (see stacks.py)
 __all__ = sorted(set(_c10d_all) | {
     "CollectiveMismatchError", "DistBackendError", "DistError", "DistNetworkError", "DistStoreAuthError",
     "DistStoreError", "DistStoreTimeoutError", "DistTimeoutError", "FileStore", "Future", "HashStore",
-    "PeerLostError", "QueueEmptyError", "TCPStore", "all_gather_multigpu", "all_reduce_multigpu", "breakpoint",
+    "PeerFailedError", "PeerLostError", "QueueEmptyError", "TCPStore", "all_gather_multigpu", "all_reduce_multigpu", "breakpoint",
     "broadcast_multigpu", "dump_flight_recorder", "is_available", "reduce_multigpu", "reduce_scatter_multigpu", "register_rendezvous_handler",
     "rendezvous", "set_debug_level", "set_debug_level_from_env",
 })

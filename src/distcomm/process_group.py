@@ -120,7 +120,7 @@ class ProcessGroup:
         # cannot interleave (a += on an attribute can hand them the same number).
         self._seqs = itertools.count(1)
         self.next_seq = self._seqs.__next__
-        self.executor = OrderedExecutor(name)
+        self.executor = OrderedExecutor(name, self._rank)
         # The engine's fast path (FastPath): ``fast_all_reduce(tensor, op) -> bool`` and
         # ``fast_barrier() -> bool`` each do the whole call and return True, or return False having
         # done nothing. Asked of the engine on first use (see _install_fast_path).
@@ -234,7 +234,7 @@ class ProcessGroup:
             if entry is not None:
                 entry[_T_COMPLETED], entry[_STATE] = _now(), _COMPLETED
 
-        return self.executor.run(op, run, async_op, result)
+        return self.executor.run(op, run, async_op, result, seq)
 
     # -- collectives (torch c10d's names) ---------------------------------------------------------
     def broadcast(self, buf: Buffer, root: int, async_op: bool = False, result: Any = None) -> Work | None:
