@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..buffers import as_buffer
+from ..errors import DistBackendError
 from . import args
 from .p2p import _post
 
@@ -27,6 +28,34 @@ _PROTOCOL = 5
 
 def _dumps(obj: Any) -> np.ndarray:
     return np.frombuffer(pickle.dumps(obj, protocol=_PROTOCOL), dtype=np.uint8)
+
+
+#: the size a rank sends in place of its payload's when it could not pickle its object: every rank
+#: sees it in the sizes' exchange, so all skip the payloads' and raise, and the group stays in step
+#: (torch's gloo leaves the other ranks waiting for payloads that never come)
+UNPICKLABLE = -1
+
+
+def _dumps_all(objs) -> tuple[list[np.ndarray] | None, BaseException | None]:
+    """The payloads of ``objs``, or (None, the error) when one of them cannot be pickled."""
+    try:
+        return [_dumps(o) for o in objs], None
+    except Exception as exc:  # noqa: BLE001 - pickling raises many kinds; re-raised after the exchange
+        return None, exc
+
+
+def _refuse_unpicklable(pg, op: str, sizes: np.ndarray, by, error: BaseException | None) -> None:
+    """After the sizes' exchange: if a rank sent UNPICKLABLE (``by(i)``: the group rank that sent
+    size i), raise (this rank's own pickling error, if it is the one) before any payload moves."""
+    bad = sorted({by(i) for i in np.flatnonzero(sizes == UNPICKLABLE).tolist()})
+    if not bad:
+        return
+    if error is not None:
+        raise error
+    names = ", ".join(str(pg.ranks[r]) for r in bad)
+    raise DistBackendError(
+        f"{op} on rank {pg.global_rank}: rank {names} could not pickle its object (its own error says "
+        "why), so nothing was exchanged; the group is still usable")
 
 
 def _loads(data: np.ndarray) -> Any:
@@ -42,10 +71,12 @@ def broadcast_object_list(object_list: list, src: int | None = None, group=None,
         return
     root = args.group_peer(pg, "broadcast_object_list", src, group_src, "src")
     sizes = np.zeros(len(object_list), dtype=np.int64)
+    error = None
     if pg.rank() == root:
-        payloads = [_dumps(o) for o in object_list]
-        sizes[:] = [p.size for p in payloads]
+        payloads, error = _dumps_all(object_list)
+        sizes[:] = UNPICKLABLE if error is not None else [p.size for p in payloads]
     pg.broadcast(as_buffer(sizes), root)
+    _refuse_unpicklable(pg, "broadcast_object_list", sizes, lambda i: root, error)
     if pg.rank() == root:
         data = np.concatenate(payloads) if payloads else np.empty(0, np.uint8)
     else:
@@ -58,10 +89,11 @@ def broadcast_object_list(object_list: list, src: int | None = None, group=None,
             offset += size
 
 
-def _all_sizes(pg, payload: np.ndarray) -> np.ndarray:
-    """Every rank's payload size, in rank order."""
+def _all_sizes(pg, payload: np.ndarray, error: BaseException | None = None) -> np.ndarray:
+    """Every rank's payload size, in rank order (UNPICKLABLE from a rank whose pickling failed)."""
     sizes = np.zeros(pg.size(), dtype=np.int64)
-    pg.allgather_into_tensor(as_buffer(sizes), as_buffer(np.array([payload.size], dtype=np.int64)))
+    mine = UNPICKLABLE if error is not None else payload.size
+    pg.allgather_into_tensor(as_buffer(sizes), as_buffer(np.array([mine], dtype=np.int64)))
     return sizes
 
 
@@ -81,8 +113,10 @@ def all_gather_object(object_list: list, obj: Any, group=None) -> None:
             f"all_gather_object: object_list must have one entry per rank: expected length {pg.size()}, got {len(object_list)}"
         )
 
-    payload = _dumps(obj)
-    sizes = _all_sizes(pg, payload)
+    payloads, error = _dumps_all([obj])
+    payload = np.empty(0, np.uint8) if error is not None else payloads[0]
+    sizes = _all_sizes(pg, payload, error)
+    _refuse_unpicklable(pg, "all_gather_object", sizes, int, error)
     width = int(sizes.max())
     flat = np.empty(width * pg.size(), dtype=np.uint8)
     pg.allgather_into_tensor(as_buffer(flat), as_buffer(_padded(payload, width)))
@@ -105,8 +139,10 @@ def gather_object(obj: Any, object_gather_list: list | None = None, dst: int | N
     elif object_gather_list:
         raise ValueError("Argument ``object_gather_list`` must NOT be specified on non-destination ranks.")
 
-    payload = _dumps(obj)
-    sizes = _all_sizes(pg, payload)
+    payloads, error = _dumps_all([obj])
+    payload = np.empty(0, np.uint8) if error is not None else payloads[0]
+    sizes = _all_sizes(pg, payload, error)
+    _refuse_unpicklable(pg, "gather_object", sizes, int, error)
     width = int(sizes.max())
     mine = as_buffer(_padded(payload, width))
     if pg.rank() != root:
@@ -134,10 +170,12 @@ def scatter_object_list(scatter_object_output_list: list, scatter_object_input_l
     # The width of the blocks first, then one block per rank: its payload's length (8 bytes), then
     # the payload, padded.
     width = np.zeros(1, dtype=np.int64)
+    error = None
     if pg.rank() == root:
-        payloads = [_dumps(o) for o in scatter_object_input_list]
-        width[0] = 8 + max(p.size for p in payloads)
+        payloads, error = _dumps_all(scatter_object_input_list)
+        width[0] = UNPICKLABLE if error is not None else 8 + max(p.size for p in payloads)
     pg.broadcast(as_buffer(width), root)
+    _refuse_unpicklable(pg, "scatter_object_list", width, lambda i: root, error)
     mine = np.empty(int(width[0]), dtype=np.uint8)
     blocks = None
     if pg.rank() == root:
