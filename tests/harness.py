@@ -58,6 +58,20 @@ class SessionTimeout(AssertionError):
         self.stdout, self.stderr = stdout, stderr
 
 
+def processes_with(token: str) -> list[int]:
+    """Pids of the processes whose command line holds ``token`` (a test's job: nothing may outlive it)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if token.encode() in f.read():
+                        found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
 def run_in_session(cmd: Sequence[str], timeout: float, **popen: Any) -> subprocess.CompletedProcess:
     """Run ``cmd`` to completion in a session of its own, with text output captured; past
     ``timeout`` seconds kill the whole session (the command and every process it started: a

@@ -19,28 +19,16 @@ import re
 import secrets
 import signal
 import time
-from pathlib import Path
 
 import pytest
 
+from harness import processes_with
 from mpi_harness import run_mpiexec, skip_reason
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")]
 
 DEADLINE = 60.0  # seconds for a whole job: a stuck one ends in about 6 (a 2 s timeout, a 2 s grace)
 WORKER = "caught_fault_worker.py"
-
-
-def _processes_with(token: str) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if token.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
-                    found.append(int(entry))
-            except OSError:
-                pass
-    return found
 
 
 def _run(backend: str, scenario: str, late: int):
@@ -50,9 +38,9 @@ def _run(backend: str, scenario: str, late: int):
                            env={"DISTCOMM_MPI_EXIT_GRACE": "2"})
     finally:
         deadline = time.monotonic() + 5
-        while _processes_with(token) and time.monotonic() < deadline:
+        while processes_with(token) and time.monotonic() < deadline:
             time.sleep(0.1)
-        left = _processes_with(token)
+        left = processes_with(token)
         for pid in left:
             os.kill(pid, signal.SIGKILL)
     assert not left, f"processes of the job outlived it: {left}"

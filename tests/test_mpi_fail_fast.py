@@ -30,12 +30,12 @@ import re
 import secrets
 import signal
 import time
-from pathlib import Path
 
 import pytest
 
 from distcomm.transport.shm_segment import PREFIX
 
+from harness import processes_with
 from mpi_harness import SCRIPTS, private_shm_unavailable, run_mpiexec, skip_reason
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")]
@@ -47,19 +47,6 @@ WORKER = "fail_fast_worker.py"
 RAISE_LINE = next(i for i, line in enumerate((SCRIPTS / WORKER).read_text().splitlines(), 1) if "# RAISE" in line)
 
 
-def _processes_with(token: str) -> list[int]:
-    """Pids of the processes whose command line holds ``token`` (this test's job)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if token.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
-                    found.append(int(entry))
-            except OSError:
-                pass
-    return found
-
-
 def _run(script: str, args: list, env: dict | None = None, shm_listing: str | None = None):
     """Run ``script`` on 3 ranks; check that no process of the job is left; (result, seconds)."""
     token = f"mpi-fail-fast-{secrets.token_hex(6)}"
@@ -68,9 +55,9 @@ def _run(script: str, args: list, env: dict | None = None, shm_listing: str | No
         done = run_mpiexec(3, script, [*args, token], timeout=DEADLINE, env=env, shm_listing=shm_listing)
     finally:
         deadline = time.monotonic() + 5
-        while _processes_with(token) and time.monotonic() < deadline:
+        while processes_with(token) and time.monotonic() < deadline:
             time.sleep(0.1)
-        left = _processes_with(token)
+        left = processes_with(token)
         for pid in left:
             try:
                 os.kill(pid, signal.SIGKILL)

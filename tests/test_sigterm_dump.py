@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import free_port, run_in_session
+from harness import free_port, processes_with, run_in_session
 
 from distcomm import trace
 
@@ -74,18 +74,6 @@ def _read_until(proc: subprocess.Popen, line: str) -> None:
     raise AssertionError(f"no {line!r} within {DEADLINE} s")
 
 
-def _processes_with(token: str) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if token.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
-                    found.append(int(entry))
-            except OSError:
-                pass
-    return found
-
-
 @pytest.fixture
 def ranks():
     """Start ranks with ``start(mode, tmp_path, rank, world_size, port)``; kill whatever is left at
@@ -106,9 +94,9 @@ def ranks():
         proc.stdout.close()
         proc.stderr.close()
     deadline = time.monotonic() + 5
-    while _processes_with(token) and time.monotonic() < deadline:
+    while processes_with(token) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _processes_with(token), "processes of the test outlived it"
+    assert not processes_with(token), "processes of the test outlived it"
 
 
 def _dump(tmp_path: Path, rank: int):
@@ -194,9 +182,9 @@ def test_the_straggler_stopped_by_the_launcher_has_its_dump(tmp_path):
                                str(script)], timeout=90, env=env)
     finally:
         deadline = time.monotonic() + 5
-        while _processes_with(token) and time.monotonic() < deadline:
+        while processes_with(token) and time.monotonic() < deadline:
             time.sleep(0.05)
-        left = _processes_with(token)
+        left = processes_with(token)
         for pid in left:
             os.kill(pid, signal.SIGKILL)
     assert not left, f"processes of the job outlived it: {left}"
