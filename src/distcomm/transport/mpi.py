@@ -43,6 +43,15 @@ completes at once never does. A notice carries its transport's number (drawn by 
 all when the transport is made): one that arrives after its receiver closed is never read by a
 later transport whose communicator MPI gave the same context.
 
+**Long waits.** A call that waits longer than ``TELL_AFTER_S`` can tell the other members of its
+group what it waits in (``tell_waiting``: a few int64 words of the engine's, sent on the notices'
+communicator with a tag of their own), and read what they told (``waiting_calls``). The engine uses
+it where MPI hangs instead of failing: ranks that started different persistent requests (or a
+persistent request and a nonblocking collective) are never matched by MPI, so each waits, tells,
+sees that the other waits in another call, and raises (backends/mpi/collectives.py). The words are
+read, like the notices, when a wait has spun (``poll_notices``), and the last one of each (group,
+rank) is kept.
+
 **Initialisation.** ``load_mpi`` imports ``mpi4py.MPI``, which initialises MPI at thread level
 MULTIPLE (mpi4py's default; distcomm runs each group's work on its own thread) unless the program
 already did; it refuses a lower level. distcomm never finalises MPI: mpi4py does at exit, after the
@@ -77,6 +86,11 @@ NOTICE_SEND_S = 1.0
 #: why a rank left, in its notice
 DEPARTED_FAILED, DEPARTED_EXITED, DEPARTED_CLOSED = 1, 2, 3
 _NOTICE_TAG = 1
+# Long waits (see the module doc): after how long a wait tells the others what it waits in; the
+# words it tells (the engine's), after the transport's number and the group's id.
+TELL_AFTER_S = 0.05
+WAITING_WORDS = 6
+_WAITING_TAG = 2
 _DEPARTURES = {
     DEPARTED_FAILED: "failed (an uncaught exception ended its program) and left the MPI job",
     DEPARTED_EXITED: "ended its program without destroy_process_group and left the MPI job",
@@ -323,6 +337,12 @@ class MpiTransport(Transport):
         self._notice_status = MPI.Status()
         self._notice_req = self._post_notice_receive()
         self._notice_out: tuple = ()  # (payload, requests) of this rank's own notices, kept for MPI
+        # long waits (module doc): group id -> {engine rank: the words it told last}
+        self.waiting: dict[int, dict[int, tuple]] = {}
+        self._waiting_in = np.zeros(2 + WAITING_WORDS, np.int64)  # (transport number, group id, words)
+        self._waiting_status = MPI.Status()
+        self._waiting_req = self._post_waiting_receive()
+        self._told: list = []  # (payload, requests) of this rank's own words, kept until sent
 
     def __repr__(self) -> str:
         return f"MpiTransport(rank={self.rank}, size={self.size})"
@@ -334,8 +354,12 @@ class MpiTransport(Transport):
     def _post_notice_receive(self):
         return self._notices.Irecv([self._notice_in, self.MPI.INT64_T], self.MPI.ANY_SOURCE, _NOTICE_TAG)
 
+    def _post_waiting_receive(self):
+        return self._notices.Irecv([self._waiting_in, self.MPI.INT64_T], self.MPI.ANY_SOURCE, _WAITING_TAG)
+
     def poll_notices(self) -> None:
-        """Record the departure notices that have arrived (a Test of the posted receive)."""
+        """Record the departure notices and the long waits' words that have arrived (a Test of each
+        posted receive)."""
         if not self._notice_lock.acquire(blocking=False):
             return  # another thread is testing it
         try:
@@ -346,10 +370,41 @@ class MpiTransport(Transport):
                 if number == self._number:
                     self.departed.setdefault(self._notice_status.Get_source(), (why, time.monotonic()))
                 req = self._notice_req = self._post_notice_receive()
+            req = self._waiting_req
+            while req is not None and not self._closed and req.Test(self._waiting_status):
+                words = [int(x) for x in self._waiting_in]
+                if words[0] == self._number:  # a new dict: a waiter may be reading the old one
+                    told = dict(self.waiting.get(words[1]) or {})
+                    told[self._waiting_status.Get_source()] = tuple(words[2:])
+                    self.waiting[words[1]] = told
+                req = self._waiting_req = self._post_waiting_receive()
         except self.MPI.Exception:
             pass  # MPI is being torn down: the waits' own deadlines still hold
         finally:
             self._notice_lock.release()
+
+    def tell_waiting(self, group_id: int, members, words) -> None:
+        """Tell the other ``members`` (engine ranks) of group ``group_id`` that this rank waits in
+        the call ``words`` describes (``WAITING_WORDS`` ints, the engine's): see "Long waits"."""
+        MPI = self.MPI
+        payload = np.zeros(2 + WAITING_WORDS, np.int64)
+        payload[0], payload[1] = self._number, group_id
+        payload[2:] = list(words)[:WAITING_WORDS]
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                self._told = [(p, reqs) for p, reqs in self._told if not MPI.Request.Testall(reqs)]
+                reqs = [self._notices.Isend([payload, MPI.INT64_T], r, _WAITING_TAG)
+                        for r in members if r != self.rank]
+            except MPI.Exception:
+                return  # MPI is being torn down: the waits' own deadlines still hold
+            self._told.append((payload, reqs))
+
+    def waiting_calls(self, group_id: int) -> dict:
+        """{engine rank: the words it told last} of the members of group ``group_id`` that told (a
+        dict that is never changed: a newer word replaces it)."""
+        return self.waiting.get(group_id) or {}
 
     def check(self, members) -> TransportError | None:
         """Why a wait on a request among ``members`` (engine ranks) must end, or None: this
@@ -423,6 +478,7 @@ class MpiTransport(Transport):
     def release_group(self, group_id: int) -> None:
         with self._lock:
             group = self._groups.pop(group_id, None)
+            self.waiting.pop(group_id, None)
         if group is not None and not self.MPI.Is_finalized():
             group.comm.Free()
 
@@ -454,13 +510,15 @@ class MpiTransport(Transport):
         if self.MPI.Is_finalized():
             return
         with self._notice_lock:
-            req, self._notice_req = self._notice_req, None
-            if req is not None:
-                try:
-                    req.Cancel()
-                    req.Wait()
-                except self.MPI.Exception:
-                    pass  # the receive matched meanwhile: it is done either way
+            for name in ("_notice_req", "_waiting_req"):
+                req = getattr(self, name)
+                setattr(self, name, None)
+                if req is not None:
+                    try:
+                        req.Cancel()
+                        req.Wait()
+                    except self.MPI.Exception:
+                        pass  # the receive matched meanwhile: it is done either way
         for group in groups:
             group.comm.Free()
         self._notices.Free()

@@ -22,7 +22,8 @@
  *   fallback(array, op): the Python path, for anything this does not take (a torch tensor, a count
  *       with no persistent request yet: its creation is a collective call, which the Python path
  *       makes on every rank at the same call).
- *   wait(request): the long wait, once the spin here is over (the deadline, a closed transport).
+ *   wait(request, seq, sig, nbytes): the long wait, once the spin here is over (the deadline, a closed
+ *       transport, a peer waiting in another call: MpiCollectives.watch).
  *   fail(exc, op, seq, sig, request, buffers, record): raises the call's error as the Python path does.
  */
 #include "../../_calls.h"
@@ -187,8 +188,12 @@ static PyObject *Calls_all_reduce(Calls *c, PyObject *const *args, Py_ssize_t na
             }
         }
     }
-    if (!done) {
-        PyObject *r = PyObject_CallOneArg(c->wait, req);
+    if (!done) { /* the long wait, watched as this call: its sequence number, signature and size */
+        PyObject *nbytes = PyLong_FromSsize_t(n);
+        if (!nbytes) goto failed;
+        PyObject *wargs[] = {req, seq, sig, nbytes};
+        PyObject *r = PyObject_Vectorcall(c->wait, wargs, 4, NULL);
+        Py_DECREF(nbytes);
         if (!r) goto failed;
         Py_DECREF(r);
     }

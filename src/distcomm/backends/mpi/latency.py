@@ -8,12 +8,16 @@ through the general path meets it: MPI matches nonblocking collectives only with
 tested to the group's deadline. They are:
 
 * all_reduce (on the tensor, before any Buffer is made): the ``Start`` of the group's persistent
-  request for its count, datatype and op, on that request's staging array (persistent.py), or where
-  MPI has none ``Iallreduce`` in place; it takes only a C-contiguous, aligned, writeable numpy array
-  or a contiguous CPU torch tensor (not bfloat16);
+  request for its count, datatype, op and signature, on that request's staging array
+  (persistent.py), with no agreement (collectives.py: the request's was made with it); the first
+  call of its count is ``MpiCollectives.first_all_reduce`` (the request made, the ranks' rows
+  compared), or where MPI has no persistent collectives a checked ``Iallreduce`` in place; it
+  takes only a C-contiguous, aligned, writeable numpy array or a contiguous CPU torch tensor (not
+  bfloat16);
 * barrier: the Start of the group's persistent barrier (persistent.py), or ``Ibarrier``;
-* on the ProcessGroup method's Buffers: all_gather_into_tensor: ``Iallgather`` in place, this
-  rank's block copied in first;
+* on the ProcessGroup method's Buffers, each with the general path's agreement started with it
+  (``MpiCollectives.checked``): all_gather_into_tensor: ``Iallgather`` in place, this rank's block
+  copied in first;
 * reduce_scatter_tensor: ``Ireduce_scatter_block`` from the input (declined when the output
   overlaps it: the general path reduces a copy).
 
@@ -26,8 +30,10 @@ the error names the operation, sequence number and rank, is told to the flight r
 ``diagnostics.on_fault``, and a timeout inside MPI (or a member leaving the job) marks the group
 broken (``MpiCollectives.give_up``).
 
-* broadcast: the general path's root check (``GroupCollectives.check_root``: two messages over
-  ``MpiTransport`` on a Channel) then ``Ibcast``.
+* broadcast: ``Ibcast`` (its agreement row carries the root: the general path's root check).
+
+Every wait is the general path's (``MpiCollectives.watch``: a wait that lasts tells the others
+what it waits in, and a member waiting in another call at the same sequence number is a mismatch).
 
 The Buffer-level paths also decline while DETAIL's shape check is on (``diagnostics.check_shapes``):
 the general path then exchanges fingerprints first, which a member on this path would not.
@@ -53,7 +59,7 @@ from ...transport.base import TransportError
 from ...transport.mpi import mpi_error, wait_request
 from ...types import RedOpType
 from ..engine import FastPath
-from . import library
+from . import agreement, library
 
 LIMIT = 64 * 1024  # bytes: past this the call's own cost is MPI's, and the general path adds nothing to it
 
@@ -73,7 +79,8 @@ def build(pg, collectives) -> FastPath:
     """The latency paths of process group ``pg`` over its MpiCollectives ``collectives``."""
     MPI = collectives.MPI
     comm = collectives.comm
-    persistent = collectives.persistent.all_reduce
+    first_all_reduce, checked, watch = collectives.first_all_reduce, collectives.checked, collectives.watch
+    row = agreement.row
     start_barrier = collectives.start_barrier
     closed = collectives.check  # the transport closed, a member left the job
     executor = pg.executor
@@ -115,9 +122,9 @@ def build(pg, collectives) -> FastPath:
             entry = None  # the general path raises the error
         else:
             native = collectives.reduction(op, dtype)
-            entry = None if native is None else (native[0], native[1], dtype, dtype.name,
-                                                 signature("all_reduce", dtype.code, int(op)),
-                                                 collectives.persistent.made(native[0], native[1]))
+            sig = signature("all_reduce", dtype.code, int(op))
+            entry = None if native is None else (native[0], native[1], dtype, dtype.name, sig,
+                                                 collectives.persistent.made(native[0], native[1], sig))
         plans[op][np_dtype.num] = entry
         return entry
 
@@ -125,9 +132,12 @@ def build(pg, collectives) -> FastPath:
         """The group is ours for this call (then ``leave()`` must follow), or the general path's."""
         return collectives.broken is None and not profiler_on() and enter()
 
-    def wait(req) -> None:
+    def wait(req, seq=None, sig: int = 0, nbytes: int = -1, root: int = -1) -> None:
+        """Test ``req`` to the group's deadline, watched as the call (``seq``, ``sig``, ``nbytes``,
+        ``root``: its agreement row) that it is (the calls in C pass the first three)."""
         if not req.Test():  # the deadline is computed only for a call that has to wait
-            wait_request(MPI, req, _monotonic() + pg.timeout.total_seconds(), None, closed)
+            check = closed if seq is None else watch(row(seq, sig, nbytes, root))
+            wait_request(MPI, req, _monotonic() + pg.timeout.total_seconds(), None, check)
 
     def fail(exc, op: str, seq: int, sig: int, req, buffers, record):
         """Raise the failure of a claimed call as the general path would (``MpiCollectives.native``
@@ -140,7 +150,8 @@ def build(pg, collectives) -> FastPath:
             else:
                 if exc.reason == "timeout":
                     exc = TransportError(f"{exc} in MPI (MPI does not say which rank has not joined)", reason="timeout")
-                if req is not None and exc.reason in ("timeout", "lost"):
+                if req is not None:  # a wait failed: MPI still has the request (``req``: None where
+                    # MpiCollectives.checked ran the call, which gave its requests up itself)
                     collectives.give_up(f"{op} #{seq}", exc, req, buffers)
             exc = pg.channel(op, seq, sig).translate(exc, None)
         diagnostics.record_fault(pg, exc, op, seq, record)
@@ -175,24 +186,30 @@ def build(pg, collectives) -> FastPath:
         seq = next_seq()
         req = staged = record = None
         try:
-            # the general path's very call (MpiCollectives.all_reduce): a persistent request's Start
-            # on its staging array, or an Iallreduce where there is none
-            staged = made.get(flat.size) or persistent(flat, mtype, mop)
+            # the general path's very call (MpiCollectives.all_reduce): a kept persistent request's
+            # Start on its staging array; the first of its count and signature, checked
+            staged = made.get(flat.size)
             if staged is None:
-                req = comm.Iallreduce(IN_PLACE, [flat, mtype], mop)
+                if fr.recorder is not None:
+                    record = fr.recorder.started(group, seq, "all_reduce", nbytes, dtype_name, None, 3)
+                mine = row(seq, sig, nbytes)
+                deadline = _monotonic() + pg.timeout.total_seconds()
+                if not first_all_reduce(mine, flat, mtype, mop, sig, deadline):
+                    checked("all_reduce", mine, deadline, lambda: comm.Iallreduce(IN_PLACE, [flat, mtype], mop),
+                            (flat,))
             else:
                 staging, req, _ = staged
                 staging[...] = flat
                 req.Start()
-            # recorded once MPI has the call: the record is made while the peers' calls meet this
-            # one, not before every rank can start. The user's frame is above started, this
-            # function and its caller (FastPath's: the API function, or torch's c10d adapter, whose
-            # caller is torch's and the walk goes on).
-            if fr.recorder is not None:
-                record = fr.recorder.started(group, seq, "all_reduce", nbytes, dtype_name, None, 3)
-            if not req.Test():  # wait(), inlined
-                wait_request(MPI, req, _monotonic() + pg.timeout.total_seconds(), None, closed)
-            if staged is not None:
+                # recorded once MPI has the call: the record is made while the peers' calls meet
+                # this one, not before every rank can start. The user's frame is above started,
+                # this function and its caller (FastPath's: the API function, or torch's c10d
+                # adapter, whose caller is torch's and the walk goes on).
+                if fr.recorder is not None:
+                    record = fr.recorder.started(group, seq, "all_reduce", nbytes, dtype_name, None, 3)
+                if not req.Test():  # wait(), inlined
+                    wait_request(MPI, req, _monotonic() + pg.timeout.total_seconds(), None,
+                                 watch(row(seq, sig, nbytes)))
                 flat[...] = staging
         except BaseException as exc:
             if record is None and fr.recorder is not None:  # failed before MPI had the call
@@ -214,7 +231,7 @@ def build(pg, collectives) -> FastPath:
         req = None
         try:
             req = start_barrier()  # the general path's very call (MpiCollectives.barrier)
-            wait(req)
+            wait(req, seq, barrier_sig, 0)
         except BaseException as exc:
             fail(exc, "barrier", seq, barrier_sig, req, (), record)
         finally:
@@ -236,23 +253,22 @@ def build(pg, collectives) -> FastPath:
     def claim_buffers() -> bool:
         return not diagnostics.check_shapes and claim()
 
-    def run(op: str, sig: int, described, start, buffers, root: int | None = None) -> None:
+    def run(op: str, sig: int, described, start, buffers, size: int, root: int | None = None,
+            **fields) -> None:
         """One claimed call: its sequence number, its record (of ``described``, the Buffer the
-        general path describes), for a rooted call the general path's root check, then
-        ``start()`` (the MPI call) tested to the deadline."""
+        general path describes), then ``start()`` (the MPI call) with the general path's agreement
+        on its row (``size``, ``root`` and ``fields``: agreement.row's), tested to the deadline."""
         seq = next_seq()
         # the user's frame is above started, run, the path and ProcessGroup._fast (then ProcessGroup's
         # method, distcomm's own, and whoever called it: the walk goes on from there)
         record = None if fr.recorder is None else fr.recorder.started(
             group, seq, op, described.flat.nbytes, described.dtype.name, root, 4)
-        req = None
+        details = fields.pop("details", None)
         try:
-            if root is not None:
-                collectives.check_root(pg.channel(op, seq, sig), root, "src")
-            req = start()
-            wait(req)
+            checked(op, row(seq, sig, size, -1 if root is None else root, **fields),
+                    _monotonic() + pg.timeout.total_seconds(), start, buffers, details)
         except BaseException as exc:
-            fail(exc, op, seq, sig, req, buffers, record)
+            fail(exc, op, seq, sig, None, buffers, record)
         finally:
             leave()
         if record is not None:
@@ -275,7 +291,7 @@ def build(pg, collectives) -> FastPath:
             leave()
             raise
         run("all_gather_into_tensor", sig_of("all_gather_into_tensor", inp.dtype.code), inp,
-            lambda: comm.Iallgather(IN_PLACE, [b, BYTE]), (flat_out,))
+            lambda: comm.Iallgather(IN_PLACE, [b, BYTE]), (flat_out,), count * send.itemsize)
         out.commit()
         return True
 
@@ -289,8 +305,11 @@ def build(pg, collectives) -> FastPath:
             return False
         mtype, mop = native
         send = send[: n * size]
+        item = flat_out.itemsize  # the general path's splits are [n] * size (ProcessGroup.reduce_scatter_tensor)
         run("reduce_scatter_tensor", sig_of("reduce_scatter_tensor", out.dtype.code, int(op)), inp,
-            lambda: comm.Ireduce_scatter_block([send, mtype], [flat_out, mtype], mop), (send, flat_out))
+            lambda: comm.Ireduce_scatter_block([send, mtype], [flat_out, mtype], mop), (send, flat_out),
+            send.nbytes, splits=collectives.weights().even(n),
+            details=lambda: agreement.details(size, splits=[n * item] * size))
         if op is RedOpType.AVG:
             finish(op, flat_out, size, out.dtype)
         out.commit()
@@ -302,7 +321,7 @@ def build(pg, collectives) -> FastPath:
             return False
         b = flat.reshape(-1).view(np.uint8)
         run("broadcast", sig_of("broadcast", buf.dtype.code, root=root), buf,
-            lambda: comm.Ibcast([b, BYTE], root), (flat,), root)
+            lambda: comm.Ibcast([b, BYTE], root), (flat,), flat.nbytes, root)
         buf.commit()
         return True
 
