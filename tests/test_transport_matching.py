@@ -212,3 +212,79 @@ def test_clear_returns_everything():
     recvs, msgs = m.clear()
     assert recvs == [r1, r2] and msgs == [msg]
     assert m.clear() == ([], []) and not m.has_unexpected()
+
+
+# -- a peer that gave up on a group ------------------------------------------------------------------
+
+G = K.group  # the group of K and K2
+K_EARLIER = MessageKey(G, KIND_COLLECTIVE, 6)
+K_OTHER_GROUP = MessageKey(G + 1, KIND_COLLECTIVE, 7)
+K_P2P = MessageKey(G, KIND_P2P, 7)
+
+
+def _refused(m: Matcher, src: int, key) -> str:
+    """The error text of posting a receive that ``m`` must refuse (fails the test if it does not)."""
+    with pytest.raises(Exception) as info:
+        m.post(_Recv(src, key))
+    exc = info.value
+    assert getattr(exc, "reason", None) == "gave up" and exc.peer == src, exc
+    return str(exc)
+
+
+def test_give_up_fails_the_posted_receives_of_that_call_and_later_from_that_peer_only():
+    m = Matcher(0, 3)
+    hit = [_Recv(1, K), _Recv(1, K2)]
+    kept = [_Recv(1, K_EARLIER), _Recv(2, K), _Recv(ANY_SOURCE, K), _Recv(1, K_OTHER_GROUP), _Recv(1, K_P2P)]
+    for r in hit + kept:
+        m.post(r)
+    recvs, msgs = m.give_up(1, G, K.seq)
+    assert set(map(id, recvs)) == set(map(id, hit)) and msgs == []
+    assert set(map(id, m.posted())) == set(map(id, kept))
+
+
+def test_a_message_that_came_before_the_notice_is_dropped_and_its_receive_refused():
+    # the late-rank case: the peer sent its part of the call, then its wait ran out
+    m = Matcher(0, 3)
+    early, sent, later = _arrive(m, 1, K_EARLIER), _arrive(m, 1, K), _arrive(m, 1, K2)
+    other_peer, p2p = _arrive(m, 2, K), _arrive(m, 1, K_P2P)
+    recvs, msgs = m.give_up(1, G, K.seq)
+    assert recvs == [] and msgs == [sent, later]
+    text = _refused(m, 1, K)
+    assert "rank 1 gave up on this group" in text and f"call #{K.seq}" in text and "create it again" in text
+    _refused(m, 1, K2)
+    with pytest.raises(Exception, match="gave up"):
+        m.take(1, K)
+    # an earlier call of the group, another peer, point-to-point: as before
+    assert m.post(_Recv(1, K_EARLIER)) is early
+    assert m.post(_Recv(2, K)) is other_peer
+    assert m.post(_Recv(1, K_P2P)) is p2p
+    assert not m.has_unexpected()
+
+
+def test_a_receive_matched_before_the_notice_stays_matched():
+    m = Matcher(0, 2)
+    r = _Recv(1, K)
+    m.post(r)
+    assert _arrive(m, 1, K) is r  # delivered: the failure came at the deadline's edge
+    assert m.give_up(1, G, K.seq) == ([], [])
+
+
+def test_the_earliest_notice_of_a_group_counts_and_forget_group_drops_it():
+    m = Matcher(0, 2)
+    m.give_up(1, G, K2.seq)
+    assert m.gave_up_at(1, K) is None and m.gave_up_at(1, K2) == K2.seq
+    m.give_up(1, G, K2.seq + 5)  # a later notice does not move it forward
+    assert m.gave_up_at(1, K2) == K2.seq
+    m.give_up(1, G, K.seq)
+    assert m.gave_up_at(1, K) == K.seq and m.gave_up_at(1, K_EARLIER) is None
+    assert m.gave_up_at(1, K_P2P) is None and m.gave_up_at(0, K) is None and m.gave_up_at(1, K_OTHER_GROUP) is None
+    m.forget_group(G)
+    r = _Recv(1, K)
+    assert m.post(r) is None and m.posted() == [r]
+
+
+def test_clear_forgets_notices_too():
+    m = Matcher(0, 2)
+    m.give_up(1, G, 0)
+    m.clear()
+    assert m.gave_up_at(1, K) is None

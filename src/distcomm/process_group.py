@@ -35,6 +35,7 @@ from .buffers import Buffer, SparseBuffer
 from .errors import (
     CollectiveMismatchError,
     DistBackendError,
+    DistError,
     DistTimeoutError,
     PeerLostError,
     describe_op,
@@ -229,12 +230,30 @@ class ProcessGroup:
                     with profiler_scope(f"{self.backend_name}:{op}"):  # torch's "<backend>:<op>" event names
                         body(self.channel(op, seq, sig, timeout))
             except BaseException as exc:
-                diagnostics.record_fault(self, exc, op, seq, entry)
+                try:
+                    diagnostics.record_fault(self, exc, op, seq, entry)
+                finally:
+                    self.give_up(seq, exc)  # after the report: see give_up
                 raise
             if entry is not None:
                 entry[_T_COMPLETED], entry[_STATE] = _now(), _COMPLETED
 
         return self.executor.run(op, run, async_op, result, seq)
+
+    def give_up(self, seq: int, exc: BaseException) -> None:
+        """Collective call ``seq`` failed here with ``exc``: the engine makes the group unusable
+        on this rank and tells the members that still wait on it (``Engine.give_up``).
+
+        Called once the failure is reported (``diagnostics.record_fault``, which waits up to a
+        second for what the other ranks are doing), not before: a member waiting in the same call
+        for the same late rank reaches its own timeout within moments of this one, and should
+        time out naming that rank rather than fail on this rank's notice just before; this rank's
+        report then shows it waiting, not failed by the notice. The cost: a rank arriving at the
+        call within that report's time still completes it with this rank's messages."""
+        method = getattr(self.engine, "give_up", None)  # an engine need not derive from Engine
+        if method is not None:
+            why = str(exc) if isinstance(exc, DistError) else f"{type(exc).__name__}: {exc}"
+            method(self.spec.group_id, seq, why.split("\n", 1)[0])  # not the report's lines the fault added
 
     # -- collectives (torch c10d's names) ---------------------------------------------------------
     def broadcast(self, buf: Buffer, root: int, async_op: bool = False, result: Any = None) -> Work | None:

@@ -285,6 +285,14 @@ class Engine(ABC):
     def release_group(self, group_id: int) -> None:
         """Let go of what the engine keeps for group ``group_id`` (destroy_process_group)."""
 
+    def give_up(self, group_id: int, seq: int, why: str) -> None:
+        """Collective call ``seq`` of group ``group_id`` failed on this rank (``why``: its error)
+        partway, so the group's message sequence is broken here: make the group's later calls fail
+        at once, and tell its peers, so that one arriving late does not complete the call with
+        messages this rank sent before it failed. ProcessGroup and the latency paths call it when a
+        call raises. The default does nothing (an engine that handles its own failures, such as
+        the shared-memory engine's ``GroupShm.give_up``)."""
+
     def close(self) -> None:
         """Release everything: the transport, memory, threads. Pending requests fail as lost."""
         self.transport.close()

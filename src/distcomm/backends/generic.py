@@ -16,7 +16,7 @@ import numpy as np
 from .. import reduction
 from .._algorithms import select
 from ..dtypes import DType
-from ..transport.base import Channel, Transport, unwatch_group, watch_group
+from ..transport.base import Channel, Transport, give_up, unwatch_group, watch_group
 from ..tuning import DEFAULT, Tuning
 from . import generic_latency
 from .engine import Engine, FastPath, GroupCollectives, GroupSpec
@@ -109,6 +109,11 @@ class GenericEngine(Engine):
 
     def release_group(self, group_id: int) -> None:
         unwatch_group(self.transport, group_id)
+
+    def give_up(self, group_id: int, seq: int, why: str) -> None:
+        """A call of the group failed here: the transport refuses the group's later calls and tells
+        its members (``Transport.give_up``, where the transport has it)."""
+        give_up(self.transport, group_id, seq, why)
 
     def __repr__(self) -> str:
         return f"GenericEngine({self.transport!r})"

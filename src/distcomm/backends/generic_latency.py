@@ -95,7 +95,10 @@ def build(pg, collectives) -> FastPath:
         try:
             algorithm(channel("all_reduce", seq, sig), flat, reduce)
         except BaseException as exc:
-            diagnostics.record_fault(pg, exc, "all_reduce", seq, record)
+            try:
+                diagnostics.record_fault(pg, exc, "all_reduce", seq, record)
+            finally:
+                pg.give_up(seq, exc)  # the group is unusable here now, and its members are told
             raise
         finally:
             leave()

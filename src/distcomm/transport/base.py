@@ -131,6 +131,14 @@ class Transport(ABC):
     def unwatch_group(self, group_id: int) -> None:
         """Group ``group_id`` was destroyed."""
 
+    def give_up(self, group_id: int, seq: int, why: str) -> None:
+        """Collective call ``seq`` of group ``group_id`` failed on this rank (``why``): its pending
+        and later collective requests of the group fail at once, saying so, and the group's other
+        members (``watch_group``) are told, so that their receives of the group's calls ``seq`` and
+        later from this rank fail with reason "gave up", even for a message this rank sent before
+        it failed (``matching.Matcher.give_up``). Point-to-point is not affected. The default does
+        nothing (the shared-memory engine tells its peers through its own memory)."""
+
 
 def watch_group(transport, group_id: int, ranks: Sequence[int]) -> None:
     """``transport.watch_group`` where the transport has it (a duck-typed Transport may not)."""
@@ -143,6 +151,13 @@ def unwatch_group(transport, group_id: int) -> None:
     method = getattr(transport, "unwatch_group", None)
     if method is not None:
         method(group_id)
+
+
+def give_up(transport, group_id: int, seq: int, why: str) -> None:
+    """``transport.give_up`` where the transport has it."""
+    method = getattr(transport, "give_up", None)
+    if method is not None:
+        method(group_id, seq, why)
 
 
 def describe_key(key: MessageKey) -> str:

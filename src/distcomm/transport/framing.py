@@ -11,8 +11,11 @@ Two fixed-size records, both little-endian:
 
 ``(group, kind, seq)`` is the ``MessageKey`` (seq is a collective's sequence number or a p2p tag,
 so signed 64-bit); ``signature`` is the sender's 32-bit summary of the collective; ``nbytes`` the
-payload length that follows. ``kind == KIND_CONTROL`` is the transport's own (GOODBYE: "I closed
-my transport on purpose", so the peer can tell an orderly exit from a crash). A bad magic or
+payload length that follows. ``kind == KIND_CONTROL`` is the transport's own, ``seq`` saying which:
+GOODBYE ("I closed my transport on purpose", so the peer can tell an orderly exit from a crash;
+group 0, no payload) and GAVE_UP ("a collective call of this group failed on my side: I will
+complete none of its calls from this one on"; ``group`` is the group, the payload the call's
+sequence number, i64). A bad magic or
 version means the byte stream is out of step, which is never recoverable: the connection is dropped.
 
 **Hello** (36 bytes), exchanged once per connection, each way::
@@ -36,6 +39,7 @@ FRAME_MAGIC = 0xD1C7
 HELLO_MAGIC = 0xD1C8
 KIND_CONTROL = 0xFF  # MessageKey.kind reserved for the transport's own frames
 CONTROL_GOODBYE = 1  # seq of a KIND_CONTROL frame
+CONTROL_GAVE_UP = 2  # seq of a KIND_CONTROL frame; payload: the failed call's sequence number
 
 # A payload larger than this is a corrupt header, not a message: refusing it keeps a garbled stream
 # from making the receiver allocate absurd amounts of memory for an "unexpected" message.
@@ -44,6 +48,8 @@ TOKEN_BYTES = 16
 
 _HEADER = struct.Struct("<HBBIqIIQ")
 _HELLO = struct.Struct("<HBBIII16sI")
+_GAVE_UP = struct.Struct("<q")
+GAVE_UP_NBYTES = _GAVE_UP.size  # 8
 HEADER_SIZE = _HEADER.size  # 32
 HELLO_SIZE = _HELLO.size  # 36
 _HEADER_PACK = _HEADER.pack
@@ -111,6 +117,27 @@ def encode_goodbye() -> bytes:
 
 def is_goodbye(header: FrameHeader) -> bool:
     return header.key.kind == KIND_CONTROL and header.key.seq == CONTROL_GOODBYE
+
+
+def encode_gave_up(group: int, seq: int) -> bytes:
+    """The control frame (header and payload) saying that this rank's collective call ``seq`` of
+    ``group`` failed: the peer receives none of the group's calls ``seq`` and later from it."""
+    try:
+        payload = _GAVE_UP.pack(seq)
+    except struct.error:
+        raise FramingError(f"cannot encode a gave-up notice for call {seq!r}: seq is signed 64-bit") from None
+    return encode_header(MessageKey(group, KIND_CONTROL, CONTROL_GAVE_UP), 0, GAVE_UP_NBYTES) + payload
+
+
+def is_gave_up(header: FrameHeader) -> bool:
+    return header.key.kind == KIND_CONTROL and header.key.seq == CONTROL_GAVE_UP
+
+
+def decode_gave_up(payload) -> int:
+    """The sequence number in a gave-up notice's payload; FramingError if it is not one."""
+    if len(payload) != GAVE_UP_NBYTES:
+        raise FramingError(f"a gave-up notice carries {GAVE_UP_NBYTES} bytes, got {len(payload)}: the stream is corrupt")
+    return _GAVE_UP.unpack(payload)[0]
 
 
 def encode_hello(sender: int, receiver: int, world_size: int, token: bytes) -> bytes:

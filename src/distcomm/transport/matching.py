@@ -13,6 +13,15 @@ The rules (MPI's, which torch.distributed's send/recv/tags follow):
 * A message nobody has asked for yet is *unexpected*; a receive posted later takes the oldest
   unexpected message from its source with its key (for ANY_SOURCE: the oldest arrival of all).
 * So messages from one source with one key are received in the order they were sent.
+* A source that *gave up* on a group at call ``seq`` (its own call failed there and it told us,
+  ``give_up``) satisfies no receive of that group's collective calls ``seq`` and later: such a
+  receive fails (``post`` raises), posted ones are handed back to be failed, and its messages of
+  those calls already kept as unexpected are dropped. The late-rank case is exactly that: the
+  peer sent its part of the call before its own wait ran out, and a rank arriving late must not
+  complete with it a call the peer reported failed. A message matched before the notice came stays
+  delivered (the deadline's edge); point-to-point messages are not affected. ``offer`` needs no
+  check: a transport that keeps each source's messages in order (TCP) gets no message of those
+  calls after the notice, since the source sends none once it gave up.
 
 Invariant that keeps this cheap: a message is only left unexpected when no posted receive matched
 it, and a receive is only posted when no unexpected message matched it, so a new receive needs to
@@ -34,7 +43,7 @@ from __future__ import annotations
 from collections import deque
 
 from ..signatures import decode, describe_receive
-from .base import ANY_SOURCE, TransportError, describe_key
+from .base import ANY_SOURCE, KIND_COLLECTIVE, TransportError, describe_key
 
 
 class Unexpected:
@@ -68,11 +77,13 @@ class Matcher:
     ``discard(msg)``               forget an unexpected message (its payload can never arrive)
     ``posted()``                   the posted receives, for a caller that must fail some
     ``lose(src, any_source)``      remove the receives a lost peer can no longer satisfy
+    ``give_up(src, group, seq)``   ``src`` gave up on ``group`` at call ``seq``: what to fail, what to drop
+    ``forget_group(group)``        the group was destroyed: drop its gave-up records
     ``clear()``                    remove everything (the transport closes)
     ``mismatch(...)``              the error when a message and its receive disagree, else None
     """
 
-    __slots__ = ("rank", "size", "_posted", "_posted_any", "_unexpected", "_clock")
+    __slots__ = ("rank", "size", "_posted", "_posted_any", "_unexpected", "_clock", "_gave_up")
 
     def __init__(self, rank: int, size: int):
         self.rank = rank  # this rank, named in mismatch errors
@@ -81,12 +92,18 @@ class Matcher:
         self._posted_any: dict[tuple, deque] = {}  # key -> ANY_SOURCE receives
         self._unexpected: dict[tuple, deque[Unexpected]] = {}  # (src, key) -> messages
         self._clock = 0  # post order and arrival order share one clock
+        # (src, group) -> the first collective call of ``group`` that ``src`` gave up on; empty
+        # unless a peer's call failed, so a receive pays one truthiness test for it
+        self._gave_up: dict[tuple[int, int], int] = {}
 
     # -- a receive is posted -------------------------------------------------------------------
     def post(self, recv) -> Unexpected | None:
         """A new receive: the oldest unexpected message it matches, removed (the caller delivers
-        it); None when there is none, and then ``recv`` is posted for ``offer`` to find."""
+        it); None when there is none, and then ``recv`` is posted for ``offer`` to find. Raises
+        TransportError (reason "gave up") when its source gave up on its call (see ``give_up``)."""
         src, key = recv.peer, recv.key
+        if self._gave_up:
+            self._refuse(src, key)
         if self._unexpected:
             msg = self.take(src, key)
             if msg is not None:
@@ -106,7 +123,10 @@ class Matcher:
 
     def take(self, src: int, key) -> Unexpected | None:
         """The oldest unexpected message a receive from ``src`` (or ANY_SOURCE) with ``key`` takes,
-        removed; None if there is none. Posts nothing."""
+        removed; None if there is none. Posts nothing. Raises TransportError (reason "gave up")
+        when ``src`` gave up on that call (see ``give_up``)."""
+        if self._gave_up:
+            self._refuse(src, key)
         unexpected = self._unexpected
         if not unexpected:
             return None
@@ -204,6 +224,58 @@ class Matcher:
             self._posted_any.clear()
         return out
 
+    def give_up(self, src: int, group: int, seq: int) -> tuple[list, list[Unexpected]]:
+        """Rank ``src`` gave up on ``group`` in its collective call ``seq``: from now on no receive
+        of that group's collective calls ``seq`` and later is satisfied by ``src`` (``post`` and
+        ``take`` raise). Returns ``(receives, messages)``, both removed: the posted receives naming
+        ``src`` for those calls (the caller fails them, e.g. with ``gave_up_error``), and the
+        unexpected messages of those calls from ``src`` (which can never be taken now: the caller
+        lets go of their payloads). Any-source receives and point-to-point keys are left alone.
+        A second notice for the group keeps the earlier call."""
+        k = (src, group)
+        known = self._gave_up.get(k)
+        if known is not None and known <= seq:
+            seq = known
+        self._gave_up[k] = seq
+
+        def hit(key) -> bool:
+            return key[0] == group and key[1] == KIND_COLLECTIVE and key[2] >= seq
+
+        recvs = []
+        for pk in [pk for pk in self._posted if pk[0] == src and hit(pk[1])]:
+            recvs.extend(self._posted.pop(pk))
+        msgs = []
+        for uk in [uk for uk in self._unexpected if uk[0] == src and hit(uk[1])]:
+            msgs.extend(self._unexpected.pop(uk))
+        msgs.sort(key=lambda m: m.arrival)
+        return recvs, msgs
+
+    def gave_up_at(self, src: int, key) -> int | None:
+        """The call at which ``src`` gave up on ``key``'s group, if that covers ``key`` (a collective
+        key of that call or a later one); else None."""
+        if key[1] != KIND_COLLECTIVE:
+            return None
+        at = self._gave_up.get((src, key[0]))
+        return at if at is not None and key[2] >= at else None
+
+    def gave_up_error(self, src: int, key) -> TransportError:
+        """The error of a receive from ``src`` for ``key``, a call that ``src`` gave up on."""
+        at = self.gave_up_at(src, key)
+        return TransportError(
+            f"rank {src} gave up on this group after an error in its call #{at} (its error and output say why), "
+            f"so {describe_key(key)} cannot complete on rank {self.rank}; destroy the process group and create it "
+            "again", peer=src, reason="gave up")
+
+    def _refuse(self, src: int, key) -> None:
+        if self.gave_up_at(src, key) is not None:
+            raise self.gave_up_error(src, key)
+
+    def forget_group(self, group: int) -> None:
+        """Group ``group`` was destroyed: drop its gave-up records (its ids are not reused, but
+        the records need not outlive it)."""
+        for k in [k for k in self._gave_up if k[1] == group]:
+            del self._gave_up[k]
+
     def clear(self) -> tuple[list, list[Unexpected]]:
         """(every posted receive, every unexpected message), all removed."""
         recvs = [r for q in self._posted.values() for r in q] + [r for q in self._posted_any.values() for r in q]
@@ -211,6 +283,7 @@ class Matcher:
         self._posted.clear()
         self._posted_any.clear()
         self._unexpected.clear()
+        self._gave_up.clear()
         return recvs, msgs
 
     # -- checks --------------------------------------------------------------------------------

@@ -54,8 +54,22 @@ completed before dying are still delivered. A connection lost *without* a GOODBY
 crashed or was killed) also dooms every group that peer belongs to (``watch_group`` tells the
 transport the groups): their pending collective requests fail at once naming it, whoever they
 wait for, and so does every later one. Every rank holds a connection to every other, so each
-learns of a death from its own kernel (EOF or reset) within milliseconds. One lock guards all state; socket reads and writes
-happen under it, non-blocking, so no thread ever blocks in a socket call.
+learns of a death from its own kernel (EOF or reset) within milliseconds.
+
+**A rank that gives up on a group.** A collective call that fails on this rank (its timeout, a lost
+or failed peer, any error partway) leaves the group's message sequence broken here; the engine
+then calls ``give_up``: the group's pending collective requests are withdrawn, later ones fail at
+once saying why, and each live member gets a GAVE_UP control frame (``framing.py``) after
+whatever this rank had already put on that connection. A member receiving it records it in its
+matcher (``Matcher.give_up``): its receives of the group's calls from that sequence number on from
+this rank fail with reason "gave up" (PeerFailedError), posted ones at once, and messages of
+those calls that came before the notice are dropped (such a receive names instead a member of the
+group known to be gone, the likely reason the peer gave up). That is what keeps a rank arriving late at
+a call its peers timed out on from completing it with the messages they sent before their
+timeout. ``unwatch_group`` (a group destroyed normally) sends nothing.
+
+One lock guards all state; socket reads and writes happen under it, non-blocking, so no thread
+ever blocks in a socket call.
 """
 
 from __future__ import annotations
@@ -190,12 +204,13 @@ class TcpRequest(Request):
 
 
 class _Incoming:
-    """The frame whose payload is being read from a peer: into a request, a message, or nowhere."""
+    """The frame whose payload is being read from a peer: into a request, a message, nowhere, or
+    (``notice``: (peer, group) of a GAVE_UP control frame) a buffer read when the frame ends."""
 
-    __slots__ = ("nbytes", "got", "dest", "req", "msg")
+    __slots__ = ("nbytes", "got", "dest", "req", "msg", "notice")
 
-    def __init__(self, nbytes, dest, req=None, msg=None):
-        self.nbytes, self.got, self.dest, self.req, self.msg = nbytes, 0, dest, req, msg
+    def __init__(self, nbytes, dest, req=None, msg=None, notice=None):
+        self.nbytes, self.got, self.dest, self.req, self.msg, self.notice = nbytes, 0, dest, req, msg, notice
 
 
 class _Peer:
@@ -257,7 +272,7 @@ class TcpTransport(Transport):
         self._any_lost: TransportError | None = None  # why any-source receives can no longer work
         self._groups: dict[int, frozenset] = {}  # group id -> its members (watch_group)
         self._crashed: dict[int, TransportError] = {}  # peers lost without a GOODBYE
-        self._doomed: dict[int, TransportError] = {}  # group id -> why its collectives fail
+        self._doomed: dict[int, TransportError] = {}  # group id -> why its collectives fail (crash, give_up)
         if size == 1:
             self._any_lost = TransportError(f"rank {rank} is alone in its world: nobody can send to it")
         self._scratch = memoryview(bytearray(_SCRATCH))
@@ -350,20 +365,23 @@ class TcpTransport(Transport):
                 lost = self._any_lost
             if lost is None and self._doomed and key[1] == KIND_COLLECTIVE and key[0] in self._doomed:
                 lost = self._doomed[key[0]]
-            if self._closed:
-                self._finish(req, self._lost_error(None))
-            elif lost is None:
-                msg = self.matcher.post(req)
-                if msg is not None:
-                    self._deliver_unexpected(req, msg)
-                elif view.nbytes >= _BULK:
-                    self._add_bulk(req, True)
-            else:  # messages completed before the peer (or the group) was lost are still delivered
-                msg = self.matcher.take(src, key)
-                if msg is not None:
-                    self._deliver_unexpected(req, msg)
-                else:
-                    self._finish(req, lost)
+            try:
+                if self._closed:
+                    self._finish(req, self._lost_error(None))
+                elif lost is None:
+                    msg = self.matcher.post(req)
+                    if msg is not None:
+                        self._deliver_unexpected(req, msg)
+                    elif view.nbytes >= _BULK:
+                        self._add_bulk(req, True)
+                else:  # messages completed before the peer (or the group) was lost are still delivered
+                    msg = self.matcher.take(src, key)
+                    if msg is not None:
+                        self._deliver_unexpected(req, msg)
+                    else:
+                        self._finish(req, lost)
+            except TransportError as exc:  # the peer gave up on this call (Matcher.give_up)
+                self._finish(req, lost or self._gone_member(key[0]) or exc)  # a known cause first
         return req
 
     def _deliver_unexpected(self, req: TcpRequest, msg: Unexpected) -> None:
@@ -644,6 +662,8 @@ class TcpTransport(Transport):
                             continue
                         cur = self._begin_frame(p, key, signature, nbytes)
                         if cur is None:
+                            if p.lost is not None:  # a malformed control frame dropped the peer
+                                return
                             continue
                     else:
                         if lo == hi:
@@ -706,7 +726,15 @@ class TcpTransport(Transport):
         if key[1] == framing.KIND_CONTROL:
             if key[2] == framing.CONTROL_GOODBYE:
                 p.goodbye = True
-            cur = _Incoming(nbytes, None)
+                cur = _Incoming(nbytes, None)
+            elif key[2] == framing.CONTROL_GAVE_UP:
+                if nbytes != framing.GAVE_UP_NBYTES:
+                    self._lose(p, f"protocol error from rank {src}: a gave-up notice of {nbytes} bytes, expected "
+                                  f"{framing.GAVE_UP_NBYTES}")
+                    return None
+                cur = _Incoming(nbytes, memoryview(bytearray(nbytes)), notice=(src, key[0]))
+            else:  # a later version's control frame: skipped
+                cur = _Incoming(nbytes, None)
         else:
             req, msg = self.matcher.offer(src, key, signature, nbytes)
             if req is not None:
@@ -733,6 +761,9 @@ class TcpTransport(Transport):
             self._finish(cur.req)
         elif cur.msg is not None:
             cur.msg.complete = True
+        elif cur.notice is not None:
+            src, group = cur.notice
+            self._peer_gave_up(src, group, framing.decode_gave_up(cur.dest))
 
     # -- failures --------------------------------------------------------------------------------
     def _lost_error(self, p: _Peer | None) -> TransportError:
@@ -791,18 +822,81 @@ class TcpTransport(Transport):
                 self._doom(group_id, crashed[0], self._crashed[crashed[0]])
 
     def unwatch_group(self, group_id: int) -> None:
+        """Group ``group_id`` was destroyed: forget it. No notice goes to its members."""
         with self._lock:
             self._groups.pop(group_id, None)
             self._doomed.pop(group_id, None)
+            self.matcher.forget_group(group_id)
+
+    def give_up(self, group_id: int, seq: int, why: str) -> None:
+        """Collective call ``seq`` of group ``group_id`` failed on this rank (``why``): withdraw the
+        group's pending collective requests, fail its later ones at once, and send each live member
+        a GAVE_UP notice (once per group; not for a group already doomed by a crashed member, which
+        every member learns of from its own kernel). See the module docstring."""
+        with self._lock:
+            if self._closed or group_id in self._doomed:
+                return
+            self._fail_group(group_id, TransportError(
+                f"this group is unusable on rank {self.rank} after an earlier failure in its call #{seq} ({why}); "
+                "destroy the process group and create it again", reason="error"))
+            frame = framing.encode_gave_up(group_id, seq)
+            for q in sorted(self._groups.get(group_id, ())):
+                p = self._peers[q] if 0 <= q < self.size and q != self.rank else None
+                if p is not None and p.lost is None:
+                    self._send_control(p, MessageKey(group_id, _KIND_CONTROL, framing.CONTROL_GAVE_UP), frame)
+
+    def _send_control(self, p: _Peer, key: MessageKey, frame: bytes) -> None:
+        """Send a control frame to ``p`` after whatever is queued for it (lock held); nobody waits
+        for it: a part the kernel does not take at once is written by whichever thread drives."""
+        req = TcpRequest(self, True, p.rank, key, 0, None)
+        req.total = len(frame)
+        n = 0
+        if not p.sendq:
+            try:
+                n = p.sock.sendmsg((frame,), (), _NOSIGNAL)
+            except (BlockingIOError, InterruptedError):
+                n = 0
+            except OSError as exc:
+                self._lose(p, f"sending to rank {p.rank} failed: {exc}")
+                return
+            if n == len(frame):
+                return
+            self._set_out(p, True)
+        req.offset, req.parts = n, [memoryview(frame)[n:]]
+        p.sendq.append(req)
+        self._add_bulk(req, True)  # moved by the background thread if nobody drives
+
+    def _peer_gave_up(self, src: int, group: int, seq: int) -> None:
+        """Rank ``src`` told us it gave up on ``group`` at call ``seq`` (lock held): the matcher
+        refuses those calls' receives from it from now on; fail the posted ones."""
+        recvs, _dropped = self.matcher.give_up(src, group, seq)
+        gone = self._gone_member(group)
+        for req in recvs:
+            self._finish(req, gone or self.matcher.gave_up_error(src, req.key))
+
+    def _gone_member(self, group: int) -> TransportError | None:
+        """Why a member of ``group`` is gone (it closed its transport without destroying the group,
+        or crashed), if one is: the likely reason a peer gave up on the group, so a receive refused
+        because of that peer names the gone member, as its own receive from it would (lock held)."""
+        for q in sorted(self._groups.get(group, ())):
+            p = self._peers[q] if 0 <= q < self.size else None
+            if p is not None and p.lost is not None:
+                return p.lost
+        return None
 
     def _doom(self, gid: int, dead: int, cause: TransportError) -> None:
         """Member ``dead`` of group ``gid`` crashed: fail the group's pending collective requests
         (whichever peer they wait for) and every later one, naming it (lock held)."""
         if gid in self._doomed:
             return
-        err = self._doomed[gid] = TransportError(
+        self._fail_group(gid, TransportError(
             f"rank {dead} of this group is gone ({cause}); no collective of the group can complete. Find why "
-            f"rank {dead} died (its output or exit code), then restart the job", peer=dead, reason="lost")
+            f"rank {dead} died (its output or exit code), then restart the job", peer=dead, reason="lost"))
+
+    def _fail_group(self, gid: int, err: TransportError) -> None:
+        """Group ``gid``'s collectives fail with ``err`` from now on: its pending requests (withdrawn,
+        a frame already partly on the wire still finished in step) and its later ones (lock held)."""
+        self._doomed[gid] = err
 
         def ours(req) -> bool:
             return req.key[1] == KIND_COLLECTIVE and req.key[0] == gid
