@@ -228,7 +228,7 @@ def world_body(rank, world, backend, salt):
                 _reductions(dist, rank, world, sub, sub_ranks, salt + 7)
                 _data_movement(dist, rank, world, sub, sub_ranks, salt + 7)
         _objects_and_async(dist, rank, world)
-        assert dist.get_backend() == (backend or "gloo")
+        assert dist.get_backend() == (backend or "undefined")  # torch's answer when init was given none
     finally:
         dist.destroy_process_group()
     return "ok"

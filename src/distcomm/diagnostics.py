@@ -608,9 +608,11 @@ def _describe_fingerprint(fp: dict) -> str:
     return text
 
 
-def check_fingerprints(ch: Any, fp: dict, seq: int) -> None:
+def fingerprint_mismatch(ch: Any, fp: dict, seq: int) -> CollectiveMismatchError | None:
     """Exchange ``fp`` with every member over ``ch`` (a Channel of the call's key, with
-    FINGERPRINT_SIGNATURE) and raise CollectiveMismatchError on every rank if any differ."""
+    FINGERPRINT_SIGNATURE): the CollectiveMismatchError every rank raises if any differ, else None.
+    Returned, not raised: a failure of the exchange itself raises, but a mismatch found after it
+    leaves every rank in step (the caller keeps the group usable)."""
     mine = _encode(fp)
     bufs = [np.empty(FINGERPRINT_BYTES, dtype=np.uint8) for _ in range(ch.size)]
     peers = [p for p in range(ch.size) if p != ch.rank]
@@ -620,17 +622,17 @@ def check_fingerprints(ch: Any, fp: dict, seq: int) -> None:
         r.wait()
     prints = [fp if p == ch.rank else _decode(bufs[p]) for p in range(ch.size)]
     if all(p == prints[0] for p in prints):
-        return
+        return None
     groups: dict[str, list[int]] = {}
     for p, f in enumerate(prints):
         groups.setdefault(_describe_fingerprint(f), []).append(p)
     described = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))}: {d}"
                           for d, rs in groups.items())
-    raise CollectiveMismatchError(
+    return CollectiveMismatchError(
         f"{fp['op']} #{seq} on rank {ch.rank}: ranks called it with different tensors "
         f"(TORCH_DISTRIBUTED_DEBUG=DETAIL checks shapes): {described}. Every rank must pass tensors "
         "of the same shape and dtype, in the same order"
     )
 
 
-__all__ = ["install", "uninstall", "report_failure", "record_fault", "on_fault", "check_fingerprints", "fingerprint"]
+__all__ = ["install", "uninstall", "report_failure", "record_fault", "on_fault", "fingerprint_mismatch", "fingerprint"]

@@ -219,11 +219,15 @@ class ProcessGroup:
         def run() -> None:
             if entry is not None:
                 entry[_STATE] = _STARTED
+            in_step = False  # the call failed alike on every rank, with the group's messages in step
             try:
                 if diagnostics.check_shapes and buf is not None:
                     fp = diagnostics.fingerprint(op, buf.dtype.name, buf.shape, root)
-                    diagnostics.check_fingerprints(self.channel(op, seq, diagnostics.FINGERPRINT_SIGNATURE, timeout),
-                                                   fp, seq)
+                    mismatch = diagnostics.fingerprint_mismatch(
+                        self.channel(op, seq, diagnostics.FINGERPRINT_SIGNATURE, timeout), fp, seq)
+                    if mismatch is not None:
+                        in_step = True
+                        raise mismatch
                 if profiling() is None:
                     body(self.channel(op, seq, sig, timeout))
                 else:
@@ -233,7 +237,8 @@ class ProcessGroup:
                 try:
                     diagnostics.record_fault(self, exc, op, seq, entry)
                 finally:
-                    self.give_up(seq, exc)  # after the report: see give_up
+                    if not in_step:
+                        self.give_up(seq, exc)  # after the report: see give_up
                 raise
             if entry is not None:
                 entry[_T_COMPLETED], entry[_STATE] = _now(), _COMPLETED
@@ -250,10 +255,8 @@ class ProcessGroup:
         time out naming that rank rather than fail on this rank's notice just before; this rank's
         report then shows it waiting, not failed by the notice. The cost: a rank arriving at the
         call within that report's time still completes it with this rank's messages."""
-        method = getattr(self.engine, "give_up", None)  # an engine need not derive from Engine
-        if method is not None:
-            why = str(exc) if isinstance(exc, DistError) else f"{type(exc).__name__}: {exc}"
-            method(self.spec.group_id, seq, why.split("\n", 1)[0])  # not the report's lines the fault added
+        why = str(exc) if isinstance(exc, DistError) else f"{type(exc).__name__}: {exc}"
+        self.engine.give_up(self.spec.group_id, seq, why.split("\n", 1)[0])  # not the report's lines the fault added
 
     # -- collectives (torch c10d's names) ---------------------------------------------------------
     def broadcast(self, buf: Buffer, root: int, async_op: bool = False, result: Any = None) -> Work | None:
