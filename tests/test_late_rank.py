@@ -35,8 +35,6 @@ LATE_S = TIMEOUT_S + 2
 OPS = {
     "all_reduce 8 B": lambda dist, rank, world: dist.all_reduce(np.ones(2, dtype=np.float32)),
     "barrier": lambda dist, rank, world: dist.barrier(),
-    "all_to_all_single 12 B": lambda dist, rank, world: dist.all_to_all_single(
-        np.zeros(world, dtype=np.float32), np.ones(world, dtype=np.float32)),
     "all_gather 8 B": lambda dist, rank, world: dist.all_gather_into_tensor(
         np.zeros(2 * world, dtype=np.float32), np.ones(2, dtype=np.float32)),
     "all_reduce 8 MiB": lambda dist, rank, world: dist.all_reduce(np.ones(1 << 21, dtype=np.float32)),
