@@ -313,6 +313,11 @@ def _hook_sigterm() -> None:
     global _sigterm_previous
     if not hasattr(signal, "SIGTERM") or threading.current_thread() is not threading.main_thread():
         return
+    # Only where a dump has somewhere to go: a Python handler runs only between bytecodes of the
+    # main thread, so a main thread blocked in a C wait would never act on SIGTERM, and a harness
+    # that stops its processes with SIGTERM alone (torch's test runner) would wait on it forever.
+    if not os.environ.get("DISTCOMM_TRACE_DIR"):
+        return
     current = signal.getsignal(signal.SIGTERM)
     if current is _on_sigterm or current is None:
         return
