@@ -16,8 +16,9 @@ demo:
 # the files that take minutes.
 PYTEST_WORKERS ?= 2
 
+# --durations: the CI log names the slowest tests, so the suite's time can be kept under 10 minutes.
 test: install
-	$(PYTHON) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
+	$(PYTHON) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 tests
 
 # The fast tier: every test not marked slow (a representative case of every collective, engine and
 # feature), under a minute on 2 cores; `make test` runs the whole suite.

@@ -89,6 +89,14 @@ def _script(dist, rank: int, ws: int) -> dict:
             record(f"{name}/group_desc", lambda: g.group_desc)
     mine, _ = dist.new_subgroups_by_enumeration([[0, 1], list(range(2, ws))], group_desc="halves")
     record("subgroups/group_desc", lambda: mine.group_desc)
+    # new_subgroups of a group: a rank outside it sees its size -1 and raises (then makes the same
+    # two groups its peers make, to stay in step); the members split that group, not the world
+    pair = dist.new_group([0, 1])
+    record("subgroups_of_group", lambda: [dist.get_process_group_ranks(g)
+                                          for g in dist.new_subgroups(1, group=pair)[1]])
+    if rank not in (0, 1):
+        dist.new_group([0])
+        dist.new_group([1])
     record("pg_count/after", dist.get_pg_count)
     # a destroyed group
     gone = groups["described"]

@@ -14,6 +14,7 @@ as torch's gloo fails it ("Connection closed by peer"), and is told what the pee
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from contextlib import contextmanager
@@ -41,7 +42,7 @@ OPS = {
 }
 
 
-def _late(rank, world, engine, name):
+def _late(rank, world, engine, name, done_path):
     import distcomm as dist
     from distcomm.errors import DistTimeoutError, PeerFailedError
 
@@ -66,8 +67,12 @@ def _late(rank, world, engine, name):
     with pytest.raises(dist.DistError, match="unusable .* destroy the process group and create it again"):
         dist.all_reduce(np.ones(1, dtype=np.float32))
     assert time.monotonic() - started < TIMEOUT_S  # not waited out: the failure is known
-    if not late:
-        time.sleep(LATE_S)  # the late rank still reads this rank's header (or connection)
+    if late:
+        open(done_path, "w").close()
+    else:  # the late rank still reads this rank's header (or connection) until it is done
+        deadline = time.monotonic() + 30
+        while not os.path.exists(done_path) and time.monotonic() < deadline:
+            time.sleep(0.01)
     dist.destroy_process_group()
     return outcome
 
@@ -75,9 +80,9 @@ def _late(rank, world, engine, name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(OPS))
 @pytest.mark.parametrize("engine", ["gloo", "tcp"])
-def test_a_late_rank_fails_the_call_its_peers_timed_out_on(engine, name):
+def test_a_late_rank_fails_the_call_its_peers_timed_out_on(engine, name, tmp_path):
     world = 3
-    outcomes = run_world(_late, world, args=(engine, name), timeout=60)
+    outcomes = run_world(_late, world, args=(engine, name, str(tmp_path / "late-rank-done")), timeout=60)
     # the first peer to time out gives up; the other may find that before its own timeout
     assert "timed out" in outcomes[:-1] and set(outcomes[:-1]) <= {"timed out", "peer failed"}, outcomes
     assert outcomes[-1] == "peer failed", outcomes

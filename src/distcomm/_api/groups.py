@@ -371,13 +371,13 @@ def new_subgroups(
     pg_options: Any = None,
     group_desc: str | None = None,
 ):
-    """Split the world into equal consecutive subgroups of ``group_size`` ranks.
+    """Split ``group`` (default: the world) into equal consecutive subgroups of ``group_size`` ranks.
 
     Returns ``(this rank's subgroup, all subgroups)``. ``group_size`` defaults to
-    LOCAL_WORLD_SIZE (one subgroup per machine) when set, else the whole world.
+    LOCAL_WORLD_SIZE (one subgroup per machine) when set, else the whole group. Every rank of the
+    world calls it, as new_group; on a rank outside ``group`` its size is -1, so it fails as torch's.
     """
-    pg = default_group()
-    size = pg.size()
+    size = get_world_size(group)
     if group_size is None:
         group_size = int(os.environ.get("LOCAL_WORLD_SIZE", size))
     if group_size <= 0:
@@ -386,7 +386,8 @@ def new_subgroups(
         raise ValueError(f"The arg 'group_size' ({group_size}) must not exceed the world size ({size})")
     if size % group_size != 0:
         raise ValueError(f"The world size ({size}) must be divisible by 'group_size' ({group_size})")
-    ranks_per = [list(range(i, i + group_size)) for i in range(0, size, group_size)]
+    ranks = get_process_group_ranks(group)
+    ranks_per = [ranks[i:i + group_size] for i in range(0, size, group_size)]
     return new_subgroups_by_enumeration(ranks_per, timeout, backend, pg_options, group_desc)
 
 
