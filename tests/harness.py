@@ -9,6 +9,10 @@ finished. A hang is a failure, never a stuck CI.
 
 ``fn`` must be a module-level function of an importable module (it is pickled by name).
 
+``initialized(framework, backend, port)`` is, inside a rank, torch.distributed ("torch") or distcomm
+with its default group made and destroyed around a block: the tests that run one script through both
+libraries, one after the other in the same processes, and compare what each rank saw.
+
 ``run_in_session(cmd, timeout)`` is the same promise for a command (a launcher, mpiexec): it runs
 in a session of its own, and at the deadline the whole session is killed, the command's output
 kept in the SessionTimeout it raises.
@@ -30,7 +34,10 @@ import socket
 import subprocess
 import time
 import traceback
-from typing import Any, Callable, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+from importlib import import_module
+from typing import Any, Callable, Iterator, Sequence
 
 CONTEXT = mp.get_context("forkserver")
 # Modules every rank would import; the fork server imports them once (torch with its distcomm
@@ -44,6 +51,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextmanager
+def initialized(framework: str, backend: str | None, port: int, timeout_s: float = 60) -> Iterator[Any]:
+    """In a rank: torch.distributed (``framework`` "torch") or distcomm, its default group made on
+    ``backend`` (None: no backend named) at MASTER_PORT ``port``, and destroyed when the block ends."""
+    lib = import_module("torch.distributed" if framework == "torch" else "distcomm")
+    os.environ["MASTER_PORT"] = str(port)
+    backend_args = () if backend is None else (backend,)
+    lib.init_process_group(*backend_args, timeout=timedelta(seconds=timeout_s))
+    try:
+        yield lib
+    finally:
+        lib.destroy_process_group()
 
 
 class RankFailed(AssertionError):

@@ -13,17 +13,14 @@ ValueError's, the same text (group reprs aside). Without a world: ``GroupMember.
 from __future__ import annotations
 
 import functools
-import importlib
-import os
 import re
 import warnings
-from datetime import timedelta
 
 import pytest
 import torch.distributed as tdist
 
 import distcomm as dist
-from harness import free_port, run_world
+from harness import free_port, initialized, run_world
 
 WS = 3
 ENGINES = ["gloo", "tcp"]
@@ -116,15 +113,11 @@ def _run(rank: int, ws: int, plans: list) -> dict:
     warnings.simplefilter("ignore")
     results = {}
     for framework, engine, port in plans:
-        lib = importlib.import_module("torch.distributed" if framework == "torch" else "distcomm")
-        os.environ["MASTER_PORT"] = str(port)
-        if engine is None:  # no backend: torch's default group then says "undefined"
-            lib.init_process_group(timeout=timedelta(seconds=60))
-        else:  # distcomm's tcp engine, without a backend name torch would know
-            lib.init_process_group(engine, timeout=timedelta(seconds=60))
-        results[f"{framework}:{engine}"] = _script(lib, rank, ws)
-        lib.barrier()
-        lib.destroy_process_group()
+        # engine None: no backend named (torch's default group then says "undefined"); "tcp":
+        # distcomm's tcp engine, a backend name torch would not know
+        with initialized(framework, engine, port) as lib:
+            results[f"{framework}:{engine}"] = _script(lib, rank, ws)
+            lib.barrier()
     return results
 
 

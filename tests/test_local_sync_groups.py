@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib
-import os
 import warnings
 from datetime import timedelta
 
 import numpy as np
 import pytest
 
-from harness import free_port, run_world
+from harness import free_port, initialized, run_world
 
 ENGINES = ["gloo", "tcp"]
 
@@ -64,12 +62,9 @@ def _run(rank: int, ws: int, plans: list) -> dict:
     warnings.simplefilter("ignore")
     results = {}
     for framework, engine, port in plans:
-        lib = importlib.import_module("torch.distributed" if framework == "torch" else "distcomm")
-        os.environ["MASTER_PORT"] = str(port)
-        lib.init_process_group(engine, timeout=timedelta(seconds=60))
-        results[f"{framework}:{engine}"] = _script(lib, rank, ws)
-        lib.barrier()
-        lib.destroy_process_group()
+        with initialized(framework, engine, port) as lib:
+            results[f"{framework}:{engine}"] = _script(lib, rank, ws)
+            lib.barrier()
     return results
 
 

@@ -15,15 +15,13 @@ an expanded tensor.
 from __future__ import annotations
 
 import functools
-import importlib
-import os
 import warnings
 from datetime import timedelta
 
 import numpy as np
 import pytest
 
-from harness import free_port, run_world
+from harness import free_port, initialized, run_world
 
 ENGINES = ["gloo", "tcp"]
 PHRASE = "more than one element of the written-to tensor refers to a single memory location"
@@ -65,16 +63,13 @@ def _run(rank: int, ws: int, plans: list) -> dict:
     import distcomm.torch_backend  # noqa: F401 - registers torch's backend "distcomm"
 
     for framework, engine, port in plans:
-        lib = importlib.import_module("torch.distributed" if framework == "torch" else "distcomm")
-        os.environ["MASTER_PORT"] = str(port)
-        lib.init_process_group(engine, timeout=timedelta(seconds=60))
-        res = {}
-        for name, fn in _cases(lib, rank, ws).items():
-            res[name] = _outcome(fn)
-            t = torch.ones(1)
-            lib.all_reduce(t)  # the ranks are still in step
-            res[name + "#check"] = t.item()
-        lib.destroy_process_group()
+        with initialized(framework, engine, port) as lib:
+            res = {}
+            for name, fn in _cases(lib, rank, ws).items():
+                res[name] = _outcome(fn)
+                t = torch.ones(1)
+                lib.all_reduce(t)  # the ranks are still in step
+                res[name + "#check"] = t.item()
         results[f"{framework}:{engine}"] = res
     return results
 
