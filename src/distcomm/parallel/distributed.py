@@ -14,6 +14,7 @@ collectives in the same order per iteration (so ``Join`` works the same way), th
 from __future__ import annotations
 
 import sys
+import warnings
 import weakref
 from contextlib import contextmanager
 from typing import Any, Callable
@@ -103,7 +104,9 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         module: the replica on this rank (on CPU).
         device_ids, output_device: for GPU modules; must be None for CPU modules.
         dim: kept for compatibility (inputs are not scattered on CPU).
-        broadcast_buffers: broadcast buffers from rank 0 at the start of each forward (default True).
+        broadcast_buffers: deprecated in torch 2.13 for ``forward_sync_buffers`` (and warns when given,
+            as torch's): broadcast buffers from rank 0 at the start of each forward; ``False`` also
+            skips the buffers at construction (default None: True).
         init_sync: make replicas equal at construction by broadcasting from rank 0 (default True).
         process_group: the group to average over (default: the world).
         bucket_cap_mb: bucket size in MiB (default 25; the first bucket is then capped at 1 MiB
@@ -115,6 +118,15 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             more (reducer.IN_PLACE_BUCKET_BYTES) it stays the tensor backward made, reduced in place.
         static_graph: the set of used parameters never changes; unused ones are then tolerated
             without the per-iteration search.
+        skip_all_reduce_unused_params, batched_grad_copy: torch's performance options; accepted, and
+            the gradients are those without them (skipping requires the same unused parameters on
+            every rank, where skipping changes nothing).
+        bucket_cap_mb_list: per-bucket size limits in MiB (bucket k of a dtype gets entry k, later
+            buckets the last one); overrides ``bucket_cap_mb``.
+        forward_sync_buffers: broadcast buffers at the start of each forward and after a Join
+            (default None: True); buffers are broadcast at construction either way.
+        delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision, device_mesh: not
+            supported by distcomm (NotImplementedError when given).
 
     Example::
 
@@ -130,7 +142,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         device_ids=None,
         output_device=None,
         dim: int = 0,
-        broadcast_buffers: bool = True,
+        broadcast_buffers: bool | None = None,
         init_sync: bool = True,
         process_group=None,
         bucket_cap_mb: float | None = None,
@@ -138,9 +150,56 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
+        delay_all_reduce_named_params=None,
+        param_to_hook_all_reduce=None,
+        mixed_precision=None,
+        device_mesh=None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: list[int] | None = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
     ):
         super().__init__()
         Joinable.__init__(self)
+        if (delay_all_reduce_named_params is None) != (param_to_hook_all_reduce is None):
+            raise ValueError("delay_all_reduce_named_params and param_to_hook_all_reduce need to be set at the same time.")
+        if process_group is not None and device_mesh is not None:
+            raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
+        for name, value in (("delay_all_reduce_named_params", delay_all_reduce_named_params),
+                            ("mixed_precision", mixed_precision), ("device_mesh", device_mesh)):
+            if value is not None:
+                hint = ("pass the mesh's group as process_group= (a distcomm group)" if name == "device_mesh"
+                        else "leave it None")
+                raise NotImplementedError(
+                    f"distcomm's DistributedDataParallel does not support {name}; {hint}, or use torch's "
+                    "DistributedDataParallel over the \"distcomm\" backend, which has it"
+                )
+        if broadcast_buffers is not None:
+            if forward_sync_buffers is not None:
+                warnings.warn(
+                    "Both `broadcast_buffers` and `forward_sync_buffers` were specified. `broadcast_buffers` is "
+                    "deprecated and its value is ignored when `forward_sync_buffers` is provided.",
+                    stacklevel=2,
+                )
+            else:
+                warnings.warn(
+                    "`broadcast_buffers` is deprecated. Use `forward_sync_buffers` instead. IMPORTANT: unlike "
+                    "`broadcast_buffers=False`, `forward_sync_buffers=False` still syncs buffers at init. If you "
+                    "rely on buffers NOT being synced at init (e.g. rank-local buffers), keep using "
+                    "`broadcast_buffers=False` until `init_sync_buffers` is available.",
+                    stacklevel=2,
+                )
+        if forward_sync_buffers is not None:
+            init_sync_buffers = True
+        else:
+            forward_sync_buffers = broadcast_buffers if broadcast_buffers is not None else True
+            init_sync_buffers = forward_sync_buffers
+        if check_reduction:
+            warnings.warn(
+                "The `check_reduction` argument in `DistributedDataParallel` module is deprecated. Please avoid "
+                "using it.",
+                stacklevel=2,
+            )
         self.process_group = process_group if process_group is not None else world.group.WORLD
         if self.process_group is None:
             raise ValueError(
@@ -152,6 +211,11 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         if not any(p.requires_grad for _, p in named):
             raise RuntimeError(
                 "DistributedDataParallel is not needed when a module doesn't have any parameter that requires a gradient."
+            )
+        if any(isinstance(p, torch.nn.parameter.UninitializedParameter) for _, p in named):
+            raise RuntimeError(
+                "Modules with uninitialized parameters can't be used with `DistributedDataParallel`. "
+                "Run a dummy forward pass to correctly initialize the modules"
             )
         if device_ids is not None and len(device_ids) > 1:
             raise ValueError("device_ids can only be None or contain a single element.")
@@ -171,7 +235,9 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self.output_device = None
         self.dim = dim
         self.device = next(iter(devices))
-        self.broadcast_buffers = broadcast_buffers
+        self.forward_sync_buffers = bool(forward_sync_buffers)
+        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
+        self.batched_grad_copy = batched_grad_copy
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
@@ -180,8 +246,13 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self._divide_by_initial_world_size = True
         self.broadcast_bucket_size = BROADCAST_BUCKET_BYTES
         cap_mb = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
-        self.bucket_bytes_cap = int(cap_mb * MB)
-        first_cap = DEFAULT_FIRST_BUCKET_BYTES if bucket_cap_mb is None else self.bucket_bytes_cap
+        if bucket_cap_mb_list:
+            limits = [int(mb * MB) for mb in bucket_cap_mb_list]
+            self.bucket_bytes_cap = max(limits)
+        else:
+            self.bucket_bytes_cap = int(cap_mb * MB)
+            first_cap = DEFAULT_FIRST_BUCKET_BYTES if bucket_cap_mb is None else self.bucket_bytes_cap
+            limits = [first_cap, self.bucket_bytes_cap]
 
         # Parameters that take part: requires_grad, not ignored, shared ones once.
         memo: set[int] = set()
@@ -194,10 +265,17 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self._assign_modules_buffers()
         if init_sync:
             self._verify_param_shapes(params)
-            self._sync_params_and_buffers(0, broadcast_buffers)
-        members = assign_buckets(params, [first_cap, self.bucket_bytes_cap])
+            self._sync_params_and_buffers(0, init_sync_buffers)
+        # sparse=True embeddings give sparse gradients: each gets a bucket of its own (torch's rule)
+        sparse_weights = {
+            id(m.weight) for m in module.modules()
+            if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse
+        }
+        expect_sparse = [id(p) in sparse_weights for p in params]
+        members = assign_buckets(params, limits, expect_sparse)
         self.reducer = Reducer(
-            params, names, members, self.process_group, find_unused_parameters, gradient_as_bucket_view, static_graph
+            params, names, members, self.process_group, find_unused_parameters, gradient_as_bucket_view, static_graph,
+            expect_sparse,
         )
         self._comm_hook_registered = False
         if debug_level() in ("INFO", "DETAIL"):
@@ -282,6 +360,15 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             return output
         replaced = dict(zip(map(id, routed), _DDPSink.apply(weakref.ref(self.reducer), *routed)))
         return _rebuild(output, replaced)
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        """torch's deprecated name of ``forward_sync_buffers``."""
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
 
     def will_sync_module_buffers(self) -> bool:
         return self.require_forward_param_sync and self.broadcast_buffers and len(self.modules_buffers) > 0

@@ -94,16 +94,22 @@ def overlap_setting(group_size: int) -> bool:
     return cores >= 2 * local
 
 
-def assign_buckets(params: Sequence[torch.Tensor], limits: Sequence[int]) -> list[list[int]]:
+def assign_buckets(params: Sequence[torch.Tensor], limits: Sequence[int],
+                   expect_sparse: Sequence[bool] | None = None) -> list[list[int]]:
     """Indices of ``params`` per bucket, bucket 0 first: walk the parameters in reverse order,
     one open bucket per dtype, closing a bucket once it reaches its byte limit (``limits[0]`` for a
-    dtype's first bucket, ``limits[1]`` (or the last limit) for the next ones)."""
+    dtype's first bucket, ``limits[1]`` (or the last limit) for the next ones). A parameter whose
+    gradient is sparse (``expect_sparse[i]``: a ``sparse=True`` embedding) gets a bucket of its own,
+    as in torch."""
     open_buckets: dict[torch.dtype, list[int]] = {}
     open_bytes: dict[torch.dtype, int] = {}
     closed_count: dict[torch.dtype, int] = {}
     buckets: list[list[int]] = []
     for i in reversed(range(len(params))):
         p = params[i]
+        if expect_sparse is not None and expect_sparse[i]:
+            buckets.append([i])
+            continue
         bucket = open_buckets.setdefault(p.dtype, [])
         bucket.append(i)
         open_bytes[p.dtype] = open_bytes.get(p.dtype, 0) + p.numel() * p.element_size()
@@ -145,6 +151,8 @@ class GradBucket:
         self._buffer = buffer
 
     def gradients(self) -> list[torch.Tensor]:
+        if self._buffer.is_sparse:
+            return [self._buffer]
         return [
             self._buffer[off:off + p.numel()].view(p.shape) for p, off in zip(self._params, self._offsets)
         ]
@@ -162,10 +170,15 @@ class GradBucket:
 class _Bucket:
     __slots__ = ("index", "members", "offsets", "numels", "shapes", "dtype", "buffer", "array", "views",
                  "pending", "handle", "is_last", "handed_out", "refs", "spare", "floating", "large", "in_place",
-                 "deferred")
+                 "deferred", "sparse", "sparse_grad")
 
-    def __init__(self, index: int, members: list[int], params: Sequence[torch.Tensor], is_last: bool):
+    def __init__(self, index: int, members: list[int], params: Sequence[torch.Tensor], is_last: bool,
+                 sparse: bool = False):
         self.index = index
+        # A sparse bucket holds one parameter whose gradient is a sparse COO tensor: no flat buffer,
+        # the gradient itself is reduced (a sparse all_reduce) and becomes the parameter's .grad.
+        self.sparse = sparse
+        self.sparse_grad = None
         self.members = members
         self.offsets = []
         self.numels = [params[i].numel() for i in members]
@@ -176,14 +189,18 @@ class _Bucket:
         for n in self.numels:
             self.offsets.append(total)
             total += n
-        self.large = total * params[members[0]].element_size() >= IN_PLACE_BUCKET_BYTES
+        self.large = not sparse and total * params[members[0]].element_size() >= IN_PLACE_BUCKET_BYTES
         self.in_place = False  # this step: reduced on the gradients themselves (Reducer.prepare_for_backward)
         self.deferred = False  # this step: reduced in finalize, not during backward
         self.pending = len(members)
         self.handle = None  # Work (all_reduce) or Future (comm hook) once launched
         self.is_last = is_last
         self.buffer = self.spare = None
-        self.renew(torch.zeros)
+        self.handed_out = False
+        if sparse:
+            self.views, self.array, self.refs = [None], None, -1
+        else:
+            self.renew(torch.zeros)
 
     def renew(self, allocate=torch.empty) -> None:
         """Make the bucket's memory free for the coming backward: the last one was handed out as the
@@ -290,6 +307,7 @@ class Reducer:
         find_unused_parameters: bool,
         gradient_as_bucket_view: bool,
         static_graph: bool,
+        expect_sparse: Sequence[bool] | None = None,
     ):
         self.params = params
         self.names = names
@@ -300,7 +318,9 @@ class Reducer:
         self.static_graph = static_graph
         self.grad_as_view = gradient_as_bucket_view
         self.buckets = [
-            _Bucket(k, members, params, k == len(bucket_members) - 1) for k, members in enumerate(bucket_members)
+            _Bucket(k, members, params, k == len(bucket_members) - 1,
+                    sparse=bool(expect_sparse is not None and expect_sparse[members[0]]))
+            for k, members in enumerate(bucket_members)
         ]
         # param index -> (its bucket, its place among the bucket's members); not the view itself:
         # a bucket's buffer changes when the last one was handed out as gradients
@@ -374,7 +394,9 @@ class Reducer:
             reached = reachable_leaves(outputs)
             unused = [i for i, p in enumerate(self.params) if id(p) not in reached]
             for i in unused:
-                self._mark_ready(i, None)
+                # its .grad, if any (accumulated under no_sync()), is its contribution, as in torch;
+                # it is not marked used: no rank using it leaves every .grad as it is
+                self._mark_ready(i, self.params[i])
             if not unused and not self._warned_all_used:
                 self._warned_all_used = True
                 warnings.warn(
@@ -463,7 +485,9 @@ class Reducer:
         bucket, place = self.slot[i]
         view = bucket.views[place]
         grad = None if param is None else param.grad
-        if bucket.in_place:
+        if bucket.sparse:
+            self._sparse_ready(bucket, i, grad)
+        elif bucket.in_place:
             if grad is None:  # no gradient reached it: it contributes zeros, and gets the average
                 grad = param.grad = torch.zeros_like(param)
             factor = self._div_factor or self._divide_factor()
@@ -493,6 +517,25 @@ class Reducer:
         if bucket.pending == 0:
             self._launch_ready_buckets()
 
+    def _sparse_ready(self, bucket: _Bucket, i: int, grad: torch.Tensor | None) -> None:
+        """A sparse bucket's contribution: the gradient (an empty sparse tensor when there is none),
+        divided by this step's factor before the sum unless a comm hook reduces it (torch's order)."""
+        param = self.params[i]
+        if grad is None:
+            grad = torch.sparse_coo_tensor(torch.empty(1, 0, dtype=torch.int64),
+                                           torch.empty(0, *param.shape[1:], dtype=param.dtype), param.shape)
+        elif not grad.is_sparse:
+            raise RuntimeError(
+                f"DistributedDataParallel expected a sparse gradient for parameter {self._describe(i)} (a sparse=True "
+                f"embedding) on rank {self.rank}, got a dense one: keep the embedding's sparse flag the same for the "
+                "whole training, or construct DistributedDataParallel again after changing it"
+            )
+        if self.comm_hook is None:
+            grad = grad / (self._div_factor or self._divide_factor())
+        else:
+            grad = grad.clone()  # the hook's buffer: the user's .grad is replaced only by the result
+        bucket.sparse_grad = grad
+
     def _launch_ready_buckets(self, final: bool = False) -> None:
         """Launch the ready buckets, in index order. The last bucket waits for ``final`` (finalize):
         once its gradients are ready backward has ended, and reducing it inline in finalize saves
@@ -504,7 +547,9 @@ class Reducer:
             bucket = self.buckets[self._next_bucket]
             if not final and (self._next_bucket == last or bucket.deferred):
                 return
-            if bucket.in_place:
+            if bucket.sparse:
+                data = bucket.sparse_grad
+            elif bucket.in_place:
                 data = [self.params[i].grad for i in bucket.members]
             else:
                 data = bucket.array if bucket.array is not None and self.comm_hook is None else bucket.buffer
@@ -521,7 +566,8 @@ class Reducer:
         if self.comm_hook is None:
             if op is None:
                 self._divide_factor()  # decides the op, also for a bucket of unused parameters alone
-                op = ReduceOp.AVG if self._avg_in_reduce and self.buckets[index].floating else ReduceOp.SUM
+                bucket = self.buckets[index]
+                op = ReduceOp.AVG if self._avg_in_reduce and bucket.floating and not bucket.sparse else ReduceOp.SUM
             reduce = all_reduce_list if isinstance(buffer, list) else all_reduce
             if inline:
                 reduce(buffer, op=op, group=self.group)
@@ -529,7 +575,15 @@ class Reducer:
             return reduce(buffer, op=op, group=self.group, async_op=True)
         bucket = self.buckets[index]
         grad_bucket = GradBucket(index, buffer, [self.params[i] for i in bucket.members], bucket.offsets, bucket.is_last)
-        return self.comm_hook(self.comm_state, grad_bucket)
+        future = self.comm_hook(self.comm_state, grad_bucket)
+        if not callable(getattr(future, "wait", None)):
+            name = getattr(self.comm_hook, "__name__", repr(self.comm_hook))
+            raise TypeError(
+                f"DDP communication hook {name} returned {type(future).__name__} for bucket {index} on rank "
+                f"{self.rank}: a hook must return a torch.futures.Future whose value is the bucket's reduced tensor "
+                "(e.g. all_reduce(..., async_op=True).get_future(), or a Future you complete with set_result)"
+            )
+        return future
 
     # -- end of backward ----------------------------------------------------------------------
     def _finalize(self) -> None:
@@ -538,7 +592,7 @@ class Reducer:
         if self.find_unused or self.static_graph:
             for i, ready in enumerate(self._ready):
                 if not ready:
-                    self._mark_ready(i, None)
+                    self._mark_ready(i, self.params[i])
         self._launch_ready_buckets(final=True)
         if self._next_bucket < len(self.buckets):
             # find_unused_parameters=False and some parameter got no gradient: report it at the next
@@ -558,6 +612,12 @@ class Reducer:
         hand_out = not self.grad_as_view and self.comm_hook is None
         with torch.no_grad():
             for bucket in self.buckets:
+                if bucket.sparse:
+                    i = bucket.members[0]
+                    if globally_used is None or globally_used[i]:
+                        self.params[i].grad = bucket.sparse_grad
+                    bucket.sparse_grad = None
+                    continue
                 if bucket.in_place:
                     continue  # the gradients themselves were reduced
                 if hand_out:
@@ -595,6 +655,15 @@ class Reducer:
                 f"the DDP communication hook must return a Future whose value is the bucket's tensor; "
                 f"bucket {bucket.index} got {type(result).__name__}"
             )
+        if bucket.sparse:
+            bucket.sparse_grad = result
+            return
+        if result.numel() != bucket.buffer.numel():
+            raise RuntimeError(
+                f"the DDP communication hook's result for bucket {bucket.index} on rank {self.rank} has "
+                f"{result.numel()} elements, the bucket {bucket.buffer.numel()}: the Future's value must be the "
+                "bucket's reduced tensor, with as many elements as bucket.buffer()"
+            )
         if result.data_ptr() != bucket.buffer.data_ptr():
             with torch.no_grad():
                 bucket.buffer.copy_(result.reshape(-1))
@@ -603,6 +672,12 @@ class Reducer:
     def match_backward_with_zeros(self) -> None:
         handles = []
         for bucket in self.buckets:
+            if bucket.sparse:
+                param = self.params[bucket.members[0]]
+                zeros = torch.sparse_coo_tensor(torch.empty(1, 0, dtype=torch.int64),
+                                                torch.empty(0, *param.shape[1:], dtype=param.dtype), param.shape)
+                handles.append(self._reduce(bucket.index, zeros, op=ReduceOp.SUM))
+                continue
             zeros = torch.zeros_like(bucket.buffer)
             # the training ranks are under Join: their buckets are premultiplied and summed
             handles.append(self._reduce(bucket.index, zeros, op=ReduceOp.SUM))
