@@ -205,7 +205,10 @@ class SparseBuffer:
         torch = _torch()
         nnz = indices.shape[1] if indices.ndim == 2 else 0
         vals = _from_storage(values, (nnz, *self._dense_shape), self.dtype)
-        result = torch.sparse_coo_tensor(torch.from_numpy(indices), vals, self.obj.shape).coalesce()
+        # the indices came from the peers: checked against this tensor's shape before anything is
+        # written (an index out of bounds would otherwise corrupt memory), and torch does not warn
+        result = torch.sparse_coo_tensor(torch.from_numpy(indices), vals, self.obj.shape,
+                                         check_invariants=True).coalesce()
         with torch.no_grad():
             self.obj.copy_(result)
 

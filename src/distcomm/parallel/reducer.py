@@ -94,6 +94,14 @@ def overlap_setting(group_size: int) -> bool:
     return cores >= 2 * local
 
 
+def _no_sparse_gradient(param: torch.Tensor) -> torch.Tensor:
+    """A sparse gradient of ``param`` with no entries: what a rank that did not use a sparse
+    embedding (or joined early) contributes to its sum."""
+    return torch.sparse_coo_tensor(torch.empty(1, 0, dtype=torch.int64),
+                                   torch.empty(0, *param.shape[1:], dtype=param.dtype), param.shape,
+                                   check_invariants=True)
+
+
 def assign_buckets(params: Sequence[torch.Tensor], limits: Sequence[int],
                    expect_sparse: Sequence[bool] | None = None) -> list[list[int]]:
     """Indices of ``params`` per bucket, bucket 0 first: walk the parameters in reverse order,
@@ -522,8 +530,7 @@ class Reducer:
         divided by this step's factor before the sum unless a comm hook reduces it (torch's order)."""
         param = self.params[i]
         if grad is None:
-            grad = torch.sparse_coo_tensor(torch.empty(1, 0, dtype=torch.int64),
-                                           torch.empty(0, *param.shape[1:], dtype=param.dtype), param.shape)
+            grad = _no_sparse_gradient(param)
         elif not grad.is_sparse:
             raise RuntimeError(
                 f"DistributedDataParallel expected a sparse gradient for parameter {self._describe(i)} (a sparse=True "
@@ -674,9 +681,7 @@ class Reducer:
         for bucket in self.buckets:
             if bucket.sparse:
                 param = self.params[bucket.members[0]]
-                zeros = torch.sparse_coo_tensor(torch.empty(1, 0, dtype=torch.int64),
-                                                torch.empty(0, *param.shape[1:], dtype=param.dtype), param.shape)
-                handles.append(self._reduce(bucket.index, zeros, op=ReduceOp.SUM))
+                handles.append(self._reduce(bucket.index, _no_sparse_gradient(param), op=ReduceOp.SUM))
                 continue
             zeros = torch.zeros_like(bucket.buffer)
             # the training ranks are under Join: their buckets are premultiplied and summed
