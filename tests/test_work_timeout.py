@@ -78,3 +78,42 @@ def test_through_the_api_the_operation_goes_on_after_a_timed_out_wait():
     assert " of group '0': Timed out in Work.wait after 0.5 s; " in res["message"]
     assert res["message"].endswith(GOES_ON)
     assert res["value"] == 3.0 and res["success"] is True
+
+
+def _p2p_late_sender(rank, world_size):
+    """rank 0: an irecv whose wait(timeout) runs out (rank 1 sends late), then an irecv's future
+    with a collective issued after it that the sender makes before it sends."""
+    import distcomm as dist
+
+    dist.init_process_group(timeout=timedelta(seconds=20))
+    got = np.zeros(1, dtype=np.float32)
+    if rank == 1:
+        time.sleep(1.5)  # late: rank 0's wait(timeout) runs out first
+        dist.send(np.full(1, 5, dtype=np.float32), dst=0)
+        dist.all_reduce(np.ones(1, dtype=np.float32))  # rank 0 issues it after its irecv's get_future
+        dist.send(np.full(1, 7, dtype=np.float32), dst=0)
+        dist.barrier()
+        dist.destroy_process_group()
+        return None
+    work = dist.irecv(got, src=1)
+    try:  # before, this wait returned once the message came, within the group's timeout
+        work.wait(timeout=timedelta(seconds=0.3))
+        message = None
+    except dist.DistTimeoutError as exc:
+        message = str(exc)
+    work.wait()  # the receive went on
+    first = float(got[0])
+    future = dist.irecv(got, src=1).get_future()
+    total = np.ones(1, dtype=np.float32)
+    dist.all_reduce(total)  # not queued behind the receive: the sender makes it before sending
+    future.wait()
+    dist.barrier()
+    dist.destroy_process_group()
+    return {"message": message, "first": first, "total": float(total[0]), "second": float(got[0])}
+
+
+def test_a_receives_wait_with_a_timeout_gives_up_and_its_future_does_not_hold_up_the_group():
+    res = run_world(_p2p_late_sender, 2, timeout=60)[0]
+    assert res["message"] is not None and res["message"].startswith("irecv")
+    assert "Timed out in Work.wait after 0.3 s; " in res["message"] and res["message"].endswith(GOES_ON)
+    assert res["first"] == 5.0 and res["total"] == 2.0 and res["second"] == 7.0

@@ -20,6 +20,7 @@ exchanging each other's bytes.
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from datetime import timedelta
 from functools import partial
@@ -651,7 +652,10 @@ _NO_TENSOR_PATHS = TensorPaths(*(_no_fast_path for _ in TensorPaths._fields))
 
 class P2PWork(Work):
     """The Work of one send or receive: waits on the transport's request directly (no queue, no
-    thread hand-off); only ``get_future()`` borrows the group's worker thread to complete the future."""
+    thread hand-off). Where the request must complete while the caller does something else
+    (``get_future()``, ``wait(timeout)``), a thread of its own waits on it: not the group's worker,
+    whose queue would put the group's next collectives behind this message (torch's p2p and
+    collectives do not wait for each other)."""
 
     def __init__(self, op: str, pg: ProcessGroup, request, buf: Buffer, peer: int, tag: int, receiving: bool,
                  entry: list | None = None):
@@ -664,10 +668,15 @@ class P2PWork(Work):
         self._peer = peer  # group rank, or ANY_SOURCE
         self._tag = tag
         self._deadline = time.monotonic() + pg.timeout.total_seconds()
+        self._completing = threading.Lock()  # one thread waits on the request; the others on the event
+        self._background: threading.Thread | None = None
 
     def _complete(self) -> None:
-        if self._event.is_set():
-            return
+        with self._completing:
+            if not self._event.is_set():
+                self._wait_request()
+
+    def _wait_request(self) -> None:
         try:
             self._request.wait(self._deadline)
         except TransportError as exc:
@@ -694,7 +703,10 @@ class P2PWork(Work):
 
     def wait(self, timeout=None) -> bool:
         if not self._event.is_set():
-            self._complete()
+            if timeout is None or self._background is not None:
+                self._complete()
+            else:  # the request completes (or fails at the group's timeout) whether or not this wait gives up
+                self._complete_in_background()
         return super().wait(timeout)
 
     def is_completed(self) -> bool:
@@ -708,11 +720,19 @@ class P2PWork(Work):
     def get_future(self):
         future = super().get_future()
         if not self._event.is_set():
-            self._pg.executor.submit_waiter(Work("future"), self._complete_quietly)
+            self._complete_in_background()
         return future
+
+    def _complete_in_background(self) -> None:
+        with self._completing:
+            if self._background is not None or self._event.is_set():
+                return
+            self._background = threading.Thread(
+                target=self._complete_quietly, name=f"distcomm-{self.op}-{self._pg.group_name}", daemon=True)
+            self._background.start()
 
     def _complete_quietly(self) -> None:
         try:
             self._complete()
-        except Exception:  # noqa: BLE001 - delivered through the future
+        except Exception:  # noqa: BLE001 - delivered through the Work and its future
             pass
