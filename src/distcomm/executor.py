@@ -101,15 +101,6 @@ class OrderedExecutor:
         work.wait()
         return None
 
-    def submit_waiter(self, work: Work, wait: Callable[[], Any]) -> None:
-        """Queue a task that completes ``work`` when ``wait()`` returns (futures of p2p work)."""
-        with self._cv:
-            self._queue.append(_Task(wait, work))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=f"distcomm-{self.name}", daemon=True)
-                self._thread.start()
-            self._cv.notify_all()
-
     def _loop(self) -> None:
         while True:
             with self._cv:
