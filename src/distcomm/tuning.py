@@ -34,8 +34,9 @@ variable                               meaning (default)
 ``DISTCOMM_SHM_YIELD_US``              yield before sleeping (100 µs; 50 when oversubscribed)
 ``DISTCOMM_SHM_SHARED_YIELD_US``       yield when the awaited peer shares our CPU (200 µs)
 ``DISTCOMM_SHM_DIRECT``                0: no single-copy reads (process_vm_readv) (1)
-``DISTCOMM_SHM_NATIVE``                0: the latency path's all_reduce and barrier rounds in
-                                       Python even where their C version is built (1)
+``DISTCOMM_SHM_NATIVE``                0: no C at all in the shared-memory engine, even where it
+                                       is built: every round step, round plan and whole small
+                                       call in Python (1)
 ``DISTCOMM_SHM_DEFER``                 0: a small rooted collective run in C waits for every
                                        member's post and checks it at once, instead of
                                        leaving the members it does not read to a later call (1)

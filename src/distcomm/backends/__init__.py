@@ -65,9 +65,11 @@ def _unavailable(name: str, why: str) -> EngineFactory:
 class Backend(str):
     """An enum-like class of backend names: ``Backend("GLOO") == "gloo"``.
 
-    distcomm's engines: "tcp" (sockets between any hosts), "gloo" (the default CPU engine; the
-    name torch programs already use), "mpi" (MPI through mpi4py, under mpiexec or srun). "nccl" and
-    "ucc" are recognised names whose engines are not available in this build. New engines are added with ``Backend.register_backend``.
+    distcomm's engines: "gloo" (the default CPU engine, the name torch programs already use: shared
+    memory within a host, TCP between hosts), "shm" (shared memory only, one host), "tcp" (sockets
+    between any hosts), "mpi" (MPI through mpi4py, under mpiexec or srun). "nccl" and "ucc" are
+    recognised names whose engines are not available in this build. New engines are added with
+    ``Backend.register_backend``.
     """
 
     UNDEFINED = "undefined"

@@ -317,7 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="nccl-tests-style benchmark of distcomm's collectives (optionally against torch.distributed's gloo). "
                     "time = the slowest rank's median (--stat) time per iteration; algbw = size/time; "
                     "busbw = algbw x the nccl-tests factor of the op.",
-        epilog="Other benchmarks: distcomm-bench store --help, distcomm-bench ddp --help.",
+        epilog="Other benchmarks (each with --help): distcomm-bench store, ddp, torch-backend, pingpong; "
+               "distcomm-bench overview FILE.json ... prints the README's tables from saved results.",
     )
     parser.add_argument("--ops", "-o", type=_op_list, default=list(OPS),
                         help=f"comma-separated ops or 'all' (default: all = {','.join(OPS)})")
