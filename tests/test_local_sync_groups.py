@@ -208,3 +208,43 @@ def test_a_member_that_does_not_call_is_named_at_the_timeout():
     assert got[0] == "skipped"
     assert got[1].startswith("new_group on rank 1: rank 0 of the new group [0, 1] did not call "
                              "new_group(..., use_local_synchronization=True) within 1.5 s"), got[1]
+
+
+def _splits(rank, ws, engine):
+    """split_group of a subgroup and of the world: each rank makes only its own split."""
+    import distcomm as dist
+
+    dist.init_process_group(engine, timeout=timedelta(seconds=30))
+    out = {}
+    tail = dist.new_group([1, 2, 3])  # every rank calls new_group; rank 0 is not a member
+    if rank == 0:
+        try:  # torch's: NON_GROUP_MEMBER is no group
+            dist.split_group(tail, [[0, 1], [2]])
+        except ValueError as exc:
+            out["outside"] = str(exc)
+    else:
+        mine = dist.split_group(tail, [[0, 1], [2]])  # parent group ranks: global [1, 2] and [3]
+        t = np.full(2, float(rank), dtype=np.float32)
+        dist.all_reduce(t, group=mine)
+        out["tail"] = (dist.get_process_group_ranks(mine), t.tolist())
+    pair = dist.split_group(split_ranks=[[3, 0]])  # the world's; ranks 1 and 2 are in no split
+    if pair is None:
+        out["world"] = None
+    else:
+        t = np.full(1, float(rank + 1), dtype=np.float32)
+        dist.all_reduce(t, group=pair)
+        out["world"] = (dist.get_process_group_ranks(pair), t.tolist())
+    everyone = np.ones(1, dtype=np.float32)
+    dist.all_reduce(everyone)  # the world's group is still in step
+    out["everyone"] = everyone.tolist()
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_split_group_of_a_subgroup_and_of_the_world(engine):
+    got = run_world(_splits, 4, args=(engine,), timeout=90)
+    assert got[0]["outside"] == "Group -100 is not registered"  # rank 0 holds NON_GROUP_MEMBER: torch's words
+    assert [g.get("tail") for g in got[1:]] == [([1, 2], [3.0, 3.0]), ([1, 2], [3.0, 3.0]), ([3], [3.0, 3.0])]
+    assert [g["world"] for g in got] == [([0, 3], [5.0]), None, None, ([0, 3], [5.0])]
+    assert all(g["everyone"] == [4.0] for g in got)

@@ -113,6 +113,8 @@ def test_groups_on_the_mpi_engine():
     # subgroups [[0, 2], [1]], AVG
     assert lines[(0, "subgroup")] == lines[(2, "subgroup")] == "2 [2.0, 2.0]"
     assert lines[(1, "subgroup")] == "1 [2.0, 2.0]"
+    assert lines[(0, "split")] == "None"
+    assert lines[(1, "split")] == lines[(2, "split")] == "[1, 2] [3.0]"
     # the program's own MPI still works after distcomm is done (nothing finalized)
     assert all(lines[(r, "own_mpi")] == "3" for r in range(3))
 

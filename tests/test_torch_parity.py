@@ -215,12 +215,12 @@ def test_world_of_one_queries(tmp_path):
             dist.split_group(split_ranks=[])
         with pytest.raises(ValueError, match="less or equal to the world_size"):
             dist.split_group(split_ranks=[[0, 0]])
-        with pytest.raises(RuntimeError, match="only the default group can be split"):
-            dist.split_group(g, [[0]])
+        with pytest.raises(ValueError, match="not a rank of the parent group"):
+            dist.split_group(g, [[1]])
         s = dist.split_group(split_ranks=[[0]])
         t = np.ones(3)
         dist.all_reduce(t, group=s)
-        assert dist.get_process_group_ranks(s) == [0] and dist.get_pg_count() == 3
+        assert dist.get_process_group_ranks(s) == [0] and dist.get_pg_count() == 2  # a split is named by hash, not counted (torch's)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             dist.monitored_barrier(timeout=5.0)  # seconds, as torch takes them

@@ -3,8 +3,8 @@
 
 1. a world on the default engine with an "mpi" group of ranks [2, 0] (an engine connected among its
    members only: their communicator is made from MPI_COMM_WORLD by Create_group);
-2. a world on "mpi" with new_group([1, 2]) and subgroups [[0, 2], [1]], a group destroyed and its
-   communicator freed, then every rank's own mpi4py calls on MPI_COMM_WORLD still working.
+2. a world on "mpi" with new_group([1, 2]), subgroups [[0, 2], [1]] and split_group [[2, 1]], a group
+   destroyed and its communicator freed, then every rank's own mpi4py calls on MPI_COMM_WORLD still working.
 """
 
 import os
@@ -50,6 +50,13 @@ sub, _ = dist.new_subgroups_by_enumeration([[0, 2], [1]])
 t = np.full(2, float(rank + 1), np.float32)
 dist.all_reduce(t, group=sub, op=dist.ReduceOp.AVG)
 say(f"{rank} subgroup {dist.get_world_size(sub)} {t.tolist()}")
+half = dist.split_group(split_ranks=[[2, 1]])  # every rank makes the split (MPI: Create_group); rank 0 gets None
+if half is not None:
+    t = np.full(1, float(rank), np.float32)
+    dist.all_reduce(t, group=half)
+    say(f"{rank} split {dist.get_process_group_ranks(half)} {t.tolist()}")
+else:
+    say(f"{rank} split None")
 dist.destroy_process_group()
 total = MPI.COMM_WORLD.allreduce(rank)
 say(f"{rank} own_mpi {total}")

@@ -624,40 +624,62 @@ def split_group(
     group_desc: str | None = None,
     backend: str | None = None,
 ):
-    """Split the default group into disjoint groups; ``split_ranks`` lists each group's ranks (group
-    ranks of the parent). Every rank of the parent calls it with the same ``split_ranks``; a rank
-    gets its own group, or None when it is in none of them.
+    """Split ``parent_pg`` (default: the world) into disjoint groups; ``split_ranks`` lists each
+    group's ranks (group ranks of the parent). Every rank of the parent calls it with the same
+    ``split_ranks``; a rank gets its own group, or None when it is in none of them.
 
-    distcomm's CPU engines split by creating the groups (torch's gloo cannot split at all). Only
-    the default group splits: a group's id is numbered alike on every rank of the world because
-    every rank takes part in making it, which a subgroup's non-members would not.
+    distcomm's CPU engines split by creating the groups (torch's gloo cannot split at all): each
+    rank makes only the group it is in, with its other members, as ``new_group(...,
+    use_local_synchronization=True)`` makes one (named by a hash of its ranks, as torch names a
+    split), on the parent's engine.
     """
     if split_ranks is None or len(split_ranks) == 0:
         raise ValueError("split_ranks cannot be None or empty")
     world_pg = default_group()
     parent = world_pg if parent_pg is None or parent_pg is world.GroupMember.WORLD else parent_pg
-    if parent is not world_pg:
-        raise DistBackendError(
-            f"split_group on rank {world.global_rank}: only the default group can be split here (each rank "
-            "of the world must take part in creating a group); call new_group from every rank instead"
-        )
+    if not _is_registered(parent):
+        raise ValueError(f"Group {parent} is not registered")
+    if world.global_rank not in parent.ranks:
+        raise ValueError(f"Global rank {world.global_rank} is not part of the parent group {parent}")
+    parent_name = world.backends.get(parent, parent.backend_name)
     if backend is not None and str(backend).lower() != str(parent.backend_name).lower():
         raise ValueError(
             f"Backend mismatch: parent has '{parent.backend_name}', requested '{backend}'. Backend names "
             "must match exactly when filtering split_group backends."
         )
+    my_split = None
+    me = parent.group_rank(world.global_rank)
     for ranks in split_ranks:
         if len(ranks) == 0:
             raise ValueError("the split group cannot be empty")
-        if len(ranks) > parent.size():
+        if len(ranks) > world_pg.size():
             raise ValueError(
                 "the split group's size should be less or equal to the world_size set by init_process_group")
         if len(ranks) != len(set(ranks)):
             raise ValueError("the split group cannot have duplicate ranks")
-    mine = None
-    for ranks in split_ranks:  # every rank creates every split, in order: ids agree everywhere
-        g = new_group([parent.ranks[r] for r in ranks], timeout=timeout, pg_options=pg_options,
-                      group_desc=group_desc)
-        if not is_non_member(g):
-            mine = g
-    return mine
+        outside = [r for r in ranks if not (isinstance(r, int) and 0 <= r < parent.size())]
+        if outside:
+            raise ValueError(f"split_ranks holds {outside[0]!r}, not a rank of the parent group (its ranks are 0 to "
+                             f"{parent.size() - 1}): split_ranks are group ranks of the parent")
+        if my_split is None and me in ranks:
+            my_split = sorted(ranks)
+    if parent.engine_name == "mpi":
+        # MPI makes a communicator with every rank of the world's taking part: each rank makes every
+        # split, in order (new_group), which only the world's members all call
+        if parent is not world_pg:
+            raise DistBackendError(
+                f"split_group on rank {world.global_rank}: on the MPI engine only the default group can be split "
+                "(MPI makes a group with every rank of the world taking part); call new_group from every rank instead"
+            )
+        mine = None
+        for ranks in split_ranks:
+            g = new_group([parent.ranks[r] for r in ranks], timeout=timeout, pg_options=pg_options,
+                          group_desc=group_desc)
+            if not is_non_member(g):
+                mine = g
+        return mine
+    if my_split is None:
+        return None
+    engine_backend = None if parent is world_pg or parent_name == "undefined" else parent_name
+    return new_group([parent.ranks[r] for r in my_split], timeout=timeout, backend=engine_backend, pg_options=pg_options,
+                     use_local_synchronization=True, group_desc=group_desc)
