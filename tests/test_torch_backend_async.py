@@ -77,6 +77,20 @@ def _async_barrier_and_rooted(rank, dist):
     return outs
 
 
+def _recv_future_then_collective(rank, dist):
+    """rank 0: an irecv's future, then an all_reduce rank 1 makes before it sends: the future must
+    not hold the group's collectives back."""
+    got, x = torch.zeros(2), torch.full((2,), float(rank + 1))
+    if rank == 0:
+        future = dist.irecv(got, src=1).get_future()
+        dist.all_reduce(x)
+        future.wait()
+    else:
+        dist.all_reduce(x)
+        dist.send(torch.full((2,), 7.0), dst=0)
+    return x.tolist(), got.tolist() if rank == 0 else None
+
+
 CASES = {
     "async then p2p": (_async_then_p2p, [([1.0] * 4, [5.0] * 4)] * 2),
     "async then another group": (_async_then_other_group, [([1.0] * 4, [10.0] * 4)] * 2),
@@ -84,6 +98,11 @@ CASES = {
                                               [([3.0], True, False), ([3.0], True, False)]),
     "async rooted calls and barrier": (_async_barrier_and_rooted,
                                        [[([2.0] * 3, [3.0] * 3)] * 2, [([2.0] * 3, None)] * 2]),
+}
+# gloo's send/recv Work has no future ("Work::getFuture not implemented"): distcomm's only
+FUTURE_CASES = {
+    "a receive's future then a collective": (_recv_future_then_collective,
+                                             [([3.0] * 2, [7.0] * 2), ([3.0] * 2, None)]),
 }
 
 
@@ -94,7 +113,7 @@ def _case(rank, world, backend, name):
 
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=TIMEOUT)
     dist.barrier()
-    result = CASES[name][0](rank, dist)
+    result = {**CASES, **FUTURE_CASES}[name][0](rank, dist)
     dist.barrier()
     dist.destroy_process_group()
     return result
@@ -105,6 +124,11 @@ def _case(rank, world, backend, name):
 def test_an_async_call_does_not_wait_for_its_peers(backend, name):
     # a deadlock fails at the group's timeout (20 s) inside the world's deadline
     assert run_world(_case, 2, args=(backend, name), timeout=60) == CASES[name][1]
+
+
+@pytest.mark.parametrize("name", list(FUTURE_CASES))
+def test_a_receives_future_does_not_hold_the_groups_collectives_back(name):
+    assert run_world(_case, 2, args=("distcomm", name), timeout=60) == FUTURE_CASES[name][1]
 
 
 def _wait_timeout(rank, world):
@@ -124,9 +148,17 @@ def _wait_timeout(rank, world):
             work.wait(timeout=timedelta(seconds=1))
         waited = round(time.monotonic() - started)
         work.wait()  # the call went on: it completes once rank 1 arrives
+        got = torch.zeros(1)
+        receive = dist.irecv(got, src=1)
+        with pytest.raises(DistTimeoutError, match="recv"):  # gloo closes the pair here
+            receive.wait(timeout=timedelta(seconds=0.5))
+        receive.wait()
+        assert got.item() == 4.0
     else:
         time.sleep(3)
         dist.all_reduce(x)
+        time.sleep(1)
+        dist.send(torch.full((1,), 4.0), dst=0)
     dist.barrier()
     dist.destroy_process_group()
     return waited, x[0].item()
