@@ -199,7 +199,10 @@ def _env_rendezvous_handler(url: str, timeout: timedelta = DEFAULT_TIMEOUT, **kw
 
 def _mpi_store(host: str | None, port: int | None, rank: int, world_size: int, timeout: timedelta) -> Store:
     """The job's TCPStore, its address agreed over MPI: rank 0 starts it on ``port`` (None: a free
-    one) and broadcasts ``host:port`` (``host`` None: rank 0's hostname) on a communicator of its own."""
+    one) and broadcasts ``host:port`` (``host`` None: rank 0's hostname) on a communicator of its own.
+
+    The server listens on ``host`` only, when it is given (MASTER_ADDR, or 127.0.0.1 for a job on one
+    host); with no address given at all it listens on every interface and publishes its hostname."""
     from .transport.mpi import load_mpi
 
     MPI = load_mpi(multiple=False)  # one broadcast from this thread: any thread level will do
@@ -211,7 +214,9 @@ def _mpi_store(host: str | None, port: int | None, rank: int, world_size: int, t
         if rank == 0:
             failure = None
             try:
-                bind = "127.0.0.1" if host == "127.0.0.1" else ""
+                # exactly where MASTER_ADDR says when it is set (a name resolves on this host as
+                # the clients will reach it, ::1 included); the wildcard only when nothing says
+                bind = host or ""
                 store = TCPStore(bind, port or 0, world_size, is_master=True, timeout=timeout,
                                  wait_for_workers=False, multi_tenant=True)
                 message = (host or socket.gethostname(), store.port, None)
