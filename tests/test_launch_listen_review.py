@@ -23,3 +23,41 @@ def test_mpiexec_store_listens_on_master_addr_only(addr, expect):
     assert line, done.stdout
     where = set(line[0].split(" ", 1)[1].split(","))
     assert where and where <= expect, f"MASTER_ADDR={addr}: the store listens on {where}"
+
+
+LAUNCH_DEADLINE = 20.0  # a passing launcher takes 2-3 s; before the fix node 0's took over 31 s
+
+
+def test_launchers_stop_promptly_when_the_job_cannot_start(tmp_path):
+    """--nnodes 3 and only nodes 0 and 1 come: node 0 times out waiting (join_timeout=1 s). Node 1,
+    with a long join_timeout, must stop at once (node 0 tells it why), and node 0 must not wait for
+    node 2, which never connected, to leave (it waited its 30 s exit barrier for it)."""
+    import os
+    import threading
+    import time
+
+    from harness import run_in_session
+    from launcher_scripts.support import command, free_port, launcher_env
+
+    script = tmp_path / "never.py"
+    script.write_text("raise SystemExit('no worker may start')\n")
+    port = free_port()
+    common = ["--nnodes", "3", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port]
+    results = {}
+
+    def launch(node, join_timeout):
+        start = time.monotonic()
+        done = run_in_session(command([*common, "--node-rank", node, "--rdzv-conf", f"join_timeout={join_timeout}",
+                                       str(script)]), LAUNCH_DEADLINE, env=launcher_env())
+        results[node] = (done, time.monotonic() - start)
+
+    node0 = threading.Thread(target=launch, args=(0, 1))
+    node0.start()
+    time.sleep(0.3)
+    launch(1, 60)
+    node0.join()
+    (done0, took0), (done1, took1) = results[0], results[1]
+    assert done0.returncode == 1 and "to join the job" in done0.stderr, done0.stderr
+    assert done1.returncode == 1 and "node 0" in done1.stderr and "to join the job" in done1.stderr, done1.stderr
+    assert took1 < 10, f"node 1's launcher waited {took1:.1f} s for a job node 0 had given up on"
+    assert took0 < 10, f"node 0's launcher took {took0:.1f} s to leave (waited for a node that never came)"

@@ -101,6 +101,8 @@ class NodeAgent:
             notice(self.job.store_lost(exc))
             return 1
         except LaunchError as exc:
+            # the other launchers stop at once instead of waiting out their own timeouts
+            self.job.abort(f"the launcher of node {self.config.node_rank} ({self.host}) gave up: {exc}")
             notice(f"error: {exc}")
             return 1
         finally:

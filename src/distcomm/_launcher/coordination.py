@@ -17,7 +17,7 @@ poll. Keys (``R`` = ``/distcomm-run/round<attempt>``):
 - ``/distcomm-run/alive/<node_rank>``: the heartbeat of every launcher but node rank 0's, a counter
   a thread of that launcher bumps every ``keep_alive_interval`` s until it leaves
 - ``/distcomm-run/exit`` (+ ``exit/<node_rank>``): node rank 0 keeps the store up until every
-  launcher has left, or is lost
+  launcher that connected has left, or is lost (at most 30 s)
 
 Liveness: the other launchers notice that node rank 0's launcher is gone when its store is (their
 next poll fails).
@@ -178,6 +178,11 @@ class Coordinator:
         self._lost = lost
         return lost
 
+    def _connected_nodes(self) -> list[int]:
+        """The other nodes whose launcher reached the store (its first heartbeat is sent as soon
+        as it has the run id, before it joins any round). Node rank 0 only."""
+        return [n for n in range(1, self.config.nnodes) if self._count(_heartbeat_key(n)) > 0]
+
     def _left(self, node: int) -> bool:
         return self._count(f"{AGENT}/exit/{node}") > 0
 
@@ -236,14 +241,14 @@ class Coordinator:
             self.store.add(f"{AGENT}/exit/{self.config.node_rank}", 1)
             self.store.add(f"{AGENT}/exit", 1)
             if self.is_host and self.multi_node:
-                # a lost launcher never leaves: wait only for the live ones
+                # a lost launcher never leaves, and one that never connected (the job failed to
+                # start, or was interrupted, before it came) cannot: wait only for the live ones
                 deadline = time.monotonic() + EXIT_BARRIER_TIMEOUT
                 while time.monotonic() < deadline:
-                    left = self._count(f"{AGENT}/exit")
-                    if left >= self.config.nnodes:
+                    if self._count(f"{AGENT}/exit") >= self.config.nnodes:
                         break
-                    gone = [n for n in self._lost_nodes() if not self._left(n)]
-                    if left + len(gone) >= self.config.nnodes:
+                    gone = set(self._lost_nodes())
+                    if not [n for n in self._connected_nodes() if n not in gone and not self._left(n)]:
                         break
                     time.sleep(POLL)
         except BaseException:  # noqa: BLE001 - leaving must not hide the job's result
