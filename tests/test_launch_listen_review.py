@@ -61,3 +61,30 @@ def test_launchers_stop_promptly_when_the_job_cannot_start(tmp_path):
     assert done1.returncode == 1 and "node 0" in done1.stderr and "to join the job" in done1.stderr, done1.stderr
     assert took1 < 10, f"node 1's launcher waited {took1:.1f} s for a job node 0 had given up on"
     assert took0 < 10, f"node 0's launcher took {took0:.1f} s to leave (waited for a node that never came)"
+
+
+def test_multi_node_master_name_resolving_to_loopback_is_named(tmp_path):
+    """--master-addr <this host's name> where /etc/hosts maps it to a loopback address (Debian's
+    127.0.1.1): the store listens there, and other hosts' launchers knock at nothing. Node rank 0
+    says so at start, and its join timeout names the cause (it only said "timed out")."""
+    import ipaddress
+    import socket
+
+    from harness import run_in_session
+    from launcher_scripts.support import command, free_port, launcher_env
+
+    name = socket.gethostname()
+    try:
+        addr = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)[0][4][0]
+    except OSError:
+        pytest.skip(f"this host's name {name!r} does not resolve")
+    if not ipaddress.ip_address(addr).is_loopback:
+        pytest.skip(f"this host's name {name!r} resolves to {addr}, not a loopback address")
+    script = tmp_path / "never.py"
+    script.write_text("raise SystemExit('no worker may start')\n")
+    done = run_in_session(command(["--nnodes", "2", "--node-rank", "0", "--master-addr", name, "--master-port",
+                                   free_port(), "--rdzv-conf", "join_timeout=1", str(script)]),
+                          LAUNCH_DEADLINE, env=launcher_env())
+    assert done.returncode == 1, done.stderr
+    assert f"--master-addr {name} resolves to {addr}" in done.stderr, done.stderr
+    assert "other hosts cannot reach" in done.stderr.split("timed out", 1)[1], done.stderr

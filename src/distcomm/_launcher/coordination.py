@@ -32,6 +32,7 @@ Workers never see these keys: theirs live under ``/worker/attempt_<k>`` (DISTCOM
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import uuid
@@ -113,6 +114,7 @@ class Coordinator:
         self._next_beat_poll = 0.0
         self._lost_after = config.keep_alive_interval * config.keep_alive_max_attempt
         self._beat_poll = max(POLL, min(1.0, config.keep_alive_interval / 2))
+        self._join_hint = ""            # why other hosts may not reach the store (node rank 0)
 
     # -- the store ------------------------------------------------------------------------------
     def open(self) -> None:
@@ -121,6 +123,17 @@ class Coordinator:
         if self.is_host:
             self.store = job_store.host_store(c.master_addr, c.master_port, c.join_timeout, self.multi_node)
             self.port = int(self.store.port)
+            loopback = job_store.loopback_only(c.master_addr) if self.multi_node else None
+            if loopback:
+                self._join_hint = (
+                    f"; the job store listens on {loopback}:{self.port}, the loopback address "
+                    f"{c.master_addr!r} resolves to on this host, which other hosts cannot reach: pass this "
+                    "host's address on the network the other nodes use as --master-addr (MASTER_ADDR), "
+                    "or map the name to that address in /etc/hosts"
+                )
+                print(f"distcomm-run: warning: --master-addr {c.master_addr} resolves to {loopback} here: launchers on "
+                      "other hosts cannot reach the job store there (fine if every node runs on this host)",
+                      file=sys.stderr, flush=True)
             self.run_id = self.run_id or uuid.uuid4().hex[:12]
             self.store.set(f"{AGENT}/run_id", self.run_id)
             self.store.add(f"{AGENT}/run_id_set", 1)
@@ -274,7 +287,7 @@ class Coordinator:
         self._poll_until(
             lambda: self._count(f"{r}/joined") >= c.nnodes,
             c.join_timeout,
-            f"all {c.nnodes} launchers (--nnodes) to join the job at {c.master_addr}:{self.port}",
+            f"all {c.nnodes} launchers (--nnodes) to join the job at {c.master_addr}:{self.port}{self._join_hint}",
         )
         nprocs = self._nprocs = [int(self.store.get(f"{r}/nproc/{n}")) for n in range(c.nnodes)]
         return sum(nprocs[: c.node_rank]), sum(nprocs)

@@ -68,6 +68,27 @@ def host_store(addr: str, port: int, timeout: float, multi_node: bool):
         raise LaunchError(f"cannot host the job store on {addr}:{port}: {exc}") from exc
 
 
+def loopback_only(addr: str) -> str | None:
+    """The loopback address ``addr`` resolves to here when it is a name other than localhost (as
+    Debian's /etc/hosts maps the host's own name to 127.0.1.1), else None. A store listening there
+    cannot be reached from another host, though the other hosts resolve the name elsewhere."""
+    import ipaddress
+
+    if addr.lower() in ("localhost", "localhost.localdomain"):
+        return None
+    try:
+        ipaddress.ip_address(addr)
+        return None  # a literal address is what the user meant
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        first = ipaddress.ip_address(infos[0][4][0].split("%", 1)[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return str(first) if first.is_loopback else None
+
+
 def connect_store(addr: str, port: int, timeout: float):
     """Connect to the store hosted by node rank 0's launcher, retrying until ``timeout`` seconds."""
     TCPStore = _tcp_store_class()
