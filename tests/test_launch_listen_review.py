@@ -88,3 +88,22 @@ def test_multi_node_master_name_resolving_to_loopback_is_named(tmp_path):
     assert done.returncode == 1, done.stderr
     assert f"--master-addr {name} resolves to {addr}" in done.stderr, done.stderr
     assert "other hosts cannot reach" in done.stderr.split("timed out", 1)[1], done.stderr
+
+
+def test_file_store_is_private_to_its_user(tmp_path):
+    """file:// keeps the job's secrets (the TCP transport's session token, peers' addresses) in its
+    file, protected by nothing but the file's mode: it must be 0600 whatever the umask (was 0644)."""
+    import os
+    import stat
+
+    from distcomm import FileStore
+
+    path = tmp_path / "store"
+    old = os.umask(0o022)
+    try:
+        store = FileStore(str(path), 1)
+        store.set("k", "v")
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        store.close() if hasattr(store, "close") else None
+    finally:
+        os.umask(old)

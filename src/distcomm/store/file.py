@@ -238,7 +238,9 @@ class FileStore(Store):
 
     def _open_and_join(self) -> tuple[int, _Log]:
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+            # 0600, not torch's 0644: the file holds what a job trusts (peers' addresses, the TCP
+            # transport's session token), and file:// has only the file's permissions to protect it
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
             try:
                 with _file_lock(fd, fcntl.LOCK_EX):
                     log = None
