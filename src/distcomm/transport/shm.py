@@ -72,6 +72,9 @@ _DIR_ENTRY = 128
 _D_GID, _D_COUNT, _D_DIGEST, _D_STATE = 0, 1, 2, 3
 _D_NAME = 32
 DIR_ENTRIES = 1024
+# _D_GID of an entry let go of (its group was destroyed, or set up again under a newer entry): peers
+# skip it (0 ends the directory), and the owner reuses it, so the limit is on groups held at once
+_D_FREE = (1 << 64) - 1
 # _D_STATE: 0 while the owner sets the group up or uses it; else why it gave up setting it up (the
 # reason of its error), set before it lets go of the segment
 _GAVE_UP = {"mismatch": 1, "timeout": 2, "lost": 3, "error": 4}
@@ -79,6 +82,9 @@ _GAVE_UP_REASON = {code: reason for reason, code in _GAVE_UP.items()}
 # how long a peer whose segment is gone may take to be seen as exited: a killed process loses its
 # descriptors before its pidfd says it exited
 _DYING_GRACE_S = 1.0
+
+_CLOSED_WHILE_WAITING = ("this rank's transport was closed while waiting (destroy_process_group, from another "
+                         "thread, or the process is exiting)")
 
 DEFAULT_RING_BYTES = 256 * 1024
 DIRECT_MIN_BYTES = 64 * 1024  # below this a copy through the ring is cheaper than a system call
@@ -232,6 +238,8 @@ class ShmTransport(Transport):
         self._direct_ok: dict[tuple, bool] = {}
         self._dir_at, _ = _world_layout(len(self.local), ring_bytes)
         self._dir_count = 0
+        self._dir_free: list[int] = []  # offsets of entries let go of (_D_FREE), reused first
+        self._dir_of: dict[int, int] = {}  # group id -> offset of its entry, while it has one
         self.tuning = tuning
         self.policy = WaitPolicy(len(self.local), tuning)
         self.health = PeerHealth({g: p for g, p in pids.items() if g != rank})
@@ -377,7 +385,7 @@ class ShmTransport(Transport):
 
         def check() -> None:
             if self._closed:
-                raise TransportError("this rank's transport was closed while waiting", reason="lost")
+                raise TransportError(_CLOSED_WHILE_WAITING, reason="lost")
             lost = self.lost_peers(peers)
             if lost and not ready():
                 raise self.lost_error(lost)
@@ -422,21 +430,43 @@ class ShmTransport(Transport):
     def release_group(self, gid: int) -> None:
         """Let go of group ``gid``'s shared memory (destroy_process_group of that group). Peers keep
         their own mappings of our segment until they release the group too; the names were let go of
-        at setup, so the memory goes when the last member has let go."""
+        at setup, so the memory goes when the last member has let go. The group's directory entry
+        is reused by a later group: every member mapped our segment before its setup ended, so no
+        peer reads that entry again (an entry of a setup that failed stays: its state tells the
+        peers why)."""
         with self._groups_lock:
             ctx = self._groups.pop(gid, None)
+            if ctx is not None and not self._closed:
+                self._free_entry(gid)
         if ctx is not None:
             ctx.close()
+
+    def _free_entry(self, gid: int) -> None:
+        """Let go of group ``gid``'s directory entry, if it has one (under ``_groups_lock``)."""
+        at = self._dir_of.pop(gid, None)
+        if at is not None:
+            memoryview(self._segments[self.rank].buf[at : at + _D_NAME]).cast("Q")[_D_GID] = _D_FREE
+            self._dir_free.append(at)
 
     def _open_group(self, gid: int, ranks: list[int], rank: int, deadline: float | None) -> GroupShm:
         if self._closed:
             raise TransportError("the shared-memory transport is closed", reason="lost")
         slot_bytes, nslots = slot_config(self.tuning)
         _, total = layout(len(ranks), slot_bytes, nslots)
-        mine = _create_segment(total, "")
+        digest = members_digest(ranks)
+        try:
+            mine = _create_segment(total, "")
+        except TransportError as exc:
+            # No segment (out of room, an unusable DISTCOMM_SHM_DIR): the peers, which wait for our
+            # entry to map our segment, would otherwise wait out the group's timeout. An entry that
+            # says we gave up lets them fail at once, pointing at this rank's own error.
+            try:
+                self._gave_up(self._publish_group(gid, "", len(ranks), digest), exc.reason or "error")
+            except Exception:  # noqa: BLE001 - the directory is full, or the transport closed meanwhile
+                pass  # the peers then time out (or see it closed), naming this rank
+            raise
         segments = [None] * len(ranks)
         segments[rank] = mine
-        digest = members_digest(ranks)
         entry = None
         try:
             init_segment(mine.buf, gid, len(ranks), slot_bytes, nslots)
@@ -560,34 +590,48 @@ class ShmTransport(Transport):
             raise TransportError(f"segment name {name!r} is longer than {_DIR_ENTRY - _D_NAME} bytes: shorten "
                                  "TORCHELASTIC_RUN_ID", reason="error")
         with self._groups_lock:  # one writer per directory: this process's threads take turns
-            if self._dir_count >= DIR_ENTRIES:
+            # a group set up again (its earlier setup failed) has one entry: the newest
+            self._free_entry(gid)
+            if self._dir_free:
+                at = self._dir_free.pop()
+            elif self._dir_count < DIR_ENTRIES:
+                at = self._dir_at + self._dir_count * _DIR_ENTRY
+                self._dir_count += 1
+            else:
                 raise TransportError(
-                    f"the shared-memory engine supports {DIR_ENTRIES} process groups per process; "
-                    "destroy the process group and re-initialize, or create fewer groups",
+                    f"the shared-memory engine supports {DIR_ENTRIES} process groups with shared memory at once "
+                    "per process; destroy the groups you no longer use (destroy_process_group(group)), or create "
+                    "fewer groups",
                     reason="error",
                 )
-            at = self._dir_at + self._dir_count * _DIR_ENTRY
+            buf[at + _D_NAME : at + _DIR_ENTRY] = 0
             buf[at + _D_NAME : at + _D_NAME + len(raw)] = np.frombuffer(raw, np.uint8)
             words = memoryview(buf[at : at + _D_NAME]).cast("Q")
             words[_D_COUNT] = count
             words[_D_DIGEST] = digest
             words[_D_STATE] = 0
             words[_D_GID] = gid + 1  # publish after the rest
-            self._dir_count += 1
+            self._dir_of[gid] = at
         for g in self.local:
             if g != self.rank:
                 self._bells[g].ring()
         return at
 
     def _gave_up(self, at: int, reason: str) -> None:
-        """Mark our directory entry at ``at``: we gave up setting its group up, for ``reason``."""
-        memoryview(self._segments[self.rank].buf[at : at + _D_NAME]).cast("Q")[_D_STATE] = _GAVE_UP.get(reason, 4)
+        """Mark our directory entry at ``at``: we gave up setting its group up, for ``reason``.
+        Nothing to mark once the transport is closed (destroy_process_group from another thread):
+        the peers then read that this rank closed its transport."""
+        buf = self._segments[self.rank].buf
+        if buf is not None:
+            memoryview(buf[at : at + _D_NAME]).cast("Q")[_D_STATE] = _GAVE_UP.get(reason, 4)
 
     def _lookup_group(self, g: int, gid: int) -> tuple[str, int, int, int] | None:
         """Rank g's latest directory entry for group ``gid`` (a rank that gave up setting a group up
         publishes a new entry when it tries again): (segment name, member count, members' digest,
         state), or None if it has not published one."""
         buf = self._segments[g].buf
+        if buf is None:  # closed (destroy_process_group from another thread while this one waits)
+            raise TransportError(_CLOSED_WHILE_WAITING, reason="lost")
         words = memoryview(buf[self._dir_at :]).cast("Q")
         step = _DIR_ENTRY // 8
         last = None

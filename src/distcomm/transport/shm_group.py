@@ -243,6 +243,7 @@ class GroupShm:
             for s in segments
         ]
         self.broken: str | None = None
+        self.released = False  # close() was called (destroy_process_group, or the transport closed)
         self._peers = [q for q in range(self.size) if q != rank]
         self._peer_bells = [transport.bell_of(ranks[q]) for q in self._peers]
         self._peer_ctl = [self.ctl[q] for q in self._peers]
@@ -717,6 +718,8 @@ class GroupShm:
         the group (``give_up``): what this member waits for never comes. While one of them has not,
         the wait goes on, and its timeout names that one: the rank that is late, not the one that
         gave up on it first."""
+        if self.released:
+            raise released_error()
         ctl = self.ctl
         pending = [q for q in peers if ctl[q][counter] < value]
         if pending and all(ctl[q][GAVE_UP] for q in pending):
@@ -772,15 +775,36 @@ class GroupShm:
         self.segments[self.rank].unlink()
 
     def close(self) -> None:
-        """Unlink our segment (if still named) and let go of every member's mapping."""
+        """Unlink our segment (if still named) and let go of every member's mapping.
+
+        A thread of this process may still be in a call on the group (destroy_process_group from
+        another thread): its wait fails at its next health check, and a round step it takes from
+        here on raises, both with the TransportError ``released_error`` makes, never a stray
+        exception. The mappings stay while that call holds this object's views of them."""
         self.broken = self.broken or "the transport was closed"
+        self.released = True
         self.native = None
         # The round steps are closures over this object: without them it is freed (and its views
-        # of the mappings with it) as soon as the last caller lets go, not at the next gc pass.
+        # of the mappings with it) as soon as the last caller lets go, not at the next gc pass. In
+        # their place, steps that raise (they hold nothing of this object).
         for step in ROUND_STEPS:
-            self.__dict__.pop(step, None)
+            self.__dict__[step] = _released_step
         for seg in self.segments:
             seg.close()
+        self.transport.bell.ring()  # a thread of ours asleep in a wait on this group checks now
+
+
+def released_error() -> TransportError:
+    """The error of a call still running on a group whose shared memory was let go of."""
+    return TransportError(
+        "the process group was destroyed (destroy_process_group, from another thread) while this call was in "
+        "progress on it; a group must not be destroyed while a thread still uses it: wait for its calls first",
+        reason="error")
+
+
+def _released_step(*args, **kwargs):
+    """A round step of a group whose shared memory was let go of (see GroupShm.close)."""
+    raise released_error()
 
 
 _SAME_CALLS = "every rank of the group must make the same collective calls, in the same order"
