@@ -57,6 +57,7 @@ if half is not None:
     say(f"{rank} split {dist.get_process_group_ranks(half)} {t.tolist()}")
 else:
     say(f"{rank} split None")
+dist.barrier()  # rank 0 hosts the store, which ranks 1 and 2 use to agree on their split's members
 dist.destroy_process_group()
 total = MPI.COMM_WORLD.allreduce(rank)
 say(f"{rank} own_mpi {total}")
