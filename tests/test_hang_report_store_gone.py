@@ -9,6 +9,7 @@ import time
 from datetime import timedelta
 
 import numpy as np
+import pytest
 
 from harness import run_world
 
@@ -35,6 +36,7 @@ def _store_host_leaves(rank, world_size):
     return None
 
 
+@pytest.mark.slow  # waits out a timeout: seconds
 def test_report_says_the_store_is_gone_not_that_the_ranks_are():
     error = run_world(_store_host_leaves, 3, timeout=60)[1]
     print(error)

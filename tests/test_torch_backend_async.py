@@ -164,5 +164,6 @@ def _wait_timeout(rank, world):
     return waited, x[0].item()
 
 
+@pytest.mark.slow  # waits out timeouts and late peers: seconds
 def test_wait_with_a_timeout_raises_after_it_and_the_call_still_completes():
     assert run_world(_wait_timeout, 2, timeout=60) == [(1, 2.0), (None, 2.0)]

@@ -112,6 +112,7 @@ def _p2p_late_sender(rank, world_size):
     return {"message": message, "first": first, "total": float(total[0]), "second": float(got[0])}
 
 
+@pytest.mark.slow  # waits out timeouts and late peers: seconds
 def test_a_receives_wait_with_a_timeout_gives_up_and_its_future_does_not_hold_up_the_group():
     res = run_world(_p2p_late_sender, 2, timeout=60)[0]
     assert res["message"] is not None and res["message"].startswith("irecv")
