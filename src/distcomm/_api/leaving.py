@@ -31,6 +31,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import time
 
 from .. import diagnostics, world
 
@@ -112,4 +113,30 @@ def leave_mpi_job() -> None:
         sys.stderr.flush()
     except Exception:  # noqa: BLE001
         pass
+    _wait_until_read((1, 2), OUTPUT_DRAIN_LIMIT)
     MPI.COMM_WORLD.Abort(1)
+
+
+OUTPUT_DRAIN_LIMIT = 1.0  # seconds
+
+
+def _wait_until_read(fds, limit: float) -> None:
+    """Wait (up to ``limit`` seconds) until what this process wrote to the pipes ``fds`` has been
+    read. mpiexec's proxy reads a rank's output from a pipe; MPI_Abort has it kill the job, and
+    what it had not read yet was lost (the message saying why the job ended, about one run in
+    six). A file or a terminal does not wait."""
+    import array
+    import fcntl
+    import termios
+
+    deadline = time.monotonic() + limit
+    for fd in fds:
+        unread = array.array("i", [0])
+        while True:
+            try:
+                fcntl.ioctl(fd, termios.FIONREAD, unread, True)
+            except OSError:  # not a pipe (a file, a terminal) or closed: nothing to wait for
+                break
+            if unread[0] == 0 or time.monotonic() >= deadline:
+                break
+            time.sleep(0.005)
