@@ -122,6 +122,17 @@ def test_fast_encoders_match_the_generic_encoder():
     assert f.encode_bool(5, True) == f.encode(f.Bool(5, True))
 
 
+def test_the_inline_add_layout_is_encode_add_and_decode_integer_reply():
+    """client.py's add() builds and checks its frames with these, inline (see frames.ADD_HEAD)."""
+    for request_id, key, amount in ((5, b"key", -(2**63)), (0xFFFFFFFF, b"", 2**63 - 1), (1, b"k" * 300, 0)):
+        assert f.ADD_HEAD.pack(f.ADD_LENGTH + len(key), f.Add.OPCODE, request_id, amount) + key == \
+            f.encode_add(request_id, key, amount)
+        reply = f.encode_integer(request_id, amount)
+        assert len(reply) == f.INTEGER_REPLY.size
+        assert f.INTEGER_REPLY.unpack(reply) == (f.INTEGER_LENGTH, f.Integer.OPCODE, request_id, amount)
+        assert f.decode_integer_reply(reply, request_id) == amount
+
+
 def test_each_side_sends_only_its_own_events():
     with pytest.raises(TypeError):
         c.ClientConnection.send(f.Ok(1))

@@ -254,6 +254,42 @@ def test_a_late_answer_to_an_abandoned_get_does_not_desync_the_client(server):
     setter.close()
 
 
+def test_add_takes_no_shortcut_while_a_piece_of_a_late_answer_is_buffered():
+    """add()'s inline round trip reads the next bytes as the start of a frame. After a read that left
+    a late answer's first bytes buffered, the next bytes are that answer's rest, which here happen to
+    be exactly an Integer reply to the next add(): taken as one, add() would return 666."""
+    late_value = f.encode_integer(2, 666)  # a late Value whose payload looks like add #2's reply
+    late = f.encode(f.Value(99, late_value))
+    head = len(late) - len(late_value)
+    ours, theirs = socket.socketpair()
+    proto = c.ClientConnection()
+    proto.receive_data(c.ServerConnection.send(h.HelloReply()))
+    proto.next_event()
+    client = TCPStoreClient("fake", 0, timeout=10, connected=(ours, proto))
+    add_frame_size = len(f.encode_add(1, b"n", 1))
+
+    def server():
+        theirs.recv(add_frame_size, socket.MSG_WAITALL)
+        theirs.sendall(f.encode_integer(1, 10) + late[:head])  # the reply, then a late answer's head
+        theirs.recv(add_frame_size, socket.MSG_WAITALL)
+        theirs.sendall(late[head:])  # the late answer's rest, read alone ...
+        time.sleep(0.2)
+        theirs.sendall(f.encode_integer(2, 20))  # ... before the real reply
+        theirs.recv(add_frame_size, socket.MSG_WAITALL)
+        theirs.sendall(f.encode_integer(3, 30))
+
+    thread = threading.Thread(target=server, daemon=True)
+    thread.start()
+    try:
+        assert client.add(b"n", 1) == 10
+        assert client.add(b"n", 1) == 20
+        assert client.add(b"n", 1) == 30  # and the stream is in step again
+    finally:
+        thread.join(10)
+        client.close()
+        theirs.close()
+
+
 def test_server_side_timeout_answer_keeps_the_stream_in_sync(server):
     store = TCPStore("127.0.0.1", server.port)
     store.set_timeout(timedelta(milliseconds=30))

@@ -48,6 +48,10 @@ from .deadlines import set_deadlines, timeval
 from .listeners import local_socket_enabled
 
 _RECV_SIZE = 1 << 16
+# add()'s inline round trip (see TCPStoreClient.add and frames.ADD_HEAD)
+_ADD_HEAD_PACK, _ADD_LENGTH, _ADD = frames.ADD_HEAD.pack, frames.ADD_LENGTH, frames.Add.OPCODE
+_INTEGER_REPLY_UNPACK, _INTEGER_REPLY_SIZE = frames.INTEGER_REPLY.unpack, frames.INTEGER_REPLY.size
+_INTEGER_LENGTH, _INTEGER = frames.INTEGER_LENGTH, frames.Integer.OPCODE
 # How long a peer that accepted the connection may take to answer the probe: a distcomm or torch
 # server answers at once (its event loop only echoes), so a silent peer is something else.
 PROBE_TIMEOUT = 5.0
@@ -342,6 +346,7 @@ class TCPStoreClient:
         self._lock = threading.Lock()
         self._next_id = 0
         self._rcvtimeo = -1.0
+        self._add_inline = False  # see _update_add_inline
         self.set_timeout(timeout)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval(self.reply_timeout))
 
@@ -350,6 +355,7 @@ class TCPStoreClient:
             if self._sock is not None:
                 self._sock.close()
                 self._sock = None
+            self._add_inline = False
 
     @property
     def closed(self) -> bool:
@@ -393,8 +399,21 @@ class TCPStoreClient:
             self._broken(operation, str(exc) or type(exc).__name__)
         return self._receive(operation, sock, request_id, integer)
 
+    def _update_add_inline(self) -> None:
+        """Whether add() may take its inline round trip: the connection is open, its receive deadline
+        is the reply timeout, and no bytes of an earlier response are buffered (so the next bytes
+        received start a frame). Called wherever one of the three may change."""
+        self._add_inline = (self._sock is not None and self._rcvtimeo == self.reply_timeout
+                            and self._proto.at_frame_boundary())
+
     def _receive(self, operation: str, sock, request_id: int, integer: bool, data: bytes | None = None):
         """The rest of ``_exchange`` once the frame is sent; ``data``: what was already received for it."""
+        try:
+            return self._receive_response(operation, sock, request_id, integer, data)
+        finally:
+            self._update_add_inline()
+
+    def _receive_response(self, operation: str, sock, request_id: int, integer: bool, data: bytes | None):
         proto = self._proto
         try:
             while True:
@@ -420,6 +439,7 @@ class TCPStoreClient:
 
     def _broken(self, operation: str, reason: str):
         sock, self._sock = self._sock, None
+        self._add_inline = False
         if sock is not None:
             sock.close()
         raise DistNetworkError(
@@ -494,13 +514,16 @@ class TCPStoreClient:
     def add(self, key: bytes, amount: int) -> int:
         with self._lock:
             self._next_id = request_id = (self._next_id + 1) & 0xFFFFFFFF
-            frame = frames.encode_add(request_id, key, amount)
-            sock = self._sock
-            if sock is None or self._rcvtimeo != self.reply_timeout:
-                response = self._exchange("add", frame, request_id, self.reply_timeout, True)
-            else:  # _exchange()'s common case, inline: one send, one recv holding exactly the reply
+            if not self._add_inline:
+                response = self._exchange("add", frames.encode_add(request_id, key, amount), request_id,
+                                          self.reply_timeout, True)
+            else:
+                # _exchange()'s common case, inline and without a function call of Python's own: one
+                # send, one recv holding exactly the reply. With many clients per CPU each add() comes
+                # back to cold caches, where every call frame costs (docs/performance-notes.md)
+                sock = self._sock
                 try:
-                    sock.sendall(frame)
+                    sock.sendall(_ADD_HEAD_PACK(_ADD_LENGTH + len(key), _ADD, request_id, amount) + key)
                 except OSError as exc:
                     self._broken("add", str(exc) or type(exc).__name__)
                 try:
@@ -510,9 +533,10 @@ class TCPStoreClient:
                 except OSError as exc:
                     self._broken("add", str(exc) or type(exc).__name__)
                 else:
-                    value = self._proto.receive_integer(data, request_id)
-                    if value is not None:
-                        return value
+                    if len(data) == _INTEGER_REPLY_SIZE:
+                        length, opcode, got_id, value = _INTEGER_REPLY_UNPACK(data)
+                        if got_id == request_id and opcode == _INTEGER and length == _INTEGER_LENGTH:
+                            return value
                     response = self._receive("add", sock, request_id, True, data)  # b"", an Error, a late answer
         if response.__class__ is int:
             return response
@@ -602,6 +626,7 @@ class TCPStoreClient:
         """The store's default timeout: bounds every reply, and get()'s wait."""
         self.reply_timeout = timeout + reply_grace(timeout)
         self._timeout_cached, self._wait_cached, self._ms_cached = timeout, self.reply_timeout, _milliseconds(timeout)
+        self._update_add_inline()
 
 
 def _milliseconds(seconds: float) -> int:

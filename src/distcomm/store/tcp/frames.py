@@ -572,6 +572,18 @@ def encode_integer(request_id: int, value: int) -> bytes:
     return _INTEGER_FRAME.pack(HEAD_AFTER_LENGTH + 8, Integer.OPCODE, request_id, value)
 
 
+# add()'s request and its Integer reply as a client builds and checks them inline (client.py's add:
+# on the hottest round trip a function call costs more than the work). The same bytes as
+# encode_add() and decode_integer_reply(), which tests hold them to:
+#   request = ADD_HEAD.pack(ADD_LENGTH + len(key), Add.OPCODE, request_id, amount) + key
+#   reply: len(data) == INTEGER_REPLY.size and INTEGER_REPLY.unpack(data) ==
+#          (INTEGER_LENGTH, Integer.OPCODE, request_id, value)
+ADD_HEAD = _ADD_HEAD
+ADD_LENGTH = 13
+INTEGER_REPLY = _INTEGER_FRAME
+INTEGER_LENGTH = HEAD_AFTER_LENGTH + 8
+
+
 def decode_integer_reply(data: bytes, request_id: int) -> int | None:
     """The value if ``data`` is exactly the Integer frame answering ``request_id``, else None (then
     parse it the general way: it may be an Error, a late answer, or not all here yet). add()'s

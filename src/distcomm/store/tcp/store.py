@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 from ...errors import DistStoreError
 from .. import rules
 from ..base import Store
+from ..rules import INT64_MAX, INT64_MIN
 from .auth import key_from_environment
 from .client import TCPStoreClient, open_client
 from .frames import DEFAULT_MAX_FRAME_SIZE
@@ -250,7 +251,7 @@ class TCPStore(Store):
         """Adds ``amount`` to the counter at ``key`` (created at 0) and returns the new value."""
         if key.__class__ is not str:
             key = rules.as_key(key)
-        if amount.__class__ is not int or not rules.INT64_MIN <= amount <= rules.INT64_MAX:
+        if amount.__class__ is not int or not INT64_MIN <= amount <= INT64_MAX:
             amount = rules.as_amount(amount)
         return self._client.add(key.encode(), amount)
 
