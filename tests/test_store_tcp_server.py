@@ -27,7 +27,7 @@ import pytest
 from distcomm.errors import DistNetworkError, DistStoreError, DistStoreTimeoutError
 from distcomm.store import TCPStore
 from distcomm.store.tcp import TCPStoreServer
-from distcomm.store.tcp import connection as c, frames as f, handshake as h
+from distcomm.store.tcp import connection as c, frames as f, handlers, handshake as h
 from distcomm.store.tcp.client import TCPStoreClient
 from harness import free_port
 
@@ -800,3 +800,59 @@ def test_a_batch_mixing_fast_lane_and_other_requests_is_answered_in_order():
     finally:
         server.stop()
         theirs.close()
+
+
+# -- the server's single-add lane (handlers.single_add) against the lane it shortcuts --------------
+
+
+def _add_reads(max_frame_size):
+    """(read, whether it is exactly one Add frame within ``max_frame_size``)."""
+    for key in (b"n", b""):
+        for amount in (1, -10, 2**63 - 1, -(2**63)):
+            yield f.encode_add(7, key, amount), True
+    one = f.encode_add(8, b"n", 1)
+    for read in (one + one, one + one[:5], one[:-1], f.encode_set(9, b"n", b"1")):  # two, one and a piece, ...
+        yield read, False
+    yield f.encode_add(10, b"n" * max_frame_size, 1), False  # a frame longer than the max frame size
+
+
+@pytest.mark.parametrize("stored", [None, b"7", b"0", b"007", b"-3", b"9223372036854775807", b"1_000", b"abc", b" 5", b""])
+def test_the_single_add_lane_answers_as_the_usual_lane_or_leaves_the_read_to_it(stored):
+    max_frame_size = 40
+    taken = 0
+    for read, single in _add_reads(max_frame_size):
+        fast, usual = (TCPStoreServer("127.0.0.1", 0, local_socket=False) for _ in range(2))
+        try:
+            # the counter, and whatever a read cut in the wrong place would take for its key
+            for key in (b"n", b"", read[f.ADD_HEAD.size:]) if stored is not None else ():
+                fast.table.values[key] = usual.table.values[key] = stored
+            before = dict(fast.table.values)
+            reply = handlers.single_add(fast, read, max_frame_size)
+            if reply is None:
+                assert fast.table.values == before  # nothing changed: the usual lane takes the read
+                continue
+            assert single, f"single_add answered {read!r}, which is not one Add frame within the max size"
+            taken += 1
+            request_id = f.ADD_HEAD.unpack_from(read)[2]
+            try:
+                expected = handlers.add_from_bytes(usual, None, read, f.FRAME_HEAD_SIZE, len(read), request_id)
+            except ValueError:
+                pytest.fail(f"single_add answered {read!r} on {stored!r}, which add() refuses")
+            assert reply == expected and fast.table.values == usual.table.values
+        finally:
+            fast.stop()
+            usual.stop()
+    # a counter that add() wrote is the lane's business: it must take those reads
+    assert taken > 0 if stored is not None and stored.isdigit() else taken == 0
+
+
+def test_an_add_while_a_request_is_parked_wakes_it_through_the_usual_lane(bare_server):
+    waiter, adder = _ByHand(bare_server), _ByHand(bare_server)
+    adder.send(f.Add(1, b"n", 5))
+    assert adder.replies() == [f.Integer(1, 5)]
+    waiter.send(f.Wait(2, [b"n", b"m"], LONG))  # parked: m is missing
+    adder.send(f.Add(3, b"n", 2), f.Add(4, b"m", 1))  # one read, two adds: the second completes the wait
+    assert adder.replies() == [f.Integer(3, 7), f.Integer(4, 1)]
+    assert waiter.replies() == [f.Ok(2)]
+    adder.send(f.Add(5, b"n", 1))  # nothing parked any more: one add per read, the single-add lane
+    assert adder.replies() == [f.Integer(5, 8)]

@@ -35,6 +35,8 @@ import logging
 import time
 
 from .frames import (
+    ADD_HEAD,
+    ADD_LENGTH,
     ERROR_BAD_REQUEST,
     ERROR_NOT_AN_INTEGER,
     Add,
@@ -45,6 +47,9 @@ from .frames import (
     DeleteKey,
     Error,
     Get,
+    INTEGER_LENGTH,
+    INTEGER_REPLY,
+    Integer,
     Join,
     ListKeys,
     MultiGet,
@@ -78,6 +83,7 @@ from .handshake import (
     HelloReply,
 )
 from . import torch_wire
+from ..rules import INT64_MAX, INT64_MIN
 
 log = logging.getLogger(__name__)
 
@@ -312,6 +318,32 @@ FAST_HANDLERS = {
     Get.OPCODE: get_from_bytes,
     Add.OPCODE: add_from_bytes,
 }
+
+_ADD_HEAD_UNPACK, _ADD_FRAME_MIN, _ADD = ADD_HEAD.unpack_from, ADD_HEAD.size, Add.OPCODE
+_INTEGER_REPLY_PACK, _INTEGER = INTEGER_REPLY.pack, Integer.OPCODE
+
+
+def single_add(server, data: bytes, max_frame_size: int) -> bytes | None:
+    """The reply to a read (at a frame boundary) that is exactly one Add frame on a counter add()
+    wrote, with no request parked; None, having changed nothing, for anything else, which then takes
+    the lane above. The same answer as ``add_from_bytes`` (tests hold the two to each other), with
+    no call of Python's own: 32 clients' add()s make it the server's hottest read, and under that
+    load the interpreter comes back to cold caches, where every call frame costs."""
+    if len(data) < _ADD_FRAME_MIN or data[8] != _ADD or server.parking.waiting:
+        return None
+    length, _, request_id, amount = _ADD_HEAD_UNPACK(data)
+    if length != len(data) - 8 or length > max_frame_size:
+        return None
+    key = data[_ADD_FRAME_MIN:]
+    values = server.table.values
+    current = values.get(key)
+    if current is None or not current.isdigit():
+        return None
+    total = int(current) + amount
+    if total > INT64_MAX or total < INT64_MIN:
+        return None
+    values[key] = b"%d" % total
+    return _INTEGER_REPLY_PACK(INTEGER_LENGTH, _INTEGER, request_id, total)
 
 
 # The same lane for torch's clients: a read that is one SET, GET, WAIT or ADD (torch_wire.single_query)

@@ -59,7 +59,7 @@ import warnings
 from ..table import KeyTable
 from .connection import ServerConnection
 from .frames import DEFAULT_MAX_FRAME_SIZE, REQUEST_PARSERS, ProtocolError
-from .handlers import FAST_HANDLERS, HANDLERS, TORCH_FAST_HANDLERS, deadline_reply
+from .handlers import FAST_HANDLERS, HANDLERS, TORCH_FAST_HANDLERS, deadline_reply, single_add
 from .handshake import AUTH_HELLO_SIZE
 from .listeners import DEFAULT_BACKLOG, Listeners, accept_pending, raise_open_file_limit
 from .local import LocalSocket
@@ -386,13 +386,23 @@ class TCPStoreServer:
             if not data:
                 return
         connection = peer.connection
+        at_boundary = connection.at_frame_boundary()
+        if at_boundary and peer.partial_deadline is None:
+            reply = single_add(self, data, self.max_frame_size)  # the hottest read: one add(), no event
+            if reply is not None:
+                deferred = self._deferred
+                if deferred is not None and peer.fd >= 0:
+                    deferred.append((peer, reply))
+                else:
+                    self._send(peer, reply)
+                return
         handlers = HANDLERS
         # a request in this batch may complete one this connection parked earlier: answer() puts
         # that reply in line here too, so the hello reply always goes first
         self._replying_to = peer
         replies = self._replies = []
         try:
-            if data and connection.at_frame_boundary():
+            if data and at_boundary:
                 # the common case, cut without building events; the hottest requests go to their
                 # handler with the frame's bytes (handlers.FAST_HANDLERS), the others are parsed
                 fast = FAST_HANDLERS
