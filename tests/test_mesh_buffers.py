@@ -8,15 +8,18 @@ doubles (and caps) whatever is asked for.
 from __future__ import annotations
 
 import socket
+import sys
 import threading
+
+import pytest
 
 from distcomm.store import HashStore
 from distcomm.transport import mesh
 
 
-def _kernel_size(requested: int) -> tuple[int, int]:
-    """SO_SNDBUF and SO_RCVBUF the kernel grants a fresh TCP socket that asks for ``requested``."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+def _kernel_size(requested: int, family=socket.AF_INET) -> tuple[int, int]:
+    """SO_SNDBUF and SO_RCVBUF the kernel grants a fresh stream socket that asks for ``requested``."""
+    with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, requested)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, requested)
         return (s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF), s.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF))
@@ -26,10 +29,7 @@ def _buffers(sock: socket.socket) -> tuple[int, int]:
     return (sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF), sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF))
 
 
-def test_a_mesh_on_one_host_uses_the_loopback_buffers():
-    assert mesh.LOOPBACK_SOCKET_BUFFER < mesh.SOCKET_BUFFER
-    expected = _kernel_size(mesh.LOOPBACK_SOCKET_BUFFER)
-    assert expected != _kernel_size(mesh.SOCKET_BUFFER), "this kernel caps both sizes alike: nothing to check"
+def _mesh_of_two() -> dict:
     store = HashStore()
     socks, errors = {}, []
 
@@ -45,6 +45,33 @@ def test_a_mesh_on_one_host_uses_the_loopback_buffers():
     for t in threads:
         t.join(30)
     assert not errors, errors
+    return socks
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="abstract Unix sockets are Linux's")
+def test_ranks_of_one_host_connect_by_a_unix_socket_with_the_loopback_buffers(monkeypatch):
+    monkeypatch.delenv("DISTCOMM_TCP_LOCAL_SOCKET", raising=False)
+    socks = _mesh_of_two()
+    try:
+        pair = (socks[0][1], socks[1][0])
+        assert [s.family for s in pair] == [socket.AF_UNIX] * 2
+        expected = _kernel_size(mesh.LOOPBACK_SOCKET_BUFFER, socket.AF_UNIX)
+        assert [_buffers(s) for s in pair] == [expected] * 2
+        pair[0].sendall(b"ping")  # and it is the pair: what one end sends, the other receives
+        assert pair[1].recv(4) == b"ping"
+    finally:
+        for s in list(socks[0].values()) + list(socks[1].values()):
+            s.close()
+    left = [line for line in open("/proc/net/unix") if "distcomm-mesh-" in line]
+    assert left == [], "the mesh's Unix listeners must be closed once it is connected"
+
+
+def test_a_mesh_on_one_host_uses_the_loopback_buffers(monkeypatch):
+    monkeypatch.setenv("DISTCOMM_TCP_LOCAL_SOCKET", "0")  # TCP, not the Unix socket
+    assert mesh.LOOPBACK_SOCKET_BUFFER < mesh.SOCKET_BUFFER
+    expected = _kernel_size(mesh.LOOPBACK_SOCKET_BUFFER)
+    assert expected != _kernel_size(mesh.SOCKET_BUFFER), "this kernel caps both sizes alike: nothing to check"
+    socks = _mesh_of_two()
     try:
         assert _buffers(socks[0][1]) == expected
         assert _buffers(socks[1][0]) == expected

@@ -90,6 +90,7 @@ def _listeners(port: int) -> set[str]:
 
 def test_mesh_listens_only_on_the_named_interface(monkeypatch):
     monkeypatch.setenv(interfaces.ENV, "lo")
+    monkeypatch.setenv("DISTCOMM_TCP_LOCAL_SOCKET", "0")  # ranks of one host would connect by a Unix socket
     monkeypatch.setenv("MASTER_ADDR", "192.0.2.1")  # the route to the "store" would not be loopback
     store = HashStore()
     socks, errors = {}, []

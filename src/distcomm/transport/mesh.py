@@ -7,16 +7,25 @@ the transport proper only ever sees a finished ``{peer: socket}`` map.
 The protocol, for rank ``r`` of ``n``:
 
 1. listen on an ephemeral port of the address that reaches the store (see ``listen_host``) and
-   publish ``<prefix>/addr/<r>``; rank 0 also publishes a random session token;
+   publish ``<prefix>/addr/<r>``; on Linux also on a Unix socket (below), published first as
+   ``<prefix>/local/<r>``; rank 0 also publishes a random session token;
 2. read everyone's address and the token;
 3. connect to every *higher* rank and send it a hello (lower connects to higher: one socket per
-   pair, no simultaneous-open races);
+   pair, no simultaneous-open races): by its Unix socket if that answers (a rank on this host, in
+   this network namespace), else by TCP;
 4. accept from every *lower* rank, check its hello (token, world size, ranks), answer with ours;
    anything else that connects is closed and ignored;
 5. read the higher ranks' answers.
 
 Steps 3-5 cannot deadlock: hellos are tiny (the kernel buffers them), so sending never waits, and
 rank r's step 4 waits only on lower ranks' step 3, which waits on nothing.
+
+Why a Unix socket between ranks on one host: both move a message with the same two copies by
+CPUs of this host, but the loopback TCP path costs the kernel about twice as much per byte (64
+MiB each way between two processes: about 21 ms by a Unix socket, 36-46 ms by loopback TCP;
+docs/performance-notes.md). The socket is in the abstract namespace, so it is reachable only from
+this host's network namespace, under an unguessable name; the session token's hello is checked on
+it as on TCP. DISTCOMM_TCP_LOCAL_SOCKET=0 keeps every pair on TCP.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import ipaddress
 import os
 import selectors
 import socket
+import sys
 import time
 from datetime import timedelta
 
@@ -48,9 +58,41 @@ def _same_host(sock: socket.socket) -> bool:
         return False
 
 
+def local_socket_enabled() -> bool:
+    """Whether ranks on one host connect by a Unix socket (DISTCOMM_TCP_LOCAL_SOCKET=0: no)."""
+    return sys.platform.startswith("linux") and os.environ.get("DISTCOMM_TCP_LOCAL_SOCKET", "1") != "0"
+
+
+def _open_local_listener(backlog: int) -> socket.socket | None:
+    """An abstract-namespace Unix listener with an unguessable name, or None where there is none."""
+    if not local_socket_enabled():
+        return None
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(b"\0distcomm-mesh-" + os.urandom(12).hex().encode())
+        sock.listen(backlog)
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
+def _connect_local(name: bytes, deadline: float) -> socket.socket | None:
+    """A connection to a peer's Unix listener; None if it does not answer here (another host or
+    network namespace), and the caller uses TCP."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(max(0.001, min(1.0, deadline - time.monotonic())))
+        sock.connect(name)
+        return sock
+    except OSError:
+        sock.close()
+        return None
+
+
 def tune_socket(sock: socket.socket) -> None:
     """TCP_NODELAY (small messages leave at once) and fixed kernel buffers: 4 MiB across hosts,
-    512 KiB to a peer on this host.
+    512 KiB to a peer on this host (by loopback TCP or a Unix socket).
 
     Large buffers mean fewer sender wake-ups per large message, and 4 MiB (this machine's
     rmem_max) also bounds how much a large send parks in the kernel ahead of later frames. Over
@@ -61,8 +103,11 @@ def tune_socket(sock: socket.socket) -> None:
     7 rounds (docs/performance-notes.md, "TCP engine, large all_reduce"). Fixed sizes switch off
     Linux's autotuning.
     """
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    size = LOOPBACK_SOCKET_BUFFER if _same_host(sock) else SOCKET_BUFFER
+    if sock.family == socket.AF_UNIX:
+        size = LOOPBACK_SOCKET_BUFFER
+    else:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        size = LOOPBACK_SOCKET_BUFFER if _same_host(sock) else SOCKET_BUFFER
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         try:
             sock.setsockopt(socket.SOL_SOCKET, opt, size)
@@ -131,10 +176,13 @@ def connect_mesh(store, rank: int, size: int, timeout: float, host: str | None =
     publish_host = bind_host if bind_host not in _WILDCARD else listen_host(store)
     family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
+    local_listener = _open_local_listener(size)
     socks: dict[int, socket.socket] = {}
     try:
         listener.bind((bind_host, 0))
         listener.listen(size)
+        # the Unix name first: a peer that sees the address sees it too
+        store.set(f"{prefix}/local/{rank}", local_listener.getsockname() if local_listener is not None else b"")
         store.set(f"{prefix}/addr/{rank}", encode_address(publish_host, listener.getsockname()[1]))
         if rank == 0:
             store.set(f"{prefix}/token", os.urandom(framing.TOKEN_BYTES))
@@ -143,9 +191,12 @@ def connect_mesh(store, rank: int, size: int, timeout: float, host: str | None =
         token = bytes(store.get(f"{prefix}/token"))
         higher = range(rank + 1, size)
         for q in higher:
-            socks[q] = _connect(decode_address(store.get(f"{prefix}/addr/{q}")), q, deadline)
+            local_name = bytes(store.get(f"{prefix}/local/{q}")) if local_listener is not None else b""
+            sock = _connect_local(local_name, deadline) if local_name else None
+            socks[q] = sock if sock is not None else _connect(decode_address(store.get(f"{prefix}/addr/{q}")), q, deadline)
             socks[q].sendall(framing.encode_hello(rank, q, size, token))
-        socks.update(_accept_lower(listener, rank, size, token, deadline))
+        listeners = [listener] if local_listener is None else [listener, local_listener]
+        socks.update(_accept_lower(listeners, rank, size, token, deadline))
         for q in higher:
             hello = framing.decode_hello(_recv_exact(socks[q], framing.HELLO_SIZE, deadline, q))
             framing.check_hello(hello, token, size, rank)
@@ -163,6 +214,8 @@ def connect_mesh(store, rank: int, size: int, timeout: float, host: str | None =
         raise
     finally:
         listener.close()
+        if local_listener is not None:
+            local_listener.close()
 
 
 def _remaining(deadline: float, what: str) -> float:
@@ -192,12 +245,14 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float, peer: int) -> byte
     return bytes(buf)
 
 
-def _accept_lower(listener: socket.socket, rank: int, size: int, token: bytes, deadline: float):
-    """Accept until every lower rank has said a valid hello; refuse anything else quietly."""
+def _accept_lower(listeners: list[socket.socket], rank: int, size: int, token: bytes, deadline: float):
+    """Accept (on any of ``listeners``) until every lower rank has said a valid hello; refuse
+    anything else quietly."""
     accepted: dict[int, socket.socket] = {}
     pending: dict[socket.socket, bytearray] = {}
     sel = selectors.DefaultSelector()
-    sel.register(listener, selectors.EVENT_READ)
+    for listener in listeners:
+        sel.register(listener, selectors.EVENT_READ)
     try:
         while len(accepted) < rank:
             left = deadline - time.monotonic()
@@ -206,8 +261,8 @@ def _accept_lower(listener: socket.socket, rank: int, size: int, token: bytes, d
                 raise TimeoutError(f"ranks {missing} did not connect to rank {rank} in time; are they running, "
                                    "and can they reach this host?")
             for key, _ in sel.select(left):
-                if key.fileobj is listener:
-                    conn, _ = listener.accept()
+                if key.fileobj in listeners:
+                    conn, _ = key.fileobj.accept()
                     conn.setblocking(False)
                     pending[conn] = bytearray()
                     sel.register(conn, selectors.EVENT_READ)

@@ -293,7 +293,9 @@ class TcpTransport(Transport):
 
     def connections(self) -> dict[int, tuple[tuple, tuple]]:
         """``{peer: (local address, peer's address)}`` of each live connection (socket names, e.g.
-        ``("10.0.0.1", 40123)``): which interface the mesh really runs over (tests, debugging)."""
+        ``("10.0.0.1", 40123)``; a peer on this host connected by a Unix socket has the listener's
+        abstract name on one end and ``""`` on the other): which interface the mesh really runs over
+        (tests, debugging)."""
         out = {}
         with self._lock:
             for p in self._peers:
