@@ -290,6 +290,37 @@ def test_add_takes_no_shortcut_while_a_piece_of_a_late_answer_is_buffered():
         theirs.close()
 
 
+def test_add_waits_for_its_reply_as_long_as_the_timeout_set_last():
+    """set_timeout() after add()s have taken their inline round trip: the next add() gives up at the
+    new timeout (plus the reply grace, 1 s), not at the old one (10 s, plus 1)."""
+    ours, theirs = socket.socketpair()
+    proto = c.ClientConnection()
+    proto.receive_data(c.ServerConnection.send(h.HelloReply()))
+    proto.next_event()
+    client = TCPStoreClient("fake", 0, timeout=10, connected=(ours, proto))
+    add_frame_size = len(f.encode_add(1, b"n", 1))
+
+    def server():  # answers the first two add()s, never the third
+        for request_id in (1, 2):
+            theirs.recv(add_frame_size, socket.MSG_WAITALL)
+            theirs.sendall(f.encode_integer(request_id, request_id))
+
+    thread = threading.Thread(target=server, daemon=True)
+    thread.start()
+    try:
+        assert client.add(b"n", 1) == 1
+        assert client.add(b"n", 1) == 2
+        thread.join(10)
+        client.set_timeout(0.2)
+        start = time.monotonic()
+        with pytest.raises(DistNetworkError, match="did not answer within"):
+            client.add(b"n", 1)
+        assert time.monotonic() - start < 5
+    finally:
+        client.close()
+        theirs.close()
+
+
 def test_server_side_timeout_answer_keeps_the_stream_in_sync(server):
     store = TCPStore("127.0.0.1", server.port)
     store.set_timeout(timedelta(milliseconds=30))
@@ -816,7 +847,8 @@ def _add_reads(max_frame_size):
     yield f.encode_add(10, b"n" * max_frame_size, 1), False  # a frame longer than the max frame size
 
 
-@pytest.mark.parametrize("stored", [None, b"7", b"0", b"007", b"-3", b"9223372036854775807", b"1_000", b"abc", b" 5", b""])
+@pytest.mark.parametrize("stored", [None, b"7", b"0", b"007", b"-3", b"9223372036854775807", b"1" * 20, b"1" * 5000,
+                                    b"1_000", b"abc", b" 5", b""], ids=lambda v: repr(v)[:24])
 def test_the_single_add_lane_answers_as_the_usual_lane_or_leaves_the_read_to_it(stored):
     max_frame_size = 40
     taken = 0
@@ -843,7 +875,17 @@ def test_the_single_add_lane_answers_as_the_usual_lane_or_leaves_the_read_to_it(
             fast.stop()
             usual.stop()
     # a counter that add() wrote is the lane's business: it must take those reads
-    assert taken > 0 if stored is not None and stored.isdigit() else taken == 0
+    counter = stored is not None and stored.isdigit() and len(stored) <= 19 and int(stored) < 2**63
+    assert taken > 0 if counter else taken == 0
+
+
+def test_an_add_on_more_digits_than_int_takes_is_refused_and_the_server_goes_on(server):
+    store = TCPStore("127.0.0.1", server.port, timeout=timedelta(seconds=10))
+    store.set("huge", "1" * 5000)  # int() refuses more than 4300 digits
+    with pytest.raises(ValueError):
+        store.add("huge", 1)
+    assert store.add("n", 1) == 1  # the server's loop is alive
+    store.close()
 
 
 def test_an_add_while_a_request_is_parked_wakes_it_through_the_usual_lane(bare_server):

@@ -24,8 +24,9 @@ Why a Unix socket between ranks on one host: both move a message with the same t
 CPUs of this host, but the loopback TCP path costs the kernel about twice as much per byte (64
 MiB each way between two processes: about 21 ms by a Unix socket, 36-46 ms by loopback TCP;
 docs/performance-notes.md). The socket is in the abstract namespace, so it is reachable only from
-this host's network namespace, under an unguessable name; the session token's hello is checked on
-it as on TCP. DISTCOMM_TCP_LOCAL_SOCKET=0 keeps every pair on TCP.
+this host's network namespace, under a random name (which every process there can list, in
+/proc/net/unix, as it can list TCP ports): what keeps others out is the session token's hello,
+checked on it as on TCP. DISTCOMM_TCP_LOCAL_SOCKET=0 keeps every pair on TCP.
 """
 
 from __future__ import annotations
@@ -64,15 +65,17 @@ def local_socket_enabled() -> bool:
 
 
 def _open_local_listener(backlog: int) -> socket.socket | None:
-    """An abstract-namespace Unix listener with an unguessable name, or None where there is none."""
+    """An abstract-namespace Unix listener with a random name, or None where there is none."""
     if not local_socket_enabled():
         return None
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock = None
     try:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.bind(b"\0distcomm-mesh-" + os.urandom(12).hex().encode())
         sock.listen(backlog)
     except OSError:
-        sock.close()
+        if sock is not None:
+            sock.close()
         return None
     return sock
 

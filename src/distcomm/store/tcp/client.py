@@ -346,7 +346,7 @@ class TCPStoreClient:
         self._lock = threading.Lock()
         self._next_id = 0
         self._rcvtimeo = -1.0
-        self._add_inline = False  # see _update_add_inline
+        self._add_inline = False  # see _update_add_inline: the first add() goes through _exchange
         self.set_timeout(timeout)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval(self.reply_timeout))
 
@@ -400,11 +400,11 @@ class TCPStoreClient:
         return self._receive(operation, sock, request_id, integer)
 
     def _update_add_inline(self) -> None:
-        """Whether add() may take its inline round trip: the connection is open, its receive deadline
-        is the reply timeout, and no bytes of an earlier response are buffered (so the next bytes
-        received start a frame). Called wherever one of the three may change."""
-        self._add_inline = (self._sock is not None and self._rcvtimeo == self.reply_timeout
-                            and self._proto.at_frame_boundary())
+        """Whether add() may take its inline round trip, as far as the connection goes: it is open,
+        and no bytes of an earlier response are buffered (so the next bytes received start a frame).
+        Called, under the lock, wherever either may change; add() also checks that the socket's
+        receive deadline is the reply timeout (set_timeout changes that from any thread)."""
+        self._add_inline = self._sock is not None and self._proto.at_frame_boundary()
 
     def _receive(self, operation: str, sock, request_id: int, integer: bool, data: bytes | None = None):
         """The rest of ``_exchange`` once the frame is sent; ``data``: what was already received for it."""
@@ -514,7 +514,7 @@ class TCPStoreClient:
     def add(self, key: bytes, amount: int) -> int:
         with self._lock:
             self._next_id = request_id = (self._next_id + 1) & 0xFFFFFFFF
-            if not self._add_inline:
+            if not self._add_inline or self._rcvtimeo != self.reply_timeout:
                 response = self._exchange("add", frames.encode_add(request_id, key, amount), request_id,
                                           self.reply_timeout, True)
             else:
@@ -626,7 +626,6 @@ class TCPStoreClient:
         """The store's default timeout: bounds every reply, and get()'s wait."""
         self.reply_timeout = timeout + reply_grace(timeout)
         self._timeout_cached, self._wait_cached, self._ms_cached = timeout, self.reply_timeout, _milliseconds(timeout)
-        self._update_add_inline()
 
 
 def _milliseconds(seconds: float) -> int:

@@ -321,6 +321,7 @@ FAST_HANDLERS = {
 
 _ADD_HEAD_UNPACK, _ADD_FRAME_MIN, _ADD = ADD_HEAD.unpack_from, ADD_HEAD.size, Add.OPCODE
 _INTEGER_REPLY_PACK, _INTEGER = INTEGER_REPLY.pack, Integer.OPCODE
+_INT64_DIGITS = len(str(INT64_MAX))
 
 
 def single_add(server, data: bytes, max_frame_size: int) -> bytes | None:
@@ -337,8 +338,8 @@ def single_add(server, data: bytes, max_frame_size: int) -> bytes | None:
     key = data[_ADD_FRAME_MIN:]
     values = server.table.values
     current = values.get(key)
-    if current is None or not current.isdigit():
-        return None
+    if current is None or len(current) > _INT64_DIGITS or not current.isdigit():
+        return None  # (a longer one is out of range, or more digits than int() takes: an Error)
     total = int(current) + amount
     if total > INT64_MAX or total < INT64_MIN:
         return None
