@@ -43,7 +43,7 @@ variable                               meaning (default)
 =====================================  =======================================================
 
 Not tuning, and so not here: where things are (``DISTCOMM_SHM_DIR``, ``DISTCOMM_HOST_ID``,
-``DISTCOMM_SOCKET_IFNAME``), security (``DISTCOMM_AUTH_KEY[_FILE]``), the store
+``DISTCOMM_SOCKET_IFNAME``, ``DISTCOMM_TCP_LOCAL_SOCKET``), security (``DISTCOMM_AUTH_KEY[_FILE]``), the store
 (``DISTCOMM_STORE_*``) and debugging (``DISTCOMM_DEBUG``, ``DISTCOMM_TRACE_BUFFER_SIZE`` and
 ``DISTCOMM_TRACE_DIR`` in flight_recorder.py); each is read where it is used, once, when that thing is
 set up.
