@@ -254,6 +254,16 @@ def test_a_late_answer_to_an_abandoned_get_does_not_desync_the_client(server):
     setter.close()
 
 
+def _client_on_a_socketpair() -> tuple[TCPStoreClient, socket.socket]:
+    """A client whose connection is one end of a socket pair, past its hello; the test is the server
+    on the other end, and sends exactly the bytes it wants."""
+    ours, theirs = socket.socketpair()
+    proto = c.ClientConnection()
+    proto.receive_data(c.ServerConnection.send(h.HelloReply()))
+    proto.next_event()
+    return TCPStoreClient("fake", 0, timeout=10, connected=(ours, proto)), theirs
+
+
 def test_add_takes_no_shortcut_while_a_piece_of_a_late_answer_is_buffered():
     """add()'s inline round trip reads the next bytes as the start of a frame. After a read that left
     a late answer's first bytes buffered, the next bytes are that answer's rest, which here happen to
@@ -261,11 +271,7 @@ def test_add_takes_no_shortcut_while_a_piece_of_a_late_answer_is_buffered():
     late_value = f.encode_integer(2, 666)  # a late Value whose payload looks like add #2's reply
     late = f.encode(f.Value(99, late_value))
     head = len(late) - len(late_value)
-    ours, theirs = socket.socketpair()
-    proto = c.ClientConnection()
-    proto.receive_data(c.ServerConnection.send(h.HelloReply()))
-    proto.next_event()
-    client = TCPStoreClient("fake", 0, timeout=10, connected=(ours, proto))
+    client, theirs = _client_on_a_socketpair()
     add_frame_size = len(f.encode_add(1, b"n", 1))
 
     def server():
@@ -293,11 +299,7 @@ def test_add_takes_no_shortcut_while_a_piece_of_a_late_answer_is_buffered():
 def test_add_waits_for_its_reply_as_long_as_the_timeout_set_last():
     """set_timeout() after add()s have taken their inline round trip: the next add() gives up at the
     new timeout (plus the reply grace, 1 s), not at the old one (10 s, plus 1)."""
-    ours, theirs = socket.socketpair()
-    proto = c.ClientConnection()
-    proto.receive_data(c.ServerConnection.send(h.HelloReply()))
-    proto.next_event()
-    client = TCPStoreClient("fake", 0, timeout=10, connected=(ours, proto))
+    client, theirs = _client_on_a_socketpair()
     add_frame_size = len(f.encode_add(1, b"n", 1))
 
     def server():  # answers the first two add()s, never the third

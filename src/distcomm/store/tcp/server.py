@@ -390,11 +390,7 @@ class TCPStoreServer:
         if at_boundary and peer.partial_deadline is None:
             reply = single_add(self, data, self.max_frame_size)  # the hottest read: one add(), no event
             if reply is not None:
-                deferred = self._deferred
-                if deferred is not None and peer.fd >= 0:
-                    deferred.append((peer, reply))
-                else:
-                    self._send(peer, reply)
+                self._send(peer, reply)  # at the batch's end
                 return
         handlers = HANDLERS
         # a request in this batch may complete one this connection parked earlier: answer() puts
