@@ -146,6 +146,45 @@ def test_snapshot_and_failure():
     assert snap["b"]["last_started"]["state"] == "started" and snap["b"]["last_completed"] is None
 
 
+def test_a_destroyed_groups_entry_goes_once_its_records_have_left_the_ring():
+    rec = fr.FlightRecorder(10)
+    rec.register_group("live", 0, [0, 1], 0, 30.0)  # never destroyed, never recorded: kept
+    for i in range(1, 2000):
+        rec.register_group(f"g{i}", i, [0, 1], 0, 30.0)
+        fr.complete(rec.record(f"g{i}", 1, "all_reduce", 8, "float32", None))
+        rec.retire_group(f"g{i}")
+    assert len(rec.groups) <= 1 + 10 + fr.RETIRED_GROUPS_KEPT + 1  # was one entry per group ever made
+    assert "live" in rec.groups
+    in_ring = {e[fr.GROUP] for e in rec.entries()}
+    assert in_ring <= set(rec.groups), "a dump must still name the ranks of every group in the ring"
+    rec.register_group("g5", 5, [0], 0, 30.0)  # a name made again is a live group
+    for i in range(2000, 2400):
+        rec.register_group(f"g{i}", i, [0, 1], 0, 30.0)
+        rec.retire_group(f"g{i}")
+    assert "g5" in rec.groups and "live" in rec.groups
+
+
+def _groups_made_and_destroyed(rank, world_size, count):
+    import distcomm as dist
+
+    fr.configure(50)  # a ring of 50 records
+    dist.init_process_group("tcp", timeout=timedelta(seconds=20))
+    x = np.ones(2, dtype=np.float32)
+    for _ in range(count):
+        group = dist.new_group([0, 1])
+        dist.all_reduce(x, group=group)
+        dist.destroy_process_group(group)
+    names = len(fr.recorder.groups)
+    dist.destroy_process_group()
+    return names
+
+
+def test_a_job_that_makes_and_destroys_groups_keeps_a_bounded_group_table():
+    count = fr.RETIRED_GROUPS_KEPT + 150
+    names = run_world(_groups_made_and_destroyed, 2, args=(count,), timeout=120)
+    assert all(n <= 1 + 50 + fr.RETIRED_GROUPS_KEPT + 1 for n in names), names  # was count + 1 (the world)
+
+
 def test_dump_round_trips_and_needs_a_directory(tmp_path, monkeypatch):
     rec = fr.FlightRecorder(4)
     rec.rank = 3

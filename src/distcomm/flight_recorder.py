@@ -27,7 +27,8 @@ Settings, read once when distcomm is imported:
   that times out does not litter a temp dir behind the user's back.
 
 A dump is JSON lines: one header line (rank, world size, pid, host, reason, time, the groups this
-process knows with their ranks) and then the records, oldest first. ``python -m distcomm.trace DIR``
+process knows with their ranks: its live groups, and destroyed ones while records of theirs are in
+the ring) and then the records, oldest first. ``python -m distcomm.trace DIR``
 reads the files of every rank.
 """
 
@@ -51,6 +52,7 @@ FIELDS = ("id", "group", "seq", "op", "nbytes", "dtype", "peer", "site", "time_c
 SCHEDULED, STARTED, COMPLETED, FAILED = "scheduled", "started", "completed", "failed"
 
 DEFAULT_CAPACITY = 2000
+RETIRED_GROUPS_KEPT = 256  # destroyed groups kept before their entries are pruned (see retire_group)
 FILE_PATTERN = "distcomm_trace_rank_{rank}.jsonl"
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -152,11 +154,29 @@ class FlightRecorder:
         self.rank: int | None = None  # the global rank, once a group says it
         self.world_size: int | None = None
         self.groups: dict[str, dict] = {}  # name -> {"id", "ranks", "timeout"}
+        self.retired: set[str] = set()  # names in ``groups`` of destroyed groups
+        self._prune_above = RETIRED_GROUPS_KEPT
 
     def register_group(self, name: str, group_id: int, ranks: Iterable[int], global_rank: int,
                        timeout_s: float) -> None:
         self.groups[name] = {"id": group_id, "ranks": list(ranks), "timeout": timeout_s}
+        self.retired.discard(name)
         self.rank = global_rank
+
+    def retire_group(self, name: str) -> None:
+        """The group ``name`` was destroyed. Its entry stays while records of it are in the ring (a
+        dump still says which ranks they were about), and goes after that: a job that makes and
+        destroys groups for as long as it runs keeps a bounded table. Pruning reads the ring, so it
+        waits until more than RETIRED_GROUPS_KEPT (or twice what the last pruning kept) are retired."""
+        if name not in self.groups:
+            return
+        self.retired.add(name)
+        if len(self.retired) > self._prune_above:
+            in_ring = {entry[GROUP] for entry in list(self._slots) if entry is not None}
+            for old in [g for g in self.retired if g not in in_ring]:
+                self.groups.pop(old, None)
+                self.retired.discard(old)
+            self._prune_above = max(RETIRED_GROUPS_KEPT, 2 * len(self.retired))
 
     # -- the hot path ---------------------------------------------------------------------------
     def record(self, group: str, seq: int | None, op: str, nbytes: int | None, dtype: str | None,
@@ -340,6 +360,7 @@ def configure(capacity: int | None = None) -> FlightRecorder | None:
     recorder = FlightRecorder(capacity) if capacity > 0 else None
     if recorder is not None and old is not None:
         recorder.groups, recorder.rank, recorder.world_size = old.groups, old.rank, old.world_size
+        recorder.retired = old.retired
     return recorder
 
 

@@ -636,6 +636,8 @@ class ProcessGroup:
 
     def close(self) -> None:
         self.executor.close()
+        if fr.recorder is not None:
+            fr.recorder.retire_group(self.group_name)
         # The engine's fast paths hold this group (its channel, its faults): dropping them breaks
         # that cycle, so the group and what it holds (its store) go when its last user lets go.
         self.fast_all_reduce = self.fast_barrier = _no_fast_path
