@@ -259,7 +259,7 @@ class FlightRecorder:
             "time": _now(),
             "capacity": self.capacity,
             "recorded": self.recorded(),
-            "groups": self.groups,
+            "groups": dict(self.groups),  # a copy (one C call): groups come and go in other threads
         }
 
     def dump(self, directory: str | None = None, reason: str = "on demand") -> str | None:
