@@ -407,13 +407,8 @@ class TCPStoreClient:
         self._add_inline = self._sock is not None and self._proto.at_frame_boundary()
 
     def _receive(self, operation: str, sock, request_id: int, integer: bool, data: bytes | None = None):
-        """The rest of ``_exchange`` once the frame is sent; ``data``: what was already received for it."""
-        try:
-            return self._receive_response(operation, sock, request_id, integer, data)
-        finally:
-            self._update_add_inline()
-
-    def _receive_response(self, operation: str, sock, request_id: int, integer: bool, data: bytes | None):
+        """The rest of ``_exchange`` once the frame is sent; ``data``: what was already received for it.
+        Whatever it leaves buffered, add()'s inline round trip is then re-decided."""
         proto = self._proto
         try:
             while True:
@@ -436,6 +431,8 @@ class TCPStoreClient:
             self._broken(operation, f"the server sent bytes that are not this protocol ({exc})")
         except OSError as exc:
             self._broken(operation, str(exc) or type(exc).__name__)
+        finally:
+            self._update_add_inline()
 
     def _broken(self, operation: str, reason: str):
         sock, self._sock = self._sock, None
