@@ -1,5 +1,6 @@
-"""The compiled pieces: the shared-memory round steps in C (src/distcomm/transport/_shm_round.c) and
-the flight recorder's hot record (src/distcomm/_record.c).
+"""The compiled pieces: the shared-memory round steps in C (src/distcomm/transport/_shm_round.c),
+the flight recorder's hot record (src/distcomm/_record.c) and the TCPStore client's add() round
+trip (src/distcomm/store/tcp/_add_trip.c).
 
 Optional: where they do not build (no C compiler, no Python headers), the install goes on and
 distcomm runs the same rounds and calls (and makes the same records) in Python
@@ -27,6 +28,8 @@ setup(
             **numpy_fields,
         ),
         Extension("distcomm._record", ["src/distcomm/_record.c"], extra_compile_args=["-O2"], optional=True),
+        Extension("distcomm.store.tcp._add_trip", ["src/distcomm/store/tcp/_add_trip.c"], extra_compile_args=["-O2"],
+                  optional=True),
     ]
     + (  # the MPI engine's small all_reduce in C: Python methods of mpi4py's requests, no MPI header
         [Extension("distcomm.backends.mpi._mpi_calls", ["src/distcomm/backends/mpi/_mpi_calls.c"],

@@ -28,7 +28,7 @@ LAYERS = [
 LAYER_OF = {name: level for level, names in LAYERS for name in names}
 
 # Compiled modules (C sources beside the Python ones): imports of them are leaves, not the package.
-COMPILED = {"distcomm.transport._shm_round"}
+COMPILED = {"distcomm.transport._shm_round", "distcomm.store.tcp._add_trip"}
 
 
 def modules() -> dict[str, Path]:

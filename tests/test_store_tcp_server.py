@@ -28,6 +28,7 @@ from distcomm.errors import DistNetworkError, DistStoreError, DistStoreTimeoutEr
 from distcomm.store import TCPStore
 from distcomm.store.tcp import TCPStoreServer
 from distcomm.store.tcp import connection as c, frames as f, handlers, handshake as h
+from distcomm.store.tcp import client as client_module
 from distcomm.store.tcp.client import TCPStoreClient
 from harness import free_port
 
@@ -254,24 +255,45 @@ def test_a_late_answer_to_an_abandoned_get_does_not_desync_the_client(server):
     setter.close()
 
 
-def _client_on_a_socketpair() -> tuple[TCPStoreClient, socket.socket]:
+class _SocketLike:
+    """What a client needs of a socket, and not a socket: the client then takes add()'s round trip
+    in Python (as on the master's in-process connection), not in C (_add_trip.c), which needs a
+    socket's file descriptor."""
+
+    def __init__(self, sock: socket.socket):
+        self._sock = sock
+
+    def __getattr__(self, name):
+        if name == "fileno":
+            raise AttributeError(name)
+        return getattr(self._sock, name)
+
+
+needs_add_in_c = pytest.mark.skipif(not client_module.ADD_IN_C, reason="the C round trip is not built here")
+ADD_TRIPS = [pytest.param("c", marks=needs_add_in_c), "python"]
+
+
+def _client_on_a_socketpair(add_trip: str = "c") -> tuple[TCPStoreClient, socket.socket]:
     """A client whose connection is one end of a socket pair, past its hello; the test is the server
-    on the other end, and sends exactly the bytes it wants."""
+    on the other end, and sends exactly the bytes it wants. ``add_trip``: which of add()'s round
+    trips the client takes, "c" (on a socket) or "python" (on a socket-like object)."""
     ours, theirs = socket.socketpair()
     proto = c.ClientConnection()
     proto.receive_data(c.ServerConnection.send(h.HelloReply()))
     proto.next_event()
-    return TCPStoreClient("fake", 0, timeout=10, connected=(ours, proto)), theirs
+    connection = ours if add_trip == "c" else _SocketLike(ours)
+    return TCPStoreClient("fake", 0, timeout=10, connected=(connection, proto)), theirs
 
 
-def test_add_takes_no_shortcut_while_a_piece_of_a_late_answer_is_buffered():
+@pytest.mark.parametrize("add_trip", ADD_TRIPS)
+def test_add_takes_no_shortcut_while_a_piece_of_a_late_answer_is_buffered(add_trip):
     """add()'s inline round trip reads the next bytes as the start of a frame. After a read that left
     a late answer's first bytes buffered, the next bytes are that answer's rest, which here happen to
     be exactly an Integer reply to the next add(): taken as one, add() would return 666."""
     late_value = f.encode_integer(2, 666)  # a late Value whose payload looks like add #2's reply
     late = f.encode(f.Value(99, late_value))
     head = len(late) - len(late_value)
-    client, theirs = _client_on_a_socketpair()
+    client, theirs = _client_on_a_socketpair(add_trip)
     add_frame_size = len(f.encode_add(1, b"n", 1))
 
     def server():
@@ -296,10 +318,55 @@ def test_add_takes_no_shortcut_while_a_piece_of_a_late_answer_is_buffered():
         theirs.close()
 
 
-def test_add_waits_for_its_reply_as_long_as_the_timeout_set_last():
+@needs_add_in_c
+def test_on_a_socket_add_round_trips_without_the_socket_objects_methods():
+    """The first add() parses its reply the general way; the next ones take the round trip in C,
+    on the socket's file descriptor: the socket object's own methods are not called."""
+
+    class Counting(socket.socket):
+        calls = 0
+
+        def sendall(self, *args):
+            Counting.calls += 1
+            return super().sendall(*args)
+
+        def recv(self, *args):
+            Counting.calls += 1
+            return super().recv(*args)
+
+    ours, theirs = socket.socketpair()
+    sock = Counting(fileno=ours.detach())
+    proto = c.ClientConnection()
+    proto.receive_data(c.ServerConnection.send(h.HelloReply()))
+    proto.next_event()
+    client = TCPStoreClient("fake", 0, timeout=10, connected=(sock, proto))
+    add_frame_size = len(f.encode_add(1, b"n", 1))
+
+    def server():
+        for request_id in (1, 2, 3):
+            theirs.recv(add_frame_size, socket.MSG_WAITALL)
+            theirs.sendall(f.encode_integer(request_id, 10 * request_id))
+
+    thread = threading.Thread(target=server, daemon=True)
+    thread.start()
+    try:
+        assert client.add(b"n", 1) == 10
+        first = Counting.calls
+        assert first >= 2
+        assert client.add(b"n", 1) == 20
+        assert client.add(b"n", 1) == 30
+        assert Counting.calls == first
+    finally:
+        thread.join(10)
+        client.close()
+        theirs.close()
+
+
+@pytest.mark.parametrize("add_trip", ADD_TRIPS)
+def test_add_waits_for_its_reply_as_long_as_the_timeout_set_last(add_trip):
     """set_timeout() after add()s have taken their inline round trip: the next add() gives up at the
     new timeout (plus the reply grace, 1 s), not at the old one (10 s, plus 1)."""
-    client, theirs = _client_on_a_socketpair()
+    client, theirs = _client_on_a_socketpair(add_trip)
     add_frame_size = len(f.encode_add(1, b"n", 1))
 
     def server():  # answers the first two add()s, never the third

@@ -52,6 +52,15 @@ _RECV_SIZE = 1 << 16
 _ADD_HEAD_PACK, _ADD_LENGTH, _ADD = frames.ADD_HEAD.pack, frames.ADD_LENGTH, frames.Add.OPCODE
 _INTEGER_REPLY_UNPACK, _INTEGER_REPLY_SIZE = frames.INTEGER_REPLY.unpack, frames.INTEGER_REPLY.size
 _INTEGER_LENGTH, _INTEGER = frames.INTEGER_LENGTH, frames.Integer.OPCODE
+try:  # and the same round trip in C, on a socket (_add_trip.c), where it is built for this layout
+    from . import _add_trip
+except ImportError:
+    _add_trip = None
+_add_round_trip = None if _add_trip is None or (
+    _add_trip.ADD_OPCODE, _add_trip.ADD_LENGTH, _add_trip.INTEGER_OPCODE, _add_trip.INTEGER_LENGTH,
+    _add_trip.REPLY_SIZE) != (_ADD, _ADD_LENGTH, _INTEGER, _INTEGER_LENGTH, _INTEGER_REPLY_SIZE) else _add_trip.round_trip
+#: whether add()'s round trip on a socket runs in C here (else in Python, as on the master's own connection)
+ADD_IN_C = _add_round_trip is not None
 # How long a peer that accepted the connection may take to answer the probe: a distcomm or torch
 # server answers at once (its event loop only echoes), so a silent peer is something else.
 PROBE_TIMEOUT = 5.0
@@ -347,6 +356,9 @@ class TCPStoreClient:
         self._next_id = 0
         self._rcvtimeo = -1.0
         self._add_inline = False  # see _update_add_inline: the first add() goes through _exchange
+        # the socket add()'s inline round trip runs on in C, or -1: in Python (a LocalSocket, no C)
+        self._add_fd = self._sock.fileno() if _add_round_trip is not None and isinstance(self._sock, socket.socket) \
+            else -1
         self.set_timeout(timeout)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval(self.reply_timeout))
 
@@ -514,6 +526,15 @@ class TCPStoreClient:
             if not self._add_inline or self._rcvtimeo != self.reply_timeout:
                 response = self._exchange("add", frames.encode_add(request_id, key, amount), request_id,
                                           self.reply_timeout, True)
+            elif self._add_fd >= 0:  # the round trip below, in C: no Python of its own at all
+                try:
+                    response = _add_round_trip(self._add_fd, key, request_id, amount)
+                except OSError as exc:
+                    self._broken("add", str(exc) or type(exc).__name__)
+                if response.__class__ is int:
+                    return response
+                if response is not None:
+                    response = self._receive("add", self._sock, request_id, True, response)
             else:
                 # _exchange()'s common case, inline and without a function call of Python's own: one
                 # send, one recv holding exactly the reply. With many clients per CPU each add() comes

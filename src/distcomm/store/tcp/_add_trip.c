@@ -1,0 +1,153 @@
+/* The TCPStore client's add() round trip in C: one request out, one reply in, on the client's
+ * blocking socket, with the GIL released while it waits (client.py's TCPStoreClient.add).
+ *
+ * Why C: with many clients per CPU every add() blocks and comes back to cold caches, and what the
+ * client's Python still did per add() (building the frame, two socket method calls, a 64 KiB
+ * receive buffer, unpacking and checking the reply) cost about as much CPU as the kernel's send
+ * and receive themselves (docs/performance-notes.md, "the TCPStore client's add() in C").
+ *
+ *     round_trip(fd, key, request_id, amount) -> int | bytes | None
+ *
+ * sends the Add frame (frames.ADD_HEAD, then the key) and receives at most one Integer reply's
+ * worth of bytes. It returns the value when those bytes are exactly the Integer frame answering
+ * ``request_id``; otherwise the bytes it received (b"" when the server closed the connection), for
+ * the client's general parser to go on with (an Error, a late answer to an earlier request, a
+ * reply not all here yet); None when the socket's SO_RCVTIMEO passed with no byte of a reply. A
+ * failed send (SO_SNDTIMEO passing included: part of the frame may be out) or a failed receive
+ * raises OSError, as the socket methods would. Signals are handled as Python's own socket calls
+ * handle them (PEP 475: run the handlers, go on unless one raised).
+ *
+ * The layout (little-endian, packed): request  u64 length, u8 opcode, u32 request_id, i64 amount,
+ * key; reply  u64 length, u8 opcode, u32 request_id, i64 value. The module's ADD_OPCODE,
+ * ADD_LENGTH, INTEGER_OPCODE and INTEGER_LENGTH name the constants; client.py uses this module only
+ * where they equal frames.py's, and tests hold its bytes to frames.encode_add's.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <errno.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+#define ADD_OPCODE 0x03
+#define INTEGER_OPCODE 0x82
+#define HEAD_SIZE 21      /* u64 + u8 + u32 + i64, the request's head and the whole reply */
+#define ADD_LENGTH 13     /* the request's length field counts opcode, id, amount, then the key */
+#define INTEGER_LENGTH 13 /* and the reply's: opcode, id, value */
+
+static void put_le(unsigned char *at, uint64_t value, int size) {
+    for (int i = 0; i < size; i++) at[i] = (unsigned char)(value >> (8 * i));
+}
+
+static uint64_t get_le(const unsigned char *at, int size) {
+    uint64_t value = 0;
+    for (int i = size - 1; i >= 0; i--) value = (value << 8) | at[i];
+    return value;
+}
+
+/* Send all of iov[0..count) (advanced in place). 0, or -1 with errno set and no GIL change. */
+static int send_all(int fd, struct iovec *iov, int count) {
+    while (count > 0) {
+        struct msghdr message = {.msg_iov = iov, .msg_iovlen = (size_t)count};
+        ssize_t sent;
+        Py_BEGIN_ALLOW_THREADS
+        sent = sendmsg(fd, &message, MSG_NOSIGNAL);
+        Py_END_ALLOW_THREADS
+        if (sent < 0) {
+            if (errno == EINTR && PyErr_CheckSignals() == 0) continue;
+            return -1;
+        }
+        while (count > 0 && (size_t)sent >= iov->iov_len) {
+            sent -= (ssize_t)iov->iov_len;
+            iov++;
+            count--;
+        }
+        if (count > 0) {
+            iov->iov_base = (char *)iov->iov_base + sent;
+            iov->iov_len -= (size_t)sent;
+        }
+    }
+    return 0;
+}
+
+static PyObject *round_trip(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "round_trip(fd, key, request_id, amount) takes 4 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    long fd = PyLong_AsLong(args[0]);
+    if (fd == -1 && PyErr_Occurred()) return NULL;
+    if (fd < 0 || fd > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "round_trip: %ld is not a file descriptor", fd);
+        return NULL;
+    }
+    if (!PyBytes_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "round_trip: the key must be bytes");
+        return NULL;
+    }
+    unsigned long request_id = PyLong_AsUnsignedLong(args[2]);
+    if (request_id == (unsigned long)-1 && PyErr_Occurred()) return NULL;
+    if (request_id > 0xFFFFFFFFUL) {
+        PyErr_SetString(PyExc_OverflowError, "round_trip: the request id does not fit 32 bits");
+        return NULL;
+    }
+    long long amount = PyLong_AsLongLong(args[3]);
+    if (amount == -1 && PyErr_Occurred()) return NULL;
+
+    /* the key's bytes are read without the GIL: a bytes object is immutable, and the caller's
+     * argument keeps it alive until this call returns */
+    Py_ssize_t key_size = PyBytes_GET_SIZE(args[1]);
+    unsigned char head[HEAD_SIZE];
+    put_le(head, (uint64_t)(ADD_LENGTH + key_size), 8);
+    head[8] = ADD_OPCODE;
+    put_le(head + 9, (uint64_t)request_id, 4);
+    put_le(head + 13, (uint64_t)amount, 8);
+    struct iovec iov[2] = {{head, HEAD_SIZE}, {PyBytes_AS_STRING(args[1]), (size_t)key_size}};
+    if (send_all((int)fd, iov, key_size ? 2 : 1) < 0) {
+        return PyErr_Occurred() ? NULL : PyErr_SetFromErrno(PyExc_OSError);
+    }
+
+    unsigned char reply[HEAD_SIZE];
+    ssize_t got;
+    for (;;) {
+        Py_BEGIN_ALLOW_THREADS
+        got = recv((int)fd, reply, HEAD_SIZE, 0);
+        Py_END_ALLOW_THREADS
+        if (got >= 0) break;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) Py_RETURN_NONE; /* SO_RCVTIMEO: the request is out */
+        if (errno != EINTR) return PyErr_SetFromErrno(PyExc_OSError);
+        if (PyErr_CheckSignals() < 0) return NULL;
+    }
+    if (got == HEAD_SIZE && get_le(reply, 8) == INTEGER_LENGTH && reply[8] == INTEGER_OPCODE &&
+        get_le(reply + 9, 4) == request_id) {
+        return PyLong_FromLongLong((long long)get_le(reply + 13, 8));
+    }
+    return PyBytes_FromStringAndSize((const char *)reply, got);
+}
+
+static PyMethodDef methods[] = {
+    {"round_trip", (PyCFunction)(void (*)(void))round_trip, METH_FASTCALL,
+     "round_trip(fd, key, request_id, amount) -> the Integer reply's value, the bytes received instead, "
+     "or None if none came in time"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, .m_name = "distcomm.store.tcp._add_trip", .m_size = -1,
+                                    .m_doc = "The TCPStore client's add() round trip in C (see _add_trip.c).",
+                                    .m_methods = methods};
+
+PyMODINIT_FUNC PyInit__add_trip(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    if (PyModule_AddIntConstant(m, "ADD_OPCODE", ADD_OPCODE) < 0 ||
+        PyModule_AddIntConstant(m, "ADD_LENGTH", ADD_LENGTH) < 0 ||
+        PyModule_AddIntConstant(m, "INTEGER_OPCODE", INTEGER_OPCODE) < 0 ||
+        PyModule_AddIntConstant(m, "INTEGER_LENGTH", INTEGER_LENGTH) < 0 ||
+        PyModule_AddIntConstant(m, "REPLY_SIZE", HEAD_SIZE) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

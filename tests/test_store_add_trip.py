@@ -1,0 +1,230 @@
+"""The TCPStore client's add() round trip in C (store/tcp/_add_trip.c), on bytes: the frame it
+sends is frames.encode_add's, the reply it accepts is exactly frames.decode_integer_reply's, and
+everything else (a late answer, part of a reply, the server gone, no reply in time, a signal while
+it waits) comes back as the socket methods would hand it to the client's general parser.
+
+The client's own behaviour around it (late answers, set_timeout, lost servers) is pinned through
+TCPStoreClient in test_store_tcp_server.py, on this path and on the Python one."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+from distcomm.store.tcp import frames as f
+
+trip = pytest.importorskip("distcomm.store.tcp._add_trip", reason="the C round trip is not built here")
+ADD_SIZE = f.ADD_HEAD.size
+
+
+def _pair(receive_timeout: float = 10.0) -> tuple[socket.socket, socket.socket]:
+    """A blocking socket pair. The client's deadlines are SO_RCVTIMEO on a blocking socket; here it
+    also turns a round trip that never gets its reply (a held GIL starves the replying thread) into
+    a failed assertion rather than a hang."""
+    ours, theirs = socket.socketpair()
+    seconds = int(receive_timeout)
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                    struct.pack("ll", seconds, int((receive_timeout - seconds) * 1e6)))
+    return ours, theirs
+
+
+def _answer(theirs: socket.socket, frame_size: int, reply: bytes, delay: float = 0.0) -> threading.Thread:
+    def server():
+        theirs.recv(frame_size, socket.MSG_WAITALL)
+        time.sleep(delay)
+        theirs.sendall(reply)
+
+    thread = threading.Thread(target=server, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_its_layout_is_frames():
+    assert (trip.ADD_OPCODE, trip.ADD_LENGTH, trip.INTEGER_OPCODE, trip.INTEGER_LENGTH, trip.REPLY_SIZE) == (
+        f.Add.OPCODE, f.ADD_LENGTH, f.Integer.OPCODE, f.INTEGER_LENGTH, f.INTEGER_REPLY.size)
+
+
+@pytest.mark.parametrize("request_id, key, amount", [
+    (1, b"n", 1), (0xFFFFFFFF, b"", 2**63 - 1), (7, b"k" * 300, -(2**63)), (0, b"\x00\xff" * 5, -1)])
+def test_sends_encode_add_and_returns_the_integer_reply(request_id, key, amount):
+    ours, theirs = _pair()
+    frame = f.encode_add(request_id, key, amount)
+    sent = []
+
+    def server():
+        sent.append(theirs.recv(len(frame), socket.MSG_WAITALL))
+        theirs.sendall(f.encode_integer(request_id, amount ^ 5))
+
+    thread = threading.Thread(target=server, daemon=True)
+    thread.start()
+    try:
+        assert trip.round_trip(ours.fileno(), key, request_id, amount) == amount ^ 5
+        thread.join(10)
+        assert sent == [frame]
+        ours.setblocking(False)
+        with pytest.raises(BlockingIOError):  # nothing more was sent, nothing more was read
+            theirs.recv(1, socket.MSG_DONTWAIT)
+    finally:
+        ours.close()
+        theirs.close()
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs setitimer")
+def test_a_send_cut_short_by_a_signal_goes_on_where_it_stopped():
+    """A key larger than the socket's buffer, and a signal while the send waits for the reader: the
+    kernel returns the part it took, and the rest follows from there."""
+    ours, theirs = _pair()
+    key = bytes(range(256)) * 16384  # 4 MiB
+    frame = f.encode_add(3, key, 9)
+    sent = []
+
+    def server():
+        time.sleep(0.3)  # the send has filled the buffer and waits when the signal comes
+        sent.append(theirs.recv(len(frame), socket.MSG_WAITALL))
+        theirs.sendall(f.encode_integer(3, 9))
+
+    thread = threading.Thread(target=server, daemon=True)
+    thread.start()
+    handled = []
+    previous = signal.signal(signal.SIGALRM, lambda *_: handled.append(True))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        assert trip.round_trip(ours.fileno(), key, 3, 9) == 9
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        thread.join(10)
+        ours.close()
+        theirs.close()
+    assert handled == [True]
+    assert sent == [frame]
+
+
+@pytest.mark.parametrize("reply", [
+    f.encode_integer(4, 10),                            # another request's answer (a late one)
+    f.encode(f.Value(5, b"x" * 16)),                    # not an Integer
+    f.encode_integer(5, 10)[:-1],                       # part of the reply: the rest comes later
+    f.encode(f.Error(5, f.ERROR_NOT_AN_INTEGER, b"nope")),
+], ids=["other-id", "other-frame", "partial", "error"])
+def test_anything_but_the_awaited_integer_comes_back_as_bytes(reply):
+    ours, theirs = _pair()
+    thread = _answer(theirs, len(f.encode_add(5, b"n", 1)), reply)
+    try:
+        got = trip.round_trip(ours.fileno(), b"n", 5, 1)
+    finally:
+        thread.join(10)
+        ours.close()
+        theirs.close()
+    assert got.__class__ is bytes
+    assert got == reply[:trip.REPLY_SIZE]  # never more than a reply's worth: the rest stays for the parser
+
+
+def test_the_server_closing_comes_back_as_no_bytes():
+    ours, theirs = _pair()
+
+    def server():
+        theirs.recv(ADD_SIZE + 1, socket.MSG_WAITALL)
+        theirs.shutdown(socket.SHUT_WR)
+
+    thread = threading.Thread(target=server, daemon=True)
+    thread.start()
+    try:
+        assert trip.round_trip(ours.fileno(), b"n", 1, 1) == b""
+    finally:
+        thread.join(10)
+        ours.close()
+        theirs.close()
+
+
+def test_no_reply_within_the_receive_timeout_is_none():
+    ours, theirs = _pair(receive_timeout=0.1)
+    try:
+        start = time.monotonic()
+        assert trip.round_trip(ours.fileno(), b"n", 1, 1) is None
+        assert time.monotonic() - start < 5
+        assert theirs.recv(ADD_SIZE + 1, socket.MSG_WAITALL) == f.encode_add(1, b"n", 1)  # the request went out
+    finally:
+        ours.close()
+        theirs.close()
+
+
+def test_a_failed_send_raises_oserror():
+    ours, theirs = _pair()
+    theirs.close()
+    try:
+        with pytest.raises(BrokenPipeError):
+            trip.round_trip(ours.fileno(), b"n", 1, 1)
+    finally:
+        ours.close()
+
+
+def test_other_threads_run_while_it_waits():
+    """The GIL is released while it blocks: the reply here comes from a Python thread of this
+    process, which could not run otherwise (the receive timeout turns a held GIL into None)."""
+    ours, theirs = _pair()
+    thread = _answer(theirs, ADD_SIZE + 1, f.encode_integer(1, 42), delay=0.05)
+    try:
+        assert trip.round_trip(ours.fileno(), b"n", 1, 1) == 42
+    finally:
+        thread.join(10)
+        ours.close()
+        theirs.close()
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs setitimer")
+def test_a_signal_while_it_waits_runs_its_handler_and_it_goes_on():
+    ours, theirs = _pair()
+    thread = _answer(theirs, ADD_SIZE + 1, f.encode_integer(1, 7), delay=0.3)
+    handled = []
+    previous = signal.signal(signal.SIGALRM, lambda *_: handled.append(True))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        assert trip.round_trip(ours.fileno(), b"n", 1, 1) == 7
+        assert handled == [True]
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        thread.join(10)
+        ours.close()
+        theirs.close()
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs setitimer")
+def test_a_handler_that_raises_ends_the_wait_with_its_exception():
+    ours, theirs = _pair(receive_timeout=5.0)
+
+    class Interrupted(Exception):
+        pass
+
+    def handler(*_):
+        raise Interrupted
+
+    previous = signal.signal(signal.SIGALRM, handler)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        start = time.monotonic()
+        with pytest.raises(Interrupted):
+            trip.round_trip(ours.fileno(), b"n", 1, 1)
+        assert time.monotonic() - start < 4
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        ours.close()
+        theirs.close()
+
+
+@pytest.mark.parametrize("args, error", [
+    ((-1, b"n", 1, 1), ValueError),
+    ((0, "n", 1, 1), TypeError),
+    ((0, b"n", 2**32, 1), OverflowError),
+    ((0, b"n", 1, 2**63), OverflowError),
+    ((0, b"n", 1), TypeError),
+])
+def test_bad_arguments_raise_before_anything_is_sent(args, error):
+    with pytest.raises(error):
+        trip.round_trip(*args)
