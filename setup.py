@@ -1,6 +1,7 @@
-"""The compiled pieces: the shared-memory round steps in C (src/distcomm/transport/_shm_round.c),
-the flight recorder's hot record (src/distcomm/_record.c) and the TCPStore client's add() round
-trip (src/distcomm/store/tcp/_add_trip.c).
+"""The compiled pieces: the shared-memory round steps and whole small calls in C
+(src/distcomm/transport/_shm_round.c, _shm_calls.c), the MPI engine's small all_reduce
+(src/distcomm/backends/mpi/_mpi_calls.c), the flight recorder's hot record (src/distcomm/_record.c)
+and the TCPStore client's add() round trip (src/distcomm/store/tcp/_add_trip.c).
 
 Optional: where they do not build (no C compiler, no Python headers), the install goes on and
 distcomm runs the same rounds and calls (and makes the same records) in Python

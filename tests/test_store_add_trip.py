@@ -218,13 +218,63 @@ def test_a_handler_that_raises_ends_the_wait_with_its_exception():
         theirs.close()
 
 
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs setitimer")
+def test_a_handler_that_raises_during_a_send_under_way_gets_the_whole_frame_out_first():
+    """Part of the frame is out when the handler raises: the rest follows, then the exception, without
+    waiting for the reply (the server would otherwise read the next request as this one's rest)."""
+    ours, theirs = _pair()
+    key = bytes(range(256)) * 16384  # 4 MiB: more than the socket's buffer
+    frame = f.encode_add(3, key, 9)
+    sent = []
+
+    def server():  # takes the frame late, and never answers
+        time.sleep(0.3)
+        sent.append(theirs.recv(len(frame), socket.MSG_WAITALL))
+
+    class Interrupted(Exception):
+        pass
+
+    def handler(*_):
+        raise Interrupted
+
+    thread = threading.Thread(target=server, daemon=True)
+    thread.start()
+    previous = signal.signal(signal.SIGALRM, handler)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        start = time.monotonic()
+        with pytest.raises(Interrupted):
+            trip.round_trip(ours.fileno(), key, 3, 9)
+        assert time.monotonic() - start < 5  # not the receive timeout (10 s): no wait for a reply
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        thread.join(10)
+        ours.close()
+        theirs.close()
+    assert sent == [frame]
+
+
 @pytest.mark.parametrize("args, error", [
-    ((-1, b"n", 1, 1), ValueError),
-    ((0, "n", 1, 1), TypeError),
-    ((0, b"n", 2**32, 1), OverflowError),
-    ((0, b"n", 1, 2**63), OverflowError),
-    ((0, b"n", 1), TypeError),
+    ((b"n", 2**32, 1), OverflowError),
+    ((b"n", 1, 2**63), OverflowError),
+    ((b"n", 1, -(2**63) - 1), OverflowError),
+    (("n", 1, 1), TypeError),
+    ((b"n", 1), TypeError),
+    ((b"n", 1, 1.0), TypeError),
 ])
 def test_bad_arguments_raise_before_anything_is_sent(args, error):
-    with pytest.raises(error):
-        trip.round_trip(*args)
+    ours, theirs = _pair()
+    try:
+        with pytest.raises(error):
+            trip.round_trip(ours.fileno(), *args)
+        with pytest.raises(BlockingIOError):
+            theirs.recv(1, socket.MSG_DONTWAIT)
+    finally:
+        ours.close()
+        theirs.close()
+
+
+def test_a_negative_descriptor_is_refused():
+    with pytest.raises(ValueError, match="not a file descriptor"):
+        trip.round_trip(-1, b"n", 1, 1)

@@ -4,7 +4,7 @@
  * Why C: with many clients per CPU every add() blocks and comes back to cold caches, and what the
  * client's Python still did per add() (building the frame, two socket method calls, a 64 KiB
  * receive buffer, unpacking and checking the reply) cost about as much CPU as the kernel's send
- * and receive themselves (docs/performance-notes.md, "the TCPStore client's add() in C").
+ * and receive themselves (docs/performance-notes.md, session 21).
  *
  *     round_trip(fd, key, request_id, amount) -> int | bytes | None
  *
@@ -14,8 +14,9 @@
  * the client's general parser to go on with (an Error, a late answer to an earlier request, a
  * reply not all here yet); None when the socket's SO_RCVTIMEO passed with no byte of a reply. A
  * failed send (SO_SNDTIMEO passing included: part of the frame may be out) or a failed receive
- * raises OSError, as the socket methods would. Signals are handled as Python's own socket calls
- * handle them (PEP 475: run the handlers, go on unless one raised).
+ * raises OSError, as the socket methods would. Signal handlers run as in Python's own socket calls
+ * (PEP 475: on EINTR and after a short send; go on unless one raised), except that a handler's
+ * exception during a send that is already under way is raised once the whole frame is out.
  *
  * The layout (little-endian, packed): request  u64 length, u8 opcode, u32 request_id, i64 amount,
  * key; reply  u64 length, u8 opcode, u32 request_id, i64 value. The module's ADD_OPCODE,
@@ -46,8 +47,18 @@ static uint64_t get_le(const unsigned char *at, int size) {
     return value;
 }
 
-/* Send all of iov[0..count) (advanced in place). 0, or -1 with errno set and no GIL change. */
+/* Send all of iov[0..count) (advanced in place), running signal handlers as Python's sendall runs
+ * them: on EINTR and after every short send. A handler that raises before any byte is out ends the
+ * send, with the stream intact. Once part of the frame is out, its exception is held and the rest
+ * of the frame sent first: the server would otherwise read the next request as this one's rest.
+ * Returns 0 when all is sent (an exception may then be set: the caller raises it without waiting
+ * for the reply, which a later call drops by its request id), or -1 with an exception set, or with
+ * errno set and none. If the frame cannot be finished while an exception is held, the connection
+ * is shut down (its stream is torn; the client's next call finds it closed) and that exception
+ * raised. */
 static int send_all(int fd, struct iovec *iov, int count) {
+    PyObject *type = NULL, *value = NULL, *traceback = NULL; /* a handler's exception, held */
+    int started = 0;
     while (count > 0) {
         struct msghdr message = {.msg_iov = iov, .msg_iovlen = (size_t)count};
         ssize_t sent;
@@ -55,8 +66,16 @@ static int send_all(int fd, struct iovec *iov, int count) {
         sent = sendmsg(fd, &message, MSG_NOSIGNAL);
         Py_END_ALLOW_THREADS
         if (sent < 0) {
-            if (errno == EINTR && PyErr_CheckSignals() == 0) continue;
-            return -1;
+            if (errno != EINTR) {
+                if (type) {
+                    shutdown(fd, SHUT_RDWR);
+                    PyErr_Restore(type, value, traceback);
+                }
+                return -1;
+            }
+            sent = 0;
+        } else if (sent > 0) {
+            started = 1;
         }
         while (count > 0 && (size_t)sent >= iov->iov_len) {
             sent -= (ssize_t)iov->iov_len;
@@ -66,8 +85,13 @@ static int send_all(int fd, struct iovec *iov, int count) {
         if (count > 0) {
             iov->iov_base = (char *)iov->iov_base + sent;
             iov->iov_len -= (size_t)sent;
+            if (!type && PyErr_CheckSignals() < 0) {
+                if (!started) return -1;
+                PyErr_Fetch(&type, &value, &traceback);
+            }
         }
     }
+    if (type) PyErr_Restore(type, value, traceback);
     return 0;
 }
 
@@ -108,6 +132,7 @@ static PyObject *round_trip(PyObject *module, PyObject *const *args, Py_ssize_t 
     if (send_all((int)fd, iov, key_size ? 2 : 1) < 0) {
         return PyErr_Occurred() ? NULL : PyErr_SetFromErrno(PyExc_OSError);
     }
+    if (PyErr_Occurred()) return NULL; /* a signal handler raised while the frame went out whole */
 
     unsigned char reply[HEAD_SIZE];
     ssize_t got;

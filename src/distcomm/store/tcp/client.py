@@ -409,7 +409,19 @@ class TCPStoreClient:
             sock.sendall(frame)
         except OSError as exc:
             self._broken(operation, str(exc) or type(exc).__name__)
+        except BaseException:  # a signal handler raised inside sendall (see _drop_connection)
+            self._drop_connection()
+            raise
         return self._receive(operation, sock, request_id, integer)
+
+    def _drop_connection(self) -> None:
+        """Close the connection: the next call raises that it is closed. Also what follows an
+        exception a signal handler raised inside sendall (KeyboardInterrupt, ...): how much of the
+        frame went out is unknown, and the server would read the next request as that one's rest."""
+        sock, self._sock = self._sock, None
+        self._add_inline = False
+        if sock is not None:
+            sock.close()
 
     def _update_add_inline(self) -> None:
         """Whether add() may take its inline round trip, as far as the connection goes: it is open,
@@ -447,10 +459,7 @@ class TCPStoreClient:
             self._update_add_inline()
 
     def _broken(self, operation: str, reason: str):
-        sock, self._sock = self._sock, None
-        self._add_inline = False
-        if sock is not None:
-            sock.close()
+        self._drop_connection()
         raise DistNetworkError(
             f"{operation}: lost the connection to the TCPStore server at {self.where}: {reason}. The master process "
             f"(is_master=True) may have exited; this store cannot be used any more."
@@ -544,6 +553,9 @@ class TCPStoreClient:
                     sock.sendall(_ADD_HEAD_PACK(_ADD_LENGTH + len(key), _ADD, request_id, amount) + key)
                 except OSError as exc:
                     self._broken("add", str(exc) or type(exc).__name__)
+                except BaseException:  # a signal handler raised inside sendall (see _drop_connection)
+                    self._drop_connection()
+                    raise
                 try:
                     data = sock.recv(_RECV_SIZE)
                 except BlockingIOError:  # SO_RCVTIMEO: no byte within the reply timeout
