@@ -46,6 +46,32 @@ CONTEXT = mp.get_context("forkserver")
 CONTEXT.set_forkserver_preload(["numpy", "torch", "torch.distributed", "pytest"])
 
 
+class Interrupted(Exception):
+    """What ``alarm(..., raising=True)``'s handler raises: a stand-in for the KeyboardInterrupt of a
+    Ctrl-C, which would stop pytest itself."""
+
+
+@contextmanager
+def alarm(after: float, raising: bool = False) -> Iterator[list]:
+    """SIGALRM ``after`` seconds in, to this (main) thread: its handler records the call in the list
+    this yields, or with ``raising`` raises Interrupted, as a Ctrl-C would land in a blocking call.
+    The previous handler is back, and no alarm pending, on the way out."""
+    calls: list = []
+
+    def handler(*_):
+        calls.append(True)
+        if raising:
+            raise Interrupted
+
+    previous = signal.signal(signal.SIGALRM, handler)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, after)
+        yield calls
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def free_port() -> int:
     """A port that was free a moment ago (the kernel picks it; racy only against other binders)."""
     with socket.socket() as s:

@@ -17,6 +17,7 @@ import time
 import pytest
 
 from distcomm.store.tcp import frames as f
+from harness import Interrupted, alarm
 
 trip = pytest.importorskip("distcomm.store.tcp._add_trip", reason="the C round trip is not built here")
 ADD_SIZE = f.ADD_HEAD.size
@@ -90,14 +91,10 @@ def test_a_send_cut_short_by_a_signal_goes_on_where_it_stopped():
 
     thread = threading.Thread(target=server, daemon=True)
     thread.start()
-    handled = []
-    previous = signal.signal(signal.SIGALRM, lambda *_: handled.append(True))
     try:
-        signal.setitimer(signal.ITIMER_REAL, 0.1)
-        assert trip.round_trip(ours.fileno(), key, 3, 9) == 9
+        with alarm(0.1) as handled:
+            assert trip.round_trip(ours.fileno(), key, 3, 9) == 9
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
         thread.join(10)
         ours.close()
         theirs.close()
@@ -180,15 +177,11 @@ def test_other_threads_run_while_it_waits():
 def test_a_signal_while_it_waits_runs_its_handler_and_it_goes_on():
     ours, theirs = _pair()
     thread = _answer(theirs, ADD_SIZE + 1, f.encode_integer(1, 7), delay=0.3)
-    handled = []
-    previous = signal.signal(signal.SIGALRM, lambda *_: handled.append(True))
     try:
-        signal.setitimer(signal.ITIMER_REAL, 0.05)
-        assert trip.round_trip(ours.fileno(), b"n", 1, 1) == 7
+        with alarm(0.05) as handled:
+            assert trip.round_trip(ours.fileno(), b"n", 1, 1) == 7
         assert handled == [True]
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
         thread.join(10)
         ours.close()
         theirs.close()
@@ -197,23 +190,12 @@ def test_a_signal_while_it_waits_runs_its_handler_and_it_goes_on():
 @pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs setitimer")
 def test_a_handler_that_raises_ends_the_wait_with_its_exception():
     ours, theirs = _pair(receive_timeout=5.0)
-
-    class Interrupted(Exception):
-        pass
-
-    def handler(*_):
-        raise Interrupted
-
-    previous = signal.signal(signal.SIGALRM, handler)
     try:
-        signal.setitimer(signal.ITIMER_REAL, 0.05)
         start = time.monotonic()
-        with pytest.raises(Interrupted):
+        with pytest.raises(Interrupted), alarm(0.05, raising=True):
             trip.round_trip(ours.fileno(), b"n", 1, 1)
         assert time.monotonic() - start < 4
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
         ours.close()
         theirs.close()
 
@@ -231,24 +213,14 @@ def test_a_handler_that_raises_during_a_send_under_way_gets_the_whole_frame_out_
         time.sleep(0.3)
         sent.append(theirs.recv(len(frame), socket.MSG_WAITALL))
 
-    class Interrupted(Exception):
-        pass
-
-    def handler(*_):
-        raise Interrupted
-
     thread = threading.Thread(target=server, daemon=True)
     thread.start()
-    previous = signal.signal(signal.SIGALRM, handler)
     try:
-        signal.setitimer(signal.ITIMER_REAL, 0.1)
         start = time.monotonic()
-        with pytest.raises(Interrupted):
+        with pytest.raises(Interrupted), alarm(0.1, raising=True):
             trip.round_trip(ours.fileno(), key, 3, 9)
         assert time.monotonic() - start < 5  # not the receive timeout (10 s): no wait for a reply
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
         thread.join(10)
         ours.close()
         theirs.close()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import socket
 import struct
 import subprocess
@@ -31,7 +30,7 @@ from distcomm.store.tcp import TCPStoreServer
 from distcomm.store.tcp import connection as c, frames as f, handlers, handshake as h
 from distcomm.store.tcp import client as client_module
 from distcomm.store.tcp.client import TCPStoreClient
-from harness import free_port
+from harness import Interrupted, alarm, free_port
 
 HELLO = c.ClientConnection.send(h.Hello())
 IDLE = 0.4  # the test server's idle timeout, in seconds
@@ -419,21 +418,12 @@ def test_add_interrupted_while_its_frame_goes_out_never_desyncs(add_trip):
         except OSError:
             pass
 
-    class Interrupted(Exception):
-        pass
-
-    def handler(*_):
-        raise Interrupted
-
     thread = threading.Thread(target=server, daemon=True)
     thread.start()
-    previous = signal.signal(signal.SIGALRM, handler)
     try:
         assert client.add(b"n", 1) == 10
-        signal.setitimer(signal.ITIMER_REAL, 0.1)
-        with pytest.raises(Interrupted):
+        with pytest.raises(Interrupted), alarm(0.1, raising=True):
             client.add(key, 1)
-        signal.setitimer(signal.ITIMER_REAL, 0)
         if add_trip == "c":
             assert client.add(b"n", 1) == 30
             thread.join(10)
@@ -442,60 +432,36 @@ def test_add_interrupted_while_its_frame_goes_out_never_desyncs(add_trip):
             with pytest.raises(DistNetworkError, match="closed"):
                 client.add(b"n", 1)
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
         client.close()
         theirs.close()
         thread.join(10)
 
 
+@pytest.mark.parametrize("set_before", [True, False], ids=["timeout-set-first", "timeout-set-after-two-adds"])
 @pytest.mark.parametrize("add_trip", ADD_TRIPS)
-def test_add_on_the_inline_round_trip_gives_up_at_the_reply_timeout(add_trip):
-    """The timeout set before any add(): the round trips after the first take the inline path, and
-    one that gets no reply ends at the timeout (plus the reply grace, 1 s), not the old 10 s."""
+def test_add_waits_for_its_reply_as_long_as_the_timeout_set_last(add_trip, set_before):
+    """The third add() gets no reply and gives up at the timeout set last (0.2 s, plus the reply
+    grace, 1 s), not at the first one (10 s, plus 1). Set before any add(), the round trips after
+    the first take the inline path, the unanswered one too; set after two add()s, it is set_timeout
+    that must end the inline path's use of the old deadline."""
     client, theirs = _client_on_a_socketpair(add_trip)
-    client.set_timeout(0.2)
-    add_frame_size = len(f.encode_add(1, b"n", 1))
-
-    def server():  # answers the first two add()s, never the third
-        for request_id in (1, 2):
-            theirs.recv(add_frame_size, socket.MSG_WAITALL)
-            theirs.sendall(f.encode_integer(request_id, request_id))
-
-    thread = threading.Thread(target=server, daemon=True)
-    thread.start()
-    try:
-        assert client.add(b"n", 1) == 1
-        assert client.add(b"n", 1) == 2
-        start = time.monotonic()
-        with pytest.raises(DistNetworkError, match="did not answer within"):
-            client.add(b"n", 1)
-        assert time.monotonic() - start < 5
-    finally:
-        thread.join(10)
-        client.close()
-        theirs.close()
-
-
-@pytest.mark.parametrize("add_trip", ADD_TRIPS)
-def test_add_waits_for_its_reply_as_long_as_the_timeout_set_last(add_trip):
-    """set_timeout() after add()s have taken their inline round trip: the next add() gives up at the
-    new timeout (plus the reply grace, 1 s), not at the old one (10 s, plus 1)."""
-    client, theirs = _client_on_a_socketpair(add_trip)
-    add_frame_size = len(f.encode_add(1, b"n", 1))
-
-    def server():  # answers the first two add()s, never the third
-        for request_id in (1, 2):
-            theirs.recv(add_frame_size, socket.MSG_WAITALL)
-            theirs.sendall(f.encode_integer(request_id, request_id))
-
-    thread = threading.Thread(target=server, daemon=True)
-    thread.start()
-    try:
-        assert client.add(b"n", 1) == 1
-        assert client.add(b"n", 1) == 2
-        thread.join(10)
+    if set_before:
         client.set_timeout(0.2)
+    add_frame_size = len(f.encode_add(1, b"n", 1))
+
+    def server():  # answers the first two add()s, never the third
+        for request_id in (1, 2):
+            theirs.recv(add_frame_size, socket.MSG_WAITALL)
+            theirs.sendall(f.encode_integer(request_id, request_id))
+
+    thread = threading.Thread(target=server, daemon=True)
+    thread.start()
+    try:
+        assert client.add(b"n", 1) == 1
+        assert client.add(b"n", 1) == 2
+        thread.join(10)
+        if not set_before:
+            client.set_timeout(0.2)
         start = time.monotonic()
         with pytest.raises(DistNetworkError, match="did not answer within"):
             client.add(b"n", 1)
