@@ -264,8 +264,6 @@ class _SocketLike:
         self._sock = sock
 
     def __getattr__(self, name):
-        if name == "fileno":
-            raise AttributeError(name)
         return getattr(self._sock, name)
 
 

@@ -57,8 +57,8 @@ try:  # and the same round trip in C, on a socket (_add_trip.c), where it is bui
 except ImportError:
     _add_trip = None
 _add_round_trip = None if _add_trip is None or (
-    _add_trip.ADD_OPCODE, _add_trip.ADD_LENGTH, _add_trip.INTEGER_OPCODE, _add_trip.INTEGER_LENGTH,
-    _add_trip.REPLY_SIZE) != (_ADD, _ADD_LENGTH, _INTEGER, _INTEGER_LENGTH, _INTEGER_REPLY_SIZE) else _add_trip.round_trip
+    _add_trip.ADD_OPCODE, _add_trip.ADD_LENGTH, _add_trip.INTEGER_OPCODE, _add_trip.INTEGER_LENGTH, _add_trip.REPLY_SIZE
+) != (_ADD, _ADD_LENGTH, _INTEGER, _INTEGER_LENGTH, _INTEGER_REPLY_SIZE) else _add_trip.round_trip
 #: whether add()'s round trip on a socket runs in C here (else in Python, as on the master's own connection)
 ADD_IN_C = _add_round_trip is not None
 # How long a peer that accepted the connection may take to answer the probe: a distcomm or torch
@@ -356,7 +356,8 @@ class TCPStoreClient:
         self._next_id = 0
         self._rcvtimeo = -1.0
         self._add_inline = False  # see _update_add_inline: the first add() goes through _exchange
-        # the socket add()'s inline round trip runs on in C, or -1: in Python (a LocalSocket, no C)
+        # the file descriptor add()'s inline round trip runs on, in C; -1 where it runs in Python (the
+        # master's in-process LocalSocket, or no C built here)
         self._add_fd = self._sock.fileno() if _add_round_trip is not None and isinstance(self._sock, socket.socket) \
             else -1
         self.set_timeout(timeout)
