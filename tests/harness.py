@@ -32,6 +32,7 @@ import pickle
 import signal
 import socket
 import subprocess
+import threading
 import time
 import traceback
 from contextlib import contextmanager
@@ -51,22 +52,32 @@ class Interrupted(Exception):
     Ctrl-C, which would stop pytest itself."""
 
 
+class Alarm:
+    """What ``alarm()`` yields: ``calls``, one entry per time its handler ran, and ``fired``, set
+    when it first did (a test's other thread waits on it instead of guessing with a sleep)."""
+
+    def __init__(self):
+        self.calls: list = []
+        self.fired = threading.Event()
+
+
 @contextmanager
-def alarm(after: float, raising: bool = False) -> Iterator[list]:
-    """SIGALRM ``after`` seconds in, to this (main) thread: its handler records the call in the list
-    this yields, or with ``raising`` raises Interrupted, as a Ctrl-C would land in a blocking call.
-    The previous handler is back, and no alarm pending, on the way out."""
-    calls: list = []
+def alarm(after: float, raising: bool = False) -> Iterator[Alarm]:
+    """SIGALRM ``after`` seconds in, to this (main) thread: its handler records the call, or with
+    ``raising`` records it and raises Interrupted, as a Ctrl-C lands in a blocking call. The
+    previous handler is back, and no alarm pending, on the way out."""
+    state = Alarm()
 
     def handler(*_):
-        calls.append(True)
+        state.calls.append(True)
+        state.fired.set()
         if raising:
             raise Interrupted
 
     previous = signal.signal(signal.SIGALRM, handler)
     try:
         signal.setitimer(signal.ITIMER_REAL, after)
-        yield calls
+        yield state
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)

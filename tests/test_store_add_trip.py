@@ -24,13 +24,14 @@ ADD_SIZE = f.ADD_HEAD.size
 
 
 def _pair(receive_timeout: float = 10.0) -> tuple[socket.socket, socket.socket]:
-    """A blocking socket pair. The client's deadlines are SO_RCVTIMEO on a blocking socket; here it
-    also turns a round trip that never gets its reply (a held GIL starves the replying thread) into
-    a failed assertion rather than a hang."""
+    """A blocking socket pair. The client's deadlines are SO_RCVTIMEO/SO_SNDTIMEO on a blocking
+    socket; here they also turn a round trip that would never end (a held GIL starving the replying
+    thread, a send nobody drains) into a failed assertion rather than a hang."""
     ours, theirs = socket.socketpair()
     seconds = int(receive_timeout)
     ours.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
                     struct.pack("ll", seconds, int((receive_timeout - seconds) * 1e6)))
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 10, 0))
     return ours, theirs
 
 
@@ -39,6 +40,20 @@ def _answer(theirs: socket.socket, frame_size: int, reply: bytes, delay: float =
         theirs.recv(frame_size, socket.MSG_WAITALL)
         time.sleep(delay)
         theirs.sendall(reply)
+
+    thread = threading.Thread(target=server, daemon=True)
+    thread.start()
+    return thread
+
+
+def _after(signalled, *steps) -> threading.Thread:
+    """A thread that runs ``steps`` (the test's server) once the alarm's handler has run: until then
+    the call under test is left waiting, on a full socket buffer or for its reply. If the handler
+    never runs, the steps run after 5 s anyway (the test then fails on the alarm's calls)."""
+    def server():
+        signalled.fired.wait(5)
+        for step in steps:
+            step()
 
     thread = threading.Thread(target=server, daemon=True)
     thread.start()
@@ -75,7 +90,6 @@ def test_sends_encode_add_and_returns_the_integer_reply(request_id, key, amount)
         theirs.close()
 
 
-@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs setitimer")
 def test_a_send_cut_short_by_a_signal_goes_on_where_it_stopped():
     """A key larger than the socket's buffer, and a signal while the send waits for the reader: the
     kernel returns the part it took, and the rest follows from there."""
@@ -83,23 +97,42 @@ def test_a_send_cut_short_by_a_signal_goes_on_where_it_stopped():
     key = bytes(range(256)) * 16384  # 4 MiB
     frame = f.encode_add(3, key, 9)
     sent = []
-
-    def server():
-        time.sleep(0.3)  # the send has filled the buffer and waits when the signal comes
-        sent.append(theirs.recv(len(frame), socket.MSG_WAITALL))
-        theirs.sendall(f.encode_integer(3, 9))
-
-    thread = threading.Thread(target=server, daemon=True)
-    thread.start()
     try:
-        with alarm(0.1) as handled:
+        with alarm(0.1) as signalled:
+            thread = _after(signalled, lambda: sent.append(theirs.recv(len(frame), socket.MSG_WAITALL)),
+                            lambda: theirs.sendall(f.encode_integer(3, 9)))
             assert trip.round_trip(ours.fileno(), key, 3, 9) == 9
     finally:
         thread.join(10)
         ours.close()
         theirs.close()
-    assert handled == [True]
+    assert signalled.calls == [True]
     assert sent == [frame]
+
+
+def test_a_signal_before_any_byte_went_out_runs_its_handler_and_the_send_goes_on():
+    """The socket's buffer is full when the call starts, so its first send waits with nothing sent;
+    a signal then interrupts it (EINTR), the handler runs, and the send starts again."""
+    ours, theirs = _pair()
+    filler = 0
+    try:
+        while True:
+            filler += ours.send(b"\0" * 65536, socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        pass
+    frame = f.encode_add(1, b"n", 1)
+    received = []
+    try:
+        with alarm(0.1) as signalled:
+            thread = _after(signalled, lambda: received.append(theirs.recv(filler + len(frame), socket.MSG_WAITALL)),
+                            lambda: theirs.sendall(f.encode_integer(1, 5)))
+            assert trip.round_trip(ours.fileno(), b"n", 1, 1) == 5
+    finally:
+        thread.join(10)
+        ours.close()
+        theirs.close()
+    assert signalled.calls == [True]
+    assert received == [b"\0" * filler + frame]
 
 
 @pytest.mark.parametrize("reply", [
@@ -173,14 +206,14 @@ def test_other_threads_run_while_it_waits():
         theirs.close()
 
 
-@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs setitimer")
 def test_a_signal_while_it_waits_runs_its_handler_and_it_goes_on():
     ours, theirs = _pair()
-    thread = _answer(theirs, ADD_SIZE + 1, f.encode_integer(1, 7), delay=0.3)
     try:
-        with alarm(0.05) as handled:
+        with alarm(0.05) as signalled:
+            thread = _after(signalled, lambda: theirs.recv(ADD_SIZE + 1, socket.MSG_WAITALL),
+                            lambda: theirs.sendall(f.encode_integer(1, 7)))
             assert trip.round_trip(ours.fileno(), b"n", 1, 1) == 7
-        assert handled == [True]
+        assert signalled.calls == [True]
     finally:
         thread.join(10)
         ours.close()
@@ -200,7 +233,6 @@ def test_a_handler_that_raises_ends_the_wait_with_its_exception():
         theirs.close()
 
 
-@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs setitimer")
 def test_a_handler_that_raises_during_a_send_under_way_gets_the_whole_frame_out_first():
     """Part of the frame is out when the handler raises: the rest follows, then the exception, without
     waiting for the reply (the server would otherwise read the next request as this one's rest)."""
@@ -208,16 +240,11 @@ def test_a_handler_that_raises_during_a_send_under_way_gets_the_whole_frame_out_
     key = bytes(range(256)) * 16384  # 4 MiB: more than the socket's buffer
     frame = f.encode_add(3, key, 9)
     sent = []
-
-    def server():  # takes the frame late, and never answers
-        time.sleep(0.3)
-        sent.append(theirs.recv(len(frame), socket.MSG_WAITALL))
-
-    thread = threading.Thread(target=server, daemon=True)
-    thread.start()
     try:
         start = time.monotonic()
-        with pytest.raises(Interrupted), alarm(0.1, raising=True):
+        with pytest.raises(Interrupted), alarm(0.1, raising=True) as signalled:
+            # takes the frame once the signal came, and never answers
+            thread = _after(signalled, lambda: sent.append(theirs.recv(len(frame), socket.MSG_WAITALL)))
             trip.round_trip(ours.fileno(), key, 3, 9)
         assert time.monotonic() - start < 5  # not the receive timeout (10 s): no wait for a reply
     finally:

@@ -404,27 +404,31 @@ def test_add_interrupted_while_its_frame_goes_out_never_desyncs(add_trip):
     small, large = len(f.encode_add(1, b"n", 1)), len(f.encode_add(2, key, 1))
     received = []
 
-    def server():  # blocking reads: a closed client ends them (EOF), and the replies then fail
+    def first():
+        received.append(theirs.recv(small, socket.MSG_WAITALL))
+        theirs.sendall(f.encode_integer(1, 10))
+
+    def rest(signalled):  # once the signal came; blocking reads: a closed client ends them (EOF)
+        signalled.fired.wait(5)
         try:
-            received.append(theirs.recv(small, socket.MSG_WAITALL))
-            theirs.sendall(f.encode_integer(1, 10))
-            time.sleep(0.3)  # the large frame has filled the buffer when the signal comes
             received.append(theirs.recv(large, socket.MSG_WAITALL))
             theirs.sendall(f.encode_integer(2, 20))
             received.append(theirs.recv(small, socket.MSG_WAITALL))
             theirs.sendall(f.encode_integer(3, 30))
-        except OSError:
+        except OSError:  # the Python path closed the connection: the replies fail
             pass
 
-    thread = threading.Thread(target=server, daemon=True)
-    thread.start()
+    threads = [threading.Thread(target=first, daemon=True)]
+    threads[0].start()
     try:
         assert client.add(b"n", 1) == 10
-        with pytest.raises(Interrupted), alarm(0.1, raising=True):
-            client.add(key, 1)
+        with pytest.raises(Interrupted), alarm(0.1, raising=True) as signalled:
+            threads.append(threading.Thread(target=rest, args=(signalled,), daemon=True))
+            threads[-1].start()
+            client.add(key, 1)  # fills the socket's buffer and waits there for the server
         if add_trip == "c":
             assert client.add(b"n", 1) == 30
-            thread.join(10)
+            threads[-1].join(10)
             assert received == [f.encode_add(1, b"n", 1), f.encode_add(2, key, 1), f.encode_add(3, b"n", 1)]
         else:
             with pytest.raises(DistNetworkError, match="closed"):
@@ -432,7 +436,8 @@ def test_add_interrupted_while_its_frame_goes_out_never_desyncs(add_trip):
     finally:
         client.close()
         theirs.close()
-        thread.join(10)
+        for thread in threads:
+            thread.join(10)
 
 
 @pytest.mark.parametrize("set_before", [True, False], ids=["timeout-set-first", "timeout-set-after-two-adds"])
