@@ -29,6 +29,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import resource
 import signal
 import socket
 import subprocess
@@ -81,6 +82,57 @@ def alarm(after: float, raising: bool = False) -> Iterator[Alarm]:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def voluntary_sleeps() -> int:
+    """How many times the calling thread has gone to sleep so far (its voluntary context switches)."""
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
+
+
+def _thread_state(pid: int, tid: int) -> str:
+    with open(f"/proc/{pid}/task/{tid}/stat") as stat:
+        return stat.read().rpartition(")")[2].split()[0]
+
+
+@contextmanager
+def answered_while_asleep(sock: socket.socket, request_size: int, reply: bytes,
+                          answered_first: Sequence[tuple[int, bytes]] = ()) -> Iterator[None]:
+    """A server on ``sock`` in a forked process, for counting the calling thread's sleeps (Linux).
+
+    It answers the ``answered_first`` exchanges (request size, reply) at once. Then, once the caller
+    is asleep, it reads ``request_size`` bytes; waits a little, room for the caller to be woken by
+    that read; and once the caller is asleep again, sends ``reply``. Being another process, it
+    competes with the caller for no GIL (a wait for the GIL is a sleep too). On the way out it is
+    waited for, after a kill if the body raised; it gives up by itself after 10 s of no progress.
+    """
+    parent, tid = os.getpid(), threading.get_native_id()
+
+    def until_caller_asleep() -> None:
+        deadline = time.monotonic() + 10
+        while _thread_state(parent, tid) != "S" and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the server, in the child
+        try:
+            sock.settimeout(10)
+            for size, answer in answered_first:
+                sock.recv(size, socket.MSG_WAITALL)
+                sock.sendall(answer)
+            until_caller_asleep()
+            sock.recv(request_size, socket.MSG_WAITALL)
+            time.sleep(0.05)
+            until_caller_asleep()
+            sock.sendall(reply)
+        finally:
+            os._exit(0)
+    try:
+        yield
+    except BaseException:
+        os.kill(child, signal.SIGKILL)
+        raise
+    finally:
+        os.waitpid(child, 0)
 
 
 def free_port() -> int:

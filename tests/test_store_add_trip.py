@@ -11,13 +11,14 @@ from __future__ import annotations
 import signal
 import socket
 import struct
+import sys
 import threading
 import time
 
 import pytest
 
 from distcomm.store.tcp import frames as f
-from harness import Interrupted, alarm
+from harness import Interrupted, alarm, answered_while_asleep, voluntary_sleeps
 
 trip = pytest.importorskip("distcomm.store.tcp._add_trip", reason="the C round trip is not built here")
 ADD_SIZE = f.ADD_HEAD.size
@@ -33,6 +34,23 @@ def _pair(receive_timeout: float = 10.0) -> tuple[socket.socket, socket.socket]:
                     struct.pack("ll", seconds, int((receive_timeout - seconds) * 1e6)))
     ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 10, 0))
     return ours, theirs
+
+
+@pytest.fixture(params=["recv", "poll"])
+def wait_in(request):
+    """How the call waits for its reply: asleep in recv() until the socket's SO_RCVTIMEO, as the
+    client's does on TCP; or asleep in poll() for as long, as on the server's Unix socket."""
+    return request.param
+
+
+def _trip(wait_in: str, ours: socket.socket, key: bytes, request_id: int, amount: int):
+    """round_trip on ``ours``, waiting as ``wait_in`` says. For "poll", the wait is the socket's
+    SO_RCVTIMEO, which is then taken off the socket: only poll()'s own wait can end the call early."""
+    if wait_in == "recv":
+        return trip.round_trip(ours.fileno(), key, request_id, amount, None)
+    seconds, microseconds = struct.unpack("ll", ours.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16))
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
+    return trip.round_trip(ours.fileno(), key, request_id, amount, seconds + microseconds / 1e6)
 
 
 def _answer(theirs: socket.socket, frame_size: int, reply: bytes, delay: float = 0.0) -> threading.Thread:
@@ -67,7 +85,7 @@ def test_its_layout_is_frames():
 
 @pytest.mark.parametrize("request_id, key, amount", [
     (1, b"n", 1), (0xFFFFFFFF, b"", 2**63 - 1), (7, b"k" * 300, -(2**63)), (0, b"\x00\xff" * 5, -1)])
-def test_sends_encode_add_and_returns_the_integer_reply(request_id, key, amount):
+def test_sends_encode_add_and_returns_the_integer_reply(request_id, key, amount, wait_in):
     ours, theirs = _pair()
     frame = f.encode_add(request_id, key, amount)
     sent = []
@@ -79,7 +97,7 @@ def test_sends_encode_add_and_returns_the_integer_reply(request_id, key, amount)
     thread = threading.Thread(target=server, daemon=True)
     thread.start()
     try:
-        assert trip.round_trip(ours.fileno(), key, request_id, amount) == amount ^ 5
+        assert _trip(wait_in, ours, key, request_id, amount) == amount ^ 5
         thread.join(10)
         assert sent == [frame]
         ours.setblocking(False)
@@ -90,7 +108,7 @@ def test_sends_encode_add_and_returns_the_integer_reply(request_id, key, amount)
         theirs.close()
 
 
-def test_a_send_cut_short_by_a_signal_goes_on_where_it_stopped():
+def test_a_send_cut_short_by_a_signal_goes_on_where_it_stopped(wait_in):
     """A key larger than the socket's buffer, and a signal while the send waits for the reader: the
     kernel returns the part it took, and the rest follows from there."""
     ours, theirs = _pair()
@@ -101,7 +119,7 @@ def test_a_send_cut_short_by_a_signal_goes_on_where_it_stopped():
         with alarm(0.1) as signalled:
             thread = _after(signalled, lambda: sent.append(theirs.recv(len(frame), socket.MSG_WAITALL)),
                             lambda: theirs.sendall(f.encode_integer(3, 9)))
-            assert trip.round_trip(ours.fileno(), key, 3, 9) == 9
+            assert _trip(wait_in, ours, key, 3, 9) == 9
     finally:
         thread.join(10)
         ours.close()
@@ -110,7 +128,7 @@ def test_a_send_cut_short_by_a_signal_goes_on_where_it_stopped():
     assert sent == [frame]
 
 
-def test_a_signal_before_any_byte_went_out_runs_its_handler_and_the_send_goes_on():
+def test_a_signal_before_any_byte_went_out_runs_its_handler_and_the_send_goes_on(wait_in):
     """The socket's buffer is full when the call starts, so its first send waits with nothing sent;
     a signal then interrupts it (EINTR), the handler runs, and the send starts again."""
     ours, theirs = _pair()
@@ -126,7 +144,7 @@ def test_a_signal_before_any_byte_went_out_runs_its_handler_and_the_send_goes_on
         with alarm(0.1) as signalled:
             thread = _after(signalled, lambda: received.append(theirs.recv(filler + len(frame), socket.MSG_WAITALL)),
                             lambda: theirs.sendall(f.encode_integer(1, 5)))
-            assert trip.round_trip(ours.fileno(), b"n", 1, 1) == 5
+            assert _trip(wait_in, ours, b"n", 1, 1) == 5
     finally:
         thread.join(10)
         ours.close()
@@ -141,11 +159,11 @@ def test_a_signal_before_any_byte_went_out_runs_its_handler_and_the_send_goes_on
     f.encode_integer(5, 10)[:-1],                       # part of the reply: the rest comes later
     f.encode(f.Error(5, f.ERROR_NOT_AN_INTEGER, b"nope")),
 ], ids=["other-id", "other-frame", "partial", "error"])
-def test_anything_but_the_awaited_integer_comes_back_as_bytes(reply):
+def test_anything_but_the_awaited_integer_comes_back_as_bytes(reply, wait_in):
     ours, theirs = _pair()
     thread = _answer(theirs, len(f.encode_add(5, b"n", 1)), reply)
     try:
-        got = trip.round_trip(ours.fileno(), b"n", 5, 1)
+        got = _trip(wait_in, ours, b"n", 5, 1)
     finally:
         thread.join(10)
         ours.close()
@@ -154,7 +172,7 @@ def test_anything_but_the_awaited_integer_comes_back_as_bytes(reply):
     assert got == reply[:trip.REPLY_SIZE]  # never more than a reply's worth: the rest stays for the parser
 
 
-def test_the_server_closing_comes_back_as_no_bytes():
+def test_the_server_closing_comes_back_as_no_bytes(wait_in):
     ours, theirs = _pair()
 
     def server():
@@ -164,18 +182,18 @@ def test_the_server_closing_comes_back_as_no_bytes():
     thread = threading.Thread(target=server, daemon=True)
     thread.start()
     try:
-        assert trip.round_trip(ours.fileno(), b"n", 1, 1) == b""
+        assert _trip(wait_in, ours, b"n", 1, 1) == b""
     finally:
         thread.join(10)
         ours.close()
         theirs.close()
 
 
-def test_no_reply_within_the_receive_timeout_is_none():
+def test_no_reply_within_the_receive_timeout_is_none(wait_in):
     ours, theirs = _pair(receive_timeout=0.1)
     try:
         start = time.monotonic()
-        assert trip.round_trip(ours.fileno(), b"n", 1, 1) is None
+        assert _trip(wait_in, ours, b"n", 1, 1) is None
         assert time.monotonic() - start < 5
         assert theirs.recv(ADD_SIZE + 1, socket.MSG_WAITALL) == f.encode_add(1, b"n", 1)  # the request went out
     finally:
@@ -183,36 +201,36 @@ def test_no_reply_within_the_receive_timeout_is_none():
         theirs.close()
 
 
-def test_a_failed_send_raises_oserror():
+def test_a_failed_send_raises_oserror(wait_in):
     ours, theirs = _pair()
     theirs.close()
     try:
         with pytest.raises(BrokenPipeError):
-            trip.round_trip(ours.fileno(), b"n", 1, 1)
+            _trip(wait_in, ours, b"n", 1, 1)
     finally:
         ours.close()
 
 
-def test_other_threads_run_while_it_waits():
+def test_other_threads_run_while_it_waits(wait_in):
     """The GIL is released while it blocks: the reply here comes from a Python thread of this
     process, which could not run otherwise (the receive timeout turns a held GIL into None)."""
     ours, theirs = _pair()
     thread = _answer(theirs, ADD_SIZE + 1, f.encode_integer(1, 42), delay=0.05)
     try:
-        assert trip.round_trip(ours.fileno(), b"n", 1, 1) == 42
+        assert _trip(wait_in, ours, b"n", 1, 1) == 42
     finally:
         thread.join(10)
         ours.close()
         theirs.close()
 
 
-def test_a_signal_while_it_waits_runs_its_handler_and_it_goes_on():
+def test_a_signal_while_it_waits_runs_its_handler_and_it_goes_on(wait_in):
     ours, theirs = _pair()
     try:
         with alarm(0.05) as signalled:
             thread = _after(signalled, lambda: theirs.recv(ADD_SIZE + 1, socket.MSG_WAITALL),
                             lambda: theirs.sendall(f.encode_integer(1, 7)))
-            assert trip.round_trip(ours.fileno(), b"n", 1, 1) == 7
+            assert _trip(wait_in, ours, b"n", 1, 1) == 7
         assert signalled.calls == [True]
     finally:
         thread.join(10)
@@ -221,19 +239,19 @@ def test_a_signal_while_it_waits_runs_its_handler_and_it_goes_on():
 
 
 @pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs setitimer")
-def test_a_handler_that_raises_ends_the_wait_with_its_exception():
+def test_a_handler_that_raises_ends_the_wait_with_its_exception(wait_in):
     ours, theirs = _pair(receive_timeout=5.0)
     try:
         start = time.monotonic()
         with pytest.raises(Interrupted), alarm(0.05, raising=True):
-            trip.round_trip(ours.fileno(), b"n", 1, 1)
+            _trip(wait_in, ours, b"n", 1, 1)
         assert time.monotonic() - start < 4
     finally:
         ours.close()
         theirs.close()
 
 
-def test_a_handler_that_raises_during_a_send_under_way_gets_the_whole_frame_out_first():
+def test_a_handler_that_raises_during_a_send_under_way_gets_the_whole_frame_out_first(wait_in):
     """Part of the frame is out when the handler raises: the rest follows, then the exception, without
     waiting for the reply (the server would otherwise read the next request as this one's rest)."""
     ours, theirs = _pair()
@@ -245,7 +263,7 @@ def test_a_handler_that_raises_during_a_send_under_way_gets_the_whole_frame_out_
         with pytest.raises(Interrupted), alarm(0.1, raising=True) as signalled:
             # takes the frame once the signal came, and never answers
             thread = _after(signalled, lambda: sent.append(theirs.recv(len(frame), socket.MSG_WAITALL)))
-            trip.round_trip(ours.fileno(), key, 3, 9)
+            _trip(wait_in, ours, key, 3, 9)
         assert time.monotonic() - start < 5  # not the receive timeout (10 s): no wait for a reply
     finally:
         thread.join(10)
@@ -255,12 +273,15 @@ def test_a_handler_that_raises_during_a_send_under_way_gets_the_whole_frame_out_
 
 
 @pytest.mark.parametrize("args, error", [
-    ((b"n", 2**32, 1), OverflowError),
-    ((b"n", 1, 2**63), OverflowError),
-    ((b"n", 1, -(2**63) - 1), OverflowError),
-    (("n", 1, 1), TypeError),
-    ((b"n", 1), TypeError),
-    ((b"n", 1, 1.0), TypeError),
+    ((b"n", 2**32, 1, None), OverflowError),
+    ((b"n", 1, 2**63, None), OverflowError),
+    ((b"n", 1, -(2**63) - 1, 1.0), OverflowError),
+    (("n", 1, 1, None), TypeError),
+    ((b"n", 1, 1), TypeError),
+    ((b"n", 1, 1.0, None), TypeError),
+    ((b"n", 1, 1, -0.5), ValueError),
+    ((b"n", 1, 1, float("nan")), ValueError),
+    ((b"n", 1, 1, "1"), TypeError),
 ])
 def test_bad_arguments_raise_before_anything_is_sent(args, error):
     ours, theirs = _pair()
@@ -276,4 +297,35 @@ def test_bad_arguments_raise_before_anything_is_sent(args, error):
 
 def test_a_negative_descriptor_is_refused():
     with pytest.raises(ValueError, match="not a file descriptor"):
-        trip.round_trip(-1, b"n", 1, 1)
+        trip.round_trip(-1, b"n", 1, 1, None)
+
+
+@pytest.mark.parametrize("wait", [3, 1e9, float("inf")])
+def test_a_wait_in_poll_of_any_length_takes_the_reply(wait):
+    """Seconds as an int, and waits longer than one poll() takes (about 24 days)."""
+    ours, theirs = _pair()
+    thread = _answer(theirs, ADD_SIZE + 1, f.encode_integer(1, 8))
+    try:
+        assert trip.round_trip(ours.fileno(), b"n", 1, 1, wait) == 8
+    finally:
+        thread.join(10)
+        ours.close()
+        theirs.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts a thread's sleeps through Linux's /proc")
+def test_waiting_in_poll_sleeps_once_per_reply_on_a_unix_socket():
+    """On a Unix socket the kernel wakes every thread asleep on it when the peer reads what it sent;
+    waiting in poll() for bytes to read, the call is not woken by that and sleeps exactly once: from
+    its request to the reply."""
+    ours, theirs = _pair()
+    try:
+        with answered_while_asleep(theirs, ADD_SIZE + 1, f.encode_integer(1, 3)):
+            before = voluntary_sleeps()
+            value = trip.round_trip(ours.fileno(), b"n", 1, 1, 10.0)
+            sleeps = voluntary_sleeps() - before
+    finally:
+        ours.close()
+        theirs.close()
+    assert value == 3
+    assert sleeps == 1

@@ -30,7 +30,7 @@ from distcomm.store.tcp import TCPStoreServer
 from distcomm.store.tcp import connection as c, frames as f, handlers, handshake as h
 from distcomm.store.tcp import client as client_module
 from distcomm.store.tcp.client import TCPStoreClient
-from harness import Interrupted, alarm, free_port
+from harness import Interrupted, alarm, answered_while_asleep, free_port, voluntary_sleeps
 
 HELLO = c.ClientConnection.send(h.Hello())
 IDLE = 0.4  # the test server's idle timeout, in seconds
@@ -472,6 +472,31 @@ def test_add_waits_for_its_reply_as_long_as_the_timeout_set_last(add_trip, set_b
     finally:
         client.close()
         theirs.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts a thread's sleeps through Linux's /proc")
+@pytest.mark.parametrize("call", [pytest.param("add-c", marks=needs_add_in_c), "add-python", "get"])
+def test_on_a_unix_socket_a_request_sleeps_once_for_its_reply(call):
+    """On the server's Unix socket (a socket pair here) the client waits for replies in poll(): a
+    request sleeps once, until its reply, and is not woken a second time when the server reads it
+    (see client.py). The first add() takes the general path, and primes the next one's shortcut."""
+    client, theirs = _client_on_a_socketpair("python" if call == "add-python" else "c")
+    add_frame_size = len(f.encode_add(1, b"n", 1))
+    if call == "get":
+        request_size, reply, expected = len(f.encode_get(2, b"k", 5000)), f.encode(f.Value(2, b"v")), b"v"
+    else:
+        request_size, reply, expected = add_frame_size, f.encode_integer(2, 7), 7
+    try:
+        with answered_while_asleep(theirs, request_size, reply, [(add_frame_size, f.encode_integer(1, 1))]):
+            assert client.add(b"n", 1) == 1
+            before = voluntary_sleeps()
+            value = client.get("k", 5.0) if call == "get" else client.add(b"n", 1)
+            sleeps = voluntary_sleeps() - before
+    finally:
+        client.close()
+        theirs.close()
+    assert value == expected
+    assert sleeps == 1
 
 
 def test_server_side_timeout_answer_keeps_the_stream_in_sync(server):

@@ -6,17 +6,25 @@
  * receive buffer, unpacking and checking the reply) cost about as much CPU as the kernel's send
  * and receive themselves (docs/performance-notes.md, session 21).
  *
- *     round_trip(fd, key, request_id, amount) -> int | bytes | None
+ *     round_trip(fd, key, request_id, amount, wait) -> int | bytes | None
  *
  * sends the Add frame (frames.ADD_HEAD, then the key) and receives at most one Integer reply's
  * worth of bytes. It returns the value when those bytes are exactly the Integer frame answering
  * ``request_id``; otherwise the bytes it received (b"" when the server closed the connection), for
  * the client's general parser to go on with (an Error, a late answer to an earlier request, a
- * reply not all here yet); None when the socket's SO_RCVTIMEO passed with no byte of a reply. A
- * failed send (SO_SNDTIMEO passing included: part of the frame may be out) or a failed receive
- * raises OSError, as the socket methods would. Signal handlers run as in Python's own socket calls
- * (PEP 475: on EINTR and after a short send; go on unless one raised), except that a handler's
- * exception during a send that is already under way is raised once the whole frame is out.
+ * reply not all here yet); None when no byte of a reply came in time. A failed send (SO_SNDTIMEO
+ * passing included: part of the frame may be out) or a failed receive raises OSError, as the
+ * socket methods would. Signal handlers run as in Python's own socket calls (PEP 475: on EINTR and
+ * after a short send; go on unless one raised), except that a handler's exception during a send
+ * that is already under way is raised once the whole frame is out.
+ *
+ * How it waits for the reply: with ``wait`` None, asleep in recv(), until the socket's SO_RCVTIMEO
+ * (a TCP socket); with ``wait`` a number of seconds, asleep in poll() for the reply's first bytes
+ * that long, then recv() (a Unix socket). On a Unix stream socket a reader asleep in recv() is
+ * also woken each time the server reads what this socket sent (the kernel's write-space wake-up
+ * wakes every sleeper on the socket), so every request would cost the client a second, empty
+ * wake-up; poll() is woken only for what it waits for. On TCP that wake-up does not happen, and
+ * poll() would be one system call more.
  *
  * The layout (little-endian, packed): request  u64 length, u8 opcode, u32 request_id, i64 amount,
  * key; reply  u64 length, u8 opcode, u32 request_id, i64 value. The module's ADD_OPCODE,
@@ -26,10 +34,14 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <limits.h>
+#include <math.h>
+#include <poll.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <time.h>
 
 #define ADD_OPCODE 0x03
 #define INTEGER_OPCODE 0x82
@@ -95,10 +107,43 @@ static int send_all(int fd, struct iovec *iov, int count) {
     return 0;
 }
 
+static double monotonic_seconds(void) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (double)now.tv_sec + (double)now.tv_nsec * 1e-9;
+}
+
+/* Wait in poll() until fd has something to read (bytes, the end of the stream, an error), for at
+ * most ``seconds`` (any number of them: poll() takes at most INT_MAX milliseconds at a time). 1 when
+ * it has, 0 when the time passed, -1 with an exception set when a signal handler raised. */
+static int wait_readable(int fd, double seconds) {
+    double deadline = monotonic_seconds() + seconds;
+    double left = seconds;
+    for (;;) {
+        double milliseconds = ceil(left * 1000.0);
+        struct pollfd readable = {.fd = fd, .events = POLLIN};
+        int ready;
+        Py_BEGIN_ALLOW_THREADS
+        ready = poll(&readable, 1, milliseconds < INT_MAX ? (int)milliseconds : INT_MAX);
+        Py_END_ALLOW_THREADS
+        if (ready > 0) return 1;
+        if (ready < 0) {
+            if (errno != EINTR) {
+                PyErr_SetFromErrno(PyExc_OSError);
+                return -1;
+            }
+            if (PyErr_CheckSignals() < 0) return -1;
+        }
+        left = deadline - monotonic_seconds();
+        if (left <= 0) return 0;
+    }
+}
+
 static PyObject *round_trip(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    if (nargs != 4) {
-        PyErr_Format(PyExc_TypeError, "round_trip(fd, key, request_id, amount) takes 4 arguments (%zd given)", nargs);
+    if (nargs != 5) {
+        PyErr_Format(PyExc_TypeError, "round_trip(fd, key, request_id, amount, wait) takes 5 arguments (%zd given)",
+                     nargs);
         return NULL;
     }
     long fd = PyLong_AsLong(args[0]);
@@ -119,6 +164,16 @@ static PyObject *round_trip(PyObject *module, PyObject *const *args, Py_ssize_t 
     }
     long long amount = PyLong_AsLongLong(args[3]);
     if (amount == -1 && PyErr_Occurred()) return NULL;
+    int in_poll = args[4] != Py_None;
+    double wait = 0.0;
+    if (in_poll) {
+        wait = PyFloat_AsDouble(args[4]);
+        if (wait == -1.0 && PyErr_Occurred()) return NULL;
+        if (!(wait >= 0.0)) {
+            PyErr_SetString(PyExc_ValueError, "round_trip: wait must be None or a number of seconds, 0 or more");
+            return NULL;
+        }
+    }
 
     /* the key's bytes are read without the GIL: a bytes object is immutable, and the caller's
      * argument keeps it alive until this call returns */
@@ -137,11 +192,19 @@ static PyObject *round_trip(PyObject *module, PyObject *const *args, Py_ssize_t 
     unsigned char reply[HEAD_SIZE];
     ssize_t got;
     for (;;) {
+        if (in_poll) {
+            int ready = wait_readable((int)fd, wait);
+            if (ready < 0) return NULL;
+            if (ready == 0) Py_RETURN_NONE; /* the request is out */
+        }
         Py_BEGIN_ALLOW_THREADS
-        got = recv((int)fd, reply, HEAD_SIZE, 0);
+        got = recv((int)fd, reply, HEAD_SIZE, in_poll ? MSG_DONTWAIT : 0);
         Py_END_ALLOW_THREADS
         if (got >= 0) break;
-        if (errno == EAGAIN || errno == EWOULDBLOCK) Py_RETURN_NONE; /* SO_RCVTIMEO: the request is out */
+        if (errno == EAGAIN || errno == EWOULDBLOCK) {
+            if (in_poll) continue; /* readable, and then not: wait again */
+            Py_RETURN_NONE;        /* SO_RCVTIMEO: the request is out */
+        }
         if (errno != EINTR) return PyErr_SetFromErrno(PyExc_OSError);
         if (PyErr_CheckSignals() < 0) return NULL;
     }
@@ -154,8 +217,8 @@ static PyObject *round_trip(PyObject *module, PyObject *const *args, Py_ssize_t 
 
 static PyMethodDef methods[] = {
     {"round_trip", (PyCFunction)(void (*)(void))round_trip, METH_FASTCALL,
-     "round_trip(fd, key, request_id, amount) -> the Integer reply's value, the bytes received instead, "
-     "or None if none came in time"},
+     "round_trip(fd, key, request_id, amount, wait) -> the Integer reply's value, the bytes received "
+     "instead, or None if none came in time (wait: None, until SO_RCVTIMEO; or seconds, in poll())"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -8,7 +8,11 @@ The "socket" may also be a LocalSocket (local.py): the master's client calling i
 
 Deadlines without per-call overhead: the socket stays in blocking mode and the kernel enforces the
 receive deadline (SO_RCVTIMEO: no byte for that long), which is only re-set when it changes;
-Python's socket timeouts would add a poll() before every recv. A blocking request sends its timeout to the server, which
+Python's socket timeouts would add a poll() before every recv. Except on the server's Unix socket:
+there a reader asleep in recv() is also woken whenever the server reads what the client sent (the
+kernel wakes every sleeper on a Unix socket when its send buffer frees), an empty wake-up per
+request that costs more than it saves, so the client waits for replies in poll() (``_readable``),
+which wakes only for bytes to read. A blocking request sends its timeout to the server, which
 answers TIMED_OUT itself; the client waits that long plus a grace period, and if even then nothing
 came it gives up on its own — the late answer, carrying an old request id, is dropped when it
 arrives, so the connection stays usable.
@@ -34,7 +38,9 @@ DistStoreAuthError at once, without retrying: waiting does not change a key.
 from __future__ import annotations
 
 import errno
+import math
 import random
+import select
 import socket
 import threading
 import time
@@ -46,6 +52,7 @@ from .auth import AUTH_KEY_ENV, AUTH_KEY_FILE_ENV, DistStoreAuthError
 from .connection import NEED_DATA, ClientConnection
 from .deadlines import set_deadlines, timeval
 from .listeners import local_socket_enabled
+from .local import LocalSocket
 
 _RECV_SIZE = 1 << 16
 # add()'s inline round trip (see TCPStoreClient.add and frames.ADD_HEAD)
@@ -67,11 +74,24 @@ PROBE_TIMEOUT = 5.0
 _SHOW_MORE_WAIT = 0.2  # after a wrong answer, how long to collect more of it for the message
 _FIRST_RETRY_DELAY = 0.01
 _MAX_RETRY_DELAY = 1.0
+_MAX_POLL_MS = 2**31 - 1  # the most one poll() takes
 
 
 def reply_grace(timeout: float) -> float:
     """How long past its timeout a client waits for the server's own TIMED_OUT answer."""
     return min(max(1.0, 0.1 * timeout), 30.0)
+
+
+def _readable(poller, wait: float) -> bool:
+    """Whether the socket ``poller`` polls for POLLIN has something to read (bytes, the end of the
+    stream, an error) within ``wait`` seconds."""
+    ready = poller.poll(min(math.ceil(wait * 1000), _MAX_POLL_MS))
+    if ready or wait * 1000 <= _MAX_POLL_MS:
+        return bool(ready)
+    deadline = time.monotonic() + wait - _MAX_POLL_MS / 1000
+    while not ready and time.monotonic() < deadline:
+        ready = poller.poll(min(math.ceil((deadline - time.monotonic()) * 1000), _MAX_POLL_MS))
+    return bool(ready)
 
 
 def _address(address: tuple) -> str:
@@ -360,6 +380,11 @@ class TCPStoreClient:
         # master's in-process LocalSocket, or no C built here)
         self._add_fd = self._sock.fileno() if _add_round_trip is not None and isinstance(self._sock, socket.socket) \
             else -1
+        # on the server's Unix socket, replies are waited for in poll() (see the module's docstring)
+        self._poller = None
+        if not isinstance(self._sock, LocalSocket) and self._sock.family == socket.AF_UNIX:
+            self._poller = select.poll()
+            self._poller.register(self._sock, select.POLLIN)
         self.set_timeout(timeout)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval(self.reply_timeout))
 
@@ -434,10 +459,12 @@ class TCPStoreClient:
     def _receive(self, operation: str, sock, request_id: int, integer: bool, data: bytes | None = None):
         """The rest of ``_exchange`` once the frame is sent; ``data``: what was already received for it.
         Whatever it leaves buffered, add()'s inline round trip is then re-decided."""
-        proto = self._proto
+        proto, poller = self._proto, self._poller
         try:
             while True:
                 if data is None:
+                    if poller is not None and not _readable(poller, self._rcvtimeo):
+                        return None
                     try:
                         data = sock.recv(_RECV_SIZE)
                     except BlockingIOError:  # SO_RCVTIMEO: ``wait`` seconds without a byte
@@ -538,7 +565,8 @@ class TCPStoreClient:
                                           self.reply_timeout, True)
             elif self._add_fd >= 0:  # the round trip below, in C: no Python of its own at all
                 try:
-                    response = _add_round_trip(self._add_fd, key, request_id, amount)
+                    response = _add_round_trip(self._add_fd, key, request_id, amount,
+                                               None if self._poller is None else self._rcvtimeo)
                 except OSError as exc:
                     self._broken("add", str(exc) or type(exc).__name__)
                 if response.__class__ is int:
@@ -557,12 +585,18 @@ class TCPStoreClient:
                 except BaseException:  # a signal handler raised inside sendall (see _drop_connection)
                     self._drop_connection()
                     raise
+                poller = self._poller
                 try:
-                    data = sock.recv(_RECV_SIZE)
-                except BlockingIOError:  # SO_RCVTIMEO: no byte within the reply timeout
-                    response = None
+                    if poller is None or _readable(poller, self._rcvtimeo):
+                        data = sock.recv(_RECV_SIZE)
+                    else:
+                        data = None  # no byte within the reply timeout
+                except BlockingIOError:  # SO_RCVTIMEO: the same
+                    data = None
                 except OSError as exc:
                     self._broken("add", str(exc) or type(exc).__name__)
+                if data is None:
+                    response = None
                 else:
                     if len(data) == _INTEGER_REPLY_SIZE:
                         length, opcode, got_id, value = _INTEGER_REPLY_UNPACK(data)
