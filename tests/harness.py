@@ -94,6 +94,15 @@ def _thread_state(pid: int, tid: int) -> str:
         return stat.read().rpartition(")")[2].split()[0]
 
 
+def _receive_exactly(sock: socket.socket, size: int) -> None:
+    got = 0
+    while got < size:
+        chunk = sock.recv(size - got)
+        if not chunk:
+            raise ConnectionResetError("the caller closed the connection")
+        got += len(chunk)
+
+
 @contextmanager
 def answered_while_asleep(sock: socket.socket, request_size: int, reply: bytes,
                           answered_first: Sequence[tuple[int, bytes]] = ()) -> Iterator[None]:
@@ -102,8 +111,8 @@ def answered_while_asleep(sock: socket.socket, request_size: int, reply: bytes,
     It answers the ``answered_first`` exchanges (request size, reply) at once. Then, once the caller
     is asleep, it reads ``request_size`` bytes; waits a little, room for the caller to be woken by
     that read; and once the caller is asleep again, sends ``reply``. Being another process, it
-    competes with the caller for no GIL (a wait for the GIL is a sleep too). On the way out it is
-    waited for, after a kill if the body raised; it gives up by itself after 10 s of no progress.
+    competes with the caller for no GIL (a wait for the GIL is a sleep too). Each of its steps gives
+    up after 10 s; on the way out it is killed if the body raised, else waited for at most 15 s.
     """
     parent, tid = os.getpid(), threading.get_native_id()
 
@@ -117,10 +126,10 @@ def answered_while_asleep(sock: socket.socket, request_size: int, reply: bytes,
         try:
             sock.settimeout(10)
             for size, answer in answered_first:
-                sock.recv(size, socket.MSG_WAITALL)
+                _receive_exactly(sock, size)
                 sock.sendall(answer)
             until_caller_asleep()
-            sock.recv(request_size, socket.MSG_WAITALL)
+            _receive_exactly(sock, request_size)
             time.sleep(0.05)
             until_caller_asleep()
             sock.sendall(reply)
@@ -132,7 +141,13 @@ def answered_while_asleep(sock: socket.socket, request_size: int, reply: bytes,
         os.kill(child, signal.SIGKILL)
         raise
     finally:
-        os.waitpid(child, 0)
+        deadline = time.monotonic() + 15
+        while os.waitpid(child, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(child, signal.SIGKILL)
+                os.waitpid(child, 0)
+                break
+            time.sleep(0.005)
 
 
 def free_port() -> int:

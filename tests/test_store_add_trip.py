@@ -27,7 +27,8 @@ ADD_SIZE = f.ADD_HEAD.size
 def _pair(receive_timeout: float = 10.0) -> tuple[socket.socket, socket.socket]:
     """A blocking socket pair. The client's deadlines are SO_RCVTIMEO/SO_SNDTIMEO on a blocking
     socket; here they also turn a round trip that would never end (a held GIL starving the replying
-    thread, a send nobody drains) into a failed assertion rather than a hang."""
+    thread, a send nobody drains) into a failed assertion rather than a hang (a wait in poll() has
+    ``_trip``'s guard instead)."""
     ours, theirs = socket.socketpair()
     seconds = int(receive_timeout)
     ours.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
@@ -45,12 +46,19 @@ def wait_in(request):
 
 def _trip(wait_in: str, ours: socket.socket, key: bytes, request_id: int, amount: int):
     """round_trip on ``ours``, waiting as ``wait_in`` says. For "poll", the wait is the socket's
-    SO_RCVTIMEO, which is then taken off the socket: only poll()'s own wait can end the call early."""
-    if wait_in == "recv":
-        return trip.round_trip(ours.fileno(), key, request_id, amount, None)
-    seconds, microseconds = struct.unpack("ll", ours.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16))
-    ours.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
-    return trip.round_trip(ours.fileno(), key, request_id, amount, seconds + microseconds / 1e6)
+    SO_RCVTIMEO, which is then taken off the socket: only poll()'s own wait can end the call early.
+    Should the call still be waiting 30 s on, the socket is shut down under it (it then returns or
+    raises, and the test fails) rather than leave the suite hanging."""
+    guard = threading.Timer(30, ours.shutdown, (socket.SHUT_RDWR,))
+    guard.start()
+    try:
+        if wait_in == "recv":
+            return trip.round_trip(ours.fileno(), key, request_id, amount, None)
+        seconds, microseconds = struct.unpack("ll", ours.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16))
+        ours.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
+        return trip.round_trip(ours.fileno(), key, request_id, amount, seconds + microseconds / 1e6)
+    finally:
+        guard.cancel()
 
 
 def _answer(theirs: socket.socket, frame_size: int, reply: bytes, delay: float = 0.0) -> threading.Thread:
@@ -313,19 +321,70 @@ def test_a_wait_in_poll_of_any_length_takes_the_reply(wait):
         theirs.close()
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts a thread's sleeps through Linux's /proc")
-def test_waiting_in_poll_sleeps_once_per_reply_on_a_unix_socket():
-    """On a Unix socket the kernel wakes every thread asleep on it when the peer reads what it sent;
-    waiting in poll() for bytes to read, the call is not woken by that and sleeps exactly once: from
-    its request to the reply."""
+def test_a_wait_in_poll_is_the_whole_wait_when_poll_says_readable_and_nothing_comes():
+    """An urgent (out-of-band) byte makes poll() say readable while recv() has nothing for the call.
+    Each time, the wait goes on for what is left of it, not for all of it again: with a byte every
+    0.4 s and a wait of 0.5 s, starting over would take 4 s and more."""
+    ours, theirs = _pair()
+    done = threading.Event()
+
+    def server():
+        theirs.recv(ADD_SIZE + 1, socket.MSG_WAITALL)
+        for _ in range(10):
+            try:
+                theirs.send(b"!", socket.MSG_OOB)
+            except OSError:  # this kernel's Unix sockets take no urgent data; the call then waits 0.5 s
+                return
+            if done.wait(0.4):
+                return
+
+    thread = threading.Thread(target=server, daemon=True)
+    thread.start()
+    try:
+        start = time.monotonic()
+        assert trip.round_trip(ours.fileno(), b"n", 1, 1, 0.5) is None
+        assert time.monotonic() - start < 3
+    finally:
+        done.set()
+        thread.join(10)
+        ours.close()
+        theirs.close()
+
+
+def _sleeps_of_a_round_trip(wait) -> int:
+    """How many times the calling thread slept in one round trip whose request the server (another
+    process) reads while the thread is asleep waiting for the reply."""
     ours, theirs = _pair()
     try:
         with answered_while_asleep(theirs, ADD_SIZE + 1, f.encode_integer(1, 3)):
             before = voluntary_sleeps()
-            value = trip.round_trip(ours.fileno(), b"n", 1, 1, 10.0)
+            value = trip.round_trip(ours.fileno(), b"n", 1, 1, wait)
             sleeps = voluntary_sleeps() - before
     finally:
         ours.close()
         theirs.close()
     assert value == 3
-    assert sleeps == 1
+    return sleeps
+
+
+needs_proc = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts a thread's sleeps through /proc")
+
+
+@needs_proc
+def test_waiting_in_poll_sleeps_once_per_reply_on_a_unix_socket():
+    """On a Unix socket the kernel wakes every thread asleep on it when the peer reads what it sent;
+    waiting in poll() for bytes to read, the call is not woken by that and sleeps once: from its
+    request to the reply. A wait for the GIL counts as a sleep too (pytest-xdist's worker has a
+    thread of its own), so the fewest of three round trips counts: the empty wake-up would be in
+    every one of them."""
+    assert min(_sleeps_of_a_round_trip(10.0) for _ in range(3)) == 1
+
+
+@needs_proc
+def test_waiting_in_recv_is_also_woken_when_the_server_reads_on_a_unix_socket():
+    """Why the wait is in poll() on a Unix socket, by the same count: asleep in recv(), the call is
+    woken when the server reads its request, and sleeps again."""
+    sleeps = [_sleeps_of_a_round_trip(None) for _ in range(3)]
+    if max(sleeps) < 2:
+        pytest.skip("this kernel does not wake a reader asleep in recv() when the peer reads what it sent")
+    assert min(sleeps) == 2

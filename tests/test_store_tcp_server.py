@@ -479,24 +479,31 @@ def test_add_waits_for_its_reply_as_long_as_the_timeout_set_last(add_trip, set_b
 def test_on_a_unix_socket_a_request_sleeps_once_for_its_reply(call):
     """On the server's Unix socket (a socket pair here) the client waits for replies in poll(): a
     request sleeps once, until its reply, and is not woken a second time when the server reads it
-    (see client.py). The first add() takes the general path, and primes the next one's shortcut."""
+    (see client.py). The first add() takes the general path, and primes the next ones' shortcut. A
+    wait for the GIL is a sleep too (pytest-xdist's worker has a thread of its own): the fewest of
+    three requests counts."""
     client, theirs = _client_on_a_socketpair("python" if call == "add-python" else "c")
     add_frame_size = len(f.encode_add(1, b"n", 1))
-    if call == "get":
-        request_size, reply, expected = len(f.encode_get(2, b"k", 5000)), f.encode(f.Value(2, b"v")), b"v"
-    else:
-        request_size, reply, expected = add_frame_size, f.encode_integer(2, 7), 7
+    sleeps = []
     try:
-        with answered_while_asleep(theirs, request_size, reply, [(add_frame_size, f.encode_integer(1, 1))]):
-            assert client.add(b"n", 1) == 1
-            before = voluntary_sleeps()
-            value = client.get("k", 5.0) if call == "get" else client.add(b"n", 1)
-            sleeps = voluntary_sleeps() - before
+        for request_id in (2, 3, 4):
+            if call == "get":
+                request_size, reply, expected = (len(f.encode_get(request_id, b"k", 5000)),
+                                                 f.encode(f.Value(request_id, b"v")), b"v")
+            else:
+                request_size, reply, expected = add_frame_size, f.encode_integer(request_id, 7), 7
+            first = [(add_frame_size, f.encode_integer(1, 1))] if request_id == 2 else []
+            with answered_while_asleep(theirs, request_size, reply, first):
+                if first:
+                    assert client.add(b"n", 1) == 1
+                before = voluntary_sleeps()
+                value = client.get("k", 5.0) if call == "get" else client.add(b"n", 1)
+                sleeps.append(voluntary_sleeps() - before)
+            assert value == expected
     finally:
         client.close()
         theirs.close()
-    assert value == expected
-    assert sleeps == 1
+    assert min(sleeps) == 1
 
 
 def test_server_side_timeout_answer_keeps_the_stream_in_sync(server):

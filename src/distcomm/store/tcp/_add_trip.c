@@ -19,12 +19,13 @@
  * that is already under way is raised once the whole frame is out.
  *
  * How it waits for the reply: with ``wait`` None, asleep in recv(), until the socket's SO_RCVTIMEO
- * (a TCP socket); with ``wait`` a number of seconds, asleep in poll() for the reply's first bytes
- * that long, then recv() (a Unix socket). On a Unix stream socket a reader asleep in recv() is
- * also woken each time the server reads what this socket sent (the kernel's write-space wake-up
- * wakes every sleeper on the socket), so every request would cost the client a second, empty
- * wake-up; poll() is woken only for what it waits for. On TCP that wake-up does not happen, and
- * poll() would be one system call more.
+ * (a TCP socket); with ``wait`` a number of seconds, asleep in poll() for at most that long in all
+ * for the reply's first bytes, receiving without waiting whenever poll() says there are some (a
+ * Unix socket). On a Unix stream socket a reader asleep in recv() is also woken each time the
+ * server reads what this socket sent (the kernel's write-space wake-up wakes every sleeper on the
+ * socket), so every request would cost the client a second, empty wake-up; poll() is woken only
+ * for what it waits for. On TCP that wake-up does not happen, and poll() would be one system call
+ * more.
  *
  * The layout (little-endian, packed): request  u64 length, u8 opcode, u32 request_id, i64 amount,
  * key; reply  u64 length, u8 opcode, u32 request_id, i64 value. The module's ADD_OPCODE,
@@ -113,13 +114,14 @@ static double monotonic_seconds(void) {
     return (double)now.tv_sec + (double)now.tv_nsec * 1e-9;
 }
 
-/* Wait in poll() until fd has something to read (bytes, the end of the stream, an error), for at
- * most ``seconds`` (any number of them: poll() takes at most INT_MAX milliseconds at a time). 1 when
- * it has, 0 when the time passed, -1 with an exception set when a signal handler raised. */
-static int wait_readable(int fd, double seconds) {
-    double deadline = monotonic_seconds() + seconds;
-    double left = seconds;
+/* Wait in poll() until fd has something to read (bytes, the end of the stream, an error) or the
+ * monotonic clock reaches ``deadline`` (any distance away: poll() takes at most INT_MAX
+ * milliseconds at a time). 1 when it has, 0 when the deadline passed, -1 with an exception set when
+ * poll() failed or a signal handler raised. */
+static int wait_readable(int fd, double deadline) {
     for (;;) {
+        double left = deadline - monotonic_seconds();
+        if (left < 0) left = 0;
         double milliseconds = ceil(left * 1000.0);
         struct pollfd readable = {.fd = fd, .events = POLLIN};
         int ready;
@@ -133,9 +135,9 @@ static int wait_readable(int fd, double seconds) {
                 return -1;
             }
             if (PyErr_CheckSignals() < 0) return -1;
+        } else if (left == 0) {
+            return 0;
         }
-        left = deadline - monotonic_seconds();
-        if (left <= 0) return 0;
     }
 }
 
@@ -191,9 +193,10 @@ static PyObject *round_trip(PyObject *module, PyObject *const *args, Py_ssize_t 
 
     unsigned char reply[HEAD_SIZE];
     ssize_t got;
+    double deadline = in_poll ? monotonic_seconds() + wait : 0.0; /* inf stays inf */
     for (;;) {
         if (in_poll) {
-            int ready = wait_readable((int)fd, wait);
+            int ready = wait_readable((int)fd, deadline);
             if (ready < 0) return NULL;
             if (ready == 0) Py_RETURN_NONE; /* the request is out */
         }
@@ -202,7 +205,7 @@ static PyObject *round_trip(PyObject *module, PyObject *const *args, Py_ssize_t 
         Py_END_ALLOW_THREADS
         if (got >= 0) break;
         if (errno == EAGAIN || errno == EWOULDBLOCK) {
-            if (in_poll) continue; /* readable, and then not: wait again */
+            if (in_poll) continue; /* readable, and then nothing to receive: wait the rest */
             Py_RETURN_NONE;        /* SO_RCVTIMEO: the request is out */
         }
         if (errno != EINTR) return PyErr_SetFromErrno(PyExc_OSError);

@@ -12,10 +12,11 @@ Python's socket timeouts would add a poll() before every recv. Except on the ser
 there a reader asleep in recv() is also woken whenever the server reads what the client sent (the
 kernel wakes every sleeper on a Unix socket when its send buffer frees), an empty wake-up per
 request that costs more than it saves, so the client waits for replies in poll() (``_readable``),
-which wakes only for bytes to read. A blocking request sends its timeout to the server, which
-answers TIMED_OUT itself; the client waits that long plus a grace period, and if even then nothing
-came it gives up on its own — the late answer, carrying an old request id, is dropped when it
-arrives, so the connection stays usable.
+which wakes only for what it waits for (bytes to read, the end of the stream, an error).
+
+A blocking request sends its timeout to the server, which answers TIMED_OUT itself; the client
+waits that long plus a grace period, and if even then nothing came it gives up on its own — the
+late answer, carrying an old request id, is dropped when it arrives, so the connection stays usable.
 
 Which server: a connection starts with torch_wire.PROBE (torch's VALIDATE and a PING). torch's
 servers echo the PING at once, distcomm's answers PROBE_ANSWER and then takes the hello: one round
@@ -84,14 +85,16 @@ def reply_grace(timeout: float) -> float:
 
 def _readable(poller, wait: float) -> bool:
     """Whether the socket ``poller`` polls for POLLIN has something to read (bytes, the end of the
-    stream, an error) within ``wait`` seconds."""
-    ready = poller.poll(min(math.ceil(wait * 1000), _MAX_POLL_MS))
-    if ready or wait * 1000 <= _MAX_POLL_MS:
-        return bool(ready)
-    deadline = time.monotonic() + wait - _MAX_POLL_MS / 1000
-    while not ready and time.monotonic() < deadline:
-        ready = poller.poll(min(math.ceil((deadline - time.monotonic()) * 1000), _MAX_POLL_MS))
-    return bool(ready)
+    stream, an error) within ``wait`` seconds (a negative one is 0)."""
+    if poller.poll(min(math.ceil(max(wait, 0.0) * 1000), _MAX_POLL_MS)):
+        return True
+    if wait * 1000 <= _MAX_POLL_MS:
+        return False
+    deadline = time.monotonic() + wait - _MAX_POLL_MS / 1000  # poll() waits 24.8 days at most at a time
+    while (left := deadline - time.monotonic()) > 0:
+        if poller.poll(min(math.ceil(left * 1000), _MAX_POLL_MS)):
+            return True
+    return False
 
 
 def _address(address: tuple) -> str:
