@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from distcomm.bench import collectives, measure, report
@@ -98,7 +99,7 @@ def test_compare_torch_and_mpi_prints_three_engines_with_two_speedups(tmp_path):
     md, out = tmp_path / "bench.md", tmp_path / "bench.json"
     result = _bench("--world", "2", "-b", "8", "-e", "64", "-f", "8", "--timeout", "60", "--iters", "1",
                     "--warmup", "0", "--ops", "all", "--compare", "torch,mpi", "--markdown", str(md),
-                    "--json", str(out), timeout=240)
+                    "--json", str(out), "--fresh-inputs", timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "distcomm/gloo" in result.stdout and "torch/gloo" in result.stdout and "mpi/mpich" in result.stdout
     rows = _rows(result.stdout)
@@ -116,6 +117,44 @@ def test_compare_torch_and_mpi_prints_three_engines_with_two_speedups(tmp_path):
     table_rows = [line for line in md.read_text().splitlines() if line.startswith("| ") and "time" not in line]
     assert len(table_rows) == len(rows)
     assert "speedup vs torch/gloo" in md.read_text() and "speedup vs mpi/mpich" in md.read_text()
+    assert json.loads(out.read_text())["meta"]["fresh_inputs"]
+    assert "every input's cache lines written before each iteration" in result.stdout
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_fresh_inputs_write_every_cache_line_of_every_input_and_change_no_value(kind):
+    if kind == "torch":
+        pytest.importorskip("torch")
+    t = measure.Tensors(kind, "float32")
+    inputs = [t.empty(1000), t.empty(17)]  # 4000 bytes: 63 lines; 68 bytes: 2
+    outputs = t.empty(1000)
+    ran = []
+    run, check, refresh = measure.case(t, lambda: ran.append(1),
+                                       [(inputs[0], lambda: t.ramp(1000, add=1)), (inputs[1], lambda: t.ramp(17))],
+                                       outputs, lambda: np.zeros(1000))
+    assert check() == 0 and ran == [1]
+    lines = [t.cache_lines(buf) for buf in inputs]
+    assert [len(view) for view in lines] == [63, 2] and all(view.strides == (64,) for view in lines)
+    before = [np.array(buf, copy=True) for buf in inputs]
+    refresh()
+    assert all(np.array_equal(np.asarray(buf), old) for buf, old in zip(inputs, before))
+    assert ran == [1]  # refreshing runs no op
+    if kind == "numpy":  # and it writes: a read-only input refuses it
+        frozen = t.empty(100)
+        frozen.flags.writeable = False
+        with pytest.raises(ValueError, match="read-only"):
+            measure.case(t, lambda: None, [(frozen, lambda: t.ramp(100))])[2]()
+
+
+def test_timed_calls_before_ahead_of_every_iteration_untimed():
+    calls = []
+    times = measure.timed(lambda: calls.append("barrier"), lambda: calls.append("run"), 3,
+                          before=lambda: calls.append("before"))
+    assert calls == ["barrier"] + ["before", "run"] * 3 and len(times) == 3
+    calls.clear()
+    measure.timed(lambda: calls.append("barrier"), lambda: calls.append("run"), 2, sync_each=True,
+                  before=lambda: calls.append("before"))
+    assert calls == ["barrier"] + ["before", "barrier", "run"] * 2
 
 
 def test_compare_refuses_unknown_engines_and_mpi_dtypes(capsys):

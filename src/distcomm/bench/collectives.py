@@ -33,7 +33,11 @@ and tells the other ranks through the store, so every engine gets the same time 
 fast it is, and the default run at world 2 takes a couple of minutes. Iterations are not separated
 by barriers (as in nccl-tests): an op whose data flows one way (broadcast, reduce) may overlap the
 next iteration, so its time is a per-op throughput rather than an isolated latency; ``--sync-each``
-puts an untimed barrier before every iteration to measure that latency instead. Sizes are whole
+puts an untimed barrier before every iteration to measure that latency instead. The inputs do not
+change between iterations either, so a library that reads a peer's input in place finds it in its
+own cache from the second iteration on; ``--fresh-inputs`` has every rank write each cache line of
+its inputs (the values unchanged) before every iteration, untimed, as a training step would have
+written them since the last call. Sizes are whole
 buffers, as in nccl-tests: the all_gather output, the reduce_scatter and all_to_all input; they are
 rounded down to a multiple of the world size (at least one element per rank) for those ops, and a
 size that rounds to the previous one is skipped.
@@ -204,7 +208,7 @@ def rank_main(rank: int, send: Callable, job: dict) -> None:
     tensors = Tensors(job["tensor"], job["dtype"])
     for index, entry in enumerate(job["plan"]):
         send(("start", index))
-        run, check = CASES[entry["op"]](d, tensors, entry["count"], rank, n)
+        run, check, refresh = CASES[entry["op"]](d, tensors, entry["count"], rank, n)
         wrong = check()
 
         def share(counts: str | None, key=f"distcomm-bench/counts/{index}") -> str:
@@ -213,9 +217,10 @@ def rank_main(rank: int, send: Callable, job: dict) -> None:
             return store.get(key).decode()
 
         warmup, iters = warm_up(run, entry, rank, share, job["budget"])
-        times = timed(d.barrier, run, iters, job.get("sync_each", False))
+        times = timed(d.barrier, run, iters, job.get("sync_each", False),
+                      refresh if job.get("fresh_inputs") else None)
         send(("row", index, rank_stats(times, wrong, warmup, iters)))
-        del run, check
+        del run, check, refresh
     d.destroy_process_group()
 
 
@@ -350,6 +355,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sync-each", action="store_true",
                         help="untimed barrier before every timed iteration: one-way ops (broadcast, reduce) then report "
                              "an isolated latency instead of a back-to-back throughput")
+    parser.add_argument("--fresh-inputs", action="store_true",
+                        help="every rank writes each cache line of its inputs (values unchanged) before every timed "
+                             "iteration, untimed: a peer that reads them then finds them changed, as after a training "
+                             "step, not in its own cache from the iteration before")
     parser.add_argument("--stat", choices=("median", "mean"), default="median",
                         help="per-rank statistic of the iteration times; the row reports its maximum over ranks (default median)")
     parser.add_argument("--plot", metavar="FILE.png", help="draw latency and busbw against size (needs matplotlib)")
@@ -431,8 +440,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{report.format_bytes(args.min_bytes)} .. {report.format_bytes(args.max_bytes)}")
     print(f"# machine: {report.machine_line(info)}")
     barrier = "a barrier before every iteration" if args.sync_each else "a barrier before timing"
+    buffers = "same buffers, every input's cache lines written before each iteration" if args.fresh_inputs \
+        else "same buffers"
     print(f"# time: the slowest rank's {args.stat} over timed iterations (per-iteration perf_counter, "
-          f"{barrier}, same buffers); busbw: nccl-tests factors; #wrong: checked every row")
+          f"{barrier}, {buffers}); busbw: nccl-tests factors; #wrong: checked every row")
     inherited = {k: v for k, v in os.environ.items() if k.startswith("DISTCOMM_")}  # tuning knobs the ranks inherit
     for library, label, backend, kind, extra in engines:
         if library == "mpi":
@@ -469,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
 
             job = {"library": library, "backend": backend, "world": args.world, "dtype": args.dtype,
                    "tensor": kind, "plan": plan, "timeout": args.timeout, "budget": args.budget, "env": extra,
-                   "sync_each": args.sync_each}
+                   "sync_each": args.sync_each, "fresh_inputs": args.fresh_inputs}
             try:
                 if library == "mpi":
                     from .mpi_world import run_mpi
@@ -504,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# FAILED {failure.splitlines()[0]}")
 
     meta = {"world_size": args.world, "backend": args.backend, "dtype": args.dtype, "stat": args.stat,
-            "tensor": args.tensor, "sync_each": args.sync_each, "repeat": args.repeat, "algo_env": env, "distcomm_env": inherited, "machine": info, "engines": labels,
+            "tensor": args.tensor, "sync_each": args.sync_each, "fresh_inputs": args.fresh_inputs, "repeat": args.repeat, "algo_env": env, "distcomm_env": inherited, "machine": info, "engines": labels,
             "argv": sys.argv[1:] if argv is None else list(argv)}
     if args.json:
         report.write_json(args.json, meta, runs)

@@ -30,6 +30,9 @@ def auto_counts(seconds_per_op: float, budget: float) -> tuple[int, int]:
             min(MAX_ITERS, max(MIN_ITERS, round(budget / per_op))))
 
 
+CACHE_LINE = 64  # bytes; what --fresh-inputs writes one byte of
+
+
 class Tensors:
     """Allocate, fill and check buffers of one kind: numpy arrays or torch tensors of one dtype.
 
@@ -70,6 +73,11 @@ class Tensors:
         else:
             buf[...] = values
 
+    def cache_lines(self, buf) -> np.ndarray:
+        """The first byte of every 64-byte cache line of ``buf`` (contiguous), as a uint8 view."""
+        raw = buf.view(self.torch.uint8).numpy() if self.torch is not None else buf.reshape(-1).view(np.uint8)
+        return raw[::CACHE_LINE]
+
     def wrong(self, buf, expected: np.ndarray) -> int:
         """How many elements of ``buf`` differ from ``expected``."""
         if self.torch is not None:
@@ -77,15 +85,17 @@ class Tensors:
         return int(np.count_nonzero(buf != expected))
 
 
-# Each case returns (run, check): ``run()`` does the op once on the row's buffers; ``check()`` fills
-# the inputs with the pattern, runs once, and returns the number of wrong elements on this rank.
+# Each case returns (run, check, refresh): ``run()`` does the op once on the row's buffers; ``check()``
+# fills the inputs with the pattern, runs once, and returns the number of wrong elements on this
+# rank; ``refresh()`` writes every cache line of the inputs, their values unchanged (--fresh-inputs).
 # Buffers start zeroed, so an output the op failed to write is wrong. Rank r's input is
 # ramp(add=r+1), so a SUM over n ranks is ramp(add=n(n+1)/2, scale=n).
 
 
 def case(t: Tensors, run: Callable[[], None], fills: list, out=None, expected: Callable | None = None):
-    """(run, check) from the input buffers and their ``values()``, the output buffer (or a list of
-    equal output buffers, checked against consecutive blocks of ``expected()``) and ``expected()``."""
+    """(run, check, refresh) from the input buffers and their ``values()``, the output buffer (or a
+    list of equal output buffers, checked against consecutive blocks of ``expected()``) and
+    ``expected()``."""
     def check() -> int:
         for buf, values in fills:
             t.fill(buf, values())
@@ -98,7 +108,15 @@ def case(t: Tensors, run: Callable[[], None], fills: list, out=None, expected: C
             return sum(t.wrong(o, want[i * block:(i + 1) * block]) for i, o in enumerate(out))
         return t.wrong(out, expected())
 
-    return run, check
+    lines = [t.cache_lines(buf) for buf, _ in fills]
+
+    def refresh() -> None:
+        # a store makes the line this process's own (modified) even when it writes the same value:
+        # a peer then reads the input from this process's cache, as it would after a training step
+        for view in lines:
+            np.add(view, 0, out=view)
+
+    return run, check, refresh
 
 
 def sum_of_ramps(t: Tensors, count: int, n: int, offset: int = 0) -> np.ndarray:
@@ -135,15 +153,19 @@ def warm_up(run: Callable[[], None], entry: dict, rank: int, share: Callable[[st
     return max(warmup, done), iters
 
 
-def timed(barrier: Callable[[], None], run: Callable[[], None], iters: int, sync_each: bool = False) -> np.ndarray:
+def timed(barrier: Callable[[], None], run: Callable[[], None], iters: int, sync_each: bool = False,
+          before: Callable[[], None] | None = None) -> np.ndarray:
     """Seconds per iteration: a barrier so every rank starts together, then each iteration timed alone.
 
     ``sync_each``: an untimed barrier before every iteration too, so no iteration overlaps the next.
+    ``before``: called, untimed, before every iteration (before its barrier, with ``sync_each``).
     """
     barrier()
     times = np.empty(iters)
     clock = time.perf_counter
     for k in range(iters):
+        if before is not None:
+            before()
         if sync_each:
             barrier()
         start = clock()

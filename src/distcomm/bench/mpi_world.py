@@ -65,7 +65,7 @@ def version() -> str:
 
 
 def cases(comm, MPI, t, count: int, rank: int, n: int) -> dict[str, Callable]:
-    """op -> a thunk returning (run, check) for this row, with the patterns of collectives.CASES."""
+    """op -> a thunk returning (run, check, refresh) for this row, with the patterns of collectives.CASES."""
     chunk = count // n if n else 0
 
     def all_reduce():
@@ -128,14 +128,15 @@ def rank_main(job: dict) -> None:
     rank, n = comm.Get_rank(), comm.Get_size()
     tensors = Tensors("numpy", job["dtype"])
     for index, entry in enumerate(job["plan"]):
-        run, check = cases(comm, MPI, tensors, entry["count"], rank, n)[entry["op"]]()
+        run, check, refresh = cases(comm, MPI, tensors, entry["count"], rank, n)[entry["op"]]()
         wrong = check()
         warmup, iters = warm_up(run, entry, rank, partial(comm.bcast, root=0), job["budget"])
-        times = timed(comm.Barrier, run, iters, job.get("sync_each", False))
+        times = timed(comm.Barrier, run, iters, job.get("sync_each", False),
+                      refresh if job.get("fresh_inputs") else None)
         stats = comm.gather(rank_stats(times, wrong, warmup, iters), root=0)
         if rank == 0:
             print(_LINE + json.dumps({"index": index, "ranks": stats}), flush=True)
-        del run, check
+        del run, check, refresh
 
 
 # --- the parent ----------------------------------------------------------------------------------------------
