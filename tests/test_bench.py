@@ -146,15 +146,13 @@ def test_fresh_inputs_write_every_cache_line_of_every_input_and_change_no_value(
             measure.case(t, lambda: None, [(frozen, lambda: t.ramp(100))])[2]()
 
 
-def test_timed_calls_before_ahead_of_every_iteration_untimed():
+@pytest.mark.parametrize("sync_each", [False, True])
+def test_timed_calls_before_and_a_barrier_ahead_of_every_iteration(sync_each):
+    """The barrier after ``before``: a peer waiting for this rank's data would otherwise time it."""
     calls = []
-    times = measure.timed(lambda: calls.append("barrier"), lambda: calls.append("run"), 3,
+    times = measure.timed(lambda: calls.append("barrier"), lambda: calls.append("run"), 3, sync_each=sync_each,
                           before=lambda: calls.append("before"))
-    assert calls == ["barrier"] + ["before", "run"] * 3 and len(times) == 3
-    calls.clear()
-    measure.timed(lambda: calls.append("barrier"), lambda: calls.append("run"), 2, sync_each=True,
-                  before=lambda: calls.append("before"))
-    assert calls == ["barrier"] + ["before", "barrier", "run"] * 2
+    assert calls == ["barrier"] + ["before", "barrier", "run"] * 3 and len(times) == 3
 
 
 def test_compare_refuses_unknown_engines_and_mpi_dtypes(capsys):

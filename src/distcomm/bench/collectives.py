@@ -37,7 +37,8 @@ puts an untimed barrier before every iteration to measure that latency instead. 
 change between iterations either, so a library that reads a peer's input in place finds it in its
 own cache from the second iteration on; ``--fresh-inputs`` has every rank write each cache line of
 its inputs (the values unchanged) before every iteration, untimed, as a training step would have
-written them since the last call. Sizes are whole
+written them since the last call, and then an untimed barrier (a peer waiting for a rank's data
+would otherwise time that rank's writes): it implies ``--sync-each``. Sizes are whole
 buffers, as in nccl-tests: the all_gather output, the reduce_scatter and all_to_all input; they are
 rounded down to a multiple of the world size (at least one element per rank) for those ops, and a
 size that rounds to the previous one is skipped.
@@ -358,7 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fresh-inputs", action="store_true",
                         help="every rank writes each cache line of its inputs (values unchanged) before every timed "
                              "iteration, untimed: a peer that reads them then finds them changed, as after a training "
-                             "step, not in its own cache from the iteration before")
+                             "step, not in its own cache from the iteration before; implies --sync-each (a peer "
+                             "waiting for a rank's data would otherwise time those writes)")
     parser.add_argument("--stat", choices=("median", "mean"), default="median",
                         help="per-rank statistic of the iteration times; the row reports its maximum over ranks (default median)")
     parser.add_argument("--plot", metavar="FILE.png", help="draw latency and busbw against size (needs matplotlib)")
@@ -439,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# distcomm-bench: world {args.world}, {args.dtype}, ops {','.join(args.ops)}, "
           f"{report.format_bytes(args.min_bytes)} .. {report.format_bytes(args.max_bytes)}")
     print(f"# machine: {report.machine_line(info)}")
-    barrier = "a barrier before every iteration" if args.sync_each else "a barrier before timing"
+    barrier = "a barrier before every iteration" if args.sync_each or args.fresh_inputs else "a barrier before timing"
     buffers = "same buffers, every input's cache lines written before each iteration" if args.fresh_inputs \
         else "same buffers"
     print(f"# time: the slowest rank's {args.stat} over timed iterations (per-iteration perf_counter, "

@@ -158,7 +158,8 @@ def timed(barrier: Callable[[], None], run: Callable[[], None], iters: int, sync
     """Seconds per iteration: a barrier so every rank starts together, then each iteration timed alone.
 
     ``sync_each``: an untimed barrier before every iteration too, so no iteration overlaps the next.
-    ``before``: called, untimed, before every iteration (before its barrier, with ``sync_each``).
+    ``before``: called, untimed, before every iteration, and then that barrier too: a peer waiting
+    for this rank's data would otherwise time what ``before`` did.
     """
     barrier()
     times = np.empty(iters)
@@ -166,7 +167,7 @@ def timed(barrier: Callable[[], None], run: Callable[[], None], iters: int, sync
     for k in range(iters):
         if before is not None:
             before()
-        if sync_each:
+        if sync_each or before is not None:
             barrier()
         start = clock()
         run()
