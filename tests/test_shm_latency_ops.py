@@ -51,9 +51,9 @@ def _reference(pg, op: str, fn, *args):
     pg.run(op, signature(op), lambda ch: fn(ch, *args))
 
 
-def _cases(world: int):
+def _cases(world: int, counts=COUNTS):
     """(op, dtype, count, root, reduce op name) for every call the body makes."""
-    for count in COUNTS:
+    for count in counts:
         for dtype in ("float32", "int64"):
             for root in sorted({0, world - 1}):
                 yield "broadcast", dtype, count, root, None
@@ -179,7 +179,7 @@ def _path_name(op: str) -> str:
     return "latency_" + op
 
 
-def results_body(rank, world, use_torch):
+def results_body(rank, world, use_torch, counts=COUNTS):
     import numpy as np
 
     import distcomm as dist
@@ -196,7 +196,7 @@ def results_body(rank, world, use_torch):
     taken = _observe()
     failures = []
     expected_taken = []
-    for salt, case in enumerate(_cases(world)):
+    for salt, case in enumerate(_cases(world, counts)):
         for mode in ("sync", "async"):
             got, ref = _run_case(dist, np, pg, make, case, salt, rank, world, mode)
             if got != ref:
@@ -219,6 +219,19 @@ def test_latency_paths_match_reference_and_general_path(world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_latency_paths_with_torch_tensors(world):
     run_world(results_body, world, args=(True,), timeout=300)
+
+
+# around the size from which the C round writes a slot with streaming stores (_shm_round.c's
+# STREAM_FROM, 32 KiB): just under it, at it, and past it by a piece of a line (float32; int64's
+# twice as large), where each write ends in a tail and starts, past rank 0's block, off a 16-byte
+# boundary
+STREAMED = (8191, 8192, 8193, 12289)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_latency_paths_with_writes_past_the_streaming_size(world):
+    run_world(results_body, world, args=(False, STREAMED), timeout=400)
 
 
 def kept_plans_body(rank, world):

@@ -48,6 +48,49 @@ static unsigned long long completed;
 static inline uint64_t load(uint64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 static inline void store(uint64_t *p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 
+/* Writes into this member's slot: with streaming (non-temporal) stores when ``stream``. The slot's
+ * lines were last read by the peers, so an ordinary store must first take each line back from their
+ * caches, and when the ranks' CPUs share no cache that costs several times the copy itself (a
+ * 64 KiB world-2 broadcast: 33 µs with memcpy, 7 with streaming stores; docs/performance-notes.md,
+ * session 22). A streaming store invalidates the other copies without reading them and writes to
+ * memory, where the peers' reads find it. shm_move streams a round's writes from STREAM_FROM bytes
+ * in all, unless this member reads its own slot back in the same round (a reduce's root): that read
+ * would then come from memory instead of its own cache. Streaming stores are weakly ordered: the
+ * caller fences (slot_fence) before it posts. */
+#define STREAM_FROM (32 * 1024)
+#if defined(__x86_64__)
+#include <emmintrin.h>
+
+static void copy_to_slot(char *dst, const char *src, size_t n, int stream) {
+    if (!stream || n < 64) {
+        memcpy(dst, src, n);
+        return;
+    }
+    size_t head = (size_t)(-(uintptr_t)dst & 15); /* to the first 16-byte boundary */
+    memcpy(dst, src, head);
+    dst += head, src += head, n -= head;
+    size_t body = n & ~(size_t)63;
+    for (size_t i = 0; i < body; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(src + i)), b = _mm_loadu_si128((const __m128i *)(src + i + 16)),
+                c = _mm_loadu_si128((const __m128i *)(src + i + 32)), d = _mm_loadu_si128((const __m128i *)(src + i + 48));
+        _mm_stream_si128((__m128i *)(dst + i), a);
+        _mm_stream_si128((__m128i *)(dst + i + 16), b);
+        _mm_stream_si128((__m128i *)(dst + i + 32), c);
+        _mm_stream_si128((__m128i *)(dst + i + 48), d);
+    }
+    memcpy(dst + body, src + body, n - body);
+}
+
+static void slot_fence(void) { _mm_sfence(); }
+#else
+static void copy_to_slot(char *dst, const char *src, size_t n, int stream) {
+    (void)stream;
+    memcpy(dst, src, n);
+}
+
+static void slot_fence(void) {}
+#endif
+
 static int64_t now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -344,8 +387,14 @@ int shm_move(Rounds *r, uint64_t k, uint64_t seq, uint64_t sig, uint64_t nbytes,
              Py_ssize_t ne, int defer) {
     int s = (int)(k % (uint64_t)r->nslots), me = r->rank;
     char *mine = r->slot[me * r->nslots + s];
+    size_t written = 0;
+    int reads_own = 0;
+    for (Py_ssize_t i = 0; i < nw; i++) written += (size_t)w[i].n;
+    for (Py_ssize_t i = 0; i < nr; i++) reads_own |= rd[i].peer == me;
+    int stream = written >= STREAM_FROM && !reads_own;
     for (Py_ssize_t i = 0; i < nw; i++)
-        if (w[i].n) memcpy(mine + w[i].slot_off, w[i].src, (size_t)w[i].n);
+        if (w[i].n) copy_to_slot(mine + w[i].slot_off, w[i].src, (size_t)w[i].n, stream);
+    if (stream) slot_fence(); /* the writes are in memory before the post says so */
     uint64_t from = 0, everyone = 0;
     if (defer && ne == 0 && r->size <= 64 && r->hist_len > r->nslots + 2) {
         for (Py_ssize_t i = 0; i < nr; i++)
