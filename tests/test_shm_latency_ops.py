@@ -223,8 +223,8 @@ def test_latency_paths_with_torch_tensors(world):
 
 # around the size from which the C round writes a slot with streaming stores (_shm_round.c's
 # STREAM_FROM, 32 KiB): just under it, at it, and past it by a piece of a line (float32; int64's
-# twice as large), where each write ends in a tail and starts, past rank 0's block, off a 16-byte
-# boundary
+# twice as large), where writes end in a tail (and a world-3 float32 reduce_scatter's start off a
+# cache line)
 STREAMED = (8191, 8192, 8193, 12289)
 
 
@@ -232,6 +232,87 @@ STREAMED = (8191, 8192, 8193, 12289)
 @pytest.mark.parametrize("world", [2, 3])
 def test_latency_paths_with_writes_past_the_streaming_size(world):
     run_world(results_body, world, args=(False, STREAMED), timeout=400)
+
+
+def streamed_body(rank, world):
+    """Which ranks stream their writes into the slot (shm_group.rounds_streamed_in_c), call by call,
+    and the results: the senders of broadcast, scatter and gather, every rank of all_gather and of an
+    even all_to_all_single, a reduce's non-roots but not its root (it reads its own slot back), and
+    of the direct all_reduce the first rank only (the others read their own slot back)."""
+    import numpy as np
+
+    import distcomm as dist
+    from distcomm.transport.shm_group import rounds_streamed_in_c
+
+    dist.init_process_group(None)
+    dist.all_reduce(np.ones(1))
+    n = 12289  # float32: 48 KiB per rank
+
+    def data(salt, q=rank):
+        return np.random.default_rng(1000 * salt + q).standard_normal(n).astype(np.float32)
+
+    def total(salt):
+        acc = data(salt, 0)
+        for q in range(1, world):
+            acc = acc + data(salt, q)
+        return acc
+
+    deltas, failures = [], []
+
+    def streamed(call):
+        before = rounds_streamed_in_c()
+        call()
+        deltas.append(rounds_streamed_in_c() - before)
+
+    def expect(what, got, want):
+        if not np.array_equal(got, want):
+            failures.append(what)
+
+    buf = data(1)
+    streamed(lambda: dist.broadcast(buf, 0))
+    expect("broadcast", buf, data(1, 0))
+    buf = data(2)
+    streamed(lambda: dist.reduce(buf, 0))
+    if rank == 0:
+        expect("reduce", buf, total(2))
+    outs = [np.zeros(n, np.float32) for _ in range(world)]
+    streamed(lambda: dist.all_gather(outs, data(3)))
+    for q in range(world):
+        expect(f"all_gather {q}", outs[q], data(3, q))
+    inp = np.concatenate([data(4) + 10 * q for q in range(world)])
+    out = np.zeros(world * n, np.float32)
+    streamed(lambda: dist.all_to_all_single(out, inp))
+    expect("all_to_all_single", out, np.concatenate([data(4, q) + 10 * rank for q in range(world)]))
+    gathered = [np.zeros(n, np.float32) for _ in range(world)] if rank == 0 else None
+    streamed(lambda: dist.gather(data(5), gathered, 0))
+    if rank == 0:
+        for q in range(world):
+            expect(f"gather {q}", gathered[q], data(5, q))
+    got = np.zeros(n, np.float32)
+    streamed(lambda: dist.scatter(got, [data(6, 0) + q for q in range(world)] if rank == 0 else None, 0))
+    expect("scatter", got, data(6, 0) + rank)
+    buf = data(7)
+    streamed(lambda: dist.all_reduce(buf))
+    expect("all_reduce", buf, total(7))
+
+    everyone = np.zeros((world, len(deltas)), np.int64)
+    dist.all_gather_into_tensor(everyone.reshape(-1), np.array(deltas, np.int64))
+    dist.destroy_process_group()
+    assert failures == [], failures
+    senders_but_root = [0] + [1] * (world - 1)
+    root_only = [1] + [0] * (world - 1)
+    expected = [root_only, senders_but_root, [1] * world, [1] * world, senders_but_root, root_only, root_only]
+    assert everyone.T.tolist() == expected, everyone.T.tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_rounds_that_stream_their_writes_and_their_results(world):
+    from distcomm.transport import shm_group
+
+    if shm_group.C_UNAVAILABLE is not None:
+        pytest.skip(shm_group.C_UNAVAILABLE)
+    run_world(streamed_body, world, timeout=300)
 
 
 def kept_plans_body(rank, world):

@@ -36,8 +36,9 @@
 #include <string.h>
 #include <time.h>
 
-/* rounds this process consumed in C (tests read it: completed()) */
-static unsigned long long completed;
+/* rounds this process consumed in C, and rounds whose writes it streamed (tests read them:
+ * completed(), streamed()) */
+static unsigned long long completed, streamed;
 
 #if defined(__x86_64__) || defined(__i386__)
 #define cpu_relax() __builtin_ia32_pause()
@@ -50,23 +51,25 @@ static inline void store(uint64_t *p, uint64_t v) { __atomic_store_n(p, v, __ATO
 
 /* Writes into this member's slot: with streaming (non-temporal) stores when ``stream``. The slot's
  * lines were last read by the peers, so an ordinary store must first take each line back from their
- * caches, and when the ranks' CPUs share no cache that costs several times the copy itself (a
- * 64 KiB world-2 broadcast: 33 µs with memcpy, 7 with streaming stores; docs/performance-notes.md,
- * session 22). A streaming store invalidates the other copies without reading them and writes to
- * memory, where the peers' reads find it. shm_move streams a round's writes from STREAM_FROM bytes
- * in all, unless this member reads its own slot back in the same round (a reduce's root): that read
- * would then come from memory instead of its own cache. Streaming stores are weakly ordered: the
- * caller fences (slot_fence) before it posts. */
+ * caches, and when the ranks' CPUs share no cache that costs several times the copy itself (two
+ * processes passing 64 KiB through a shared buffer in C: 33 µs a round with memcpy, 7 with
+ * streaming stores; docs/performance-notes.md, session 22). A streaming store invalidates the other
+ * copies without reading them and writes to memory, where the peers' reads find it. shm_move
+ * streams a round's writes from STREAM_FROM bytes in all, unless this member reads its own slot back
+ * in the same round (a reduce's root, the direct all_reduce's members but the first): that read
+ * would then come from memory instead of its own cache. The head up to the first cache line is
+ * copied plainly, so every streaming store fills whole lines. Streaming stores are weakly ordered:
+ * the caller fences (slot_fence) before it posts. */
 #define STREAM_FROM (32 * 1024)
 #if defined(__x86_64__)
 #include <emmintrin.h>
 
 static void copy_to_slot(char *dst, const char *src, size_t n, int stream) {
-    if (!stream || n < 64) {
+    if (!stream || n < 128) {
         memcpy(dst, src, n);
         return;
     }
-    size_t head = (size_t)(-(uintptr_t)dst & 15); /* to the first 16-byte boundary */
+    size_t head = (size_t)(-(uintptr_t)dst & 63); /* to the first cache line */
     memcpy(dst, src, head);
     dst += head, src += head, n -= head;
     size_t body = n & ~(size_t)63;
@@ -394,7 +397,10 @@ int shm_move(Rounds *r, uint64_t k, uint64_t seq, uint64_t sig, uint64_t nbytes,
     int stream = written >= STREAM_FROM && !reads_own;
     for (Py_ssize_t i = 0; i < nw; i++)
         if (w[i].n) copy_to_slot(mine + w[i].slot_off, w[i].src, (size_t)w[i].n, stream);
-    if (stream) slot_fence(); /* the writes are in memory before the post says so */
+    if (stream) {
+        slot_fence(); /* the writes are in memory before the post says so */
+        streamed++;
+    }
     uint64_t from = 0, everyone = 0;
     if (defer && ne == 0 && r->size <= 64 && r->hist_len > r->nslots + 2) {
         for (Py_ssize_t i = 0; i < nr; i++)
@@ -762,6 +768,7 @@ PyTypeObject ShmRoundsType = {
 };
 
 static PyObject *completed_rounds(PyObject *self, PyObject *unused) { return PyLong_FromUnsignedLongLong(completed); }
+static PyObject *streamed_rounds(PyObject *self, PyObject *unused) { return PyLong_FromUnsignedLongLong(streamed); }
 
 /* address(buffer) -> the address of a C-contiguous buffer's first byte (numpy's ctypes.data costs
  * a ctypes object per call) */
@@ -775,6 +782,7 @@ static PyObject *buffer_address(PyObject *self, PyObject *obj) {
 
 static PyMethodDef module_methods[] = {
     {"completed", completed_rounds, METH_NOARGS, "completed() -> rounds this process completed in C"},
+    {"streamed", streamed_rounds, METH_NOARGS, "streamed() -> rounds whose slot writes this process streamed"},
     {"address", buffer_address, METH_O, "address(buffer) -> the address of a C-contiguous buffer's first byte"},
     {NULL}};
 

@@ -73,6 +73,12 @@ def rounds_consumed_in_c() -> int:
     """How many rounds this process has consumed through the C steps (0 where they are not built)."""
     return 0 if _shm_round is None else _shm_round.completed()
 
+
+def rounds_streamed_in_c() -> int:
+    """How many rounds this process has written into its slot with streaming stores (_shm_round.c's
+    copy_to_slot; 0 where the C steps are not built)."""
+    return 0 if _shm_round is None else _shm_round.streamed()
+
 MAGIC = 0x64636F6D6D677270  # "dcommgrp"
 
 # u64 indexes into a group segment's header
